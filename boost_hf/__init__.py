@@ -1,0 +1,23 @@
+"""boost-hf: bottleneck-aware tensor parallelism (BOOST) for low-rank LLM pre-training, Hugging Face style."""
+
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+
+from .configuration_boost_llama import BoostLlamaConfig
+from .modeling_boost_llama import BoostLlamaForCausalLM, BoostLlamaModel, BoostLlamaPreTrainedModel
+from .parallel.comm_counter import CommCounter
+from .parallel.config import ParallelConfig
+
+AutoConfig.register(BoostLlamaConfig.model_type, BoostLlamaConfig, exist_ok=True)
+AutoModel.register(BoostLlamaConfig, BoostLlamaModel, exist_ok=True)
+AutoModelForCausalLM.register(BoostLlamaConfig, BoostLlamaForCausalLM, exist_ok=True)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BoostLlamaConfig",
+    "BoostLlamaModel",
+    "BoostLlamaForCausalLM",
+    "BoostLlamaPreTrainedModel",
+    "ParallelConfig",
+    "CommCounter",
+]

@@ -1,0 +1,271 @@
+"""Configuration of the boost-hf LLaMA family: full-rank LLaMA and its low-rank bottleneck variants.
+
+Every one of the 7 projections of a decoder block (q, k, v, o, gate, up, down) is either a dense
+``W (d_in -> d_out)`` (``bottleneck=None``, exactly ``transformers.LlamaForCausalLM``) or a bottleneck
+``A (d_in -> r), B (r -> d_out)``:
+
+=========  ==============================================================================
+svd        ``y = B (A x)``
+cola       ``y = B act(A x)``                                   (CoLA)
+lax        ``h = A x + G h_prev; h = LayerNorm_r(h); y = B act(h)``  (LaX latent crossing)
+=========  ==============================================================================
+
+All validation lives in :meth:`BoostLlamaConfig.validate`, called on construction.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from transformers import PretrainedConfig
+
+BOTTLENECKS = (None, "svd", "cola", "lax")
+LAX_GATES = ("dense", "kronecker", "identity")
+LAX_BASES = ("cola", "svd")
+
+# name -> (layers, hidden, heads, intermediate, rank): CoLA's table (60m..7b) and BOOST's (3b, 13b).
+PRESET_SIZES: dict[str, tuple[int, int, int, int, int]] = {
+    "60m": (8, 512, 8, 1376, 128),
+    "130m": (12, 768, 12, 2048, 256),
+    "350m": (24, 1024, 16, 2736, 256),
+    "1b": (24, 2048, 32, 5461, 512),
+    "7b": (32, 4096, 32, 11008, 1024),
+    "3b": (28, 3072, 24, 8192, 768),
+    "13b": (40, 5120, 40, 13824, 1280),
+}
+PRESET_ARCHS: dict[str, str | None] = {"llama": None, "svd": "svd", "cola": "cola", "lax": "lax"}
+
+
+class BoostLlamaConfig(PretrainedConfig):
+    r"""Configuration of :class:`~boost_hf.BoostLlamaForCausalLM`.
+
+    The LLaMA fields have the names and defaults of ``transformers.LlamaConfig``. Extra fields:
+
+    Args:
+        bottleneck: ``None`` (full-rank LLaMA), ``"svd"``, ``"cola"`` or ``"lax"``.
+        rank: bottleneck rank ``r`` of every projection; default ``hidden_size // 4``.
+        only_lr_act: CoLA: drop the SwiGLU SiLU of the MLP and keep only the latent activations
+            (``down(gate(x) * up(x))``). CoLA's 60M/130M reference configs set it to ``False``.
+        lr_act: activation applied to the r-dim latent (cola, and lax on a cola base); any
+            ``transformers.activations.ACT2FN`` name. Default ``"silu"``.
+        lax_gate: LaX crossing gate ``G`` (r x r): ``"dense"``, ``"kronecker"`` (``G = L kron R`` with
+            two factors of sizes ``a`` and ``r / a``, see ``lax_kronecker_factor``) or ``"identity"`` (no parameters, ``h + h_prev``).
+        lax_latent_norm: LaX: LayerNorm over the r-dim latent after the crossing.
+        lax_base: ``"cola"`` (activation on the latent) or ``"svd"`` (no activation).
+        lax_kronecker_factor: left factor size of the Kronecker gate; must divide ``rank``. Default: the
+            largest divisor of ``rank`` not above ``sqrt(rank)``.
+        initializer_range: std of the dense weights (embedding, LM head, full-rank projections).
+    """
+
+    model_type = "boost_llama"
+    keys_to_ignore_at_inference = ["past_key_values"]
+
+    def __init__(
+        self,
+        vocab_size: int = 32000,
+        hidden_size: int = 4096,
+        intermediate_size: int = 11008,
+        num_hidden_layers: int = 32,
+        num_attention_heads: int = 32,
+        num_key_value_heads: int | None = None,
+        head_dim: int | None = None,
+        hidden_act: str = "silu",
+        max_position_embeddings: int = 2048,
+        initializer_range: float = 0.02,
+        rms_norm_eps: float = 1e-6,
+        use_cache: bool = True,
+        pad_token_id: int | None = None,
+        bos_token_id: int | None = 1,
+        eos_token_id: int | None = 2,
+        tie_word_embeddings: bool = False,
+        rope_theta: float = 10000.0,
+        rope_parameters: dict[str, Any] | None = None,
+        attention_bias: bool = False,
+        attention_dropout: float = 0.0,
+        mlp_bias: bool = False,
+        bottleneck: str | None = None,
+        rank: int | None = None,
+        only_lr_act: bool = True,
+        lr_act: str = "silu",
+        lax_gate: str = "dense",
+        lax_latent_norm: bool = True,
+        lax_base: str = "cola",
+        lax_kronecker_factor: int | None = None,
+        **kwargs,
+    ):
+        self.vocab_size = vocab_size
+        self.hidden_size = hidden_size
+        self.intermediate_size = intermediate_size
+        self.num_hidden_layers = num_hidden_layers
+        self.num_attention_heads = num_attention_heads
+        self.num_key_value_heads = num_attention_heads if num_key_value_heads is None else num_key_value_heads
+        self.head_dim = head_dim if head_dim is not None else (hidden_size // max(num_attention_heads, 1))
+        self.hidden_act = hidden_act
+        self.max_position_embeddings = max_position_embeddings
+        self.initializer_range = initializer_range
+        self.rms_norm_eps = rms_norm_eps
+        self.use_cache = use_cache
+        self.attention_bias = attention_bias
+        self.attention_dropout = attention_dropout
+        self.mlp_bias = mlp_bias
+        if rope_parameters is None:
+            rope_parameters = {"rope_type": "default", "rope_theta": float(rope_theta)}
+        self.rope_parameters = dict(rope_parameters)
+        self.bottleneck = bottleneck
+        self.rank = rank if rank is not None else hidden_size // 4
+        self.only_lr_act = only_lr_act
+        self.lr_act = lr_act
+        self.lax_gate = lax_gate
+        self.lax_latent_norm = lax_latent_norm
+        self.lax_base = lax_base
+        self.lax_kronecker_factor = lax_kronecker_factor
+        super().__init__(
+            pad_token_id=pad_token_id,
+            bos_token_id=bos_token_id,
+            eos_token_id=eos_token_id,
+            tie_word_embeddings=tie_word_embeddings,
+            **kwargs,
+        )
+        self.validate()
+
+    # ------------------------------------------------------------------ derived sizes
+    @property
+    def rope_theta(self) -> float:
+        return float(self.rope_parameters.get("rope_theta", 10000.0))
+
+    @property
+    def q_dim(self) -> int:
+        """Width of the query projection output, ``num_attention_heads * head_dim``."""
+        return self.num_attention_heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        """Width of each of the key and value projection outputs, ``num_key_value_heads * head_dim``."""
+        return self.num_key_value_heads * self.head_dim
+
+    @property
+    def is_low_rank(self) -> bool:
+        return self.bottleneck is not None
+
+    @property
+    def latent_activation(self) -> str | None:
+        """Activation applied to the r-dim latent, or ``None`` (svd, lax on an svd base, full rank)."""
+        if self.bottleneck == "cola" or (self.bottleneck == "lax" and self.lax_base == "cola"):
+            return self.lr_act
+        return None
+
+    @property
+    def mlp_activation(self) -> str | None:
+        """Activation of the SwiGLU gate, or ``None`` when CoLA-style models drop it (``only_lr_act``)."""
+        if self.latent_activation is not None and self.only_lr_act:
+            return None
+        return self.hidden_act
+
+    @property
+    def kronecker_factors(self) -> tuple[int, int]:
+        """Sizes ``(a, b)`` with ``a * b == rank`` of the Kronecker-factored LaX gate."""
+        a = self.lax_kronecker_factor
+        if a is None:
+            a = max(k for k in range(1, int(self.rank**0.5) + 1) if self.rank % k == 0)
+        return a, self.rank // a
+
+    def projection_shapes(self) -> dict[str, tuple[int, int]]:
+        """Canonical ``(d_in, d_out)`` of the 7 projections of a block."""
+        d, f = self.hidden_size, self.intermediate_size
+        return {
+            "q_proj": (d, self.q_dim),
+            "k_proj": (d, self.kv_dim),
+            "v_proj": (d, self.kv_dim),
+            "o_proj": (self.q_dim, d),
+            "gate_proj": (d, f),
+            "up_proj": (d, f),
+            "down_proj": (f, d),
+        }
+
+    # ------------------------------------------------------------------ validation
+    def validate(self) -> None:
+        """Raise ``ValueError`` naming the field to change if the configuration is inconsistent."""
+        if self.bottleneck not in BOTTLENECKS:
+            raise ValueError(
+                f"Unknown bottleneck {self.bottleneck!r}: use one of None (full rank), 'svd', 'cola', 'lax'."
+            )
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
+            if int(getattr(self, name)) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}.")
+        if self.num_key_value_heads < 1 or self.num_attention_heads % self.num_key_value_heads != 0:
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of num_key_value_heads "
+                f"({self.num_key_value_heads}): choose num_key_value_heads among the divisors of the head count."
+            )
+        if self.hidden_size % self.num_attention_heads != 0:
+            raise ValueError(
+                f"hidden_size ({self.hidden_size}) is not divisible by num_attention_heads "
+                f"({self.num_attention_heads}): change one of them."
+            )
+        if self.head_dim < 1 or self.head_dim % 2 != 0:
+            raise ValueError(
+                f"head_dim ({self.head_dim}) must be a positive even number for rotary embeddings: "
+                f"hidden_size ({self.hidden_size}) must be divisible by num_attention_heads "
+                f"({self.num_attention_heads}) into an even head size."
+            )
+        if self.rms_norm_eps <= 0:
+            raise ValueError(f"rms_norm_eps must be > 0, got {self.rms_norm_eps}.")
+        if self.bottleneck is None:
+            return
+        smallest = min(min(shape) for shape in self.projection_shapes().values())
+        if not 1 <= self.rank <= smallest:
+            raise ValueError(
+                f"rank ({self.rank}) must be between 1 and the smallest projection dimension ({smallest}, "
+                f"from hidden_size={self.hidden_size}, kv width={self.kv_dim}, "
+                f"intermediate_size={self.intermediate_size}): lower rank."
+            )
+        from transformers.activations import ACT2FN
+
+        if self.lr_act not in ACT2FN:
+            raise ValueError(f"Unknown lr_act {self.lr_act!r}: use an activation name from transformers' ACT2FN, e.g. 'silu'.")
+        if self.bottleneck == "lax":
+            if self.lax_gate not in LAX_GATES:
+                raise ValueError(f"Unknown lax_gate {self.lax_gate!r}: use one of {LAX_GATES}.")
+            if self.lax_base not in LAX_BASES:
+                raise ValueError(f"Unknown lax_base {self.lax_base!r}: use one of {LAX_BASES}.")
+            if self.lax_gate == "kronecker" and self.lax_kronecker_factor is not None:
+                if self.lax_kronecker_factor < 1 or self.rank % self.lax_kronecker_factor != 0:
+                    raise ValueError(
+                        f"lax_kronecker_factor ({self.lax_kronecker_factor}) must divide rank ({self.rank})."
+                    )
+
+    # ------------------------------------------------------------------ presets
+    @classmethod
+    def preset_names(cls) -> list[str]:
+        return [f"{arch}-{size}" for arch in PRESET_ARCHS for size in PRESET_SIZES]
+
+    @classmethod
+    def from_preset(cls, name: str, **overrides) -> "BoostLlamaConfig":
+        """Build a reference configuration: ``"<arch>-<size>"`` with arch in llama (full rank), svd, cola,
+        lax and size in 60m, 130m, 350m, 1b, 7b (CoLA's table) or 3b, 13b (BOOST's table).
+
+        Vocabulary 32000, untied LM head, r = d/4 (CoLA), no GQA. ``overrides`` replace any field.
+        """
+        arch, _, size = name.lower().partition("-")
+        if arch not in PRESET_ARCHS or size not in PRESET_SIZES:
+            raise ValueError(f"Unknown preset {name!r}: use one of {', '.join(cls.preset_names())}.")
+        layers, hidden, heads, intermediate, rank = PRESET_SIZES[size]
+        fields: dict[str, Any] = dict(
+            vocab_size=32000,
+            hidden_size=hidden,
+            intermediate_size=intermediate,
+            num_hidden_layers=layers,
+            num_attention_heads=heads,
+            num_key_value_heads=heads,
+            max_position_embeddings=4096 if size in ("3b", "7b", "13b") else 2048,
+            tie_word_embeddings=False,
+            bottleneck=PRESET_ARCHS[arch],
+            rank=rank,
+            # CoLA's 60M/130M reference configs keep the SwiGLU SiLU.
+            only_lr_act=size not in ("60m", "130m"),
+        )
+        fields.update(overrides)
+        return cls(**fields)
+
+
+__all__ = ["BoostLlamaConfig", "BOTTLENECKS", "LAX_GATES", "LAX_BASES", "PRESET_SIZES"]

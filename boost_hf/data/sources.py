@@ -1,0 +1,207 @@
+"""Load raw text data (one document per row) from any supported source as train/validation splits.
+
+Supported sources:
+
+* ``None`` or ``"wikipedia-sample"``: the cleaned Wikipedia sample shipped with gensim
+  (:func:`boost_hf.data.corpus.load_wikipedia_sample`);
+* local files, as one path, a glob, a list of them, or a ``{split: files}`` mapping:
+  ``.txt``/``.text`` go through the ``text`` builder (one row per line by default),
+  ``.json``/``.jsonl`` (optionally ``.gz``/``.bz2``/``.xz``/``.zst``) through ``json``,
+  ``.csv`` and ``.parquet`` through their builders;
+* a folder written by ``Dataset.save_to_disk``/``DatasetDict.save_to_disk``;
+* any other local folder (``datasets`` infers its format);
+* otherwise a Hugging Face Hub dataset name (``config`` selects its configuration), which
+  needs network access or a populated cache; ``streaming=True`` avoids downloading it whole.
+
+If the source has no validation split (``validation``, ``valid``, ``val``, ``dev`` or
+``test``), one is carved from ``train`` by a stable hash of each document's text.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Union
+
+from datasets import (
+    Dataset,
+    DatasetDict,
+    IterableDataset,
+    IterableDatasetDict,
+    load_dataset,
+    load_from_disk,
+)
+
+from .corpus import DEFAULT_VALIDATION_PERCENT, load_wikipedia_sample
+from .splits import split_by_key
+
+DEFAULT_SOURCE = "wikipedia-sample"
+VALIDATION_SPLIT_NAMES: tuple[str, ...] = ("validation", "valid", "val", "dev", "test")
+
+_COMPRESSION_SUFFIXES = (".gz", ".bz2", ".xz", ".zst", ".lz4")
+_BUILDERS = {
+    ".txt": "text",
+    ".text": "text",
+    ".json": "json",
+    ".jsonl": "json",
+    ".ndjson": "json",
+    ".csv": "csv",
+    ".parquet": "parquet",
+}
+
+PathLike = Union[str, os.PathLike[str]]
+Source = Union[None, PathLike, Sequence[PathLike], Mapping[str, Union[PathLike, Sequence[PathLike]]]]
+AnyDatasetDict = Union[DatasetDict, IterableDatasetDict]
+
+
+def builder_for_file(path: PathLike) -> str:
+    """Return the ``datasets`` packaged builder (``text``, ``json``, ``csv``, ``parquet``) for a file name."""
+    name = os.fspath(path).lower()
+    for suffix in _COMPRESSION_SUFFIXES:
+        if name.endswith(suffix):
+            name = name[: -len(suffix)]
+            break
+    for extension, builder in _BUILDERS.items():
+        if name.endswith(extension):
+            return builder
+    raise ValueError(f"cannot infer the file format of {os.fspath(path)!r}; supported: {sorted(_BUILDERS)}")
+
+
+def _as_file_list(value: PathLike | Sequence[PathLike]) -> list[str] | None:
+    """Expand a path, glob or list of them to existing files; None if nothing local matches."""
+    items = [value] if isinstance(value, (str, os.PathLike)) else list(value)
+    files: list[str] = []
+    for item in items:
+        text = os.fspath(item)
+        if os.path.isfile(text):
+            files.append(text)
+        elif glob.has_magic(text):
+            files.extend(sorted(path for path in glob.glob(text) if os.path.isfile(path)))
+        else:
+            return None
+    return files or None
+
+
+def _is_saved_dataset(path: Path) -> bool:
+    return (path / "dataset_dict.json").is_file() or (path / "state.json").is_file()
+
+
+def _load_files(
+    data_files: dict[str, list[str]],
+    *,
+    streaming: bool,
+    datasets_cache_dir: str | None,
+    load_kwargs: Mapping[str, Any],
+) -> AnyDatasetDict:
+    builders = {builder_for_file(path) for files in data_files.values() for path in files}
+    if len(builders) != 1:
+        raise ValueError(f"all data files must share one format, got {sorted(builders)}")
+    return load_dataset(
+        builders.pop(), data_files=data_files, streaming=streaming, cache_dir=datasets_cache_dir, **load_kwargs
+    )
+
+
+def load_raw_dataset(
+    source: Source = None,
+    *,
+    config: str | None = None,
+    streaming: bool = False,
+    cache_dir: PathLike | None = None,
+    datasets_cache_dir: PathLike | None = None,
+    validation_percent: float = DEFAULT_VALIDATION_PERCENT,
+    load_kwargs: Mapping[str, Any] | None = None,
+) -> Dataset | IterableDataset | AnyDatasetDict:
+    """Load ``source`` as ``datasets`` returns it (see the module docstring for the accepted forms).
+
+    Args:
+        config: Hub dataset configuration name.
+        streaming: return iterable datasets instead of downloading/materialising everything.
+        cache_dir: boost_hf cache root (used by the Wikipedia sample).
+        datasets_cache_dir: ``datasets`` cache folder for ``load_dataset`` (default: its own).
+        validation_percent: validation share for the Wikipedia sample.
+        load_kwargs: extra keyword arguments for ``load_dataset`` (e.g. ``sample_by="paragraph"``
+            for text files, ``revision`` or ``token`` for the Hub).
+    """
+    kwargs = dict(load_kwargs or {})
+    hf_cache = os.fspath(datasets_cache_dir) if datasets_cache_dir is not None else None
+    if source is None or (isinstance(source, str) and source == DEFAULT_SOURCE):
+        wiki = load_wikipedia_sample(cache_dir, validation_percent)
+        if streaming:
+            return IterableDatasetDict({name: split.to_iterable_dataset() for name, split in wiki.items()})
+        return wiki
+    if isinstance(source, Mapping):
+        data_files: dict[str, list[str]] = {}
+        for split, value in source.items():
+            files = _as_file_list(value)
+            if files is None:
+                raise FileNotFoundError(f"no data files found for split {split!r}: {value!r}")
+            data_files[str(split)] = files
+        return _load_files(data_files, streaming=streaming, datasets_cache_dir=hf_cache, load_kwargs=kwargs)
+    if not isinstance(source, (str, os.PathLike)):
+        files = _as_file_list(source)
+        if files is None:
+            raise FileNotFoundError(f"no data files found in {source!r}")
+        return _load_files({"train": files}, streaming=streaming, datasets_cache_dir=hf_cache, load_kwargs=kwargs)
+    path = Path(os.fspath(source)).expanduser()
+    if path.is_dir():
+        if _is_saved_dataset(path):
+            loaded = load_from_disk(os.fspath(path))
+            if streaming:
+                if isinstance(loaded, DatasetDict):
+                    return IterableDatasetDict({k: v.to_iterable_dataset() for k, v in loaded.items()})
+                return loaded.to_iterable_dataset()
+            return loaded
+        return load_dataset(os.fspath(path), config, streaming=streaming, cache_dir=hf_cache, **kwargs)
+    files = _as_file_list(os.fspath(source))
+    if files is not None:
+        return _load_files({"train": files}, streaming=streaming, datasets_cache_dir=hf_cache, load_kwargs=kwargs)
+    return load_dataset(os.fspath(source), config, streaming=streaming, cache_dir=hf_cache, **kwargs)
+
+
+def load_text_splits(
+    source: Source = None,
+    *,
+    text_column: str = "text",
+    validation_percent: float = DEFAULT_VALIDATION_PERCENT,
+    config: str | None = None,
+    streaming: bool = False,
+    cache_dir: PathLike | None = None,
+    datasets_cache_dir: PathLike | None = None,
+    load_kwargs: Mapping[str, Any] | None = None,
+) -> AnyDatasetDict:
+    """Load ``source`` as a dict with exactly ``train`` and ``validation`` splits.
+
+    A source with one split (or a plain dataset) is used as ``train``; a missing validation
+    split is carved from ``train`` with :func:`boost_hf.data.splits.split_by_key` on
+    ``text_column``, so it is deterministic and disjoint by document.
+    """
+    loaded = load_raw_dataset(
+        source,
+        config=config,
+        streaming=streaming,
+        cache_dir=cache_dir,
+        datasets_cache_dir=datasets_cache_dir,
+        validation_percent=validation_percent,
+        load_kwargs=load_kwargs,
+    )
+    if isinstance(loaded, (Dataset, IterableDataset)):
+        splits: dict[str, Any] = {"train": loaded}
+    else:
+        splits = dict(loaded)
+    if "train" in splits:
+        train = splits["train"]
+    elif len(splits) == 1:
+        train = next(iter(splits.values()))
+    else:
+        raise ValueError(f"source has no 'train' split (splits: {sorted(splits)})")
+    validation = next((splits[name] for name in VALIDATION_SPLIT_NAMES if name in splits), None)
+    columns = train.column_names
+    if columns is not None and text_column not in columns:
+        raise ValueError(f"text column {text_column!r} not found; columns are {columns}")
+    if validation is None:
+        return split_by_key(train, text_column, validation_percent)
+    if isinstance(train, IterableDataset):
+        return IterableDatasetDict({"train": train, "validation": validation})
+    return DatasetDict({"train": train, "validation": validation})

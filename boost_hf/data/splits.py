@@ -1,0 +1,57 @@
+"""Deterministic, content-keyed train/validation splitting.
+
+A record goes to validation when a stable hash (SHA-256, never Python's salted
+``hash``) of its key falls below ``validation_percent``. The split therefore
+depends only on the key (an article title, or the text itself), not on record
+order, process, machine or random seed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+from datasets import Dataset, DatasetDict, IterableDataset, IterableDatasetDict
+
+_SALT = b"boost_hf/split/v1:"
+_BUCKETS = 10_000
+
+
+def split_bucket(key: str) -> int:
+    """Map ``key`` to a stable bucket in ``[0, 10000)``."""
+    digest = hashlib.sha256(_SALT + key.encode("utf-8")).digest()
+    return int.from_bytes(digest[:8], "big") % _BUCKETS
+
+
+def is_validation(key: str, validation_percent: float) -> bool:
+    """Return True if ``key`` belongs to the validation split for ``validation_percent`` (0-100)."""
+    if not 0.0 <= validation_percent <= 100.0:
+        raise ValueError(f"validation_percent must be in [0, 100], got {validation_percent}")
+    return split_bucket(key) < round(validation_percent * _BUCKETS / 100)
+
+
+def split_by_key(
+    dataset: Dataset | IterableDataset,
+    key_column: str,
+    validation_percent: float,
+) -> DatasetDict | IterableDatasetDict:
+    """Split ``dataset`` into ``train``/``validation`` by hashing the ``key_column`` of each record.
+
+    Works for map-style and streaming datasets (a lazy filter in the latter case).
+    """
+    is_validation(key_column, validation_percent)  # validates the percentage early
+
+    def in_validation(record: dict[str, Any]) -> bool:
+        return is_validation(str(record[key_column]), validation_percent)
+
+    def in_train(record: dict[str, Any]) -> bool:
+        return not in_validation(record)
+
+    kwargs: dict[str, Any] = {}
+    if isinstance(dataset, Dataset):
+        kwargs["keep_in_memory"] = True
+    train = dataset.filter(in_train, **kwargs)
+    validation = dataset.filter(in_validation, **kwargs)
+    if isinstance(dataset, IterableDataset):
+        return IterableDatasetDict({"train": train, "validation": validation})
+    return DatasetDict({"train": train, "validation": validation})

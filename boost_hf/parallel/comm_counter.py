@@ -1,0 +1,81 @@
+"""Counting collectives: how many calls and how many elements each kind moves, per region.
+
+Every primitive in :mod:`boost_hf.parallel.primitives` reports here before it communicates, so a
+``CommCounter`` around one forward (or one backward) gives the measured volume that the tests,
+benchmarks and metrics compare with :mod:`boost_hf.parallel.comm_formula`.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+
+_ACTIVE: list["CommCounter"] = []
+
+
+@dataclass
+class CollectiveRecord:
+    calls: int = 0
+    elements: int = 0
+    bytes: int = 0
+
+
+@dataclass
+class CommCounter:
+    """Context manager recording collectives issued inside it (on this rank).
+
+    ``counter.by_kind["all_reduce"].elements`` is the number of elements of the tensors all-reduced;
+    for an all-gather it is the size of the gathered (full) output.
+
+    Example::
+
+        with CommCounter() as fwd:
+            loss = model(input_ids, labels=labels).loss
+        with CommCounter() as bwd:
+            loss.backward()
+    """
+
+    by_kind: dict[str, CollectiveRecord] = field(default_factory=lambda: defaultdict(CollectiveRecord))
+
+    def __enter__(self) -> "CommCounter":
+        _ACTIVE.append(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        _ACTIVE.remove(self)
+
+    @property
+    def calls(self) -> int:
+        return sum(r.calls for r in self.by_kind.values())
+
+    @property
+    def elements(self) -> int:
+        return sum(r.elements for r in self.by_kind.values())
+
+    @property
+    def bytes(self) -> int:
+        return sum(r.bytes for r in self.by_kind.values())
+
+    def as_dict(self) -> dict[str, dict[str, int]]:
+        return {k: {"calls": r.calls, "elements": r.elements, "bytes": r.bytes} for k, r in sorted(self.by_kind.items())}
+
+    def reset(self) -> None:
+        self.by_kind.clear()
+
+
+def record_collective(kind: str, tensor: torch.Tensor) -> None:
+    """Report one collective of ``kind`` over ``tensor`` (the full output for all-gathers) to active counters."""
+    if not _ACTIVE:
+        return
+    numel = tensor.numel()
+    nbytes = numel * tensor.element_size()
+    for counter in _ACTIVE:
+        record = counter.by_kind[kind]
+        record.calls += 1
+        record.elements += numel
+        record.bytes += nbytes
+
+
+__all__ = ["CommCounter", "CollectiveRecord", "record_collective"]

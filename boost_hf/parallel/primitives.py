@@ -1,0 +1,158 @@
+"""Tensor-parallel communication primitives: small autograd Functions with an explicit process group.
+
+The one place where boost-hf calls ``torch.distributed`` collectives on activations. Each primitive
+reports its collective to :mod:`boost_hf.parallel.comm_counter`. With a group of size 1 (or ``None``)
+every primitive is the identity and communicates nothing.
+
+======================  ======================  =========================  =============================
+primitive               forward                 backward                   used for
+======================  ======================  =========================  =============================
+``copy_to_tp``          identity                all-reduce                 input of a column-parallel GEMM
+``reduce_from_tp``      all-reduce              identity                   output of a row-parallel GEMM
+``all_reduce_sum``      all-reduce              all-reduce                 a sum consumed differently on
+                                                                           each rank (sync RMSNorm stats)
+``gather_from_tp``      all-gather along dim    keep own slice             full-width tensor from shards
+``split_to_tp``         keep own slice          all-gather along dim       shard of a replicated tensor
+======================  ======================  =========================  =============================
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .comm_counter import record_collective
+
+ProcessGroup = dist.ProcessGroup
+
+
+def group_size(group: ProcessGroup | None) -> int:
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def group_rank(group: ProcessGroup | None) -> int:
+    return 0 if group is None else dist.get_rank(group)
+
+
+def _all_reduce(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    x = x.contiguous().clone()
+    record_collective("all_reduce", x)
+    dist.all_reduce(x, group=group)
+    return x
+
+
+def _all_gather(x: torch.Tensor, dim: int, group: ProcessGroup) -> torch.Tensor:
+    p = dist.get_world_size(group)
+    x = x.contiguous()
+    out = torch.empty((p * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
+    record_collective("all_gather", out)
+    dist.all_gather_into_tensor(out, x, group=group)
+    if dim % x.dim() != 0:
+        out = torch.cat(out.chunk(p, dim=0), dim=dim)
+    return out
+
+
+def _own_slice(x: torch.Tensor, dim: int, group: ProcessGroup) -> torch.Tensor:
+    p, rank = dist.get_world_size(group), dist.get_rank(group)
+    if x.shape[dim] % p != 0:
+        raise ValueError(f"dimension {dim} of size {x.shape[dim]} is not divisible by the tensor-parallel size {p}")
+    return x.chunk(p, dim=dim)[rank].contiguous()
+
+
+class _CopyToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_reduce(grad, ctx.group), None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        return _all_reduce(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _AllReduceSum(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _all_reduce(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_reduce(grad, ctx.group), None
+
+
+class _GatherFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, group):
+        ctx.dim, ctx.group = dim, group
+        return _all_gather(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _own_slice(grad, ctx.dim, ctx.group), None, None
+
+
+class _SplitToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, group):
+        ctx.dim, ctx.group = dim, group
+        return _own_slice(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather(grad, ctx.dim, ctx.group), None, None
+
+
+def copy_to_tp(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+    """Identity forward; all-reduce of ``x.grad`` (same shape as ``x``) backward."""
+    return x if group_size(group) == 1 else _CopyToTP.apply(x, group)
+
+
+def reduce_from_tp(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+    """All-reduce (sum) of ``x`` forward; identity backward."""
+    return x if group_size(group) == 1 else _ReduceFromTP.apply(x, group)
+
+
+def all_reduce_sum(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+    """All-reduce (sum) forward and backward: for a sum that each rank consumes differently."""
+    return x if group_size(group) == 1 else _AllReduceSum.apply(x, group)
+
+
+def gather_from_tp(x: torch.Tensor, dim: int, group: ProcessGroup | None) -> torch.Tensor:
+    """Concatenate the ranks' ``x`` along ``dim`` (output ``p`` times larger); backward keeps own slice."""
+    return x if group_size(group) == 1 else _GatherFromTP.apply(x, dim % x.dim(), group)
+
+
+def split_to_tp(x: torch.Tensor, dim: int, group: ProcessGroup | None) -> torch.Tensor:
+    """This rank's contiguous ``1/p`` slice of a replicated ``x`` along ``dim``; backward all-gathers."""
+    return x if group_size(group) == 1 else _SplitToTP.apply(x, dim % x.dim(), group)
+
+
+def all_reduce_max_(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+    """In-place all-reduce (max), no autograd: for numerically-stabilising constants."""
+    if group_size(group) > 1:
+        record_collective("all_reduce", x)
+        dist.all_reduce(x, op=dist.ReduceOp.MAX, group=group)
+    return x
+
+
+__all__ = [
+    "copy_to_tp",
+    "reduce_from_tp",
+    "all_reduce_sum",
+    "gather_from_tp",
+    "split_to_tp",
+    "all_reduce_max_",
+    "group_size",
+    "group_rank",
+]

@@ -1,0 +1,536 @@
+"""Predicted training-iteration time of the three tensor-parallel layouts (BOOST.md section 6).
+
+The model compares, for one model size, full-rank Megatron TP (on the *full-rank* LLaMA of that size),
+vanilla low-rank TP and bottleneck-aware TP (both on the low-rank model). Everything is per
+tensor-parallel rank and per micro-batch of ``N = micro_batch * seq_len`` tokens.
+
+Time of one decoder layer, forward (backward in parentheses)::
+
+    sum over its GEMMs  flops / (gemm_efficiency(M, K, N) * peak)        (x2: input and weight grads)
+  + attention flops / (attention_efficiency * peak)                      (x2)
+  + elementwise bytes / (memory_efficiency * HBM bandwidth)              (x2)
+  + sum over collectives  latency + ring bytes / link bandwidth          (comm_formula's backward)
+  + recomputation under activation checkpointing                        (backward only)
+
+* **GEMM efficiency** falls with the GEMM's small dimensions (additive roofline: streaming the
+  operands costs time in proportion to ``1/M + 1/K + 1/N``)::
+
+      gemm_efficiency(M, K, N) = gemm_max / (1 + gemm_half_dim * (1/M + 1/K + 1/N))
+
+  It is governed by the smallest dimension: a GEMM whose smallest dimension equals ``gemm_half_dim``
+  (the others large) runs at half of ``gemm_max``. Vanilla low-rank TP splits ``r`` into ``r/p``
+  (256 at 7B TP4), so its GEMMs are much slower per FLOP than BTP's (``>= 1024``).
+* **Attention**: ``attention_flops_per_token`` (causal) per layer; btp and megatron split the heads
+  over ``p`` ranks, vanilla computes all heads on every rank (``p`` x the work per rank).
+* **Elementwise traffic** (norms, residual adds, RoPE, latent activations, LaX crossing adds and
+  LayerNorm, SwiGLU product), each op reading its inputs and writing its output once in bf16, on the
+  widths each layout holds per rank: btp the d-sharded residual and replicated ``r`` latents, megatron
+  the replicated residual, vanilla everything between chunks replicated at full width.
+* **Communication**: :func:`boost_hf.parallel.comm_formula.layer_communication` and
+  :func:`~boost_hf.parallel.comm_formula.outside_layers_communication` (the only source of volumes),
+  timed as ``latency * calls + ring_traffic_bytes / link_gbps``. Nothing overlaps with compute.
+* **Outside the layers**: the LM head GEMM ``(N, d) x (d, V/p)`` and the outside collectives (with
+  the vocab-parallel loss), counted on the last pipeline stage.
+* **Pipeline** (``pp > 1``): layers split evenly over ``pp`` stages; 1F1B schedule with ``m``
+  micro-batches: ``iteration = sum_i t_i + (m - 1) * max_i t_i`` where ``t_i`` is stage ``i``'s
+  forward + backward time for one micro-batch (``(m + pp - 1) t`` for equal stages, a bubble of
+  ``(pp - 1) t``). Every stage pays one activation send and one gradient send per micro-batch (``N d``
+  elements per rank, ``N d / p`` under btp where the residual is sharded), over NVLink when the
+  ``tp * pp`` GPUs fit in one node, else over the inter-node network.
+* **Optimizer**: AdamW with fp32 master weights and moments touches ``ADAMW_BYTES_PER_PARAM`` bytes per
+  local parameter, at ``memory_efficiency * HBM bandwidth``, once per iteration.
+* Not modelled: data parallelism (gradient all-reduce / ZeRO), the cross-entropy's elementwise work,
+  kernel launch gaps, compute/communication overlap.
+
+**Calibration** (A100, seq 4096, bf16). The per-iteration setup of the paper (BOOST.md section 6) is not
+fully stated; its full-rank times match about 50 % MFU if one iteration is **one micro-batch of 4
+sequences per TP x PP group** (16384 tokens; for 13B TP4 PP2 the pipeline then runs ``m = 1``, a
+bubble equal to the whole other stage). That is the default workload here (``micro_batch=4,
+num_micro_batches=1``). The four constants of :data:`CALIBRATED_EFFICIENCY` were fitted once, jointly,
+to the six ratios btp/megatron and btp/vanilla at 3B TP2, 7B TP4 and 13B TP4 PP2; each is within 15 %
+of the paper (see ``tests/perf/test_estimator.py``), and every case uses the same constants.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, replace
+from typing import Literal
+
+from ..parallel.comm_formula import Communication, layer_communication, outside_layers_communication
+from ..parallel.config import ParallelConfig
+from .flops import attention_flops_per_token, training_flops_per_token
+from .hardware import Hardware, get_hardware
+
+LAYOUTS: tuple[str, ...] = ("megatron", "vanilla", "btp")
+
+# AdamW step with fp32 master weights and moments: read master, m, v (3 x 4 B) and the bf16 gradient
+# (2 B); write master, m, v (3 x 4 B) and the bf16 weight (2 B).
+ADAMW_BYTES_PER_PARAM = 28
+
+
+@dataclass(frozen=True)
+class KernelEfficiency:
+    """Fractions of the hardware peaks that kernels reach (see the module docstring).
+
+    Args:
+        gemm_max: fraction of peak FLOP/s of a large bf16 GEMM.
+        gemm_half_dim: GEMM dimension at which efficiency halves (the others large).
+        attention: fraction of peak FLOP/s of (flash) attention, forward and backward.
+        memory: fraction of HBM bandwidth reached by memory-bound kernels (elementwise, optimizer).
+    """
+
+    gemm_max: float
+    gemm_half_dim: float
+    attention: float
+    memory: float
+
+    def __post_init__(self) -> None:
+        for name in ("gemm_max", "attention", "memory"):
+            if not 0 < getattr(self, name) <= 1:
+                raise ValueError(f"KernelEfficiency.{name} must be in (0, 1], got {getattr(self, name)!r}.")
+        if self.gemm_half_dim < 0:
+            raise ValueError(f"KernelEfficiency.gemm_half_dim must be >= 0, got {self.gemm_half_dim!r}.")
+
+    def gemm(self, m: int, k: int, n: int) -> float:
+        """Fraction of peak reached by an ``(m, k) x (k, n)`` GEMM."""
+        return self.gemm_max / (1.0 + self.gemm_half_dim * (1.0 / m + 1.0 / k + 1.0 / n))
+
+
+# Fitted once to the paper's A100 ratios (module docstring); used for every model, layout and GPU.
+CALIBRATED_EFFICIENCY = KernelEfficiency(gemm_max=0.80, gemm_half_dim=256.0, attention=0.45, memory=0.80)
+
+
+@dataclass(frozen=True)
+class Gemm:
+    """One GEMM ``(m, k) x (k, n)`` of one rank's forward pass.
+
+    ``role``: ``"dense"`` (a full-rank projection or the LM head), ``"A"`` (down-projection to the
+    latent), ``"B"`` (up-projection from the latent) or ``"crossing"`` (a LaX gate ``G``).
+    """
+
+    name: str
+    m: int
+    k: int
+    n: int
+    role: Literal["dense", "A", "B", "crossing"]
+
+    @property
+    def flops(self) -> int:
+        return 2 * self.m * self.k * self.n
+
+
+def layer_gemms(config, parallel: ParallelConfig, tokens: int, *, crossing: bool = True) -> list[Gemm]:
+    """The GEMMs of one decoder layer's forward on one rank, with their local shapes.
+
+    megatron: q/k/v, gate/up column-split (fused when ``group_linears``), o/down row-split.
+    vanilla: A column-split along ``r`` (``r/p``), B row-split (fused A_qkv / A_gate_up when grouped).
+    btp: A row-split along its input (``d/p``, heads, ``f/p``), B column-split along its output.
+    LaX crossings (``crossing`` and ``bottleneck == "lax"``) act on the full, replicated ``r``.
+    """
+    p, n = parallel.tp_size, tokens
+    d, dq, dkv, f, r = config.hidden_size, config.q_dim, config.kv_dim, config.intermediate_size, config.rank
+    grouped = parallel.group_linears
+    if parallel.tp_style == "megatron":
+        qkv = [Gemm("qkv_proj", n, d, (dq + 2 * dkv) // p, "dense")] if grouped else [
+            Gemm("q_proj", n, d, dq // p, "dense"),
+            Gemm("k_proj", n, d, dkv // p, "dense"),
+            Gemm("v_proj", n, d, dkv // p, "dense"),
+        ]
+        gate_up = [Gemm("gate_up_proj", n, d, 2 * f // p, "dense")] if grouped else [
+            Gemm("gate_proj", n, d, f // p, "dense"),
+            Gemm("up_proj", n, d, f // p, "dense"),
+        ]
+        return qkv + [Gemm("o_proj", n, dq // p, d, "dense")] + gate_up + [Gemm("down_proj", n, f // p, d, "dense")]
+
+    # Local (k of A, n of B) widths and local r per layout.
+    if parallel.tp_style == "vanilla":
+        local = {"d": d, "dq": dq, "dkv": dkv, "f": f}
+        r_local = r // p
+    else:
+        local = {"d": d // p, "dq": dq // p, "dkv": dkv // p, "f": f // p}
+        r_local = r
+    shapes = {
+        "q_proj": ("d", "dq"),
+        "k_proj": ("d", "dkv"),
+        "v_proj": ("d", "dkv"),
+        "o_proj": ("dq", "d"),
+        "gate_proj": ("d", "f"),
+        "up_proj": ("d", "f"),
+        "down_proj": ("f", "d"),
+    }
+    if grouped:
+        a_gemms = [
+            Gemm("qkv_proj.A", n, local["d"], 3 * r_local, "A"),
+            Gemm("o_proj.A", n, local["dq"], r_local, "A"),
+            Gemm("gate_up_proj.A", n, local["d"], 2 * r_local, "A"),
+            Gemm("down_proj.A", n, local["f"], r_local, "A"),
+        ]
+    else:
+        a_gemms = [Gemm(f"{name}.A", n, local[d_in], r_local, "A") for name, (d_in, _) in shapes.items()]
+    b_gemms = [Gemm(f"{name}.B", n, r_local, local[d_out], "B") for name, (_, d_out) in shapes.items()]
+    return a_gemms + b_gemms + _crossing_gemms(config, n, crossing)
+
+
+def _crossing_gemms(config, tokens: int, crossing: bool) -> list[Gemm]:
+    if not crossing or config.bottleneck != "lax" or config.lax_gate == "identity":
+        return []
+    r = config.rank
+    if config.lax_gate == "dense":
+        return [Gemm(f"{name}.G", tokens, r, r, "crossing") for name in config.projection_shapes()]
+    a, b = config.kronecker_factors
+    return [
+        g
+        for name in config.projection_shapes()
+        for g in (Gemm(f"{name}.G_left", tokens * b, a, a, "crossing"), Gemm(f"{name}.G_right", tokens * a, b, b, "crossing"))
+    ]
+
+
+def elementwise_elements_per_token(config, parallel: ParallelConfig) -> int:
+    """Elements read + written per token by one layer's elementwise forward ops on one rank.
+
+    2 RMSNorms (read, write) and 2 residual adds (2 reads, 1 write) on the residual width; RoPE on the
+    local q and k; the latent activation of each of the 7 latents; LaX crossing add (3) and latent
+    LayerNorm (2) on the full ``r``; the SwiGLU product (3) and gate activation (2, when kept) on the
+    local ``f``.
+    """
+    p = parallel.tp_size
+    d, dq, dkv, f, r = config.hidden_size, config.q_dim, config.kv_dim, config.intermediate_size, config.rank
+    if parallel.tp_style == "btp":
+        residual, q, k, f_local, r_local = d // p, dq // p, dkv // p, f // p, r
+    elif parallel.tp_style == "megatron":
+        residual, q, k, f_local, r_local = d, dq // p, dkv // p, f // p, 0
+    else:
+        residual, q, k, f_local, r_local = d, dq, dkv, f, r // p
+    total = 2 * 2 * residual + 2 * 3 * residual + 2 * (q + k) + 3 * f_local
+    if config.mlp_activation is not None:
+        total += 2 * f_local
+    if config.bottleneck == "lax":
+        # Vanilla gathers the latent to full r for the crossing and LayerNorm.
+        total += 7 * (3 + (2 if config.lax_latent_norm else 0)) * r
+        r_local = r
+    if config.latent_activation is not None:
+        total += 7 * 2 * r_local
+    return total
+
+
+def parameter_count(config) -> int:
+    """Trainable parameters (projections, LaX gates in blocks 1..L-1, norms, embedding, LM head)."""
+    d, layers = config.hidden_size, config.num_hidden_layers
+    shapes = config.projection_shapes().values()
+    if config.bottleneck is None:
+        block = sum(d_in * d_out for d_in, d_out in shapes)
+    else:
+        block = sum(config.rank * (d_in + d_out) for d_in, d_out in shapes)
+    gates = 0
+    if config.bottleneck == "lax" and config.lax_gate != "identity":
+        a, b = config.kronecker_factors
+        gates = 7 * (config.rank**2 if config.lax_gate == "dense" else a * a + b * b)
+    embeddings = config.vocab_size * d * (1 if config.tie_word_embeddings else 2)
+    return layers * (block + 2 * d) + (layers - 1) * gates + d + embeddings
+
+
+def full_rank_counterpart(config):
+    """The full-rank LLaMA of the same size (megatron's model)."""
+    if config.bottleneck is None:
+        return config
+    return type(config).from_dict({**config.to_dict(), "bottleneck": None})
+
+
+def low_rank_counterpart(config):
+    """The low-rank model of the same size (vanilla's and btp's model): ``config`` itself, or CoLA at
+    ``config.rank`` for a full-rank config."""
+    if config.bottleneck is not None:
+        return config
+    return type(config).from_dict({**config.to_dict(), "bottleneck": "cola"})
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What one training iteration runs on one data-parallel replica (``tp * pp`` GPUs).
+
+    Args:
+        tp: tensor-parallel size. pp: pipeline stages.
+        micro_batch: sequences per micro-batch. seq_len: tokens per sequence.
+        num_micro_batches: micro-batches per iteration (the 1F1B ``m``; gradient accumulation at pp=1).
+        dtype_bytes: bytes per activation element (2: bf16).
+        rmsnorm, group_linears, activation_checkpointing: as in :class:`ParallelConfig`.
+    """
+
+    tp: int = 1
+    pp: int = 1
+    micro_batch: int = 4
+    seq_len: int = 4096
+    num_micro_batches: int = 1
+    dtype_bytes: int = 2
+    rmsnorm: str = "online"
+    group_linears: bool = True
+    activation_checkpointing: str = "none"
+
+    def __post_init__(self) -> None:
+        for name in ("tp", "pp", "micro_batch", "seq_len", "num_micro_batches", "dtype_bytes"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"Workload.{name} must be a positive integer, got {getattr(self, name)!r}.")
+
+    @property
+    def tokens(self) -> int:
+        """Tokens per micro-batch, ``N``."""
+        return self.micro_batch * self.seq_len
+
+    def parallel(self, layout: str) -> ParallelConfig:
+        checkpointing = self.activation_checkpointing
+        if layout == "megatron" and checkpointing == "lowrank":
+            checkpointing = "full"
+        return ParallelConfig(
+            tp_size=self.tp,
+            tp_style=layout,
+            rmsnorm=self.rmsnorm,
+            group_linears=self.group_linears,
+            activation_checkpointing=checkpointing,
+        )
+
+
+COMPONENTS = ("gemm", "attention", "memory", "tp_comm", "pp_comm")
+
+
+def _add(*times: dict[str, float], scale: float = 1.0) -> dict[str, float]:
+    return {c: scale * sum(t.get(c, 0.0) for t in times) for c in COMPONENTS}
+
+
+@dataclass(frozen=True)
+class LayoutEstimate:
+    """Prediction for one layout. Per-layer numbers are per rank, one micro-batch, one (typical) layer.
+
+    ``comm_bytes_per_layer_*`` is the communication volume (``elements * dtype_bytes``, BOOST.md's
+    "GB per layer"); the time model uses the ring traffic per rank.
+    ``breakdown_s`` splits ``step_time_s`` along the critical path (compute kinds, TP and PP
+    communication, pipeline bubble included); ``optimizer_s`` is part of ``step_time_s``.
+    """
+
+    layout: str
+    model: str
+    tp: int
+    pp: int
+    parameters: int
+    flops_per_layer_fwd: float
+    gemm_flops_per_layer_fwd: float
+    attention_flops_per_layer_fwd: float
+    min_gemm_dim: int
+    comm_bytes_per_layer_fwd: int
+    comm_bytes_per_layer_bwd: int
+    collectives_per_layer_fwd: int
+    collectives_per_layer_bwd: int
+    layer_time_fwd_s: float
+    layer_time_bwd_s: float
+    stage_times_s: tuple[float, ...]
+    bubble_s: float
+    optimizer_s: float
+    breakdown_s: dict[str, float]
+    step_time_s: float
+    tokens_per_s: float
+    mfu: float
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        out["stage_times_s"] = list(self.stage_times_s)
+        return out
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """Predictions for several layouts under one workload, hardware and set of efficiencies."""
+
+    layouts: dict[str, LayoutEstimate]
+    workload: Workload
+    hardware: Hardware
+    efficiency: KernelEfficiency
+    low_rank_model: str = ""
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+    def ratio(self, numerator: str, denominator: str) -> float:
+        """``step_time(numerator) / step_time(denominator)``, e.g. ``ratio("btp", "megatron")``."""
+        return self.layouts[numerator].step_time_s / self.layouts[denominator].step_time_s
+
+    def assumptions(self) -> dict:
+        return {
+            "workload": asdict(self.workload),
+            "tokens_per_micro_batch": self.workload.tokens,
+            "hardware": asdict(self.hardware),
+            "efficiency": asdict(self.efficiency),
+            "adamw_bytes_per_param": ADAMW_BYTES_PER_PARAM,
+            "low_rank_model": self.low_rank_model,
+            "notes": list(self.notes),
+        }
+
+    def to_dict(self) -> dict:
+        return {"layouts": {k: v.to_dict() for k, v in self.layouts.items()}, "assumptions": self.assumptions()}
+
+
+def _comm_time(comm: Communication, workload: Workload, hardware: Hardware) -> float:
+    if workload.tp == 1:
+        return 0.0
+    traffic = comm.ring_traffic_bytes(workload.tp, workload.dtype_bytes)
+    return comm.calls * hardware.latency_us * 1e-6 + traffic / (hardware.link_gbps * 1e9)
+
+
+def _describe(config) -> str:
+    kind = "full-rank" if config.bottleneck is None else f"{config.bottleneck} r={config.rank}"
+    return f"{kind}, L={config.num_hidden_layers}, d={config.hidden_size}, f={config.intermediate_size}"
+
+
+def estimate_layout(
+    config,
+    layout: str,
+    workload: Workload,
+    hardware: Hardware,
+    efficiency: KernelEfficiency = CALIBRATED_EFFICIENCY,
+) -> LayoutEstimate:
+    """Predict one layout running ``config`` (must suit the layout: full rank for megatron)."""
+    parallel = workload.parallel(layout)
+    parallel.check_model(config)
+    n, p, peak = workload.tokens, workload.tp, hardware.peak_flops
+    hbm = efficiency.memory * hardware.hbm_gbps * 1e9
+
+    def gemm_time(gemms: list[Gemm]) -> float:
+        return sum(g.flops / (efficiency.gemm(g.m, g.k, g.n) * peak) for g in gemms)
+
+    heads_share = 1 if layout == "vanilla" else p
+    attention_flops = attention_flops_per_token(config, workload.seq_len) * n / heads_share
+    memory_fwd = elementwise_elements_per_token(config, parallel) * n * workload.dtype_bytes / hbm
+
+    def layer(crossing: bool) -> tuple[dict[str, float], dict[str, float], list[Gemm]]:
+        gemms = layer_gemms(config, parallel, n, crossing=crossing)
+        comm = layer_communication(config, parallel, n)
+        forward = {
+            "gemm": gemm_time(gemms),
+            "attention": attention_flops / (efficiency.attention * peak),
+            "memory": memory_fwd,
+            "tp_comm": _comm_time(comm.forward, workload, hardware),
+        }
+        compute = {c: forward[c] for c in ("gemm", "attention", "memory")}
+        if parallel.activation_checkpointing == "full":
+            recompute = compute
+        elif parallel.activation_checkpointing == "lowrank":
+            # Segments end at the A outputs (saved): everything else is recomputed.
+            recompute = {**compute, "gemm": gemm_time([g for g in gemms if g.role != "A"])}
+        else:
+            recompute = {}
+        backward = _add(_add(compute, scale=2.0), recompute, {"tp_comm": _comm_time(comm.backward, workload, hardware)})
+        return forward, backward, gemms
+
+    forward, backward, gemms = layer(crossing=True)
+    first_forward, first_backward, _ = layer(crossing=False)
+    typical, first = _add(forward, backward), _add(first_forward, first_backward)
+
+    # Outside the layers: LM head GEMM (forward + 2x backward) and the outside collectives.
+    head = Gemm("lm_head", n, config.hidden_size, config.vocab_size // p, "dense")
+    outside_comm = outside_layers_communication(config, parallel, n, with_loss=True)
+    outside = {
+        "gemm": 3 * gemm_time([head]),
+        "tp_comm": _comm_time(outside_comm.forward, workload, hardware)
+        + _comm_time(outside_comm.backward, workload, hardware),
+    }
+
+    # Pipeline stages: layers split evenly; every stage sends one activation and one gradient.
+    layers, pp = config.num_hidden_layers, workload.pp
+    counts = [layers // pp + (1 if i < layers % pp else 0) for i in range(pp)]
+    if pp > 1:
+        link = hardware.link_gbps if p * pp <= hardware.gpus_per_node else hardware.inter_node_gbps
+        send_elements = n * config.hidden_size // (p if layout == "btp" else 1)
+        send = hardware.latency_us * 1e-6 + send_elements * workload.dtype_bytes / (link * 1e9)
+        p2p = {"pp_comm": 2 * send}
+    else:
+        p2p = {}
+    stages = []
+    for i, count in enumerate(counts):
+        parts = [_add(typical, scale=count), p2p]
+        if i == 0:
+            parts.append(_add(first, scale=1.0))
+            parts[0] = _add(typical, scale=count - 1)
+        if i == pp - 1:
+            parts.append(outside)
+        stages.append(_add(*parts))
+    totals = [sum(s.values()) for s in stages]
+    slowest = stages[max(range(pp), key=lambda i: totals[i])]
+    m = workload.num_micro_batches
+    critical = _add(*stages, _add(slowest, scale=m - 1))
+    bubble = sum(totals) - max(totals)
+
+    params_per_rank = parameter_count(config) / (p * pp)
+    optimizer = params_per_rank * ADAMW_BYTES_PER_PARAM / hbm
+    step = sum(critical.values()) + optimizer
+    tokens = n * m
+    comm = layer_communication(config, parallel, n)
+    return LayoutEstimate(
+        layout=layout,
+        model=_describe(config),
+        tp=p,
+        pp=pp,
+        parameters=parameter_count(config),
+        flops_per_layer_fwd=sum(g.flops for g in gemms) + attention_flops,
+        gemm_flops_per_layer_fwd=sum(g.flops for g in gemms),
+        attention_flops_per_layer_fwd=attention_flops,
+        min_gemm_dim=min(min(g.m, g.k, g.n) for g in gemms),
+        comm_bytes_per_layer_fwd=comm.forward.bytes(workload.dtype_bytes),
+        comm_bytes_per_layer_bwd=comm.backward.bytes(workload.dtype_bytes),
+        collectives_per_layer_fwd=comm.forward.calls,
+        collectives_per_layer_bwd=comm.backward.calls,
+        layer_time_fwd_s=sum(forward.values()),
+        layer_time_bwd_s=sum(backward.values()),
+        stage_times_s=tuple(totals),
+        bubble_s=bubble,
+        optimizer_s=optimizer,
+        breakdown_s=critical,
+        step_time_s=step,
+        tokens_per_s=tokens / step,
+        mfu=training_flops_per_token(config, workload.seq_len) * tokens / (step * p * pp * peak),
+    )
+
+
+def estimate(
+    config,
+    workload: Workload,
+    hardware: Hardware | str = "a100",
+    efficiency: KernelEfficiency = CALIBRATED_EFFICIENCY,
+    layouts: tuple[str, ...] = LAYOUTS,
+) -> Estimate:
+    """Predict ``layouts`` for the model size of ``config``: megatron runs its full-rank counterpart,
+    vanilla and btp its low-rank counterpart (see :func:`full_rank_counterpart`)."""
+    if isinstance(hardware, str):
+        hardware = get_hardware(hardware)
+    unknown = set(layouts) - set(LAYOUTS)
+    if unknown:
+        raise ValueError(f"Unknown layout(s) {sorted(unknown)}: use {LAYOUTS}.")
+    low_rank = low_rank_counterpart(config)
+    results = {
+        layout: estimate_layout(
+            full_rank_counterpart(config) if layout == "megatron" else low_rank, layout, workload, hardware, efficiency
+        )
+        for layout in layouts
+    }
+    notes = (
+        "per-rank, per-micro-batch numbers; one data-parallel replica (tp x pp GPUs), no DP traffic",
+        "megatron runs the full-rank model of the same size; vanilla and btp the low-rank model",
+        "1F1B pipeline: iteration = sum(stage times) + (m - 1) * max(stage time) + optimizer step",
+        "no compute/communication overlap",
+    )
+    return Estimate(results, workload, hardware, efficiency, _describe(low_rank), notes)
+
+
+__all__ = [
+    "ADAMW_BYTES_PER_PARAM",
+    "CALIBRATED_EFFICIENCY",
+    "COMPONENTS",
+    "Estimate",
+    "Gemm",
+    "KernelEfficiency",
+    "LAYOUTS",
+    "LayoutEstimate",
+    "Workload",
+    "elementwise_elements_per_token",
+    "estimate",
+    "estimate_layout",
+    "full_rank_counterpart",
+    "layer_gemms",
+    "low_rank_counterpart",
+    "parameter_count",
+]

@@ -1,0 +1,127 @@
+"""Tests for tokenizing and packing documents into causal-LM blocks."""
+
+from __future__ import annotations
+
+import json
+from itertools import chain
+from pathlib import Path
+
+import pytest
+from datasets import Dataset, DatasetDict, IterableDatasetDict
+
+from boost_hf.data import build_lm_datasets
+from boost_hf.data.splits import is_validation
+
+BLOCK = 32
+SENTENCES = [
+    f"Document {i} talks about the {word} of the river and the mountain, numbered {i * 7}."
+    for i, word in enumerate(
+        ["history", "geography", "economy", "culture", "music", "climate", "people", "language"] * 5
+    )
+]
+
+
+def _write_jsonl(path: Path, texts: list[str]) -> Path:
+    path.write_text("".join(json.dumps({"text": t, "id": i}) + "\n" for i, t in enumerate(texts)), encoding="utf-8")
+    return path
+
+
+def _assert_blocks(ds: Dataset, block_size: int) -> None:
+    assert ds.column_names == ["input_ids", "labels"]
+    assert len(ds) > 0
+    for row in ds:
+        assert len(row["input_ids"]) == block_size
+        assert row["labels"] == row["input_ids"]
+
+
+def _expected_stream(texts: list[str], tokenizer) -> list[int]:
+    ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
+    return list(chain.from_iterable(doc + [tokenizer.eos_token_id] for doc in ids))
+
+
+def test_wiki_blocks(small_tokenizer, data_cache: Path) -> None:
+    built = build_lm_datasets(None, small_tokenizer, 64, cache_dir=data_cache)
+    assert isinstance(built, DatasetDict) and set(built) == {"train", "validation"}
+    _assert_blocks(built["train"].select(range(200)), 64)
+    _assert_blocks(built["validation"], 64)
+    assert len(built["train"]) > 20 * len(built["validation"]) // 2
+    again = build_lm_datasets(None, small_tokenizer, 64, cache_dir=data_cache)
+    for name in ("train", "validation"):
+        assert again[name]["input_ids"][:] == built[name]["input_ids"][:]
+    capped = build_lm_datasets(
+        None, small_tokenizer, 64, cache_dir=data_cache, max_train_blocks=10, max_eval_blocks=3
+    )
+    assert (len(capped["train"]), len(capped["validation"])) == (10, 3)
+    assert capped["train"]["input_ids"][:] == built["train"]["input_ids"][:10]
+
+
+def test_json_source_packs_exactly(small_tokenizer, tmp_path: Path) -> None:
+    source = _write_jsonl(tmp_path / "docs.jsonl", SENTENCES)
+    built = build_lm_datasets(
+        source, small_tokenizer, BLOCK, validation_percent=25, datasets_cache_dir=tmp_path / "hf"
+    )
+    train_texts = [t for t in SENTENCES if not is_validation(t, 25)]
+    valid_texts = [t for t in SENTENCES if is_validation(t, 25)]
+    assert train_texts and valid_texts
+    for name, texts in (("train", train_texts), ("validation", valid_texts)):
+        stream = _expected_stream(texts, small_tokenizer)
+        usable = len(stream) - len(stream) % BLOCK
+        _assert_blocks(built[name], BLOCK)
+        assert list(chain.from_iterable(built[name]["input_ids"])) == stream[:usable]
+    again = build_lm_datasets(
+        str(source), small_tokenizer, BLOCK, validation_percent=25, datasets_cache_dir=tmp_path / "hf2"
+    )
+    assert again["train"]["input_ids"][:] == built["train"]["input_ids"][:]
+
+
+def test_text_files_with_explicit_validation(small_tokenizer, tmp_path: Path) -> None:
+    (tmp_path / "train.txt").write_text("\n".join(SENTENCES[:30]) + "\n\n", encoding="utf-8")
+    (tmp_path / "valid.txt").write_text("\n".join(SENTENCES[30:]) + "\n", encoding="utf-8")
+    built = build_lm_datasets(
+        {"train": tmp_path / "train.txt", "validation": str(tmp_path / "valid.txt")},
+        small_tokenizer,
+        BLOCK,
+        datasets_cache_dir=tmp_path / "hf",
+    )
+    for name, texts in (("train", SENTENCES[:30]), ("validation", SENTENCES[30:])):
+        _assert_blocks(built[name], BLOCK)
+        stream = _expected_stream(texts, small_tokenizer)  # the blank line is skipped
+        assert list(chain.from_iterable(built[name]["input_ids"])) == stream[: len(stream) - len(stream) % BLOCK]
+
+
+def test_saved_to_disk_source_and_bos(small_tokenizer, tmp_path: Path) -> None:
+    DatasetDict(
+        {"train": Dataset.from_dict({"text": SENTENCES[:32]}), "test": Dataset.from_dict({"text": SENTENCES[32:]})}
+    ).save_to_disk(tmp_path / "saved")
+    built = build_lm_datasets(tmp_path / "saved", small_tokenizer, BLOCK, add_bos=True)
+    _assert_blocks(built["train"], BLOCK)
+    _assert_blocks(built["validation"], BLOCK)
+    stream = list(chain.from_iterable(built["train"]["input_ids"]))
+    assert stream[0] == small_tokenizer.bos_token_id
+    assert stream.count(small_tokenizer.bos_token_id) >= 2
+
+
+def test_streaming_local_source(small_tokenizer, tmp_path: Path) -> None:
+    source = _write_jsonl(tmp_path / "docs.jsonl", SENTENCES)
+    eager = build_lm_datasets(source, small_tokenizer, BLOCK, validation_percent=25, datasets_cache_dir=tmp_path / "a")
+    lazy = build_lm_datasets(
+        source,
+        small_tokenizer,
+        BLOCK,
+        validation_percent=25,
+        streaming=True,
+        max_train_blocks=3,
+        datasets_cache_dir=tmp_path / "b",
+    )
+    assert isinstance(lazy, IterableDatasetDict)
+    rows = list(lazy["train"])
+    assert [row["input_ids"] for row in rows] == eager["train"]["input_ids"][:3]
+    assert all(row["labels"] == row["input_ids"] for row in rows)
+    assert [row["input_ids"] for row in lazy["validation"]] == eager["validation"]["input_ids"][:]
+
+
+def test_missing_text_column_is_reported(small_tokenizer, tmp_path: Path) -> None:
+    source = tmp_path / "docs.jsonl"
+    source.write_text(json.dumps({"body": "hello"}) + "\n", encoding="utf-8")
+    with pytest.raises(ValueError, match="text column"):
+        build_lm_datasets(source, small_tokenizer, BLOCK, datasets_cache_dir=tmp_path / "hf")
