@@ -17,17 +17,20 @@ its inputs, which are only r-dim latents and the residual.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
 from transformers import initialization as init
 from transformers.activations import ACT2FN
 from transformers.cache_utils import Cache, DynamicCache
+from transformers.initialization import no_init_weights
 from transformers.masking_utils import create_causal_mask
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb, eager_attention_forward
 
 from .configuration_boost_llama import BoostLlamaConfig
+from .parallel.checkpoint_io import canonical_state_dict, load_canonical_checkpoint, resolve_checkpoint_files
 from .parallel.checkpointing import run_segment
 from .parallel.config import ParallelConfig
 from .parallel.cross_entropy import vocab_parallel_causal_lm_loss
@@ -150,7 +153,7 @@ class BoostLlamaDecoderLayer(nn.Module):
         n_qkv, n_o, n_gate_up, n_down = self.carry_counts
         c_qkv, c_o, c_gate_up, c_down = _split(carries, self.carry_counts) if carries else ((),) * 4
 
-        def segment(fn, *tensors):
+        def segment(fn, *tensors):  # fn runs again in backward (lowrank): bind loop variables as defaults
             return run_segment(lambda *t: tuple(fn(*t)), *tensors, recompute=lowrank)
 
         # 1. input norm -> A_q, A_k, A_v (local part) | collective
@@ -158,7 +161,7 @@ class BoostLlamaDecoderLayer(nn.Module):
         # 2. latents -> B_q, B_k, B_v -> attention -> A_o (local part) | collective
         n = len(z)
         out = segment(
-            lambda *t: _flat(*attn.attend(t[:n], t[n:], position_embeddings, attention_mask, past_key_values, **kwargs)),
+            lambda *t, n=n: _flat(*attn.attend(t[:n], t[n:], position_embeddings, attention_mask, past_key_values, **kwargs)),
             *z, *c_qkv,
         )
         partial_o, c_qkv = _tail(out, n_qkv)
@@ -166,7 +169,7 @@ class BoostLlamaDecoderLayer(nn.Module):
         # 3. latent -> B_o, residual add -> post-attention norm -> A_gate, A_up (local part) | collective
         n = len(z)
 
-        def attention_output_and_mlp_input(*t):
+        def attention_output_and_mlp_input(*t, n=n):
             (o,), carry = attn.o.up(t[:n], t[n + 1:])
             residual = t[n] + o
             return (residual, *mlp.gate_up.down(residual, self.post_attention_layernorm), *carry)
@@ -176,12 +179,12 @@ class BoostLlamaDecoderLayer(nn.Module):
         z = mlp.gate_up.reduce(out[1:])
         # 4. latents -> B_gate, B_up -> product -> A_down (local part) | collective
         n = len(z)
-        partial_down, c_gate_up = _tail(segment(lambda *t: _flat(*mlp.multiply(t[:n], t[n:])), *z, *c_gate_up), n_gate_up)
+        partial_down, c_gate_up = _tail(segment(lambda *t, n=n: _flat(*mlp.multiply(t[:n], t[n:])), *z, *c_gate_up), n_gate_up)
         z = mlp.down.reduce(partial_down)
         # 5. latent -> B_down, residual add
         n = len(z)
 
-        def mlp_output(*t):
+        def mlp_output(*t, n=n):
             (y,), carry = mlp.down.up(t[:n], t[n + 1:])
             return (t[n] + y, *carry)
 
@@ -269,7 +272,10 @@ class BoostLlamaModel(BoostLlamaPreTrainedModel):
             hidden_states = self.embed_tokens(input_ids)  # [B, S, d] ([B, S, d/p] under BTP)
         else:
             hidden_states = split_to_tp(inputs_embeds, -1, self.plan.group) if self.plan.residual_sharded else inputs_embeds
-        use_cache = self.config.use_cache if use_cache is None else use_cache
+        if use_cache is None:
+            use_cache = self.config.use_cache and not self.training
+        if self.training and self.plan.parallel.activation_checkpointing != "none":
+            use_cache = False  # recomputed segments would append to the cache twice
         if use_cache and past_key_values is None:
             past_key_values = DynamicCache(config=self.config)
         if position_ids is None:
@@ -325,6 +331,37 @@ class BoostLlamaForCausalLM(BoostLlamaPreTrainedModel, GenerationMixin):
 
     def get_output_embeddings(self):
         return self.lm_head
+
+    def save_pretrained(self, save_directory, *args, is_main_process: bool | None = None, state_dict=None, **kwargs):
+        """Write the canonical, unsharded checkpoint. Under tensor parallelism call it on every rank: the
+        shards are all-gathered over the TP group and global rank 0 writes."""
+        if self.plan.tp_size == 1 and state_dict is None:
+            return super().save_pretrained(save_directory, *args, is_main_process=is_main_process is not False, **kwargs)
+        if state_dict is None:
+            state_dict = canonical_state_dict(self, self.plan.group)
+        if is_main_process is None:
+            is_main_process = not dist.is_initialized() or dist.get_rank() == 0
+        if is_main_process:
+            super().save_pretrained(save_directory, *args, is_main_process=True, state_dict=state_dict, **kwargs)
+        if dist.is_initialized():
+            dist.barrier()
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *model_args, parallel_config: ParallelConfig | None = None, **kwargs):
+        """``transformers``' ``from_pretrained``; with ``parallel_config``, build this rank's shard of the
+        layout and read only its slices of the canonical checkpoint (a local folder or a Hub repo)."""
+        if parallel_config is None:
+            return super().from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
+        config = kwargs.pop("config", None) or cls.config_class.from_pretrained(pretrained_model_name_or_path)
+        dtype = kwargs.pop("dtype", None) or kwargs.pop("torch_dtype", None)
+        if kwargs:
+            raise ValueError(f"from_pretrained(parallel_config=...) does not take {sorted(kwargs)}")
+        with no_init_weights():
+            model = cls(config, parallel_config)
+        load_canonical_checkpoint(model, resolve_checkpoint_files(str(pretrained_model_name_or_path)))
+        if dtype is not None and dtype != "auto":
+            model = model.to(getattr(torch, dtype) if isinstance(dtype, str) else dtype)
+        return model.eval()
 
     def forward(
         self,

@@ -71,8 +71,9 @@ def tokenize_documents(
         prefix = [bos] if add_bos else []
         return {"input_ids": [prefix + list(ids) + [eos] for ids in encoded]}
 
-    columns = dataset.column_names
-    kwargs: dict[str, Any] = {"batched": True, "remove_columns": columns}
+    # Selecting the text column first also works for streams whose columns are unknown.
+    dataset = dataset.select_columns([text_column])
+    kwargs: dict[str, Any] = {"batched": True, "remove_columns": [text_column]}
     if isinstance(dataset, Dataset):
         kwargs.update(
             num_proc=num_proc,
@@ -104,7 +105,7 @@ def pack_blocks(
         blocks = [tokens[start : start + block_size] for start in range(0, usable, block_size)]
         return {"input_ids": blocks, "labels": [list(block) for block in blocks]}
 
-    kwargs: dict[str, Any] = {"batched": True, "batch_size": PACK_BATCH_SIZE, "remove_columns": dataset.column_names}
+    kwargs: dict[str, Any] = {"batched": True, "batch_size": PACK_BATCH_SIZE, "remove_columns": ["input_ids"]}
     if isinstance(dataset, Dataset):
         kwargs.update(
             num_proc=num_proc,

@@ -78,7 +78,10 @@ def _as_file_list(value: PathLike | Sequence[PathLike]) -> list[str] | None:
         if os.path.isfile(text):
             files.append(text)
         elif glob.has_magic(text):
-            files.extend(sorted(path for path in glob.glob(text) if os.path.isfile(path)))
+            matches = sorted(path for path in glob.glob(text) if os.path.isfile(path))
+            if not matches:
+                raise FileNotFoundError(f"no file matches {text!r}")
+            files.extend(matches)
         else:
             return None
     return files or None

@@ -23,10 +23,15 @@ def split_bucket(key: str) -> int:
     return int.from_bytes(digest[:8], "big") % _BUCKETS
 
 
-def is_validation(key: str, validation_percent: float) -> bool:
-    """Return True if ``key`` belongs to the validation split for ``validation_percent`` (0-100)."""
+def check_percent(validation_percent: float) -> None:
+    """Raise ``ValueError`` unless ``validation_percent`` is within [0, 100]."""
     if not 0.0 <= validation_percent <= 100.0:
         raise ValueError(f"validation_percent must be in [0, 100], got {validation_percent}")
+
+
+def is_validation(key: str, validation_percent: float) -> bool:
+    """Return True if ``key`` belongs to the validation split for ``validation_percent`` (0-100)."""
+    check_percent(validation_percent)
     return split_bucket(key) < round(validation_percent * _BUCKETS / 100)
 
 
@@ -39,7 +44,7 @@ def split_by_key(
 
     Works for map-style and streaming datasets (a lazy filter in the latter case).
     """
-    is_validation(key_column, validation_percent)  # validates the percentage early
+    check_percent(validation_percent)
 
     def in_validation(record: dict[str, Any]) -> bool:
         return is_validation(str(record[key_column]), validation_percent)

@@ -13,18 +13,21 @@ Two collective kinds are counted, per tensor-parallel rank and per micro-batch:
 * ``"all_reduce"``: elements = size of the reduced tensor (input and output have the same size);
 * ``"all_gather"``: elements = size of the *full gathered output*.
 
-Per decoder layer, forward (backward in :func:`layer_communication`):
+Per decoder layer (calls, elements):
 
-==========  ========================  =================================================  ============
-layout      where                     elements                                           calls
-==========  ========================  =================================================  ============
-megatron    after o_proj, down_proj   ``N (d + d)``                                      2
-vanilla     after each B (full width) ``N (dq + 2 dkv + d + 2 f + d)`` = ``N (5d + 2f)``  7
-btp         after each row-split A    ``7 N r`` (``+2N`` norm statistics, online/sync)   4 grouped, 7
-                                                                                           ungrouped;
-                                                                                           +2 with sync
-==========  ========================  =================================================  ============
+* megatron (full rank): forward all-reduce after o_proj and down_proj, 2 calls, ``N (d + d)``;
+  backward all-reduce of the input gradient shared by q/k/v and by gate/up, 2 calls, ``2 N d``.
+* vanilla (low rank): forward all-reduce of each B's full-width output, 7 calls,
+  ``N (dq + 2 dkv + d + 2f + d)`` (``N (5d + 2f)`` without GQA); backward all-reduce at the inputs of
+  the A's: grouped 4 calls ``N (d + dq + d + f)``, ungrouped 7 calls ``N (3d + dq + 2d + f)``. LaX adds
+  an all-gather of the latents to full ``r``, 7 calls, ``7 N r``, forward and backward.
+* btp (low rank): all-reduce of each row-split A's partial ``N x r`` output, ``7 N r`` in 4 calls
+  (grouped) or 7 (ungrouped), mirrored in backward. RMSNorm statistics: ``online`` adds ``2N`` elements
+  to the forward calls; ``sync`` adds 2 calls and ``2N`` elements forward and backward; ``local`` nothing.
+* activation checkpointing: ``full`` repeats the forward's collectives in backward; ``lowrank`` repeats
+  nothing under btp, and the forward all-reduces (not the LaX all-gathers) under vanilla.
 
+Outside the layers (embedding, final gather, LM head, loss, logits): :func:`outside_layers_communication`.
 With ``p == 1`` nothing is communicated at all.
 """
 
@@ -140,7 +143,7 @@ class PassCommunication:
         return PassCommunication(self.forward.scaled(k), self.backward.scaled(k))
 
 
-def ring_traffic_bytes(kind: str, nbytes: float, tp_size: int) -> float:
+def ring_traffic_bytes(kind: CollectiveKind, nbytes: float, tp_size: int) -> float:
     """Bytes one rank sends for a collective of ``nbytes`` (reduced tensor / gathered output) over ``tp_size``
     ranks with the bandwidth-optimal ring algorithm: ``2 (p-1)/p * nbytes`` for an all-reduce
     (reduce-scatter then all-gather), ``(p-1)/p * nbytes`` for an all-gather.
@@ -270,6 +273,7 @@ def model_communication(
 
 __all__ = [
     "COLLECTIVE_KINDS",
+    "CollectiveKind",
     "Collective",
     "Communication",
     "PassCommunication",

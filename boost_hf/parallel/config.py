@@ -77,6 +77,11 @@ class ParallelConfig:
                 f"vocab_size ({config.vocab_size}) is not divisible by tp_size ({p}): pad the vocabulary "
                 f"to a multiple of {p} (e.g. {-(-config.vocab_size // p) * p})."
             )
+        if self.tp_style == "btp" and config.tie_word_embeddings:
+            raise ValueError(
+                "tie_word_embeddings=True cannot be combined with tp_style='btp' at tp_size > 1 (the embedding is "
+                "split along d, the LM head along the vocabulary): set tie_word_embeddings=False."
+            )
         if self.tp_style in ("btp", "megatron"):
             dims = {"hidden_size": config.hidden_size, "intermediate_size": config.intermediate_size}
         else:

@@ -24,7 +24,7 @@ from torch import nn
 from .config import ParallelConfig
 from .groups import BottleneckAwareGroup, DenseGroup, ProjectionGroup, ReplicatedLowRankGroup
 from .layers import BottleneckProjection, DenseProjection, ParallelEmbedding, VocabParallelLMHead
-from .state import ParallelState, get_parallel_state
+from .state import ParallelState, check_world, get_parallel_state
 
 OUTPUT_SPLIT_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")  # Megatron's column-parallel
 
@@ -34,6 +34,7 @@ class TensorParallelPlan:
 
     def __init__(self, config, parallel: ParallelConfig | None = None):
         parallel = parallel or ParallelConfig(tp_style="btp" if config.bottleneck else "megatron")
+        check_world(parallel.tp_size)
         parallel.check_model(config)
         self.config, self.parallel = config, parallel
         self.state: ParallelState = get_parallel_state(parallel.tp_size)

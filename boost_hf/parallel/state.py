@@ -39,25 +39,33 @@ def mesh_device_type() -> str:
     return "cuda" if torch.cuda.is_available() and dist.get_backend() == "nccl" else "cpu"
 
 
-def get_parallel_state(tp_size: int = 1) -> ParallelState:
-    """Build (once per ``tp_size``) and return this rank's :class:`ParallelState`.
-
-    Raises ``ValueError`` before any collective when ``tp_size`` does not divide the world size, or when
-    ``tp_size > 1`` and ``torch.distributed`` is not initialised.
-    """
+def check_world(tp_size: int) -> None:
+    """Raise ``ValueError`` (no collective) unless ``tp_size`` fits the launched world."""
     if not dist.is_available() or not dist.is_initialized():
         if tp_size != 1:
             raise ValueError(
                 f"tp_size={tp_size} needs torch.distributed: launch with `torchrun --nproc-per-node {tp_size} ...` "
                 "or `accelerate launch`, and call torch.distributed.init_process_group first."
             )
-        return ParallelState()
+        return
     world = dist.get_world_size()
     if world % tp_size != 0:
         raise ValueError(
             f"tp_size ({tp_size}) does not divide the world size ({world}): launch a multiple of {tp_size} processes "
             "or choose a tp_size that divides the number of processes."
         )
+
+
+def get_parallel_state(tp_size: int = 1) -> ParallelState:
+    """Build (once per ``tp_size``) and return this rank's :class:`ParallelState`.
+
+    Raises ``ValueError`` before any collective when ``tp_size`` does not divide the world size, or when
+    ``tp_size > 1`` and ``torch.distributed`` is not initialised.
+    """
+    check_world(tp_size)
+    if not dist.is_available() or not dist.is_initialized():
+        return ParallelState()
+    world = dist.get_world_size()
     if tp_size in _STATES:
         return _STATES[tp_size]
     from torch.distributed.device_mesh import init_device_mesh
@@ -83,4 +91,4 @@ def reset_parallel_states() -> None:
     _STATES.clear()
 
 
-__all__ = ["ParallelState", "get_parallel_state", "reset_parallel_states"]
+__all__ = ["ParallelState", "check_world", "get_parallel_state", "reset_parallel_states"]

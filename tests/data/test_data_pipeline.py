@@ -7,9 +7,10 @@ from itertools import chain
 from pathlib import Path
 
 import pytest
-from datasets import Dataset, DatasetDict, IterableDatasetDict
+from datasets import Dataset, DatasetDict, IterableDataset, IterableDatasetDict
 
-from boost_hf.data import build_lm_datasets
+from boost_hf.data import build_lm_datasets, sources
+from boost_hf.data.pipeline import pack_blocks, tokenize_documents
 from boost_hf.data.splits import is_validation
 
 BLOCK = 32
@@ -45,14 +46,6 @@ def test_wiki_blocks(small_tokenizer, data_cache: Path) -> None:
     _assert_blocks(built["train"].select(range(200)), 64)
     _assert_blocks(built["validation"], 64)
     assert len(built["train"]) > 20 * len(built["validation"]) // 2
-    again = build_lm_datasets(None, small_tokenizer, 64, cache_dir=data_cache)
-    for name in ("train", "validation"):
-        assert again[name]["input_ids"][:] == built[name]["input_ids"][:]
-    capped = build_lm_datasets(
-        None, small_tokenizer, 64, cache_dir=data_cache, max_train_blocks=10, max_eval_blocks=3
-    )
-    assert (len(capped["train"]), len(capped["validation"])) == (10, 3)
-    assert capped["train"]["input_ids"][:] == built["train"]["input_ids"][:10]
 
 
 def test_json_source_packs_exactly(small_tokenizer, tmp_path: Path) -> None:
@@ -72,6 +65,18 @@ def test_json_source_packs_exactly(small_tokenizer, tmp_path: Path) -> None:
         str(source), small_tokenizer, BLOCK, validation_percent=25, datasets_cache_dir=tmp_path / "hf2"
     )
     assert again["train"]["input_ids"][:] == built["train"]["input_ids"][:]
+    assert again["validation"]["input_ids"][:] == built["validation"]["input_ids"][:]
+    capped = build_lm_datasets(
+        source,
+        small_tokenizer,
+        BLOCK,
+        validation_percent=25,
+        max_train_blocks=2,
+        max_eval_blocks=1,
+        datasets_cache_dir=tmp_path / "hf",
+    )
+    assert capped["train"]["input_ids"][:] == built["train"]["input_ids"][:2]
+    assert capped["validation"]["input_ids"][:] == built["validation"]["input_ids"][:1]
 
 
 def test_text_files_with_explicit_validation(small_tokenizer, tmp_path: Path) -> None:
@@ -125,3 +130,39 @@ def test_missing_text_column_is_reported(small_tokenizer, tmp_path: Path) -> Non
     source.write_text(json.dumps({"body": "hello"}) + "\n", encoding="utf-8")
     with pytest.raises(ValueError, match="text column"):
         build_lm_datasets(source, small_tokenizer, BLOCK, datasets_cache_dir=tmp_path / "hf")
+
+
+def test_stream_with_unknown_columns(small_tokenizer) -> None:
+    def documents():
+        for i, text in enumerate(SENTENCES):
+            yield {"text": text, "meta": {"i": i}}
+
+    stream = IterableDataset.from_generator(documents)
+    assert stream.column_names is None
+    rows = list(pack_blocks(tokenize_documents(stream, small_tokenizer), BLOCK))
+    expected = _expected_stream(SENTENCES, small_tokenizer)
+    assert list(chain.from_iterable(row["input_ids"] for row in rows)) == expected[: len(expected) // BLOCK * BLOCK]
+    assert all(row["labels"] == row["input_ids"] for row in rows)
+
+
+def test_hub_name_is_routed_to_load_dataset(small_tokenizer, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[tuple[tuple, dict]] = []
+
+    def fake_load_dataset(*args, **kwargs):
+        calls.append((args, kwargs))
+
+        def documents():
+            yield from ({"text": text} for text in SENTENCES)
+
+        return IterableDatasetDict({"train": IterableDataset.from_generator(documents)})
+
+    monkeypatch.setattr(sources, "load_dataset", fake_load_dataset)
+    built = build_lm_datasets(
+        "someone/some-corpus", small_tokenizer, BLOCK, config="en", streaming=True, validation_percent=25,
+        max_eval_blocks=1,
+    )
+    (args, kwargs), = calls
+    assert args == ("someone/some-corpus", "en") and kwargs["streaming"] is True
+    assert isinstance(built, IterableDatasetDict)
+    assert len(list(built["validation"])) == 1
+    assert all(len(row["input_ids"]) == BLOCK for row in built["train"])

@@ -1,0 +1,182 @@
+"""The ``boost-hf`` console script.
+
+Subcommands live in :data:`SUBCOMMANDS` (name -> help, argument builder, runner); add one there.
+
+    boost-hf estimate --preset cola-7b --tp 4 --micro-batch 4 --seq 4096 --gpu a100 [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import replace
+from typing import Callable
+
+GIB = 2**30
+
+
+def _add_estimate_arguments(parser: argparse.ArgumentParser) -> None:
+    from .perf.hardware import HARDWARE_PRESETS
+
+    model = parser.add_argument_group("model and workload")
+    model.add_argument("--preset", default="cola-7b", help="model preset, e.g. cola-7b, lax-13b, llama-3b "
+                       "(megatron always runs the full-rank model of that size; vanilla and btp the low-rank one)")
+    model.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
+    model.add_argument("--pp", type=int, default=1, help="pipeline stages (1F1B)")
+    model.add_argument("--micro-batch", type=int, default=4, help="sequences per micro-batch")
+    model.add_argument("--seq", type=int, default=4096, help="sequence length")
+    model.add_argument("--num-micro-batches", type=int, default=1,
+                       help="micro-batches per iteration (pipeline m, or gradient accumulation)")
+    model.add_argument("--rmsnorm", choices=("online", "sync", "local"), default="online", help="btp RMSNorm mode")
+    model.add_argument("--no-group-linears", dest="group_linears", action="store_false",
+                       help="do not fuse A_qkv / A_gate_up (and megatron's qkv / gate_up)")
+    model.add_argument("--checkpointing", choices=("none", "full", "lowrank"), default="none",
+                       help="activation checkpointing (megatron turns lowrank into full)")
+    model.add_argument("--layouts", nargs="+", choices=("megatron", "vanilla", "btp"),
+                       default=["megatron", "vanilla", "btp"], help="layouts to compare")
+
+    gpu = parser.add_argument_group("hardware (overrides the --gpu preset)")
+    gpu.add_argument("--gpu", choices=tuple(HARDWARE_PRESETS), default="a100", help="GPU preset")
+    gpu.add_argument("--peak-tflops", type=float, help="dense bf16 peak, TFLOP/s")
+    gpu.add_argument("--hbm-gbps", type=float, help="HBM bandwidth, GB/s")
+    gpu.add_argument("--bandwidth-gbps", type=float, help="collective bus bandwidth within a node, GB/s")
+    gpu.add_argument("--latency-us", type=float, help="latency of one collective, microseconds")
+    gpu.add_argument("--inter-node-gbps", type=float, help="network bandwidth per GPU between nodes, GB/s")
+
+    eff = parser.add_argument_group("kernel efficiencies (override the calibrated values)")
+    eff.add_argument("--efficiency", type=float, help="fraction of peak of a large GEMM")
+    eff.add_argument("--gemm-half-dim", type=float, help="GEMM dimension at which its efficiency halves")
+    eff.add_argument("--attention-efficiency", type=float, help="fraction of peak of flash attention")
+    eff.add_argument("--memory-efficiency", type=float, help="fraction of HBM bandwidth of elementwise kernels")
+
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+
+def _estimate_table(est, preset: str, model_config) -> str:
+    """Human-readable comparison: one column per layout, then the assumptions."""
+    from .perf.estimator import COMPONENTS
+
+    w, hw, layouts = est.workload, est.hardware, est.layouts
+    names = list(layouts)
+    rows: list[tuple[str, Callable]] = [
+        ("model", lambda e: e.model.split(",")[0]),
+        ("parameters (M)", lambda e: f"{e.parameters / 1e6:,.0f}"),
+        ("comm per layer fwd (GiB)", lambda e: f"{e.comm_bytes_per_layer_fwd / GIB:.3f}"),
+        ("comm per layer bwd (GiB)", lambda e: f"{e.comm_bytes_per_layer_bwd / GIB:.3f}"),
+        ("collectives per layer fwd", lambda e: str(e.collectives_per_layer_fwd)),
+        ("collectives per layer bwd", lambda e: str(e.collectives_per_layer_bwd)),
+        ("GFLOP per layer fwd per rank", lambda e: f"{e.flops_per_layer_fwd / 1e9:,.1f}"),
+        ("  of which attention", lambda e: f"{e.attention_flops_per_layer_fwd / 1e9:,.1f}"),
+        ("smallest GEMM dimension", lambda e: str(e.min_gemm_dim)),
+        ("layer time fwd (ms)", lambda e: f"{e.layer_time_fwd_s * 1e3:.2f}"),
+        ("layer time bwd (ms)", lambda e: f"{e.layer_time_bwd_s * 1e3:.2f}"),
+        *[(f"  {c} (s)", lambda e, c=c: f"{e.breakdown_s[c]:.3f}") for c in COMPONENTS],
+        ("  of which pipeline bubble (s)", lambda e: f"{e.bubble_s:.3f}"),
+        ("step time (s)", lambda e: f"{e.step_time_s:.3f}"),
+        ("tokens/s", lambda e: f"{e.tokens_per_s:,.0f}"),
+        ("MFU", lambda e: f"{e.mfu:.1%}"),
+    ]
+    width = max(len(label) for label, _ in rows) + 2
+    col = max(14, *(len(e.model.split(",")[0]) + 2 for e in layouts.values()))
+    lines = [
+        f"boost-hf estimate: {preset} ({model_config.num_hidden_layers} layers, d={model_config.hidden_size}, "
+        f"f={model_config.intermediate_size}, r={model_config.rank}), TP={w.tp} PP={w.pp}, "
+        f"{w.num_micro_batches} micro-batch(es) of {w.micro_batch} x {w.seq_len} tokens per iteration, {hw.name}",
+        "",
+        " " * width + "".join(name.rjust(col) for name in names),
+    ]
+    for label, value in rows:
+        lines.append(label.ljust(width) + "".join(value(layouts[name]).rjust(col) for name in names))
+    if "btp" in layouts:
+        speedups = [f"{est.ratio(other, 'btp'):.2f}x vs {other}" for other in names if other != "btp"]
+        if speedups:
+            lines += ["", "btp speed-up: " + ", ".join(speedups)]
+    e = est.efficiency
+    switch = "NVSwitch" if hw.nvswitch else "fully connected NVLink, no switch"
+    lines += [
+        "",
+        "assumptions:",
+        f"  GPU {hw.name}: {hw.peak_tflops:g} TFLOP/s bf16, HBM {hw.hbm_gbps:g} GB/s, {hw.gpus_per_node} GPUs/node "
+        f"({switch}); collectives {hw.collective_gbps(w.tp):g} GB/s bus bandwidth at TP{w.tp} "
+        f"(node: {hw.link_gbps:g}), latency {hw.latency_us:g} us; inter-node {hw.inter_node_gbps:g} GB/s",
+        f"  efficiency: GEMM {e.gemm_max:g} x 1/(1 + {e.gemm_half_dim:g} (1/M + 1/K + 1/N)), attention {e.attention:g}, "
+        f"elementwise {e.memory:g} of HBM",
+        f"  layout options: rmsnorm={w.rmsnorm}, group_linears={w.group_linears}, "
+        f"activation_checkpointing={w.activation_checkpointing}, bf16 activations ({w.dtype_bytes} bytes)",
+        *(f"  {note}" for note in est.notes),
+    ]
+    return "\n".join(lines)
+
+
+def _run_estimate(args: argparse.Namespace) -> int:
+    from .configuration_boost_llama import BoostLlamaConfig
+    from .perf.estimator import CALIBRATED_EFFICIENCY, LAYOUTS, Workload, estimate
+    from .perf.hardware import get_hardware
+
+    config = BoostLlamaConfig.from_preset(args.preset)
+    workload = Workload(
+        tp=args.tp,
+        pp=args.pp,
+        micro_batch=args.micro_batch,
+        seq_len=args.seq,
+        num_micro_batches=args.num_micro_batches,
+        rmsnorm=args.rmsnorm,
+        group_linears=args.group_linears,
+        activation_checkpointing=args.checkpointing,
+    )
+    hardware = get_hardware(
+        args.gpu,
+        peak_tflops=args.peak_tflops,
+        hbm_gbps=args.hbm_gbps,
+        link_gbps=args.bandwidth_gbps,
+        latency_us=args.latency_us,
+        inter_node_gbps=args.inter_node_gbps,
+    )
+    overrides = {
+        "gemm_max": args.efficiency,
+        "gemm_half_dim": args.gemm_half_dim,
+        "attention": args.attention_efficiency,
+        "memory": args.memory_efficiency,
+    }
+    efficiency = replace(CALIBRATED_EFFICIENCY, **{k: v for k, v in overrides.items() if v is not None})
+    layouts = tuple(layout for layout in LAYOUTS if layout in args.layouts)
+    est = estimate(config, workload, hardware, efficiency, layouts=layouts)
+    if args.json:
+        out = est.to_dict()
+        out["assumptions"]["preset"] = args.preset
+        print(json.dumps(out, indent=2))
+    else:
+        print(_estimate_table(est, args.preset, config))
+    return 0
+
+
+# name -> (help, add_arguments(parser), run(args) -> exit code). The "demo" and "comm" subcommands go here.
+SUBCOMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]] = {
+    "estimate": (
+        "predict per-layer communication and iteration time of megatron / vanilla / btp TP",
+        _add_estimate_arguments,
+        _run_estimate,
+    ),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="boost-hf", description="Bottleneck-aware tensor parallelism for low-rank LLaMA.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, (help_text, add_arguments, _) in SUBCOMMANDS.items():
+        add_arguments(sub.add_parser(name, help=help_text, description=help_text))
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return SUBCOMMANDS[args.command][2](args)
+    except ValueError as error:
+        parser.error(str(error))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

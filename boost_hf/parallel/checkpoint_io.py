@@ -1,0 +1,102 @@
+"""Canonical (unsharded, layout-free) checkpoints for models of any tensor-parallel layout.
+
+The canonical checkpoint is exactly what the single-device model saves (``model.safetensors`` with the
+canonical parameter names), so a model saved at TP=4 loads at TP=1, TP=2 or in plain ``transformers``.
+Everything here is generic: it only reads each parameter's :class:`~boost_hf.parallel.sharding.ShardSpec`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+import torch.distributed as dist
+from safetensors import safe_open
+from torch import nn
+
+from .sharding import gather_full, shard_spec_of
+
+SAFE_WEIGHTS_NAME = "model.safetensors"
+SAFE_WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
+
+
+def canonical_state_dict(model: nn.Module, group: dist.ProcessGroup | None) -> dict[str, torch.Tensor]:
+    """Full (unsharded) parameters by canonical name, on every rank of ``group``.
+
+    Collective: one all-gather per sharded parameter in ``group`` (call on all TP ranks). Tied
+    parameters appear once per name, as ``state_dict`` does.
+    """
+    full = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        full[name] = gather_full(param.detach(), shard_spec_of(param), group).cpu()
+    return full
+
+
+def resolve_checkpoint_files(path: str) -> list[str]:
+    """The safetensors file(s) of a local checkpoint folder or a Hub repo (cached download)."""
+    if os.path.isdir(path):
+        single, index = os.path.join(path, SAFE_WEIGHTS_NAME), os.path.join(path, SAFE_WEIGHTS_INDEX_NAME)
+        folder = path
+    else:
+        from transformers.utils import cached_file
+
+        single = cached_file(path, SAFE_WEIGHTS_NAME, _raise_exceptions_for_missing_entries=False)
+        index = None if single else cached_file(path, SAFE_WEIGHTS_INDEX_NAME)
+        folder = os.path.dirname(single or index)
+    if single and os.path.isfile(single):
+        return [single]
+    if index and os.path.isfile(index):
+        with open(index) as f:
+            names = sorted(set(json.load(f)["weight_map"].values()))
+        return [os.path.join(folder, n) for n in names]
+    raise FileNotFoundError(f"no {SAFE_WEIGHTS_NAME} or {SAFE_WEIGHTS_INDEX_NAME} in {path!r}: is it a boost-hf checkpoint folder?")
+
+
+@torch.no_grad()
+def load_canonical_checkpoint(model: nn.Module, files: list[str]) -> None:
+    """Copy this rank's slice of every canonical tensor in ``files`` into ``model`` (reads only the slice).
+
+    Raises ``ValueError`` naming missing, unexpected or wrongly-shaped tensors (e.g. a checkpoint of
+    another architecture) before modifying any parameter.
+    """
+    params = dict(model.named_parameters())
+    handles = [safe_open(f, framework="pt") for f in files]
+    where = {key: h for h in handles for key in h.keys()}
+    missing = sorted(set(params) - set(where))
+    tied = getattr(model, "all_tied_weights_keys", {}) or {}
+    missing = [m for m in missing if m not in tied]
+    unexpected = sorted(set(where) - set(params))
+    wrong = []
+    for name, param in params.items():
+        if name in where:
+            shape = tuple(where[name].get_slice(name).get_shape())
+            if shape != shard_spec_of(param).full_shape:
+                wrong.append(f"{name}: checkpoint {shape} vs model {shard_spec_of(param).full_shape}")
+    if missing or unexpected or wrong:
+        raise ValueError(
+            "checkpoint does not match this model's architecture (was it saved from another bottleneck, rank "
+            "or size? load it with its own config.json): "
+            + "; ".join(
+                part
+                for part in (
+                    f"missing {missing[:5]}{'...' if len(missing) > 5 else ''}" if missing else "",
+                    f"unexpected {unexpected[:5]}{'...' if len(unexpected) > 5 else ''}" if unexpected else "",
+                    f"shape mismatch {wrong[:5]}" if wrong else "",
+                )
+                if part
+            )
+        )
+    for name, param in params.items():
+        if name not in where:
+            continue
+        spec = shard_spec_of(param)
+        tensor_slice = where[name].get_slice(name)
+        index = [slice(None)] * len(spec.full_shape)
+        if spec.is_sharded:
+            size = spec.local_shape[spec.partition_dim]
+            index[spec.partition_dim] = slice(spec.tp_rank * size, (spec.tp_rank + 1) * size)
+        param.copy_(tensor_slice[tuple(index)].to(param.dtype))
+
+
+__all__ = ["canonical_state_dict", "resolve_checkpoint_files", "load_canonical_checkpoint"]

@@ -1,0 +1,122 @@
+"""``BoostTrainingArguments``: ``transformers.TrainingArguments`` plus the tensor-parallel layout.
+
+The defaults are the CoLA pre-training recipe (BOOST.md section 1): AdamW, weight decay 0.01, gradient
+clipping at 0.5, linear warm-up over 10 % of the steps, then cosine decay to 0.1 x the peak learning
+rate. ``per_device_train_batch_size`` is per *process*: with ``tp_size`` ranks sharing each batch the
+global batch is ``per_device_train_batch_size x dp x gradient_accumulation_steps``,
+``dp = world_size / tp_size``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+
+import torch
+from transformers import TrainingArguments
+
+from ..parallel.config import ParallelConfig
+
+logger = logging.getLogger(__name__)
+
+CPU_PEAK_TFLOPS = 0.1
+"""Rough dense fp32 peak of one CPU process (a few AVX2/AVX-512 cores), for MFU on CPU runs only."""
+
+
+def default_peak_tflops() -> float:
+    """Dense bf16 peak of this machine's GPU when it is a known preset (A100, H100, H200), else a CPU guess."""
+    if torch.cuda.is_available():
+        from ..perf.hardware import HARDWARE_PRESETS
+
+        name = torch.cuda.get_device_name().lower()
+        for key in ("h200", "h100", "a100"):
+            if key in name:
+                return HARDWARE_PRESETS[key].peak_tflops
+        logger.warning("unknown GPU %r: pass --peak_tflops for a meaningful MFU", name)
+    return CPU_PEAK_TFLOPS
+
+
+@dataclass(kw_only=True)
+class BoostTrainingArguments(TrainingArguments):
+    """Training arguments of boost-hf (see :class:`~boost_hf.parallel.config.ParallelConfig` for the layout).
+
+    Args:
+        tp_size: ranks per tensor-parallel group; the launched world is ``dp x tp_size`` processes.
+        tp_style: ``"btp"`` (bottleneck-aware), ``"vanilla"`` (naive low-rank TP), ``"megatron"`` (full-rank
+            models), or ``"auto"``: btp for low-rank models, megatron for full rank.
+        rmsnorm: BTP norm statistics, ``"online"`` (default, exact), ``"sync"`` (exact) or ``"local"``
+            (approximate).
+        group_linears: one GEMM and one collective for the A's sharing an input.
+        activation_checkpointing_mode: ``"none"``, ``"full"`` (recompute each decoder layer) or ``"lowrank"``
+            (BOOST's low-rank checkpointing; no collective recomputed under BTP). It replaces the Trainer's
+            ``activation_checkpointing`` flag, which boost-hf models do not use: passing that flag selects
+            ``"full"``.
+        peak_tflops: dense peak TFLOP/s of one device, the denominator of MFU (default: the GPU preset of
+            :mod:`boost_hf.perf.hardware`, or a rough CPU guess).
+        sample_prompt / sample_max_new_tokens: the greedy sample printed at the end of training.
+    """
+
+    tp_size: int = field(default=1, metadata={"help": "Ranks per tensor-parallel group (the world is dp x tp_size)."})
+    tp_style: str = field(
+        default="auto", metadata={"help": "btp, vanilla, megatron, or auto (btp for low-rank models, megatron for full rank)."}
+    )
+    rmsnorm: str = field(default="online", metadata={"help": "BTP RMSNorm statistics: online, sync (both exact) or local (approximate)."})
+    group_linears: bool = field(default=True, metadata={"help": "Fuse the A's sharing an input into one GEMM and one collective."})
+    activation_checkpointing_mode: str = field(
+        default="none", metadata={"help": "none, full (recompute each layer) or lowrank (recompute between r-dim latents)."}
+    )
+    peak_tflops: float | None = field(
+        default=None, metadata={"help": "Dense peak TFLOP/s per device for MFU (default: GPU preset or a CPU guess)."}
+    )
+    sample_prompt: str = field(default="The history of", metadata={"help": "Prompt of the sample generated after training."})
+    sample_max_new_tokens: int = field(default=40, metadata={"help": "Tokens generated for the final sample (0: none)."})
+
+    # CoLA recipe defaults (BOOST.md section 1)
+    weight_decay: float = 0.01
+    max_grad_norm: float = 0.5
+    lr_scheduler_type: str = "cosine_with_min_lr"
+    lr_scheduler_kwargs: dict | str | None = field(default_factory=lambda: {"min_lr_rate": 0.1})
+    warmup_steps: float = 0.1
+    # every data-parallel rank takes whole batches: no sample repeated to pad the epoch's last batch
+    dataloader_drop_last: bool = True
+    # the ranks' per-rank RNG files and our per-TP-rank optimizer files need every rank to save
+    save_only_model: bool = False
+
+    def __post_init__(self) -> None:
+        if not torch.cuda.is_available():
+            self.use_cpu = True
+            if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+                self.ddp_backend = self.ddp_backend or "gloo"
+        if self.activation_checkpointing or self.gradient_checkpointing:
+            if self.activation_checkpointing_mode == "none":
+                self.activation_checkpointing_mode = "full"
+            logger.warning(
+                "boost-hf models checkpoint activations through activation_checkpointing_mode (now %r); "
+                "the Trainer's activation_checkpointing flag is turned off.",
+                self.activation_checkpointing_mode,
+            )
+            self.activation_checkpointing = self.gradient_checkpointing = False
+        super().__post_init__()
+        if self.peak_tflops is None:
+            self.peak_tflops = default_peak_tflops()
+        if self.peak_tflops <= 0:
+            raise ValueError(f"peak_tflops must be > 0, got {self.peak_tflops}.")
+        self.to_parallel_config()  # validate the layout fields now, not after the model is built
+
+    def to_parallel_config(self, model_config=None) -> ParallelConfig:
+        """The :class:`ParallelConfig` of these arguments; ``tp_style="auto"`` resolves with ``model_config``
+        (btp for a low-rank model, megatron for a full-rank one; btp without a config)."""
+        style = self.tp_style
+        if style == "auto":
+            style = "megatron" if model_config is not None and model_config.bottleneck is None else "btp"
+        return ParallelConfig(
+            tp_size=self.tp_size,
+            tp_style=style,
+            rmsnorm=self.rmsnorm,
+            group_linears=self.group_linears,
+            activation_checkpointing=self.activation_checkpointing_mode,
+        )
+
+
+__all__ = ["BoostTrainingArguments", "default_peak_tflops", "CPU_PEAK_TFLOPS"]

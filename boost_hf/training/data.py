@@ -1,0 +1,70 @@
+"""Which data each rank sees: disjoint shards per data-parallel rank, identical batches for TP peers.
+
+Training: ``accelerate`` shards a prepared dataloader over *all* processes. :func:`shard_by_data_parallel_rank`
+re-points that sharding to the DP group (``num_processes = dp``, ``process_index = dp_rank``), so that the
+ranks of one TP group (same ``dp_rank``) draw the same batches and different DP ranks draw disjoint ones
+(``transformers``' Trainer adjusts the same wrapper for its own rank-aware samplers). Everything else of
+accelerate's loader is kept: the seeded sampler (one permutation per epoch on every rank), device placement
+and ``skip_first_batches`` on resume. With ``dataloader_drop_last`` (the boost-hf default) every DP rank
+takes whole batches and no sample is repeated within an epoch.
+
+Evaluation: :class:`EvalShard` gives DP rank ``i`` the samples ``i, i + dp, ...``, padded with fully masked
+copies so that every DP rank runs the same number of forward passes (ZeRO-3 gathers parameters in each).
+"""
+
+from __future__ import annotations
+
+import torch
+from accelerate.data_loader import BatchSamplerShard, DataLoaderDispatcher, IterableDatasetShard
+from torch.utils.data import DataLoader, Dataset
+
+IGNORE_INDEX = -100
+
+
+def shard_by_data_parallel_rank(dataloader: DataLoader, dp_size: int, dp_rank: int) -> DataLoader:
+    """Make an ``accelerate``-prepared dataloader shard by data-parallel rank instead of global rank."""
+    if isinstance(dataloader, DataLoaderDispatcher):
+        raise ValueError(
+            "accelerate dispatches batches from rank 0 (dispatch_batches=True), which cannot give tensor-parallel "
+            "peers the same batch: pass --accelerator_config '{\"dispatch_batches\": false}'."
+        )
+    shard = getattr(dataloader, "batch_sampler", None)
+    if not isinstance(shard, BatchSamplerShard):
+        shard = getattr(dataloader, "dataset", None)
+        if not isinstance(shard, IterableDatasetShard):
+            if dp_size > 1:
+                raise ValueError(f"expected a dataloader prepared by accelerate, got {type(dataloader).__name__}")
+            return dataloader
+    shard.num_processes, shard.process_index = dp_size, dp_rank
+    return dataloader
+
+
+class EvalShard(Dataset):
+    """DP rank ``dp_rank``'s share of a sized ``dataset``: items ``dp_rank, dp_rank + dp_size, ...``.
+
+    Every rank has ``ceil(len(dataset) / dp_size)`` items; the missing ones are copies of item 0 with all
+    ``labels`` set to -100, so they count no token in the loss.
+    """
+
+    def __init__(self, dataset, dp_size: int, dp_rank: int):
+        if not hasattr(dataset, "__len__"):
+            raise ValueError(
+                "evaluation needs a sized dataset (every data-parallel rank must run the same number of batches): "
+                "build the validation split without streaming, or cap it (max_eval_blocks) and materialise it."
+            )
+        self.dataset = dataset
+        self.indices = list(range(dp_rank, len(dataset), dp_size))
+        self.length = -(-len(dataset) // dp_size)
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, i: int):
+        if i < len(self.indices):
+            return self.dataset[self.indices[i]]
+        item = dict(self.dataset[0])
+        item["labels"] = torch.full_like(torch.as_tensor(item["labels"]), IGNORE_INDEX)
+        return item
+
+
+__all__ = ["shard_by_data_parallel_rank", "EvalShard"]

@@ -1,0 +1,180 @@
+"""Pre-training recipes: a YAML file of model, data and training arguments, overridable on the command line.
+
+A recipe has three sections whose keys are the fields of :class:`ModelArguments`, :class:`DataArguments`
+and :class:`~boost_hf.training.arguments.BoostTrainingArguments`::
+
+    model:    {preset: cola-60m, num_hidden_layers: 4}     # a preset and any BoostLlamaConfig field
+    data:     {tokenizer: bpe-8192, block_size: 256}
+    training: {output_dir: outputs/x, learning_rate: 6.0e-3, tp_size: 2, max_steps: 1000}
+
+:func:`parse_recipe` turns the YAML into ``--field=value`` arguments placed *before* the command-line ones,
+so ``recipes/pretrain.py recipe.yaml --learning_rate 1e-3 --hidden_size 256`` overrides any field
+(``HfArgumentParser`` parses and validates both the same way). :func:`build_tokenizer`,
+:func:`build_datasets` and :func:`build_model` then do the work of ``recipes/pretrain.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import typing
+from dataclasses import dataclass, field, fields, make_dataclass
+
+import yaml
+from transformers import HfArgumentParser, set_seed
+
+from ..configuration_boost_llama import BoostLlamaConfig
+from ..data import DEFAULT_VALIDATION_PERCENT, build_lm_datasets, load_tokenizer
+from ..modeling_boost_llama import BoostLlamaForCausalLM
+from .arguments import BoostTrainingArguments
+
+# BoostLlamaConfig fields that a recipe does not set: taken from the tokenizer or the training arguments.
+_NOT_RECIPE_FIELDS = {"use_cache", "pad_token_id", "bos_token_id", "eos_token_id", "rope_parameters"}
+VOCAB_MULTIPLE = 64
+"""The vocabulary is padded to a multiple of this (divisible by any power-of-two tp_size up to 64)."""
+
+
+def _model_fields() -> list[tuple[str, type, object]]:
+    hints = typing.get_type_hints(BoostLlamaConfig.__init__)
+    return [
+        (name, typing.Optional[hint], field(default=None, metadata={"help": f"BoostLlamaConfig.{name} (default: the preset's)."}))
+        for name, hint in hints.items()
+        if name not in _NOT_RECIPE_FIELDS and name != "return"
+    ]
+
+
+@dataclass
+class _ModelSource:
+    preset: str | None = field(
+        default="cola-60m",
+        metadata={"help": f"Reference configuration: one of {', '.join(BoostLlamaConfig.preset_names())}."},
+    )
+    init_from: str | None = field(
+        default=None, metadata={"help": "Start from this checkpoint's weights and config (any TP size saved it)."}
+    )
+
+
+ModelArguments = make_dataclass("ModelArguments", _model_fields(), bases=(_ModelSource,))
+ModelArguments.__doc__ = """The model: a ``preset`` (or ``init_from`` a checkpoint) and overrides of any scalar
+``BoostLlamaConfig`` field (``None`` keeps the preset's value). ``vocab_size`` defaults to the tokenizer's,
+padded to a multiple of 64."""
+ModelArguments.__module__ = __name__
+
+
+@dataclass
+class DataArguments:
+    """The data: a corpus, a tokenizer and the packing of blocks (:func:`boost_hf.data.build_lm_datasets`)."""
+
+    dataset: str | None = field(
+        default=None,
+        metadata={"help": "None: the Wikipedia sample shipped with gensim; else local text/JSON files, a folder or a Hub dataset."},
+    )
+    dataset_config: str | None = field(default=None, metadata={"help": "Hub dataset configuration."})
+    text_column: str = field(default="text", metadata={"help": "Column holding the document text."})
+    tokenizer: str = field(
+        default="bpe",
+        metadata={"help": "bpe-<vocab> (byte-level BPE trained on the Wikipedia sample, cached), a folder or a Hub name."},
+    )
+    block_size: int = field(default=256, metadata={"help": "Tokens per training sequence."})
+    max_train_blocks: int | None = field(default=None, metadata={"help": "Keep at most this many training blocks."})
+    max_eval_blocks: int | None = field(default=None, metadata={"help": "Keep at most this many validation blocks."})
+    validation_percent: float = field(
+        default=DEFAULT_VALIDATION_PERCENT, metadata={"help": "Share of documents held out when the source has no validation split."}
+    )
+    streaming: bool = field(default=False, metadata={"help": "Stream the corpus (Hub datasets) instead of downloading it."})
+
+
+SECTIONS = {"model": ModelArguments, "data": DataArguments, "training": BoostTrainingArguments}
+
+
+def recipe_to_argv(recipe: dict) -> list[str]:
+    """``--field=value`` arguments of a parsed recipe; raise ``ValueError`` on unknown sections or keys."""
+    argv = []
+    for section, values in (recipe or {}).items():
+        if section not in SECTIONS:
+            raise ValueError(f"unknown recipe section {section!r}: use {', '.join(SECTIONS)}.")
+        known = {f.name for f in fields(SECTIONS[section]) if f.init}
+        for key, value in (values or {}).items():
+            if key not in known:
+                raise ValueError(f"unknown key {key!r} in recipe section {section!r}: see `recipes/pretrain.py --help`.")
+            if value is None:
+                continue
+            if isinstance(value, list):
+                argv += [f"--{key}", *map(str, value)]
+            else:
+                argv.append(f"--{key}={json.dumps(value) if isinstance(value, dict) else value}")
+    return argv
+
+
+def parse_recipe(argv: list[str]) -> tuple:
+    """``[RECIPE.yaml] [--field value ...]`` -> ``(ModelArguments, DataArguments, BoostTrainingArguments)``."""
+    recipe = {}
+    if argv and argv[0].endswith((".yaml", ".yml")):
+        with open(argv[0]) as f:
+            recipe = yaml.safe_load(f)
+        argv = argv[1:]
+    parser = HfArgumentParser((ModelArguments, DataArguments, BoostTrainingArguments))
+    return parser.parse_args_into_dataclasses(args=recipe_to_argv(recipe) + list(argv))
+
+
+def build_tokenizer(data_args: DataArguments):
+    return load_tokenizer(data_args.tokenizer)
+
+
+def build_datasets(data_args: DataArguments, tokenizer, training_args: BoostTrainingArguments):
+    """Packed ``train`` / ``validation`` blocks; the local main process builds the caches first."""
+    with training_args.main_process_first(local=True, desc="building the datasets"):
+        return build_lm_datasets(
+            data_args.dataset,
+            tokenizer,
+            data_args.block_size,
+            text_column=data_args.text_column,
+            validation_percent=data_args.validation_percent,
+            config=data_args.dataset_config,
+            streaming=data_args.streaming,
+            max_train_blocks=data_args.max_train_blocks,
+            max_eval_blocks=data_args.max_eval_blocks,
+        )
+
+
+def build_config(model_args, tokenizer) -> BoostLlamaConfig:
+    """The model configuration: ``init_from``'s or the preset's, with the recipe's overrides and the
+    tokenizer's vocabulary (padded to a multiple of :data:`VOCAB_MULTIPLE`) and special tokens."""
+    overrides = {f.name: getattr(model_args, f.name) for f in fields(ModelArguments) if f.name not in ("preset", "init_from")}
+    overrides = {k: v for k, v in overrides.items() if v is not None}
+    tokens = dict(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    if model_args.init_from:
+        return BoostLlamaConfig.from_pretrained(model_args.init_from, **overrides)
+    overrides.setdefault("vocab_size", -(-len(tokenizer) // VOCAB_MULTIPLE) * VOCAB_MULTIPLE)
+    if "num_attention_heads" in overrides:  # presets have no GQA: keep it that way unless asked
+        overrides.setdefault("num_key_value_heads", overrides["num_attention_heads"])
+    return BoostLlamaConfig.from_preset(model_args.preset, **tokens, **overrides)
+
+
+def build_model(model_args, training_args: BoostTrainingArguments, tokenizer) -> BoostLlamaForCausalLM:
+    """This rank's shard of the model (call inside the launched process group, i.e. after parsing the
+    training arguments). Weights depend only on ``training_args.seed``, whatever the TP size."""
+    config = build_config(model_args, tokenizer)
+    parallel_config = training_args.to_parallel_config(config)
+    if model_args.init_from:
+        return BoostLlamaForCausalLM.from_pretrained(model_args.init_from, config=config, parallel_config=parallel_config)
+    set_seed(training_args.seed)
+    return BoostLlamaForCausalLM(config, parallel_config)
+
+
+def rank_zero_print(*args) -> None:
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(*args, flush=True)
+
+
+__all__ = [
+    "ModelArguments",
+    "DataArguments",
+    "parse_recipe",
+    "recipe_to_argv",
+    "build_tokenizer",
+    "build_datasets",
+    "build_config",
+    "build_model",
+    "rank_zero_print",
+]

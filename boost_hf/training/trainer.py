@@ -1,0 +1,285 @@
+"""``BoostTrainer``: ``transformers.Trainer`` for tensor-parallel x data-parallel pre-training.
+
+The model arrives already sharded (``BoostLlamaForCausalLM(config, parallel_config)`` inside the launched
+process group); the trainer adds the data-parallel half and keeps every Trainer feature (logging,
+evaluation, checkpoints, callbacks, ``report_to``). What it changes, and why:
+
+=====================================  ======================================================================
+Trainer hook                           boost-hf behaviour
+=====================================  ======================================================================
+``get_train_dataloader``               shard by DP rank: TP peers get the same micro-batch
+                                       (:mod:`boost_hf.training.data`)
+``get_eval_dataloader`` /              DP-sharded validation, exact token-weighted loss all-reduced over DP;
+``evaluation_loop``                    ``eval_perplexity = exp(eval_loss)``
+``get_tp_size``                        our TP size: global batch and loss scaling count DP ranks only
+``_wrap_model``                        (tp > 1, no DeepSpeed) DDP over the DP group, never across TP ranks
+``_prepare_for_training``              (DeepSpeed) ``deepspeed.initialize`` gets our groups as ``mpu``: ZeRO
+                                       shards over DP only (:mod:`boost_hf.training.deepspeed`)
+``_clip_grad_norm`` / ``_get_grad_norm``  (no DeepSpeed) the true global norm: TP shards summed over the TP
+                                       group, replicated parameters once (DeepSpeed does the same via ``mpu``)
+``training_step`` / ``log``            tokens/s, MFU, communication per step (:mod:`boost_hf.training.metrics`)
+``save_model`` / ``_save_checkpoint``  canonical checkpoint from every rank's shard, atomic folders,
+``_save_optimizer_and_scheduler``      optimizer state per TP rank (:mod:`boost_hf.training.checkpoint`)
+``_load_from_checkpoint`` /            resume: this rank's slice of the canonical weights, its optimizer file
+``_load_optimizer_and_scheduler``
+=====================================  ======================================================================
+
+Launch with ``accelerate launch`` (``world = dp x tp_size`` processes; TP ranks are adjacent, see
+:mod:`boost_hf.parallel.state`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader
+from transformers import Trainer, default_data_collator
+from transformers.trainer import SCHEDULER_NAME, TRAINER_STATE_NAME
+from transformers.trainer_callback import ExportableState
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, EvalLoopOutput
+from transformers.trainer_utils import rotate_checkpoints
+
+from ..parallel.checkpoint_io import load_canonical_checkpoint, resolve_checkpoint_files
+from .checkpoint import atomic_directory, full_parameters, optimizer_file_name
+from .data import EvalShard, shard_by_data_parallel_rank
+from .deepspeed import ModelParallelUnit, configure_deepspeed, deepspeed_initialize_with_mpu
+from .grad_norm import clip_grad_norm_, global_grad_norm
+from .metrics import TrainingMetrics
+
+
+class BoostTrainer(Trainer):
+    """A ``transformers.Trainer`` for :class:`~boost_hf.BoostLlamaForCausalLM` under TP x DP.
+
+    Takes the Trainer's arguments; ``args`` is usually a
+    :class:`~boost_hf.training.arguments.BoostTrainingArguments` whose ``tp_size`` must match the model's.
+    Without ``data_collator``, batches are stacked as they are (``default_data_collator``: packed blocks).
+    """
+
+    def __init__(self, model=None, args=None, **kwargs):
+        self.parallel_state = model.plan.state
+        tp_size = getattr(args, "tp_size", self.parallel_state.tp_size)
+        if tp_size != self.parallel_state.tp_size:
+            raise ValueError(
+                f"the model was built with tp_size={self.parallel_state.tp_size} but args.tp_size={tp_size}: "
+                "build it with args.to_parallel_config(config)."
+            )
+        kwargs.setdefault("data_collator", default_data_collator)
+        super().__init__(model=model, args=args, **kwargs)
+        state = self.parallel_state
+        self.metrics = TrainingMetrics(
+            model.config,
+            world_size=state.tp_size * state.dp_size,
+            dp_size=state.dp_size,
+            peak_tflops=getattr(self.args, "peak_tflops", None) or 1.0,
+            dp_grad_bytes=0 if state.dp_size == 1 else sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad),
+        )
+        self.add_callback(self.metrics)
+
+    # ------------------------------------------------------------------ set-up
+    def create_accelerator_and_postprocess(self) -> None:
+        super().create_accelerator_and_postprocess()
+        if self.is_deepspeed_enabled:
+            configure_deepspeed(self.accelerator.state.deepspeed_plugin.hf_ds_config, self.args, self.parallel_state.dp_size)
+
+    def get_tp_size(self) -> int:
+        return self.parallel_state.tp_size
+
+    @property
+    def _zero_stage(self) -> int | None:
+        return self.accelerator.state.deepspeed_plugin.zero_stage if self.is_deepspeed_enabled else None
+
+    def _wrap_model(self, model, training: bool = True, dataloader=None):
+        if not training or self.is_deepspeed_enabled or self.parallel_state.tp_size == 1:
+            return super()._wrap_model(model, training, dataloader)
+        if self.accelerator.unwrap_model(model, keep_torch_compile=False) is not model:
+            return model  # already wrapped by an earlier train() call
+        model = self.accelerator.prepare_model(model, evaluation_mode=True)  # placement and autocast, no DDP
+        kwargs = self.accelerator.ddp_handler.to_kwargs() if self.accelerator.ddp_handler is not None else {}
+        kwargs["find_unused_parameters"] = bool(self.args.ddp_find_unused_parameters)
+        device_ids = [self.args.device.index] if self.args.device.type == "cuda" else None
+        dp_group = self.parallel_state.mesh.get_group("dp")
+        return torch.nn.parallel.DistributedDataParallel(model, device_ids=device_ids, process_group=dp_group, **kwargs)
+
+    def _prepare_for_training(self, max_steps, train_dataloader, resume_from_checkpoint):
+        groups = contextlib.nullcontext()
+        if self.is_deepspeed_enabled and self.parallel_state.mesh is not None:
+            groups = deepspeed_initialize_with_mpu(ModelParallelUnit(self.parallel_state))
+        with groups:
+            return super()._prepare_for_training(max_steps, train_dataloader, resume_from_checkpoint)
+
+    # ------------------------------------------------------------------ data
+    def get_train_dataloader(self) -> DataLoader:
+        state = self.parallel_state
+        return shard_by_data_parallel_rank(super().get_train_dataloader(), state.dp_size, state.dp_rank)
+
+    def get_eval_dataloader(self, eval_dataset=None) -> DataLoader:
+        if isinstance(eval_dataset, str):
+            eval_dataset = self.eval_dataset[eval_dataset]
+        dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
+        if dataset is None:
+            raise ValueError("Trainer: evaluation requires an eval_dataset.")
+        if hasattr(dataset, "column_names"):
+            dataset = self._remove_unused_columns(dataset, description="Evaluation")
+        state = self.parallel_state
+        return DataLoader(
+            EvalShard(dataset, state.dp_size, state.dp_rank),
+            batch_size=self.args.eval_batch_size,
+            collate_fn=self.data_collator,
+            num_workers=self.args.dataloader_num_workers,
+            pin_memory=self.args.dataloader_pin_memory,
+        )
+
+    def evaluation_loop(self, dataloader, description, prediction_loss_only=None, ignore_keys=None, metric_key_prefix="eval"):
+        """Mean next-token loss over every target token of the evaluation set, and its perplexity.
+
+        Each DP rank sums its tokens' losses (``num_items_in_batch=1`` makes the model return the sum);
+        one all-reduce of ``[sum, count]`` in the DP group (TP peers hold the same values).
+        """
+        deepspeed_engine = self.is_deepspeed_enabled and self.model_wrapped is not self.model
+        model = self.model_wrapped if deepspeed_engine else self.model
+        model.eval()
+        totals = torch.zeros(2, dtype=torch.float64, device=self.args.device)
+        with torch.no_grad():
+            for batch in dataloader:
+                batch = self._prepare_inputs(batch)
+                count = (batch["labels"][..., 1:] != -100).sum()
+                loss_sum = model(**batch, num_items_in_batch=1).loss
+                totals += torch.stack([loss_sum.double(), count.double()])
+        if self.parallel_state.dp_group is not None:
+            dist.all_reduce(totals, group=self.parallel_state.dp_group)
+        loss = (totals[0] / totals[1].clamp(min=1)).item()
+        metrics = {f"{metric_key_prefix}_loss": loss, f"{metric_key_prefix}_perplexity": math.exp(min(loss, 50.0))}
+        return EvalLoopOutput(predictions=None, label_ids=None, metrics=metrics, num_samples=len(dataloader.dataset.dataset))
+
+    # ------------------------------------------------------------------ steps, gradients, metrics
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        self.metrics.count_micro_batch(inputs["input_ids"])
+        with self.metrics.comm:
+            return super().training_step(model, inputs, num_items_in_batch)
+
+    def _clip_grad_norm(self, model):
+        if self.is_deepspeed_enabled:
+            return super()._clip_grad_norm(model)
+        self.accelerator.unscale_gradients()
+        return clip_grad_norm_(model.parameters(), self.args.max_grad_norm, self.parallel_state.tp_group)
+
+    def _get_grad_norm(self, model, grad_norm=None):
+        if grad_norm is None and not self.is_deepspeed_enabled:
+            grad_norm = global_grad_norm(model.parameters(), self.parallel_state.tp_group)
+        return super()._get_grad_norm(model, grad_norm)
+
+    def _track_num_input_tokens(self, inputs) -> None:
+        before = self.state.num_input_tokens_seen
+        super()._track_num_input_tokens(inputs)  # gathered over all processes: TP peers counted tp_size times
+        self.state.num_input_tokens_seen = before + (self.state.num_input_tokens_seen - before) // self.parallel_state.tp_size
+
+    def floating_point_ops(self, inputs) -> int:
+        """Analytic training FLOPs of this rank's share of the micro-batch (its TP group splits the work)."""
+        from ..perf.flops import training_flops_per_token
+
+        input_ids = inputs["input_ids"]
+        per_token = training_flops_per_token(self.model.config, input_ids.shape[-1])
+        return input_ids.numel() * per_token // self.parallel_state.tp_size
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        if "loss" in logs:
+            logs.update(self.metrics.pop_logs())
+        super().log(logs, start_time)
+
+    # ------------------------------------------------------------------ saving and resuming
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """Write the canonical (unsharded) model, its config and the tokenizer. Collective: call on every rank."""
+        output_dir = output_dir or self.args.output_dir
+        with full_parameters(self.model, self._zero_stage):
+            self.model.save_pretrained(output_dir, is_main_process=self.args.should_save)
+        if self.args.should_save:
+            if self.processing_class is not None:
+                self.processing_class.save_pretrained(output_dir)
+            torch.save(self.args, os.path.join(output_dir, "training_args.bin"))
+
+    def save_final_model(self, output_dir: str | None = None) -> str:
+        """Save the model (canonical) + tokenizer atomically to ``<output_dir>/final``; return that path."""
+        target = output_dir or os.path.join(self.args.output_dir, "final")
+        with atomic_directory(target, is_writer=self.args.should_save) as staging:
+            self.save_model(staging)
+        return target
+
+    def _save_checkpoint(self, model, trial) -> None:
+        run_dir = self._get_output_dir(trial=trial)
+        target = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+        self.store_flos()
+        with atomic_directory(target, is_writer=self.args.should_save) as staging:
+            self.save_model(staging, _internal_call=True)
+            if not self.args.save_only_model:
+                self._save_optimizer_and_scheduler(staging)
+                self._save_scaler(staging)
+                self._save_rng_state(staging)
+            if self.args.should_save:
+                for callback in self.callback_handler.callbacks + [self.control]:
+                    if isinstance(callback, ExportableState):
+                        name = callback.__class__.__name__
+                        if isinstance(self.state.stateful_callbacks.get(name), list):
+                            self.state.stateful_callbacks[name].append(callback.state())
+                        else:
+                            self.state.stateful_callbacks[name] = callback.state()
+                self.state.save_to_json(os.path.join(staging, TRAINER_STATE_NAME))
+        if self.args.should_save:
+            rotate_checkpoints(
+                output_dir=run_dir,
+                save_total_limit=self.args.save_total_limit,
+                best_model_checkpoint=self.state.best_model_checkpoint,
+                use_mtime=True,
+            )
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        state = self.parallel_state
+        if self.is_deepspeed_enabled or state.tp_size == 1:
+            return super()._save_optimizer_and_scheduler(output_dir)
+        if state.dp_rank == 0:  # DP replicas hold the same optimizer state
+            torch.save(self.optimizer.state_dict(), os.path.join(output_dir, optimizer_file_name(state.tp_rank, state.tp_size)))
+        if self.args.should_save:
+            torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        state = self.parallel_state
+        if checkpoint is None or self.is_deepspeed_enabled or state.tp_size == 1:
+            return super()._load_optimizer_and_scheduler(checkpoint)
+        path = os.path.join(checkpoint, optimizer_file_name(state.tp_rank, state.tp_size))
+        if not os.path.isfile(path):
+            raise FileNotFoundError(
+                f"{path} is missing: this checkpoint was not saved with tp_size={state.tp_size} (the optimizer state "
+                "does not reshard); to change tp_size, start a new run from the weights (init_from=<checkpoint>)."
+            )
+        self.optimizer.load_state_dict(torch.load(path, map_location=self.args.device, weights_only=True))
+        self.lr_scheduler.load_state_dict(torch.load(os.path.join(checkpoint, SCHEDULER_NAME), weights_only=True))
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
+        """This rank's slice of the checkpoint's canonical weights (any TP size wrote it)."""
+        model = self.accelerator.unwrap_model(model if model is not None else self.model)
+        load_canonical_checkpoint(model, resolve_checkpoint_files(resume_from_checkpoint))
+
+    # ------------------------------------------------------------------ generation
+    def generate_sample(self, prompt: str | None = None, max_new_tokens: int | None = None) -> str:
+        """Greedy continuation of ``prompt`` (default ``args.sample_prompt``). Collective: call on every rank."""
+        prompt = prompt if prompt is not None else getattr(self.args, "sample_prompt", "The")
+        max_new_tokens = max_new_tokens if max_new_tokens is not None else getattr(self.args, "sample_max_new_tokens", 40)
+        tokenizer = self.processing_class
+        input_ids = tokenizer(prompt, return_tensors="pt").input_ids.to(self.args.device)
+        self.model.eval()
+        with torch.no_grad():
+            output = self.model.generate(
+                input_ids,
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                use_cache=True,
+                pad_token_id=tokenizer.pad_token_id,
+                eos_token_id=tokenizer.eos_token_id,
+            )
+        return tokenizer.decode(output[0], skip_special_tokens=True)
+
+
+__all__ = ["BoostTrainer"]

@@ -1,0 +1,57 @@
+"""Shared test settings: offline hub, quiet tokenizers, and tiny model configurations."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest  # noqa: E402
+
+# Tiny LLaMA shape: d=32, 4 heads of 8, GQA with 2 kv heads (kv width 16), d_ff=64, vocab 96, rank 8.
+TINY = dict(
+    vocab_size=96,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+)
+
+# name -> BoostLlamaConfig fields of every model variant the tests cover
+VARIANTS: dict[str, dict] = {
+    "full": dict(bottleneck=None),
+    "svd": dict(bottleneck="svd"),
+    "cola": dict(bottleneck="cola"),
+    "cola-swiglu": dict(bottleneck="cola", only_lr_act=False),
+    "lax-dense": dict(bottleneck="lax", lax_gate="dense"),
+    "lax-kronecker": dict(bottleneck="lax", lax_gate="kronecker"),
+    "lax-identity": dict(bottleneck="lax", lax_gate="identity"),
+    "lax-no-norm": dict(bottleneck="lax", lax_latent_norm=False),
+    "lax-svd": dict(bottleneck="lax", lax_base="svd"),
+}
+LOW_RANK_VARIANTS = [name for name, fields in VARIANTS.items() if fields["bottleneck"] is not None]
+
+
+@pytest.fixture
+def make_config():
+    """``make_config(variant="full", **overrides)`` -> a tiny ``BoostLlamaConfig`` (rank 8)."""
+    from boost_hf import BoostLlamaConfig
+
+    def make(variant: str = "full", **overrides):
+        return BoostLlamaConfig(**{**TINY, "rank": 8, **VARIANTS[variant], **overrides})
+
+    return make
+
+
+@pytest.fixture(params=list(VARIANTS))
+def variant(request) -> str:
+    """Every model variant: full rank, svd, cola (both MLP forms) and the LaX gates / norm / bases."""
+    return request.param
+
+
+@pytest.fixture(params=LOW_RANK_VARIANTS)
+def low_rank_variant(request) -> str:
+    return request.param

@@ -1,0 +1,1 @@
+"""Tests for boost_hf.data."""

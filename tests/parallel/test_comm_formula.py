@@ -1,0 +1,204 @@
+"""The communication formula against hand-computed volumes, for every layout and option.
+
+Small model (GQA so that dq != dkv): d=64, dq=64 (8 heads of 8), dkv=32 (4 kv heads), f=96, r=16,
+V=128, L=3; micro-batch of N=10 tokens. Volumes do not depend on p > 1, so each case runs at p=2 and 4.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from boost_hf.configuration_boost_llama import BoostLlamaConfig
+from boost_hf.parallel.comm_formula import (
+    Collective,
+    Communication,
+    PassCommunication,
+    layer_communication,
+    model_communication,
+    outside_layers_communication,
+    ring_traffic_bytes,
+)
+from boost_hf.parallel.config import ParallelConfig
+
+N = 10
+SMALL = dict(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=3,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    rank=16,
+)
+
+
+def small(bottleneck):
+    return BoostLlamaConfig(**SMALL, bottleneck=bottleneck)
+
+
+def comm(all_reduce=(0, 0), all_gather=(0, 0)) -> Communication:
+    return Communication({"all_reduce": Collective(*all_reduce), "all_gather": Collective(*all_gather)})
+
+
+@pytest.fixture(params=[2, 4])
+def p(request) -> int:
+    return request.param
+
+
+# (bottleneck, ParallelConfig fields) -> (forward, backward) of one layer, as (calls, elements) pairs.
+# d=64, dq=64, dkv=32, f=96, r=16, N=10.
+LAYER_CASES = {
+    # megatron: 2 x N d forward (o, down) and backward (inputs of qkv, gate_up)
+    "megatron": (None, dict(tp_style="megatron"), comm((2, 1280)), comm((2, 1280))),
+    "megatron-ungrouped": (None, dict(tp_style="megatron", group_linears=False), comm((2, 1280)), comm((2, 1280))),
+    "megatron-full-ckpt": (
+        None, dict(tp_style="megatron", activation_checkpointing="full"), comm((2, 1280)), comm((4, 2560))
+    ),
+    # vanilla: forward N (dq + 2 dkv + d + 2f + d) = 10 * 448; backward grouped N (d + dq + d + f) = 10 * 288,
+    # ungrouped N (3d + dq + 2d + f) = 10 * 480
+    "vanilla": ("cola", dict(tp_style="vanilla"), comm((7, 4480)), comm((4, 2880))),
+    "vanilla-ungrouped": ("cola", dict(tp_style="vanilla", group_linears=False), comm((7, 4480)), comm((7, 4800))),
+    "vanilla-svd-sync-norm": ("svd", dict(tp_style="vanilla", rmsnorm="sync"), comm((7, 4480)), comm((4, 2880))),
+    "vanilla-full-ckpt": (
+        "cola", dict(tp_style="vanilla", activation_checkpointing="full"), comm((7, 4480)), comm((11, 7360))
+    ),
+    "vanilla-lowrank-ckpt": (
+        "cola", dict(tp_style="vanilla", activation_checkpointing="lowrank"), comm((7, 4480)), comm((11, 7360))
+    ),
+    # LaX under vanilla: latents gathered to full r, 7 N r = 1120, forward and backward
+    "vanilla-lax": ("lax", dict(tp_style="vanilla"), comm((7, 4480), (7, 1120)), comm((4, 2880), (7, 1120))),
+    "vanilla-lax-full-ckpt": (
+        "lax",
+        dict(tp_style="vanilla", activation_checkpointing="full"),
+        comm((7, 4480), (7, 1120)),
+        comm((11, 7360), (14, 2240)),
+    ),
+    "vanilla-lax-lowrank-ckpt": (  # recomputes the B all-reduces, not the all-gathers
+        "lax",
+        dict(tp_style="vanilla", activation_checkpointing="lowrank"),
+        comm((7, 4480), (7, 1120)),
+        comm((11, 7360), (7, 1120)),
+    ),
+    # btp: 7 N r = 1120; online norm +2N = 20 elements in the same calls; sync +2 calls +2N both ways
+    "btp-online": ("cola", dict(tp_style="btp", rmsnorm="online"), comm((4, 1140)), comm((4, 1120))),
+    "btp-sync": ("cola", dict(tp_style="btp", rmsnorm="sync"), comm((6, 1140)), comm((6, 1140))),
+    "btp-local": ("cola", dict(tp_style="btp", rmsnorm="local"), comm((4, 1120)), comm((4, 1120))),
+    "btp-online-ungrouped": (
+        "cola", dict(tp_style="btp", rmsnorm="online", group_linears=False), comm((7, 1140)), comm((7, 1120))
+    ),
+    "btp-sync-ungrouped": (
+        "svd", dict(tp_style="btp", rmsnorm="sync", group_linears=False), comm((9, 1140)), comm((9, 1140))
+    ),
+    "btp-lax": ("lax", dict(tp_style="btp"), comm((4, 1140)), comm((4, 1120))),
+    "btp-full-ckpt": (
+        "cola", dict(tp_style="btp", activation_checkpointing="full"), comm((4, 1140)), comm((8, 2260))
+    ),
+    "btp-sync-full-ckpt": (
+        "cola", dict(tp_style="btp", rmsnorm="sync", activation_checkpointing="full"), comm((6, 1140)), comm((12, 2280))
+    ),
+    "btp-lowrank-ckpt": (
+        "lax", dict(tp_style="btp", activation_checkpointing="lowrank"), comm((4, 1140)), comm((4, 1120))
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(LAYER_CASES))
+def test_layer_communication(case, p):
+    bottleneck, fields, forward, backward = LAYER_CASES[case]
+    got = layer_communication(small(bottleneck), ParallelConfig(tp_size=p, **fields), N)
+    assert got == PassCommunication(forward, backward)
+
+
+@pytest.mark.parametrize("case", list(LAYER_CASES))
+def test_nothing_is_communicated_without_tensor_parallelism(case):
+    bottleneck, fields, _, _ = LAYER_CASES[case]
+    parallel = ParallelConfig(tp_size=1, **fields)
+    assert layer_communication(small(bottleneck), parallel, N) == PassCommunication()
+    assert model_communication(small(bottleneck), parallel, N, with_logits=True) == PassCommunication()
+
+
+@pytest.mark.parametrize(
+    "bottleneck, style, with_loss, with_logits, forward, backward",
+    [
+        # btp: no embedding collective; all-gather N d = 640 before the final norm
+        ("cola", "btp", True, False, comm((2, 30), (1, 640)), comm((1, 640))),
+        ("cola", "btp", False, False, comm(all_gather=(1, 640)), comm((1, 640))),
+        # full logits: all-gather N V = 1280
+        ("cola", "btp", True, True, comm((2, 30), (2, 1920)), comm((1, 640))),
+        # vocab-parallel embedding all-reduce N d, then the loss' max (N) and fused [sum-exp, target] (2N)
+        ("cola", "vanilla", True, False, comm((3, 670)), comm((1, 640))),
+        (None, "megatron", True, False, comm((3, 670)), comm((1, 640))),
+        (None, "megatron", False, True, comm((1, 640), (1, 1280)), comm((1, 640))),
+    ],
+)
+def test_outside_layers(bottleneck, style, with_loss, with_logits, forward, backward, p):
+    parallel = ParallelConfig(tp_size=p, tp_style=style)
+    got = outside_layers_communication(small(bottleneck), parallel, N, with_loss=with_loss, with_logits=with_logits)
+    assert got == PassCommunication(forward, backward)
+
+
+def test_model_is_layers_plus_outside(p):
+    config, parallel = small("lax"), ParallelConfig(tp_size=p, tp_style="vanilla", activation_checkpointing="full")
+    got = model_communication(config, parallel, N, with_logits=True)
+    # 3 layers of (AR 7/4480, AG 7/1120 | AR 11/7360, AG 14/2240) + outside (AR 3/670, AG 1/1280 | AR 1/640)
+    assert got == PassCommunication(comm((24, 14110), (22, 4640)), comm((34, 22720), (42, 6720)))
+
+
+def test_invalid_layouts_raise():
+    with pytest.raises(ValueError, match="low-rank model"):
+        layer_communication(small(None), ParallelConfig(tp_size=2, tp_style="megatron", activation_checkpointing="lowrank"), N)
+    with pytest.raises(ValueError, match="full-rank layout"):
+        layer_communication(small("cola"), ParallelConfig(tp_size=2, tp_style="megatron"), N)
+
+
+@pytest.mark.parametrize(
+    "preset, style, gib",
+    [("cola-7b", "btp", 0.21875), ("llama-7b", "megatron", 0.25), ("cola-7b", "vanilla", 1.296875)],
+)
+def test_boost_md_per_layer_volume_at_7b(preset, style, gib):
+    """BOOST.md section 6: 7B, batch 4 x 4096, bf16: ~0.22 (btp), 0.25 (full), ~1.3 GiB (vanilla) forward."""
+    parallel = ParallelConfig(tp_size=4, tp_style=style)
+    forward = layer_communication(BoostLlamaConfig.from_preset(preset), parallel, 4 * 4096).forward
+    # btp carries 2N extra norm statistics (0.00006 GiB) on top of 7 N r.
+    assert forward.bytes(2) / 2**30 == pytest.approx(gib, abs=1e-4)
+
+
+def test_boost_md_formulas_at_7b():
+    n, d, f, r = 16384, 4096, 11008, 1024
+    cola, llama = BoostLlamaConfig.from_preset("cola-7b"), BoostLlamaConfig.from_preset("llama-7b")
+    btp = layer_communication(cola, ParallelConfig(tp_size=4), n)
+    assert btp.forward == comm((4, 7 * n * r + 2 * n))
+    vanilla = layer_communication(cola, ParallelConfig(tp_size=4, tp_style="vanilla"), n)
+    assert vanilla.forward == comm((7, n * (5 * d + 2 * f)))
+    assert vanilla.backward == comm((4, n * (3 * d + f)))
+    vanilla_ungrouped = layer_communication(cola, ParallelConfig(tp_size=4, tp_style="vanilla", group_linears=False), n)
+    assert vanilla_ungrouped.backward == comm((7, n * (6 * d + f)))
+    megatron = layer_communication(llama, ParallelConfig(tp_size=4, tp_style="megatron"), n)
+    assert megatron.forward == megatron.backward == comm((2, 2 * n * d))
+
+
+def test_communication_arithmetic():
+    a = comm((2, 100), (1, 10))
+    b = Communication({"all_reduce": Collective(1, 5)})
+    assert (a + b) == comm((3, 105), (1, 10))
+    assert a.scaled(3) == comm((6, 300), (3, 30))
+    assert a.calls == 3 and a.elements == 110 and a.bytes(2) == 220 and a.bytes(4) == 440
+    assert a["all_gather"] == Collective(1, 10) and b["all_gather"] == Collective()
+    assert b == comm((1, 5)) and hash(b) == hash(comm((1, 5)))  # zero kinds do not matter
+    assert Communication().calls == 0 and Communication().elements == 0
+    assert a.only("all_reduce") == comm((2, 100))
+    assert a.to_dict() == {"all_reduce": {"calls": 2, "elements": 100}, "all_gather": {"calls": 1, "elements": 10}}
+    forward_backward = PassCommunication(a, b)
+    assert forward_backward + forward_backward == forward_backward.scaled(2)
+    with pytest.raises(ValueError, match="Unknown collective kind"):
+        Communication({"broadcast": Collective(1, 1)})
+
+
+def test_ring_traffic():
+    assert ring_traffic_bytes("all_reduce", 1000, 4) == 1500  # 2 (p-1)/p
+    assert ring_traffic_bytes("all_gather", 1000, 4) == 750  # (p-1)/p
+    assert ring_traffic_bytes("all_reduce", 1000, 2) == 1000
+    assert ring_traffic_bytes("all_reduce", 1000, 1) == 0
+    assert comm((2, 100), (1, 40)).ring_traffic_bytes(tp_size=2, dtype_bytes=2) == 200 + 40
+    with pytest.raises(ValueError):
+        ring_traffic_bytes("broadcast", 1000, 4)

@@ -1,0 +1,165 @@
+"""Cases run inside launched process groups (see tests/distributed.py); imported by the children.
+
+Each rank builds the single-device reference from the same seed itself, so every comparison is local.
+"""
+
+from __future__ import annotations
+
+import tempfile
+
+import torch
+import torch.distributed as dist
+
+from boost_hf import BoostLlamaConfig, BoostLlamaForCausalLM, CommCounter, ParallelConfig
+from boost_hf.parallel.sharding import gather_full, shard_spec_of
+
+SEED = 1234
+# GQA (8 heads, 4 kv heads) and every dimension divisible by 4 so TP 2 and 4 both apply.
+TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=8,
+            num_key_value_heads=4, rank=16, max_position_embeddings=64)
+BATCH, SEQ = 2, 8
+
+
+def tiny_config(**overrides) -> BoostLlamaConfig:
+    return BoostLlamaConfig(**{**TINY, **overrides})
+
+
+def batch():
+    gen = torch.Generator().manual_seed(7)
+    ids = torch.randint(0, TINY["vocab_size"], (BATCH, SEQ), generator=gen)
+    labels = ids.clone()
+    labels[0, :2] = -100  # some ignored targets
+    return ids, labels
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-12))
+
+
+def train_step(model, parallel: bool):
+    """Forward with labels, backward, one optimizer step; returns loss, canonical grads/params, comm counts.
+
+    The step is SGD with momentum and weight decay: Adam's first step is ``lr * sign(g)`` for gradients
+    near zero, which turns fp32 summation-order noise (any two GEMM orders) into steps of size ``lr``.
+    """
+    ids, labels = batch()
+    model.train()
+    with CommCounter() as fwd:
+        loss = model(ids, labels=labels).loss
+    with CommCounter() as bwd:
+        loss.backward()
+    group = model.plan.group
+    grads = {n: gather_full(p.grad, shard_spec_of(p), group) for n, p in model.named_parameters()}
+    torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=0.01).step()
+    params = {n: gather_full(p.detach(), shard_spec_of(p), group) for n, p in model.named_parameters()}
+    return float(loss.detach()), grads, params, fwd.as_dict(), bwd.as_dict()
+
+
+def parity_case(case: dict) -> dict:
+    config = tiny_config(**case.get("model", {}))
+    torch.manual_seed(SEED)
+    reference = BoostLlamaForCausalLM(config)
+    initial = {n: p.detach().clone() for n, p in reference.named_parameters()}
+    ref_loss, ref_grads, ref_params, _, _ = train_step(reference, parallel=False)
+
+    parallel = ParallelConfig(tp_size=dist.get_world_size(), **case["parallel"])
+    torch.manual_seed(SEED)
+    model = BoostLlamaForCausalLM(config, parallel_config=parallel)
+    group = model.plan.group
+    init_exact = all(
+        torch.equal(gather_full(p.detach(), shard_spec_of(p), group), initial[n]) for n, p in model.named_parameters()
+    )
+    loss, grads, params, fwd, bwd = train_step(model, parallel=True)
+    losses = [None] * dist.get_world_size()
+    dist.all_gather_object(losses, loss)
+    return {
+        "case": case,
+        "init_exact": init_exact,
+        "same_names": sorted(grads) == sorted(ref_grads),
+        "loss_rel": abs(loss - ref_loss) / abs(ref_loss),
+        "loss_same_on_ranks": len(set(losses)) == 1,
+        "grad_rel": max(rel(grads[n], ref_grads[n]) for n in ref_grads),
+        "param_rel": max(rel(params[n], ref_params[n]) for n in ref_params),
+        "worst_grad": max(ref_grads, key=lambda n: rel(grads[n], ref_grads[n])),
+        "fwd": fwd,
+        "bwd": bwd,
+        "tokens": BATCH * SEQ,
+    }
+
+
+def parity_cases(cases: list[dict]) -> list[dict]:
+    return [parity_case(case) for case in cases]
+
+
+def all_cases(world_size: int) -> list[dict]:
+    cases = [
+        {"model": {"bottleneck": None}, "parallel": {"tp_style": "megatron", "group_linears": g, "activation_checkpointing": c}}
+        for g in (True, False)
+        for c in ("none", "full")
+    ]
+    for bottleneck in ("svd", "cola", "lax"):
+        for group_linears in (True, False):
+            for checkpointing in ("none", "full", "lowrank"):
+                common = {"group_linears": group_linears, "activation_checkpointing": checkpointing}
+                model = {"bottleneck": bottleneck}
+                cases.append({"model": model, "parallel": {"tp_style": "vanilla", **common}})
+                for rmsnorm in ("online", "sync"):
+                    cases.append({"model": model, "parallel": {"tp_style": "btp", "rmsnorm": rmsnorm, **common}})
+    for gate in ("kronecker", "identity"):
+        for style in ("btp", "vanilla"):
+            cases.append({"model": {"bottleneck": "lax", "lax_gate": gate, "lax_base": "svd"}, "parallel": {"tp_style": style}})
+    cases.append({"model": {"bottleneck": "cola", "only_lr_act": False}, "parallel": {"tp_style": "btp"}})
+    return cases
+
+
+def checkpoint_round_trip(tmp_dir: str) -> dict:
+    """Save at TP=world (BTP), load at TP=1 and TP=2 (and world): identical logits everywhere."""
+    config = tiny_config(bottleneck="cola")
+    world = dist.get_world_size()
+    torch.manual_seed(SEED)
+    model = BoostLlamaForCausalLM(config, parallel_config=ParallelConfig(tp_size=world))
+    ids, _ = batch()
+    with torch.no_grad():
+        logits = model(ids).logits
+    model.save_pretrained(tmp_dir)
+    out = {}
+    for tp in sorted({1, 2, world}):
+        for style in ("btp", "vanilla"):
+            loaded = BoostLlamaForCausalLM.from_pretrained(tmp_dir, parallel_config=ParallelConfig(tp_size=tp, tp_style=style))
+            with torch.no_grad():
+                out[f"tp{tp}-{style}"] = float((loaded(ids).logits - logits).abs().max())
+    plain = BoostLlamaForCausalLM.from_pretrained(tmp_dir)
+    with torch.no_grad():
+        out["plain"] = float((plain(ids).logits - logits).abs().max())
+    return out
+
+
+def bad_configurations() -> dict:
+    """Each bad layout raises ValueError on every rank before any collective (no hang)."""
+    world = dist.get_world_size()
+    bad = {
+        "heads": (tiny_config(bottleneck="cola", num_attention_heads=3, num_key_value_heads=3, hidden_size=48, rank=12), ParallelConfig(tp_size=world)),
+        "kv_heads": (tiny_config(bottleneck="cola", num_key_value_heads=1, rank=8), ParallelConfig(tp_size=world)),
+        "megatron_lowrank": (tiny_config(bottleneck="cola"), ParallelConfig(tp_size=world, tp_style="megatron")),
+        "btp_full_rank": (tiny_config(bottleneck=None), ParallelConfig(tp_size=world, tp_style="btp")),
+        "tp_not_dividing_world": (tiny_config(bottleneck="cola"), ParallelConfig(tp_size=world + 1)),
+        "tied_btp": (tiny_config(bottleneck="cola", tie_word_embeddings=True), ParallelConfig(tp_size=world)),
+    }
+    messages = {}
+    for name, (config, parallel) in bad.items():
+        try:
+            BoostLlamaForCausalLM(config, parallel_config=parallel)
+            messages[name] = None
+        except ValueError as err:
+            messages[name] = str(err)
+    dist.barrier()  # every rank got here: nobody hangs in a collective
+    return messages
+
+
+def everything(world_size: int) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        shared = [tmp]
+        dist.broadcast_object_list(shared, src=0)
+        round_trip = checkpoint_round_trip(shared[0] + "/ckpt")
+        dist.barrier()
+    return {"parity": parity_cases(all_cases(world_size)), "round_trip": round_trip, "bad": bad_configurations()}

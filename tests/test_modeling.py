@@ -1,0 +1,386 @@
+"""``BoostLlamaForCausalLM`` on one device: equality with ``transformers.LlamaForCausalLM`` (full rank) and with a
+hand-written reference of each bottleneck (BOOST.md section 1), gradients, parameter names, layout
+invariance at tp_size=1, weight init, and generation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import LlamaConfig, LlamaForCausalLM
+from transformers.activations import ACT2FN
+
+from boost_hf import BoostLlamaConfig, BoostLlamaForCausalLM, ParallelConfig
+from boost_hf.parallel.sharding import ShardSpec
+
+PROJECTIONS = {"self_attn": ("q_proj", "k_proj", "v_proj", "o_proj"), "mlp": ("gate_proj", "up_proj", "down_proj")}
+LLAMA_FIELDS = (
+    "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+    "num_key_value_heads", "max_position_embeddings", "rms_norm_eps", "rope_parameters", "tie_word_embeddings",
+)
+
+
+def build(config: BoostLlamaConfig, parallel: ParallelConfig | None = None, seed: int = 0) -> BoostLlamaForCausalLM:
+    torch.manual_seed(seed)
+    return BoostLlamaForCausalLM(config, parallel).eval()
+
+
+def batch(config, batch_size: int = 2, length: int = 7, seed: int = 1):
+    """``input_ids [B, S]`` and an attention mask with 3 left-padding positions in row 0."""
+    generator = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(3, config.vocab_size, (batch_size, length), generator=generator)
+    attention_mask = torch.ones_like(input_ids)
+    attention_mask[0, :3] = 0
+    return input_ids, attention_mask
+
+
+def llama_twin(config: BoostLlamaConfig) -> LlamaForCausalLM:
+    """A ``LlamaForCausalLM`` of the same shape (full rank: it loads a boost-hf state dict as is)."""
+    return LlamaForCausalLM(LlamaConfig(**{name: getattr(config, name) for name in LLAMA_FIELDS})).eval()
+
+
+def grads(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {name: p.grad for name, p in model.named_parameters()}
+
+
+# ---------------------------------------------------------------------------------- full rank == LLaMA
+@pytest.mark.parametrize("kv_heads", [4, 2, 1], ids=["mha", "gqa", "mqa"])
+def test_full_rank_loads_llama_state_dict_and_matches_logits_loss_and_grads(make_config, kv_heads):
+    boost = build(make_config(num_key_value_heads=kv_heads))
+    llama = llama_twin(boost.config)
+    boost.load_state_dict(llama.state_dict(), strict=True)
+    input_ids, attention_mask = batch(boost.config)
+    labels = input_ids.masked_fill(attention_mask == 0, -100)
+
+    ours = boost(input_ids, attention_mask=attention_mask, labels=labels)
+    theirs = llama(input_ids, attention_mask=attention_mask, labels=labels)
+    assert ours.logits.shape == (2, 7, boost.config.vocab_size)
+    assert (ours.logits - theirs.logits).abs().max() <= 1e-5
+    torch.testing.assert_close(ours.loss, theirs.loss, rtol=1e-6, atol=0)
+
+    ours.loss.backward()
+    theirs.loss.backward()
+    llama_grads = grads(llama)
+    for name, grad in grads(boost).items():
+        torch.testing.assert_close(grad, llama_grads[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_full_rank_loss_with_num_items_in_batch_matches_llama(make_config):
+    boost = build(make_config())
+    llama = llama_twin(boost.config)
+    boost.load_state_dict(llama.state_dict(), strict=True)
+    input_ids, _ = batch(boost.config)
+    with torch.no_grad():
+        ours = boost(input_ids, labels=input_ids, num_items_in_batch=5).loss
+        theirs = llama(input_ids, labels=input_ids, num_items_in_batch=5).loss
+    torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=0)
+
+
+def test_full_rank_state_dict_names_are_llamas(make_config):
+    boost = build(make_config())
+    assert list(boost.state_dict()) == list(llama_twin(boost.config).state_dict())
+
+
+# ---------------------------------------------------------------------------------- low rank == reference
+class ReferenceBottleneck(nn.Module):
+    """One projection, written from BOOST.md section 1: ``h = A x (+ G h_prev); h = LayerNorm_r(h); y = B act(h)``.
+
+    ``h_prev`` is the pre-norm latent that ``previous`` (the same projection of the previous block) stored.
+    """
+
+    def __init__(self, config: BoostLlamaConfig, d_in: int, d_out: int, previous: "ReferenceBottleneck | None"):
+        super().__init__()
+        r, lax = config.rank, config.bottleneck == "lax"
+        self.A = nn.Parameter(torch.empty(r, d_in))
+        self.B = nn.Parameter(torch.empty(d_out, r))
+        self.crossing = config.lax_gate if lax and previous is not None else None
+        if self.crossing == "dense":
+            self.gate = nn.Parameter(torch.empty(r, r))
+        elif self.crossing == "kronecker":
+            a, b = config.kronecker_factors
+            self.gate_left, self.gate_right = nn.Parameter(torch.empty(a, a)), nn.Parameter(torch.empty(b, b))
+        self.latent_norm = nn.LayerNorm(r) if lax and config.lax_latent_norm else None
+        self.act = ACT2FN[config.latent_activation] if config.latent_activation else nn.Identity()
+        self._previous = [previous]  # not a submodule
+        self.latent: torch.Tensor | None = None
+
+    def gate_matrix(self) -> torch.Tensor:
+        if self.crossing == "dense":
+            return self.gate
+        if self.crossing == "kronecker":
+            return torch.kron(self.gate_left, self.gate_right)
+        return torch.eye(self.A.shape[0])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x @ self.A.T
+        if self.crossing is not None:
+            h = h + self._previous[0].latent @ self.gate_matrix().T
+        self.latent = h
+        if self.latent_norm is not None:
+            h = self.latent_norm(h)
+        return self.act(h) @ self.B.T
+
+
+def reference_model(config: BoostLlamaConfig) -> LlamaForCausalLM:
+    """``LlamaForCausalLM`` with every projection replaced by :class:`ReferenceBottleneck` (and the SwiGLU
+    SiLU dropped where ``only_lr_act`` says so); parameter names match the boost-hf model."""
+    model = llama_twin(config)
+    shapes = config.projection_shapes()
+    previous: dict[str, ReferenceBottleneck | None] = {name: None for names in PROJECTIONS.values() for name in names}
+    for layer in model.model.layers:
+        for part, names in PROJECTIONS.items():
+            for name in names:
+                module = ReferenceBottleneck(config, *shapes[name], previous[name])
+                setattr(getattr(layer, part), name, module)
+                previous[name] = module
+        if config.mlp_activation is None:
+            layer.mlp.act_fn = nn.Identity()
+    return model.eval()
+
+
+@pytest.mark.parametrize("group_linears", [True, False], ids=["grouped", "separate"])
+def test_low_rank_matches_reference(make_config, low_rank_variant, group_linears):
+    config = make_config(low_rank_variant)
+    boost = build(config, ParallelConfig(group_linears=group_linears))
+    reference = reference_model(config)
+    reference.load_state_dict(boost.state_dict(), strict=True)
+    input_ids, attention_mask = batch(config)
+
+    ours = boost(input_ids, attention_mask=attention_mask, labels=input_ids, use_cache=False)
+    theirs = reference(input_ids, attention_mask=attention_mask, labels=input_ids, use_cache=False)
+    assert (ours.logits - theirs.logits).abs().max() <= 1e-5
+    torch.testing.assert_close(ours.loss, theirs.loss, rtol=1e-6, atol=0)
+    ours.loss.backward()
+    theirs.loss.backward()
+    reference_grads = grads(reference)
+    for name, grad in grads(boost).items():
+        torch.testing.assert_close(grad, reference_grads[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("variant_name", ["cola", "lax-dense", "svd"])
+def test_projection_latent_by_hand(make_config, variant_name):
+    """One projection: ``B act(A x)`` (cola: SiLU, svd: none); LaX block 1: ``act(LN(A x + G h_prev))``."""
+    config = make_config(variant_name)
+    model = build(config)
+    x, h_prev = torch.randn(5, config.hidden_size), torch.randn(5, config.rank)
+    q0, q1 = model.model.layers[0].self_attn.q_proj, model.model.layers[1].self_attn.q_proj
+    with torch.no_grad():
+        latent, _ = q0.latent(F.linear(x, q0.A), None)
+        y = F.linear(latent, q0.B)
+        if variant_name == "cola":
+            expected = q0.B @ F.silu(q0.A @ x.T)
+        elif variant_name == "svd":
+            expected = q0.B @ (q0.A @ x.T)
+        else:
+            expected = q0.B @ F.silu(F.layer_norm((q0.A @ x.T).T, (config.rank,))).T
+        torch.testing.assert_close(y, expected.T, rtol=0, atol=1e-6)
+        if variant_name == "lax-dense":
+            latent, carry = q1.latent(F.linear(x, q1.A), h_prev)
+            crossed = x @ q1.A.T + h_prev @ q1.gate.T
+            torch.testing.assert_close(carry, crossed, rtol=0, atol=1e-6)
+            expected = F.silu(F.layer_norm(crossed, (config.rank,), q1.latent_norm.weight, q1.latent_norm.bias, 1e-5))
+            torch.testing.assert_close(latent, expected, rtol=0, atol=1e-6)
+
+
+def test_cola_only_lr_act_changes_only_the_mlp(make_config):
+    plain, swiglu = build(make_config("cola")), build(make_config("cola", only_lr_act=False))
+    assert plain.model.layers[0].mlp.act_fn is None and swiglu.model.layers[0].mlp.act_fn is not None
+    for (name, a), (_, b) in zip(plain.state_dict().items(), swiglu.state_dict().items()):
+        assert torch.equal(a, b), name
+    input_ids, _ = batch(plain.config)
+    with torch.no_grad():
+        assert (plain(input_ids).logits - swiglu(input_ids).logits).abs().max() > 1e-3
+
+
+# ---------------------------------------------------------------------------------- gradients and names
+def test_forward_backward_every_parameter_gets_a_finite_gradient(make_config, variant):
+    model = build(make_config(variant)).train()
+    input_ids, attention_mask = batch(model.config)
+    out = model(input_ids, attention_mask=attention_mask, labels=input_ids)
+    assert out.logits.shape == (2, 7, model.config.vocab_size) and out.loss.shape == ()
+    out.loss.backward()
+    for name, grad in grads(model).items():
+        assert grad is not None, name
+        assert torch.isfinite(grad).all(), name
+        assert grad.abs().sum() > 0, name
+
+
+def expected_names(config: BoostLlamaConfig) -> dict[str, tuple[int, ...]]:
+    """Canonical parameter names and shapes (BOOST.md section 1, boost_hf.parallel.layers)."""
+    d, r, v = config.hidden_size, config.rank, config.vocab_size
+    names = {"model.embed_tokens.weight": (v, d), "model.norm.weight": (d,), "lm_head.weight": (v, d)}
+    shapes = config.projection_shapes()
+    for i in range(config.num_hidden_layers):
+        block = f"model.layers.{i}"
+        names[f"{block}.input_layernorm.weight"] = names[f"{block}.post_attention_layernorm.weight"] = (d,)
+        for part, projections in PROJECTIONS.items():
+            for name in projections:
+                prefix, (d_in, d_out) = f"{block}.{part}.{name}", shapes[name]
+                if config.bottleneck is None:
+                    names[f"{prefix}.weight"] = (d_out, d_in)
+                    continue
+                names[f"{prefix}.A"], names[f"{prefix}.B"] = (r, d_in), (d_out, r)
+                if config.bottleneck != "lax":
+                    continue
+                if config.lax_latent_norm:
+                    names[f"{prefix}.latent_norm.weight"] = names[f"{prefix}.latent_norm.bias"] = (r,)
+                if i > 0 and config.lax_gate == "dense":
+                    names[f"{prefix}.gate"] = (r, r)
+                if i > 0 and config.lax_gate == "kronecker":
+                    a, b = config.kronecker_factors
+                    names[f"{prefix}.gate_left"], names[f"{prefix}.gate_right"] = (a, a), (b, b)
+    return names
+
+
+@pytest.mark.parametrize("group_linears", [True, False], ids=["grouped", "separate"])
+def test_canonical_parameter_names_and_shapes(make_config, variant, group_linears):
+    config = make_config(variant)
+    model = build(config, ParallelConfig(group_linears=group_linears))
+    assert {name: tuple(p.shape) for name, p in model.named_parameters()} == expected_names(config)
+    for name, param in model.named_parameters():
+        assert param.canonical_name == name.removeprefix("model."), name
+        assert param.shard_spec == ShardSpec(tuple(param.shape)), name
+
+
+def test_canonical_names_spot_checks(make_config):
+    lax = dict(build(make_config("lax-dense")).named_parameters())
+    for name in ("model.layers.0.self_attn.q_proj.A", "model.layers.0.self_attn.q_proj.B",
+                 "model.layers.0.mlp.down_proj.A", "model.layers.1.self_attn.q_proj.gate",
+                 "model.layers.1.mlp.down_proj.gate", "model.layers.0.mlp.up_proj.latent_norm.weight"):
+        assert name in lax, name
+    assert not any(name.startswith("model.layers.0.") and name.endswith(".gate") for name in lax)
+    kron = dict(build(make_config("lax-kronecker")).named_parameters())
+    assert tuple(kron["model.layers.1.self_attn.k_proj.gate_left"].shape) == (2, 2)
+    assert tuple(kron["model.layers.1.self_attn.k_proj.gate_right"].shape) == (4, 4)
+    assert not any("gate_left" in name for name in kron if name.startswith("model.layers.0."))
+    identity = dict(build(make_config("lax-identity")).named_parameters())
+    assert not any(name.endswith((".gate", ".gate_left", ".gate_right")) for name in identity)
+
+
+# ---------------------------------------------------------------------------------- layout invariance, tp_size=1
+def loss_and_grads(config, parallel: ParallelConfig):
+    model = build(config, parallel).train()
+    input_ids, attention_mask = batch(config)
+    loss = model(input_ids, attention_mask=attention_mask, labels=input_ids).loss
+    loss.backward()
+    return loss.detach(), grads(model)
+
+
+@pytest.mark.parametrize(
+    "group_linears, checkpointing",
+    [(True, "none"), (False, "full"), (True, "full"), (False, "lowrank"), (True, "lowrank")],
+)
+def test_grouping_and_checkpointing_do_not_change_loss_or_grads(make_config, low_rank_variant, group_linears, checkpointing):
+    config = make_config(low_rank_variant)
+    loss, reference = loss_and_grads(config, ParallelConfig(group_linears=False))
+    other_loss, other = loss_and_grads(config, ParallelConfig(group_linears=group_linears, activation_checkpointing=checkpointing))
+    torch.testing.assert_close(other_loss, loss, rtol=1e-6, atol=0)
+    assert other.keys() == reference.keys()
+    for name, grad in other.items():
+        torch.testing.assert_close(grad, reference[name], rtol=1e-6, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("group_linears, checkpointing", [(True, "none"), (False, "full"), (True, "full")])
+def test_full_rank_grouping_and_checkpointing(make_config, group_linears, checkpointing):
+    config = make_config()
+    loss, reference = loss_and_grads(config, ParallelConfig(tp_style="megatron", group_linears=False))
+    parallel = ParallelConfig(tp_style="megatron", group_linears=group_linears, activation_checkpointing=checkpointing)
+    other_loss, other = loss_and_grads(config, parallel)
+    torch.testing.assert_close(other_loss, loss, rtol=1e-6, atol=0)
+    for name, grad in other.items():
+        torch.testing.assert_close(grad, reference[name], rtol=1e-6, atol=1e-6, msg=name)
+
+
+def test_inputs_embeds_equal_input_ids(make_config):
+    model = build(make_config("lax-dense"))
+    input_ids, attention_mask = batch(model.config)
+    with torch.no_grad():
+        by_ids = model(input_ids, attention_mask=attention_mask).logits
+        by_embeds = model(inputs_embeds=model.model.embed_tokens(input_ids), attention_mask=attention_mask).logits
+    assert torch.equal(by_ids, by_embeds)
+
+
+def test_input_ids_and_inputs_embeds_are_exclusive(make_config):
+    model = build(make_config("cola"))
+    input_ids, _ = batch(model.config)
+    with pytest.raises(ValueError, match="exactly one of input_ids or inputs_embeds"):
+        model(input_ids, inputs_embeds=model.model.embed_tokens(input_ids))
+
+
+# ---------------------------------------------------------------------------------- init
+RANDOM_INIT = (".A", ".B", ".gate", ".gate_left", ".gate_right", "embed_tokens.weight", "lm_head.weight", "_proj.weight")
+
+
+def test_init_same_seed_same_weights_different_seed_different(make_config, variant):
+    config = make_config(variant)
+    first, again, other = build(config, seed=3).state_dict(), build(config, seed=3).state_dict(), build(config, seed=4).state_dict()
+    for name, tensor in first.items():
+        assert torch.equal(tensor, again[name]), name
+        if name.endswith(RANDOM_INIT):
+            assert not torch.equal(tensor, other[name]), name
+
+
+def test_init_is_a_pure_function_of_the_seed(make_config):
+    torch.manual_seed(5)
+    BoostLlamaForCausalLM(make_config("svd"))
+    torch.rand(1000)
+    after_other_work = BoostLlamaForCausalLM(make_config("lax-kronecker")).state_dict()
+    alone = build(make_config("lax-kronecker"), seed=5).state_dict()
+    for name, tensor in alone.items():
+        assert torch.equal(tensor, after_other_work[name]), name
+
+
+def test_init_does_not_depend_on_the_layout(make_config):
+    config = make_config("lax-dense")
+    grouped = build(config, ParallelConfig(group_linears=True, activation_checkpointing="lowrank")).state_dict()
+    for name, tensor in build(config, ParallelConfig(group_linears=False)).state_dict().items():
+        assert torch.equal(tensor, grouped[name]), name
+
+
+def test_init_distributions():
+    config = BoostLlamaConfig(
+        vocab_size=512, hidden_size=256, intermediate_size=768, num_hidden_layers=2, num_attention_heads=4,
+        bottleneck="lax", rank=64, lax_gate="dense",
+    )
+    model = build(config)
+    params = dict(model.named_parameters())
+    for part, names in PROJECTIONS.items():
+        for name in names:
+            d_in, d_out = config.projection_shapes()[name]
+            std = 64 ** -0.25 * (d_in + d_out) ** -0.25
+            for factor in ("A", "B"):
+                weight = params[f"model.layers.0.{part}.{name}.{factor}"]
+                assert abs(weight.std().item() / std - 1) < 0.05, (name, factor)
+                assert abs(weight.mean().item()) < 0.05 * std, (name, factor)
+    for name in ("model.embed_tokens.weight", "lm_head.weight", "model.layers.1.self_attn.q_proj.gate"):
+        assert abs(params[name].std().item() / 0.02 - 1) < 0.05, name
+    assert torch.equal(params["model.layers.0.input_layernorm.weight"], torch.ones(256))
+    assert torch.equal(params["model.layers.0.mlp.up_proj.latent_norm.weight"], torch.ones(64))
+    assert torch.equal(params["model.layers.0.mlp.up_proj.latent_norm.bias"], torch.zeros(64))
+    full = dict(build(BoostLlamaConfig(**{**config.to_dict(), "bottleneck": None})).named_parameters())
+    assert abs(full["model.layers.0.mlp.up_proj.weight"].std().item() / 0.02 - 1) < 0.05
+
+
+# ---------------------------------------------------------------------------------- generation
+GREEDY = dict(do_sample=False, max_new_tokens=6, min_new_tokens=6, pad_token_id=0)
+
+
+def test_greedy_generation_with_and_without_cache(make_config, variant):
+    model = build(make_config(variant))
+    input_ids, attention_mask = batch(model.config, length=5)
+    cached = model.generate(input_ids, attention_mask=attention_mask, use_cache=True, **GREEDY)
+    uncached = model.generate(input_ids, attention_mask=attention_mask, use_cache=False, **GREEDY)
+    assert cached.shape == (2, 11)
+    assert torch.equal(cached, uncached)
+
+
+def test_full_rank_greedy_generation_equals_llama(make_config):
+    boost = build(make_config())
+    llama = llama_twin(boost.config)
+    boost.load_state_dict(llama.state_dict(), strict=True)
+    input_ids, attention_mask = batch(boost.config, length=5)
+    for use_cache in (True, False):
+        ours = boost.generate(input_ids, attention_mask=attention_mask, use_cache=use_cache, **GREEDY)
+        theirs = llama.generate(input_ids, attention_mask=attention_mask, use_cache=use_cache, **GREEDY)
+        assert torch.equal(ours, theirs)
