@@ -8,6 +8,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import pytest  # noqa: E402
+import torch  # noqa: E402
+
+# The test models are tiny: one intra-op thread is ~10x faster than the per-op thread start-up of many.
+torch.set_num_threads(1)
 
 # Tiny LLaMA shape: d=32, 4 heads of 8, GQA with 2 kv heads (kv width 16), d_ff=64, vocab 96, rank 8.
 TINY = dict(

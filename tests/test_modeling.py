@@ -259,37 +259,41 @@ def test_canonical_names_spot_checks(make_config):
 
 
 # ---------------------------------------------------------------------------------- layout invariance, tp_size=1
-def loss_and_grads(config, parallel: ParallelConfig):
-    model = build(config, parallel).train()
+LAYOUTS = [(True, "none"), (False, "full"), (True, "full"), (False, "lowrank"), (True, "lowrank")]
+
+
+def loss_and_grads(config, parallel: ParallelConfig, dtype: torch.dtype):
+    model = build(config, parallel).train().to(dtype)
     input_ids, attention_mask = batch(config)
     loss = model(input_ids, attention_mask=attention_mask, labels=input_ids).loss
     loss.backward()
     return loss.detach(), grads(model)
 
 
-@pytest.mark.parametrize(
-    "group_linears, checkpointing",
-    [(True, "none"), (False, "full"), (True, "full"), (False, "lowrank"), (True, "lowrank")],
-)
-def test_grouping_and_checkpointing_do_not_change_loss_or_grads(make_config, low_rank_variant, group_linears, checkpointing):
-    config = make_config(low_rank_variant)
-    loss, reference = loss_and_grads(config, ParallelConfig(group_linears=False))
-    other_loss, other = loss_and_grads(config, ParallelConfig(group_linears=group_linears, activation_checkpointing=checkpointing))
-    torch.testing.assert_close(other_loss, loss, rtol=1e-6, atol=0)
-    assert other.keys() == reference.keys()
-    for name, grad in other.items():
-        torch.testing.assert_close(grad, reference[name], rtol=1e-6, atol=1e-6, msg=name)
+def assert_layouts_agree(config, layouts):
+    """Grouping and checkpointing are the same math: the fp32 loss agrees to 1e-6; gradients are compared
+    in fp64 because in fp32 grouping legitimately reorders sums (``dY_qkv A_qkv`` vs ``sum_i dY_i A_i``),
+    which moves e.g. the embedding gradient by ~3e-6 of its scale."""
+    style = "btp" if config.is_low_rank else "megatron"
+    base = ParallelConfig(tp_style=style, group_linears=False)
+    loss, _ = loss_and_grads(config, base, torch.float32)
+    _, reference = loss_and_grads(config, base, torch.float64)
+    for group_linears, checkpointing in layouts:
+        parallel = ParallelConfig(tp_style=style, group_linears=group_linears, activation_checkpointing=checkpointing)
+        other_loss, _ = loss_and_grads(config, parallel, torch.float32)
+        torch.testing.assert_close(other_loss, loss, rtol=1e-6, atol=0, msg=str(parallel))
+        _, other = loss_and_grads(config, parallel, torch.float64)
+        assert other.keys() == reference.keys()
+        for name, grad in other.items():
+            torch.testing.assert_close(grad, reference[name], rtol=1e-6, atol=1e-9, msg=f"{parallel}: {name}")
 
 
-@pytest.mark.parametrize("group_linears, checkpointing", [(True, "none"), (False, "full"), (True, "full")])
-def test_full_rank_grouping_and_checkpointing(make_config, group_linears, checkpointing):
-    config = make_config()
-    loss, reference = loss_and_grads(config, ParallelConfig(tp_style="megatron", group_linears=False))
-    parallel = ParallelConfig(tp_style="megatron", group_linears=group_linears, activation_checkpointing=checkpointing)
-    other_loss, other = loss_and_grads(config, parallel)
-    torch.testing.assert_close(other_loss, loss, rtol=1e-6, atol=0)
-    for name, grad in other.items():
-        torch.testing.assert_close(grad, reference[name], rtol=1e-6, atol=1e-6, msg=name)
+def test_grouping_and_checkpointing_do_not_change_loss_or_grads(make_config, low_rank_variant):
+    assert_layouts_agree(make_config(low_rank_variant), LAYOUTS)
+
+
+def test_full_rank_grouping_and_checkpointing(make_config):
+    assert_layouts_agree(make_config(), [layout for layout in LAYOUTS if layout[1] != "lowrank"])
 
 
 def test_inputs_embeds_equal_input_ids(make_config):

@@ -20,12 +20,13 @@ Per decoder layer (calls, elements):
 * vanilla (low rank): forward all-reduce of each B's full-width output, 7 calls,
   ``N (dq + 2 dkv + d + 2f + d)`` (``N (5d + 2f)`` without GQA); backward all-reduce at the inputs of
   the A's: grouped 4 calls ``N (d + dq + d + f)``, ungrouped 7 calls ``N (3d + dq + 2d + f)``. LaX adds
-  an all-gather of the latents to full ``r``, 7 calls, ``7 N r``, forward and backward.
+  an all-gather of the latents to full ``r``, ``7 N r`` in 4 calls (grouped) or 7, forward and backward.
 * btp (low rank): all-reduce of each row-split A's partial ``N x r`` output, ``7 N r`` in 4 calls
   (grouped) or 7 (ungrouped), mirrored in backward. RMSNorm statistics: ``online`` adds ``2N`` elements
   to the forward calls; ``sync`` adds 2 calls and ``2N`` elements forward and backward; ``local`` nothing.
 * activation checkpointing: ``full`` repeats the forward's collectives in backward; ``lowrank`` repeats
-  nothing under btp, and the forward all-reduces (not the LaX all-gathers) under vanilla.
+  nothing under btp with the online norm (the sync norm's 2 statistics all-reduces are recomputed),
+  and the forward all-reduces (not the LaX all-gathers) under vanilla.
 
 Outside the layers (embedding, final gather, LM head, loss, logits): :func:`outside_layers_communication`.
 With ``p == 1`` nothing is communicated at all.
@@ -182,8 +183,9 @@ def _layer_without_recompute(config, parallel: ParallelConfig, n: int) -> PassCo
             backward = _all_reduce(7, n * (3 * d + dq + 2 * d + f))
         if config.bottleneck == "lax":
             # The r/p latent shards are gathered to full r for the crossing and the latent LayerNorm.
-            forward = forward + _all_gather(7, 7 * n * r)
-            backward = backward + _all_gather(7, 7 * n * r)
+            gathers = 4 if parallel.group_linears else 7  # one per group of A's sharing an input when grouped
+            forward = forward + _all_gather(gathers, 7 * n * r)
+            backward = backward + _all_gather(gathers, 7 * n * r)
         return PassCommunication(forward, backward)
     # btp: each A is row-parallel and all-reduces its partial N x r output (A_qkv: 3r, A_o: r,
     # A_gate_up: 2r, A_down: r); backward mirrors it at the input gradient of each column-parallel B.
@@ -209,8 +211,10 @@ def layer_communication(config, parallel: ParallelConfig, tokens: int) -> PassCo
         tokens: ``N = batch * seq_len``.
 
     Activation checkpointing adds recomputation collectives to the backward: ``"full"`` re-runs all of
-    the forward's collectives; ``"lowrank"`` re-runs none under btp (segments end at already-reduced
-    latents) and re-runs the 7 B-output all-reduces (not the LaX all-gathers) under vanilla.
+    the forward's collectives; ``"lowrank"`` re-runs none under btp with the online (or local) norm
+    (segments end at already-reduced latents), the 2 norm-statistics all-reduces under btp with the
+    sync norm (they sit inside the norm's segment), and the 7 B-output all-reduces (not the LaX
+    all-gathers) under vanilla.
     """
     parallel.check_model(config)
     if parallel.tp_size == 1:
@@ -220,6 +224,8 @@ def layer_communication(config, parallel: ParallelConfig, tokens: int) -> PassCo
         recompute = layer.forward
     elif parallel.activation_checkpointing == "lowrank" and parallel.tp_style == "vanilla":
         recompute = layer.forward.only("all_reduce")
+    elif parallel.activation_checkpointing == "lowrank" and parallel.rmsnorm == "sync":
+        recompute = _all_reduce(2, 2 * tokens)
     else:
         recompute = NO_COMMUNICATION
     return PassCommunication(layer.forward, layer.backward + recompute)

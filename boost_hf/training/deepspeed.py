@@ -84,19 +84,22 @@ def configure_deepspeed(hf_ds_config, args, dp_size: int) -> None:
     is ``args.max_grad_norm`` (DeepSpeed would default to 1.0). Explicit values that disagree raise.
     """
     config = hf_ds_config.config
+    micro, accumulation = args.per_device_train_batch_size, args.gradient_accumulation_steps
     expected = {
-        "train_micro_batch_size_per_gpu": args.per_device_train_batch_size,
-        "gradient_accumulation_steps": args.gradient_accumulation_steps,
-        "train_batch_size": args.per_device_train_batch_size * args.gradient_accumulation_steps * dp_size,
+        "train_micro_batch_size_per_gpu": micro,
+        "gradient_accumulation_steps": accumulation,
+        "train_batch_size": micro * accumulation * dp_size,
         "gradient_clipping": args.max_grad_norm,
     }
+    # transformers already replaced an 'auto' train_batch_size with the world-size product
+    accepted = {"train_batch_size": micro * accumulation * args.world_size}
     for key, value in expected.items():
         current = config.get(key, "auto")
-        if current not in ("auto", value):
+        if current not in ("auto", value, accepted.get(key)):
             raise ValueError(
                 f"DeepSpeed config {key}={current} but boost-hf needs {value} (per_device_train_batch_size="
-                f"{args.per_device_train_batch_size}, gradient_accumulation_steps={args.gradient_accumulation_steps}, "
-                f"dp={dp_size}, max_grad_norm={args.max_grad_norm}): set it to 'auto'."
+                f"{micro}, gradient_accumulation_steps={accumulation}, dp={dp_size}, max_grad_norm={args.max_grad_norm}): "
+                "set it to 'auto'."
             )
         config[key] = value
     # transformers checked train_batch_size against the world size; our value above replaces that check

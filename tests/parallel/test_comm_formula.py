@@ -65,19 +65,23 @@ LAYER_CASES = {
     "vanilla-lowrank-ckpt": (
         "cola", dict(tp_style="vanilla", activation_checkpointing="lowrank"), comm((7, 4480)), comm((11, 7360))
     ),
-    # LaX under vanilla: latents gathered to full r, 7 N r = 1120, forward and backward
-    "vanilla-lax": ("lax", dict(tp_style="vanilla"), comm((7, 4480), (7, 1120)), comm((4, 2880), (7, 1120))),
+    # LaX under vanilla: latents gathered to full r, 7 N r = 1120, forward and backward,
+    # one gather per group of A's sharing an input when grouped (4), one per projection otherwise (7)
+    "vanilla-lax": ("lax", dict(tp_style="vanilla"), comm((7, 4480), (4, 1120)), comm((4, 2880), (4, 1120))),
+    "vanilla-lax-ungrouped": (
+        "lax", dict(tp_style="vanilla", group_linears=False), comm((7, 4480), (7, 1120)), comm((7, 4800), (7, 1120))
+    ),
     "vanilla-lax-full-ckpt": (
         "lax",
         dict(tp_style="vanilla", activation_checkpointing="full"),
-        comm((7, 4480), (7, 1120)),
-        comm((11, 7360), (14, 2240)),
+        comm((7, 4480), (4, 1120)),
+        comm((11, 7360), (8, 2240)),
     ),
     "vanilla-lax-lowrank-ckpt": (  # recomputes the B all-reduces, not the all-gathers
         "lax",
         dict(tp_style="vanilla", activation_checkpointing="lowrank"),
-        comm((7, 4480), (7, 1120)),
-        comm((11, 7360), (7, 1120)),
+        comm((7, 4480), (4, 1120)),
+        comm((11, 7360), (4, 1120)),
     ),
     # btp: 7 N r = 1120; online norm +2N = 20 elements in the same calls; sync +2 calls +2N both ways
     "btp-online": ("cola", dict(tp_style="btp", rmsnorm="online"), comm((4, 1140)), comm((4, 1120))),
@@ -95,6 +99,9 @@ LAYER_CASES = {
     ),
     "btp-sync-full-ckpt": (
         "cola", dict(tp_style="btp", rmsnorm="sync", activation_checkpointing="full"), comm((6, 1140)), comm((12, 2280))
+    ),
+    "btp-sync-lowrank-ckpt": (  # the sync norm's statistics all-reduce sits inside a recomputed segment
+        "cola", dict(tp_style="btp", rmsnorm="sync", activation_checkpointing="lowrank"), comm((6, 1140)), comm((8, 1160))
     ),
     "btp-lowrank-ckpt": (
         "lax", dict(tp_style="btp", activation_checkpointing="lowrank"), comm((4, 1140)), comm((4, 1120))
@@ -140,8 +147,8 @@ def test_outside_layers(bottleneck, style, with_loss, with_logits, forward, back
 def test_model_is_layers_plus_outside(p):
     config, parallel = small("lax"), ParallelConfig(tp_size=p, tp_style="vanilla", activation_checkpointing="full")
     got = model_communication(config, parallel, N, with_logits=True)
-    # 3 layers of (AR 7/4480, AG 7/1120 | AR 11/7360, AG 14/2240) + outside (AR 3/670, AG 1/1280 | AR 1/640)
-    assert got == PassCommunication(comm((24, 14110), (22, 4640)), comm((34, 22720), (42, 6720)))
+    # 3 layers of (AR 7/4480, AG 4/1120 | AR 11/7360, AG 8/2240) + outside (AR 3/670, AG 1/1280 | AR 1/640)
+    assert got == PassCommunication(comm((24, 14110), (13, 4640)), comm((34, 22720), (24, 6720)))
 
 
 def test_invalid_layouts_raise():

@@ -11,6 +11,8 @@ import torch
 import torch.distributed as dist
 
 from boost_hf import BoostLlamaConfig, BoostLlamaForCausalLM, CommCounter, ParallelConfig
+from boost_hf.parallel.activation_memory import saved_elements_per_layer
+from boost_hf.parallel.comm_formula import layer_communication, model_communication
 from boost_hf.parallel.sharding import gather_full, shard_spec_of
 
 SEED = 1234
@@ -34,6 +36,36 @@ def batch():
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-12))
+
+
+class LayerProbe:
+    """Counts, for one decoder layer's forward, its collectives and the bytes it saves for backward
+    (unique storages seen by ``saved_tensors_hooks``)."""
+
+    def __init__(self, layer):
+        self.storages: dict[int, int] = {}
+        self.counter = CommCounter()
+        self.hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+        layer.register_forward_pre_hook(self._enter)
+        layer.register_forward_hook(self._exit)
+
+    def _pack(self, t):
+        if not isinstance(t, torch.nn.Parameter):
+            storage = t.untyped_storage()
+            self.storages[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    def _enter(self, *_):
+        self.hooks.__enter__()
+        self.counter.__enter__()
+
+    def _exit(self, *_):
+        self.counter.__exit__()
+        self.hooks.__exit__()
+
+    @property
+    def saved_bytes(self) -> int:
+        return sum(self.storages.values())
 
 
 def train_step(model, parallel: bool):
@@ -65,6 +97,7 @@ def parity_case(case: dict) -> dict:
     parallel = ParallelConfig(tp_size=dist.get_world_size(), **case["parallel"])
     torch.manual_seed(SEED)
     model = BoostLlamaForCausalLM(config, parallel_config=parallel)
+    probe = LayerProbe(model.model.layers[1])
     group = model.plan.group
     init_exact = all(
         torch.equal(gather_full(p.detach(), shard_spec_of(p), group), initial[n]) for n, p in model.named_parameters()
@@ -83,8 +116,31 @@ def parity_case(case: dict) -> dict:
         "worst_grad": max(ref_grads, key=lambda n: rel(grads[n], ref_grads[n])),
         "fwd": fwd,
         "bwd": bwd,
-        "tokens": BATCH * SEQ,
+        "layer_fwd": probe.counter.as_dict(),
+        **expected_communication(config, parallel, fwd, bwd, probe),
     }
+
+
+def expected_communication(config, parallel, fwd, bwd, probe) -> dict:
+    """Compare the counted collectives (calls and elements per kind) with the analytic formula."""
+    tokens = BATCH * SEQ
+    model = model_communication(config, parallel, tokens, with_loss=True)
+    layer = layer_communication(config, parallel, tokens)
+
+    def counted(measured):
+        return {k: {"calls": v["calls"], "elements": v["elements"]} for k, v in measured.items()}
+
+    result = {
+        "fwd_matches": counted(fwd) == model.forward.to_dict(),
+        "bwd_matches": counted(bwd) == model.backward.to_dict(),
+        "layer_fwd_matches": counted(probe.counter.as_dict()) == layer.forward.to_dict(),
+        "expected_fwd": model.forward.to_dict(),
+        "expected_bwd": model.backward.to_dict(),
+        "saved_bytes": probe.saved_bytes,
+    }
+    if parallel.activation_checkpointing != "none":
+        result["expected_saved_bytes"] = 4 * saved_elements_per_layer(config, parallel, tokens, layer_idx=1)
+    return result
 
 
 def parity_cases(cases: list[dict]) -> list[dict]:
