@@ -151,12 +151,31 @@ def _run_estimate(args: argparse.Namespace) -> int:
     return 0
 
 
-# name -> (help, add_arguments(parser), run(args) -> exit code). The "demo" and "comm" subcommands go here.
+def _add_comm_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--preset", default="cola-7b", help="low-rank preset; megatron runs llama-<size> (default: cola-7b)")
+    parser.add_argument("--tp", type=int, default=4, help="tensor-parallel size = local CPU processes (default: 4)")
+    parser.add_argument("--batch", type=int, default=1, help="measured micro-batch size (default: 1)")
+    parser.add_argument("--seq", type=int, default=16, help="measured sequence length (default: 16)")
+
+
+def _run_comm(args: argparse.Namespace) -> int:
+    from .parallel.comm_report import report
+
+    print(report(args.preset, args.tp, args.batch, args.seq))
+    return 0
+
+
+# name -> (help, add_arguments(parser), run(args) -> exit code).
 SUBCOMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]] = {
     "estimate": (
         "predict per-layer communication and iteration time of megatron / vanilla / btp TP",
         _add_estimate_arguments,
         _run_estimate,
+    ),
+    "comm": (
+        "measure one layer's collectives per layout on local CPU processes and print them next to the formula",
+        _add_comm_arguments,
+        _run_comm,
     ),
 }
 

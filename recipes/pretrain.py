@@ -29,6 +29,7 @@ def main(argv: list[str]) -> None:
     start = None if resume else trainer.evaluate()
     trainer.train(resume_from_checkpoint=True if resume == "last" else resume)
     end = trainer.evaluate()
+    trainer.save_state()  # <output_dir>/trainer_state.json: every logged loss, lr, grad norm, throughput
     sample = trainer.generate_sample() if training_args.sample_max_new_tokens > 0 else None
     final = trainer.save_final_model()
     if start is not None:

@@ -16,6 +16,7 @@ from boost_hf.parallel.sharding import ShardSpec
 
 LOST_METADATA = pytest.mark.xfail(
     strict=True,
+    raises=(AssertionError, AttributeError),
     reason=(
         "library bug: the plain from_pretrained path (transformers' meta-device loading) replaces every "
         "nn.Parameter, dropping shard_spec / canonical_name / full_init / tensor_model_parallel"
@@ -81,7 +82,7 @@ def test_from_pretrained_with_parallel_config_keeps_metadata(saved):
     assert torch.equal(logits(loaded), logits(model))
     for name, param in loaded.named_parameters():
         assert param.shard_spec == ShardSpec(tuple(param.shape)), name
-    assert "BottleneckProjection" in repr(loaded) or model.config.bottleneck is None
+    assert "tp=0/1" in repr(loaded)
 
 
 @LOST_METADATA
@@ -161,6 +162,7 @@ def test_checkpoint_of_another_architecture_plain_from_pretrained(make_config, t
 
 @pytest.mark.xfail(
     strict=True,
+    raises=AssertionError,
     reason=(
         "library bug: parameters missing from the checkpoint are left as uninitialised memory (torch.empty) "
         "because _init_weights only initialises parameters carrying full_init, which from_pretrained dropped"

@@ -296,6 +296,32 @@ def test_full_rank_grouping_and_checkpointing(make_config):
     assert_layouts_agree(make_config(), [layout for layout in LAYOUTS if layout[1] != "lowrank"])
 
 
+def saved_activation_elements(config, checkpointing: str) -> int:
+    """Elements of the non-parameter tensors autograd keeps for backward during one training forward."""
+    style = "btp" if config.is_low_rank else "megatron"
+    model = build(config, ParallelConfig(tp_style=style, activation_checkpointing=checkpointing)).train()
+    input_ids, _ = batch(config)
+    saved = []
+
+    def pack(tensor):
+        if not isinstance(tensor, nn.Parameter):
+            saved.append(tensor.numel())
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        model(input_ids, labels=input_ids)
+    return sum(saved)
+
+
+@pytest.mark.parametrize("variant_name", ["full", "svd", "lax-dense"])
+def test_checkpointing_keeps_fewer_activations(make_config, variant_name):
+    config = make_config(variant_name)
+    none, full = saved_activation_elements(config, "none"), saved_activation_elements(config, "full")
+    assert full < none
+    if config.is_low_rank:
+        assert full < saved_activation_elements(config, "lowrank") < none
+
+
 def test_inputs_embeds_equal_input_ids(make_config):
     model = build(make_config("lax-dense"))
     input_ids, attention_mask = batch(model.config)

@@ -15,27 +15,29 @@ copies so that every DP rank runs the same number of forward passes (ZeRO-3 gath
 from __future__ import annotations
 
 import torch
-from accelerate.data_loader import BatchSamplerShard, DataLoaderDispatcher, IterableDatasetShard
+from accelerate.data_loader import BatchSamplerShard, IterableDatasetShard
 from torch.utils.data import DataLoader, Dataset
+
+from ..parallel.state import ParallelState
 
 IGNORE_INDEX = -100
 
 
-def shard_by_data_parallel_rank(dataloader: DataLoader, dp_size: int, dp_rank: int) -> DataLoader:
+def shard_by_data_parallel_rank(dataloader: DataLoader, state: ParallelState) -> DataLoader:
     """Make an ``accelerate``-prepared dataloader shard by data-parallel rank instead of global rank."""
-    if isinstance(dataloader, DataLoaderDispatcher):
-        raise ValueError(
-            "accelerate dispatches batches from rank 0 (dispatch_batches=True), which cannot give tensor-parallel "
-            "peers the same batch: pass --accelerator_config '{\"dispatch_batches\": false}'."
-        )
+    world = state.tp_size * state.dp_size
+    if state.tp_size == 1 or world == 1:
+        return dataloader  # the DP group is the whole world: accelerate's sharding is already right
     shard = getattr(dataloader, "batch_sampler", None)
     if not isinstance(shard, BatchSamplerShard):
         shard = getattr(dataloader, "dataset", None)
-        if not isinstance(shard, IterableDatasetShard):
-            if dp_size > 1:
-                raise ValueError(f"expected a dataloader prepared by accelerate, got {type(dataloader).__name__}")
-            return dataloader
-    shard.num_processes, shard.process_index = dp_size, dp_rank
+    if not isinstance(shard, (BatchSamplerShard, IterableDatasetShard)):
+        raise ValueError(
+            f"cannot give tensor-parallel peers the same batches with this {type(dataloader).__name__} (accelerate "
+            "dispatched the batches or split a streaming dataset by global rank): use a map-style training set "
+            "(streaming=False)."
+        )
+    shard.num_processes, shard.process_index = state.dp_size, state.dp_rank
     return dataloader
 
 

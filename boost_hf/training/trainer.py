@@ -82,6 +82,11 @@ class BoostTrainer(Trainer):
     # ------------------------------------------------------------------ set-up
     def create_accelerator_and_postprocess(self) -> None:
         super().create_accelerator_and_postprocess()
+        if self.args.deepspeed_plugin is not None and not self.is_deepspeed_enabled:
+            raise ValueError(
+                "DeepSpeed was requested but accelerate runs without it: ACCELERATE_USE_CPU is set (use_cpu: true in "
+                "the accelerate config). Remove it; boost-hf selects the CPU itself when there is no GPU."
+            )
         if self.is_deepspeed_enabled:
             configure_deepspeed(self.accelerator.state.deepspeed_plugin.hf_ds_config, self.args, self.parallel_state.dp_size)
 
@@ -113,8 +118,7 @@ class BoostTrainer(Trainer):
 
     # ------------------------------------------------------------------ data
     def get_train_dataloader(self) -> DataLoader:
-        state = self.parallel_state
-        return shard_by_data_parallel_rank(super().get_train_dataloader(), state.dp_size, state.dp_rank)
+        return shard_by_data_parallel_rank(super().get_train_dataloader(), self.parallel_state)
 
     def get_eval_dataloader(self, eval_dataset=None) -> DataLoader:
         if isinstance(eval_dataset, str):

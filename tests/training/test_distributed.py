@@ -1,0 +1,131 @@
+"""tp 2 x dp 2 training under DDP and ZeRO-1/2/3 computes what one process computes with the same global
+batch; resuming continues the same run; the data is sharded by data-parallel rank.
+
+Three launches (about 3-4 minutes on 2 cores): the single-process reference, one ``accelerate launch`` of
+``distributed_cases.py`` (DDP, ZeRO-1, ZeRO-2, resumes, tp 4, data) and one launch with the ZeRO-3
+accelerate config.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from .conftest import TINY_RECIPE, accelerate_command, python_command, run_command
+
+RELATIVE_TOLERANCE = 1e-4
+
+
+@pytest.fixture(scope="module")
+def runs(training_env, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("runs")
+    common = [TINY_RECIPE, "--dataset", training_env["CORPUS"]]
+    distributed = [*common, "--tp_size", "2", "--per_device_train_batch_size", "4"]  # global batch 4 x dp 2 = 8
+    run_command(
+        python_command("recipes/pretrain.py", *common, "--tp_size", "1", "--per_device_train_batch_size", "8",
+                       "--output_dir", out / "single"),
+        training_env, timeout=300,
+    )
+    run_command(accelerate_command("cpu-4proc.yaml", "tests/training/distributed_cases.py", out, *distributed), training_env, timeout=900)
+    run_command(
+        accelerate_command("cpu-4proc-zero3.yaml", "recipes/pretrain.py", *distributed, "--output_dir", out / "zero3"),
+        training_env, timeout=300,
+    )
+    return out
+
+
+def log_history(run: Path) -> list[dict]:
+    return json.loads((run / "trainer_state.json").read_text())["log_history"]
+
+
+def losses(run: Path) -> dict[int, float]:
+    return {entry["step"]: entry["loss"] for entry in log_history(run) if "loss" in entry}
+
+
+def eval_losses(run: Path) -> list[float]:
+    return [entry["eval_loss"] for entry in log_history(run) if "eval_loss" in entry]
+
+
+def assert_same_weights(actual: Path, expected: Path, tolerance: float = RELATIVE_TOLERANCE) -> None:
+    a, b = load_file(actual / "model.safetensors"), load_file(expected / "model.safetensors")
+    assert a.keys() == b.keys()
+    for name in b:
+        error = (a[name] - b[name]).abs().max() / b[name].abs().max().clamp(min=1e-12)
+        assert error <= tolerance, f"{name}: relative difference {error:.2e} between {actual} and {expected}"
+
+
+def assert_same_losses(actual: dict[int, float], expected: dict[int, float], tolerance: float = RELATIVE_TOLERANCE) -> None:
+    assert actual.keys() == expected.keys()
+    for step in expected:
+        assert actual[step] == pytest.approx(expected[step], rel=tolerance), f"step {step}: {actual[step]} vs {expected[step]}"
+
+
+def test_single_process_recipe_learns(runs):
+    single = runs / "single"
+    steps = losses(single)
+    assert len(steps) == 6 and steps[6] < steps[1]
+    before, after = eval_losses(single)[0], eval_losses(single)[-1]
+    assert after < before - 0.3
+    for key in ("tokens_per_second", "tokens_per_second_per_device", "mfu", "grad_norm", "learning_rate"):
+        assert all(key in entry for entry in log_history(single) if "loss" in entry), key
+
+
+@pytest.mark.parametrize("run", ["ddp", "zero1", "zero2", "zero3"])
+def test_tp2_dp2_matches_one_process(runs, run):
+    assert_same_losses(losses(runs / run), losses(runs / "single"))
+    assert_same_weights(runs / run / "final", runs / "single" / "final")
+    assert eval_losses(runs / run)[-1] == pytest.approx(eval_losses(runs / "single")[-1], rel=RELATIVE_TOLERANCE)
+    logged = [entry for entry in log_history(runs / run) if "loss" in entry]
+    assert all(entry["comm_tp_bytes_per_step"] > 0 and entry["comm_dp_grad_bytes_per_step"] > 0 for entry in logged)
+
+
+@pytest.mark.parametrize("run", ["ddp", "zero2"])
+def test_resume_continues_the_same_run(runs, run):
+    resumed, original = losses(runs / f"{run}-resumed"), losses(runs / run)
+    assert_same_losses(resumed, original, tolerance=1e-6)  # steps 1-3 restored from the checkpoint, 4-6 retrained
+    assert_same_weights(runs / f"{run}-resumed" / "final", runs / run / "final", tolerance=1e-6)
+
+
+def test_checkpoints_are_complete_and_atomic(runs):
+    ddp = runs / "ddp"
+    assert sorted(p.name for p in ddp.iterdir() if p.name.startswith("checkpoint")) == ["checkpoint-3", "checkpoint-6"]
+    assert not [p for p in runs.rglob(".*.tmp")], "a staging folder was left behind"
+    checkpoint = ddp / "checkpoint-3"
+    for name in ("model.safetensors", "config.json", "tokenizer.json", "trainer_state.json", "scheduler.pt",
+                 "optimizer_tp00.pt", "optimizer_tp01.pt", "rng_state_0.pth", "rng_state_3.pth"):
+        assert (checkpoint / name).is_file(), name
+    assert (runs / "zero2" / "checkpoint-3" / "global_step3").is_dir()
+
+
+def test_canonical_checkpoint_loads_at_another_tp_size(runs):
+    """The tp 2 run's final model, loaded at tp 4, evaluates to the same validation loss."""
+    assert eval_losses(runs / "tp4-from-ddp")[0] == pytest.approx(eval_losses(runs / "ddp")[-1], rel=1e-5)
+
+
+def test_final_model_loads_with_from_pretrained(runs):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import boost_hf  # noqa: F401  (registers the Auto classes)
+
+    final = runs / "ddp" / "final"
+    model, tokenizer = AutoModelForCausalLM.from_pretrained(final), AutoTokenizer.from_pretrained(final)
+    ids = tokenizer("The history of", return_tensors="pt").input_ids
+    with torch.no_grad():
+        assert model(ids).logits.shape[-1] == model.config.vocab_size
+
+
+def test_epoch_is_sharded_by_data_parallel_rank(runs):
+    data = json.loads((runs / "data.json").read_text())
+    by_rank = {(r["dp_rank"], r["tp_rank"]): [tuple(row) for row in r["rows"]] for r in data["ranks"]}
+    assert len(by_rank) == 4
+    for dp in (0, 1):
+        assert by_rank[(dp, 0)] == by_rank[(dp, 1)], "tensor-parallel peers saw different batches"
+    seen = Counter(by_rank[(0, 0)] + by_rank[(1, 0)])
+    available = Counter(tuple(row) for row in data["dataset"])
+    assert all(seen[row] <= available[row] for row in seen), "a sample was seen twice within the epoch"
+    assert sum(available.values()) - sum(seen.values()) < 2 * 4  # only the last incomplete global batch is dropped
