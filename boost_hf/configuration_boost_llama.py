@@ -119,6 +119,7 @@ class BoostLlamaConfig(PretrainedConfig):
         self.lax_latent_norm = lax_latent_norm
         self.lax_base = lax_base
         self.lax_kronecker_factor = lax_kronecker_factor
+        self.validate()  # before transformers' own checks, so every mistake gets our ValueError
         super().__init__(
             pad_token_id=pad_token_id,
             bos_token_id=bos_token_id,
@@ -126,7 +127,6 @@ class BoostLlamaConfig(PretrainedConfig):
             tie_word_embeddings=tie_word_embeddings,
             **kwargs,
         )
-        self.validate()
 
     # ------------------------------------------------------------------ derived sizes
     @property

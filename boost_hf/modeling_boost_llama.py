@@ -30,7 +30,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb, eager_attention_forward
 
 from .configuration_boost_llama import BoostLlamaConfig
-from .parallel.checkpoint_io import canonical_state_dict, load_canonical_checkpoint, resolve_checkpoint_files
+from .parallel.checkpoint_io import HUB_KWARGS, canonical_state_dict, load_canonical_checkpoint, resolve_checkpoint_files
 from .parallel.checkpointing import run_segment
 from .parallel.config import ParallelConfig
 from .parallel.cross_entropy import vocab_parallel_causal_lm_loss
@@ -227,10 +227,21 @@ class BoostLlamaPreTrainedModel(PreTrainedModel):
         if isinstance(module, LlamaRotaryEmbedding):
             super()._init_weights(module)
             return
-        seed = torch.initial_seed()
+        seed = self.init_seed
         for param in module.parameters(recurse=False):
             if hasattr(param, "full_init") and hasattr(param, "canonical_name"):
                 init.copy_(param, init_from_full(param, param.canonical_name, seed))
+
+    @property
+    def init_seed(self) -> int:
+        """The seed every rank draws the initial weights from: ``torch.initial_seed()`` of global rank 0,
+        broadcast once per model, so unseeded ranks never build inconsistent shards."""
+        if getattr(self, "_init_seed", None) is None:
+            seed = [torch.initial_seed()]
+            if dist.is_available() and dist.is_initialized():
+                dist.broadcast_object_list(seed, src=0)
+            self._init_seed = seed[0]
+        return self._init_seed
 
     def _name_parameters(self) -> None:
         """Give every parameter its canonical name (relative to the base model; ``lm_head.weight``)."""
@@ -347,18 +358,40 @@ class BoostLlamaForCausalLM(BoostLlamaPreTrainedModel, GenerationMixin):
             dist.barrier()
 
     @classmethod
-    def from_pretrained(cls, pretrained_model_name_or_path, *model_args, parallel_config: ParallelConfig | None = None, **kwargs):
-        """``transformers``' ``from_pretrained``; with ``parallel_config``, build this rank's shard of the
-        layout and read only its slices of the canonical checkpoint (a local folder or a Hub repo)."""
-        if parallel_config is None:
-            return super().from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
-        config = kwargs.pop("config", None) or cls.config_class.from_pretrained(pretrained_model_name_or_path)
-        dtype = kwargs.pop("dtype", None) or kwargs.pop("torch_dtype", None)
+    def from_pretrained(
+        cls,
+        pretrained_model_name_or_path,
+        *model_args,
+        parallel_config: ParallelConfig | None = None,
+        config: BoostLlamaConfig | None = None,
+        dtype=None,
+        **kwargs,
+    ):
+        """Load a canonical checkpoint (local folder or Hub repo) into this rank's shard of the layout
+        given by ``parallel_config`` (default: single device), reading only this rank's slices.
+
+        Unlike a plain ``transformers`` load, missing, unexpected or wrongly-shaped weights raise a
+        ``ValueError`` naming them (e.g. a checkpoint of another bottleneck), and every parameter keeps
+        its sharding metadata. Accepts the usual Hub arguments (``revision``, ``cache_dir``, ``token``,
+        ``local_files_only``, ``subfolder``), ``dtype`` / ``torch_dtype`` and ``attn_implementation``.
+        """
+        if model_args:
+            raise ValueError("BoostLlamaForCausalLM.from_pretrained takes no positional model arguments")
+        dtype = dtype if dtype is not None else kwargs.pop("torch_dtype", None)
+        attn_implementation = kwargs.pop("attn_implementation", None)
+        hub = {k: kwargs.pop(k) for k in HUB_KWARGS if k in kwargs}
+        for ignored in [k for k in kwargs if k.startswith("_") or k in ("trust_remote_code", "low_cpu_mem_usage") or not kwargs[k]]:
+            kwargs.pop(ignored)  # passed by the Auto classes (or empty); nothing to do for a local build
         if kwargs:
-            raise ValueError(f"from_pretrained(parallel_config=...) does not take {sorted(kwargs)}")
+            raise ValueError(f"from_pretrained does not support {sorted(kwargs)} for boost-hf models")
+        if config is None:
+            config = cls.config_class.from_pretrained(pretrained_model_name_or_path, **hub)
+        if attn_implementation is not None:
+            config._attn_implementation = attn_implementation
         with no_init_weights():
             model = cls(config, parallel_config)
-        load_canonical_checkpoint(model, resolve_checkpoint_files(str(pretrained_model_name_or_path)))
+        model.tie_weights()  # no_init_weights skips the tying done in post_init
+        load_canonical_checkpoint(model, resolve_checkpoint_files(str(pretrained_model_name_or_path), **hub))
         if dtype is not None and dtype != "auto":
             model = model.to(getattr(torch, dtype) if isinstance(dtype, str) else dtype)
         return model.eval()

@@ -7,7 +7,6 @@ import re
 import pytest
 import torch
 import transformers
-from huggingface_hub.errors import StrictDataclassClassValidationError
 
 from boost_hf import BoostLlamaConfig, BoostLlamaForCausalLM, ParallelConfig
 from boost_hf.configuration_boost_llama import PRESET_ARCHS, PRESET_SIZES
@@ -16,15 +15,6 @@ from .conftest import TINY
 
 
 # ---------------------------------------------------------------------------------- validation
-# PretrainedConfig.__init__ runs transformers' RoPE validator before BoostLlamaConfig.validate: an odd
-# head_dim above 4 raises huggingface_hub's StrictDataclassClassValidationError (not a ValueError).
-ROPE_CHECK_FIRST = pytest.mark.xfail(
-    strict=True,
-    raises=StrictDataclassClassValidationError,
-    reason="library bug: BoostLlamaConfig.validate runs after super().__init__, whose RoPE check raises a non-ValueError first",
-)
-
-
 @pytest.mark.parametrize(
     "fields, names",
     [
@@ -38,12 +28,11 @@ ROPE_CHECK_FIRST = pytest.mark.xfail(
         (dict(num_key_value_heads=0), ["num_key_value_heads (0)"]),
         (dict(hidden_size=12, num_attention_heads=4, num_key_value_heads=4, intermediate_size=16), ["head_dim (3)"]),
         pytest.param(
-            dict(hidden_size=36, num_attention_heads=4, num_key_value_heads=4), ["head_dim (9)"], marks=ROPE_CHECK_FIRST
+            dict(hidden_size=36, num_attention_heads=4, num_key_value_heads=4), ["head_dim (9)"]
         ),
         pytest.param(
             dict(hidden_size=30, num_attention_heads=4, num_key_value_heads=4),
             ["hidden_size (30)", "num_attention_heads (4)"],
-            marks=ROPE_CHECK_FIRST,
         ),
         (dict(bottleneck="lax", lax_gate="full"), ["lax_gate", "'full'"]),
         (dict(bottleneck="lax", lax_base="lora"), ["lax_base", "'lora'"]),

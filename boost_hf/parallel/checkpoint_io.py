@@ -19,6 +19,7 @@ from .sharding import gather_full, shard_spec_of
 
 SAFE_WEIGHTS_NAME = "model.safetensors"
 SAFE_WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
+HUB_KWARGS = ("cache_dir", "revision", "token", "local_files_only", "force_download", "subfolder", "proxies")
 
 
 def canonical_state_dict(model: nn.Module, group: dist.ProcessGroup | None) -> dict[str, torch.Tensor]:
@@ -33,16 +34,16 @@ def canonical_state_dict(model: nn.Module, group: dist.ProcessGroup | None) -> d
     return full
 
 
-def resolve_checkpoint_files(path: str) -> list[str]:
+def resolve_checkpoint_files(path: str, **hub_kwargs) -> list[str]:
     """The safetensors file(s) of a local checkpoint folder or a Hub repo (cached download)."""
     if os.path.isdir(path):
-        single, index = os.path.join(path, SAFE_WEIGHTS_NAME), os.path.join(path, SAFE_WEIGHTS_INDEX_NAME)
-        folder = path
+        folder = os.path.join(path, hub_kwargs.get("subfolder") or "")
+        single, index = os.path.join(folder, SAFE_WEIGHTS_NAME), os.path.join(folder, SAFE_WEIGHTS_INDEX_NAME)
     else:
         from transformers.utils import cached_file
 
-        single = cached_file(path, SAFE_WEIGHTS_NAME, _raise_exceptions_for_missing_entries=False)
-        index = None if single else cached_file(path, SAFE_WEIGHTS_INDEX_NAME)
+        single = cached_file(path, SAFE_WEIGHTS_NAME, _raise_exceptions_for_missing_entries=False, **hub_kwargs)
+        index = None if single else cached_file(path, SAFE_WEIGHTS_INDEX_NAME, **hub_kwargs)
         folder = os.path.dirname(single or index)
     if single and os.path.isfile(single):
         return [single]
@@ -99,4 +100,4 @@ def load_canonical_checkpoint(model: nn.Module, files: list[str]) -> None:
         param.copy_(tensor_slice[tuple(index)].to(param.dtype))
 
 
-__all__ = ["canonical_state_dict", "resolve_checkpoint_files", "load_canonical_checkpoint"]
+__all__ = ["HUB_KWARGS", "canonical_state_dict", "resolve_checkpoint_files", "load_canonical_checkpoint"]
