@@ -13,6 +13,17 @@ AutoModelForCausalLM.register(BoostLlamaConfig, BoostLlamaForCausalLM, exist_ok=
 
 __version__ = "0.1.0"
 
+_TRAINING = ("BoostTrainer", "BoostTrainingArguments")
+
+
+def __getattr__(name: str):
+    """``BoostTrainer`` / ``BoostTrainingArguments`` load lazily (importing ``transformers.Trainer`` is slow)."""
+    if name in _TRAINING:
+        from . import training
+
+        return getattr(training, name)
+    raise AttributeError(f"module 'boost_hf' has no attribute {name!r}")
+
 __all__ = [
     "BoostLlamaConfig",
     "BoostLlamaModel",
@@ -20,4 +31,6 @@ __all__ = [
     "BoostLlamaPreTrainedModel",
     "ParallelConfig",
     "CommCounter",
+    "BoostTrainer",
+    "BoostTrainingArguments",
 ]

@@ -3,6 +3,7 @@
 Subcommands live in :data:`SUBCOMMANDS` (name -> help, argument builder, runner); add one there.
 
     boost-hf estimate --preset cola-7b --tp 4 --micro-batch 4 --seq 4096 --gpu a100 [--json]
+    boost-hf demo [--num-processes 4] [--tp-size 2] [--max-steps N]
 """
 
 from __future__ import annotations
@@ -165,6 +166,18 @@ def _run_comm(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_demo_arguments(parser: argparse.ArgumentParser) -> None:
+    from .training.demo import add_arguments
+
+    add_arguments(parser)
+
+
+def _run_demo(args: argparse.Namespace) -> int:
+    from .training.demo import run
+
+    return run(args)
+
+
 # name -> (help, add_arguments(parser), run(args) -> exit code).
 SUBCOMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]] = {
     "estimate": (
@@ -176,6 +189,11 @@ SUBCOMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Cal
         "measure one layer's collectives per layout on local CPU processes and print them next to the formula",
         _add_comm_arguments,
         _run_comm,
+    ),
+    "demo": (
+        "pre-train the tiny CoLA demo with BTP x DP on local CPU processes: perplexity, a sample, outputs/demo/final",
+        _add_demo_arguments,
+        _run_demo,
     ),
 }
 

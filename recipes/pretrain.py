@@ -3,14 +3,14 @@
     python recipes/pretrain.py recipes/demo.yaml --max_steps 100
     accelerate launch --config_file accelerate_configs/cpu-4proc.yaml recipes/pretrain.py recipes/demo.yaml --tp_size 2
 
-Evaluates validation perplexity, trains (resuming with ``--resume_from_checkpoint PATH|last``), evaluates
-again, prints a greedy sample and saves the model with its tokenizer to ``<output_dir>/final``.
+Logs validation perplexity before training and every ``eval_steps``, trains (``--resume_from_checkpoint
+PATH|last`` continues a run), evaluates again, prints a greedy sample and saves the model with its
+tokenizer to ``<output_dir>/final``.
 """
 
 import sys
 
 from boost_hf.training import BoostTrainer, build_datasets, build_model, build_tokenizer, parse_recipe
-from boost_hf.training.recipe import rank_zero_print
 
 
 def main(argv: list[str]) -> None:
@@ -26,18 +26,19 @@ def main(argv: list[str]) -> None:
         processing_class=tokenizer,
     )
     resume = training_args.resume_from_checkpoint
-    start = None if resume else trainer.evaluate()
+    training_args.eval_on_start = training_args.eval_on_start or not resume  # logged at step 0
     trainer.train(resume_from_checkpoint=True if resume == "last" else resume)
     end = trainer.evaluate()
     trainer.save_state()  # <output_dir>/trainer_state.json: every logged loss, lr, grad norm, throughput
     sample = trainer.generate_sample() if training_args.sample_max_new_tokens > 0 else None
     final = trainer.save_final_model()
-    if start is not None:
-        rank_zero_print(f"validation perplexity: {start['eval_perplexity']:.1f} before training")
-    rank_zero_print(f"validation perplexity: {end['eval_perplexity']:.1f} after {trainer.state.global_step} steps")
-    if sample is not None:
-        rank_zero_print(f"sample: {sample!r}")
-    rank_zero_print(f"model and tokenizer saved to {final}")
+    if trainer.is_world_process_zero():
+        start = next((log for log in trainer.state.log_history if "eval_perplexity" in log), end)
+        print(f"validation perplexity: {start['eval_perplexity']:.1f} at step {start['step']}")
+        print(f"validation perplexity: {end['eval_perplexity']:.1f} after {trainer.state.global_step} steps")
+        if sample is not None:
+            print(f"sample: {sample!r}")
+        print(f"model and tokenizer saved to {final}")
 
 
 if __name__ == "__main__":

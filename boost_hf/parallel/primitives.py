@@ -24,6 +24,8 @@ import torch.distributed as dist
 from .comm_counter import record_collective
 
 ProcessGroup = dist.ProcessGroup
+# torch >= 2.13 names it all_gather_single (all_gather_into_tensor is deprecated there)
+_all_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def group_size(group: ProcessGroup | None) -> int:
@@ -46,7 +48,7 @@ def _all_gather(x: torch.Tensor, dim: int, group: ProcessGroup) -> torch.Tensor:
     x = x.contiguous()
     out = torch.empty((p * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
     record_collective("all_gather", out)
-    dist.all_gather_into_tensor(out, x, group=group)
+    _all_gather_into(out, x, group=group)
     if dim % x.dim() != 0:
         out = torch.cat(out.chunk(p, dim=0), dim=dim)
     return out

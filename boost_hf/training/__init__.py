@@ -1,19 +1,28 @@
 """Distributed pre-training: ``BoostTrainer`` / ``BoostTrainingArguments`` (TP groups x DDP or DeepSpeed ZeRO
-over the data-parallel group, under ``accelerate launch``) and the YAML recipes of ``recipes/pretrain.py``."""
+over the data-parallel group, under ``accelerate launch``) and the YAML recipes of ``recipes/pretrain.py``.
 
-from .arguments import BoostTrainingArguments
-from .deepspeed import ModelParallelUnit
-from .recipe import DataArguments, ModelArguments, build_datasets, build_model, build_tokenizer, parse_recipe
-from .trainer import BoostTrainer
+Names are imported on first use (``transformers.Trainer`` is slow to import), so ``boost-hf demo`` starts fast.
+"""
 
-__all__ = [
-    "BoostTrainer",
-    "BoostTrainingArguments",
-    "ModelParallelUnit",
-    "ModelArguments",
-    "DataArguments",
-    "parse_recipe",
-    "build_tokenizer",
-    "build_datasets",
-    "build_model",
-]
+from importlib import import_module
+
+_EXPORTS = {
+    "BoostTrainer": ".trainer",
+    "BoostTrainingArguments": ".arguments",
+    "ModelParallelUnit": ".deepspeed",
+    "ModelArguments": ".recipe",
+    "DataArguments": ".recipe",
+    "parse_recipe": ".recipe",
+    "build_tokenizer": ".recipe",
+    "build_datasets": ".recipe",
+    "build_model": ".recipe",
+}
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(import_module(_EXPORTS[name], __name__), name)
+
+
+__all__ = list(_EXPORTS)

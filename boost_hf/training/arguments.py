@@ -55,6 +55,9 @@ class BoostTrainingArguments(TrainingArguments):
         peak_tflops: dense peak TFLOP/s of one device, the denominator of MFU (default: the GPU preset of
             :mod:`boost_hf.perf.hardware`, or a rough CPU guess).
         sample_prompt / sample_max_new_tokens: the greedy sample printed at the end of training.
+
+    Without CUDA, ``use_cpu`` is set (and ``ddp_backend="gloo"`` when launched on several processes), so
+    ``accelerate launch`` runs on CPU processes with or without DeepSpeed.
     """
 
     tp_size: int = field(default=1, metadata={"help": "Ranks per tensor-parallel group (the world is dp x tp_size)."})
@@ -80,8 +83,6 @@ class BoostTrainingArguments(TrainingArguments):
     warmup_steps: float = 0.1
     # every data-parallel rank takes whole batches: no sample repeated to pad the epoch's last batch
     dataloader_drop_last: bool = True
-    # the ranks' per-rank RNG files and our per-TP-rank optimizer files need every rank to save
-    save_only_model: bool = False
 
     def __post_init__(self) -> None:
         if not torch.cuda.is_available():

@@ -8,6 +8,10 @@ accelerate's loader is kept: the seeded sampler (one permutation per epoch on ev
 and ``skip_first_batches`` on resume. With ``dataloader_drop_last`` (the boost-hf default) every DP rank
 takes whole batches and no sample is repeated within an epoch.
 
+Streaming (iterable) training sets under TP: accelerate would split them by global rank (or dispatch
+slices of rank 0's batches), so :func:`streaming_loader` splits the stream by DP rank itself
+(``datasets.distributed.split_dataset_by_node``) and loads it without accelerate's wrapper.
+
 Evaluation: :class:`EvalShard` gives DP rank ``i`` the samples ``i, i + dp, ...``, padded with fully masked
 copies so that every DP rank runs the same number of forward passes (ZeRO-3 gathers parameters in each).
 """
@@ -41,6 +45,16 @@ def shard_by_data_parallel_rank(dataloader: DataLoader, state: ParallelState) ->
     return dataloader
 
 
+def streaming_loader(dataset, state: ParallelState, **loader_kwargs) -> DataLoader:
+    """A dataloader over DP rank ``state.dp_rank``'s part of an iterable ``datasets.IterableDataset``."""
+    from datasets import IterableDataset as StreamingDataset
+    from datasets.distributed import split_dataset_by_node
+
+    if not isinstance(dataset, StreamingDataset):
+        raise ValueError(f"tensor parallelism needs a map-style or a datasets.IterableDataset training set, got {type(dataset).__name__}")
+    return DataLoader(split_dataset_by_node(dataset, rank=state.dp_rank, world_size=state.dp_size), **loader_kwargs)
+
+
 class EvalShard(Dataset):
     """DP rank ``dp_rank``'s share of a sized ``dataset``: items ``dp_rank, dp_rank + dp_size, ...``.
 
@@ -62,6 +76,8 @@ class EvalShard(Dataset):
         return self.length
 
     def __getitem__(self, i: int):
+        if not 0 <= i < self.length:
+            raise IndexError(i)
         if i < len(self.indices):
             return self.dataset[self.indices[i]]
         item = dict(self.dataset[0])
@@ -69,4 +85,4 @@ class EvalShard(Dataset):
         return item
 
 
-__all__ = ["shard_by_data_parallel_rank", "EvalShard"]
+__all__ = ["shard_by_data_parallel_rank", "streaming_loader", "EvalShard"]

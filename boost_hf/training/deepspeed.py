@@ -104,10 +104,14 @@ def configure_deepspeed(hf_ds_config, args, dp_size: int) -> None:
         config[key] = value
     # transformers checked train_batch_size against the world size; our value above replaces that check
     hf_ds_config.mismatches = [m for m in getattr(hf_ds_config, "mismatches", []) if "train_batch_size" not in m]
+
+
+def skip_shm_comm_if_requested() -> None:
+    """Tell DeepSpeed not to build its CPU shared-memory op when ``BOOST_HF_DEEPSPEED_SHM_COMM=0``."""
     if os.environ.get(SHM_COMM_ENV, "1") == "0":
         import deepspeed.ops
 
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
 
-__all__ = ["ModelParallelUnit", "deepspeed_initialize_with_mpu", "configure_deepspeed", "SHM_COMM_ENV"]
+__all__ = ["ModelParallelUnit", "deepspeed_initialize_with_mpu", "configure_deepspeed", "skip_shm_comm_if_requested", "SHM_COMM_ENV"]

@@ -26,10 +26,10 @@ def _sum_of_squares(grads: list[torch.Tensor], device: torch.device) -> torch.Te
 
 def global_grad_norm(parameters: Iterable[torch.Tensor], tp_group: dist.ProcessGroup | None) -> torch.Tensor:
     """L2 norm of the gradients of the whole (unsharded) model, identical on every rank."""
-    grads = [p for p in parameters if p.grad is not None]
-    device = grads[0].grad.device if grads else torch.device("cpu")
-    sharded = _sum_of_squares([p.grad for p in grads if getattr(p, "tensor_model_parallel", False)], device)
-    replicated = _sum_of_squares([p.grad for p in grads if not getattr(p, "tensor_model_parallel", False)], device)
+    with_grad = [p for p in parameters if p.grad is not None]
+    device = with_grad[0].grad.device if with_grad else torch.device("cpu")
+    sharded = _sum_of_squares([p.grad for p in with_grad if getattr(p, "tensor_model_parallel", False)], device)
+    replicated = _sum_of_squares([p.grad for p in with_grad if not getattr(p, "tensor_model_parallel", False)], device)
     if tp_group is not None:
         dist.all_reduce(sharded, group=tp_group)
     return (sharded + replicated).sqrt()

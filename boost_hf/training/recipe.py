@@ -16,11 +16,11 @@ so ``recipes/pretrain.py recipe.yaml --learning_rate 1e-3 --hidden_size 256`` ov
 from __future__ import annotations
 
 import json
-import os
 import typing
 from dataclasses import dataclass, field, fields, make_dataclass
 
 import yaml
+from datasets import Dataset
 from transformers import HfArgumentParser, set_seed
 
 from ..configuration_boost_llama import BoostLlamaConfig
@@ -122,9 +122,12 @@ def build_tokenizer(data_args: DataArguments):
 
 
 def build_datasets(data_args: DataArguments, tokenizer, training_args: BoostTrainingArguments):
-    """Packed ``train`` / ``validation`` blocks; the local main process builds the caches first."""
+    """Packed ``train`` / ``validation`` blocks; the local main process builds the caches first. A streamed
+    validation split is read once (``max_eval_blocks`` blocks) and kept in memory."""
+    if data_args.streaming and data_args.max_eval_blocks is None:
+        raise ValueError("streaming=True needs max_eval_blocks: the validation blocks are kept in memory.")
     with training_args.main_process_first(local=True, desc="building the datasets"):
-        return build_lm_datasets(
+        datasets = build_lm_datasets(
             data_args.dataset,
             tokenizer,
             data_args.block_size,
@@ -135,6 +138,9 @@ def build_datasets(data_args: DataArguments, tokenizer, training_args: BoostTrai
             max_train_blocks=data_args.max_train_blocks,
             max_eval_blocks=data_args.max_eval_blocks,
         )
+    if data_args.streaming:
+        datasets["validation"] = Dataset.from_list(list(datasets["validation"]))
+    return datasets
 
 
 def build_config(model_args, tokenizer) -> BoostLlamaConfig:
@@ -162,11 +168,6 @@ def build_model(model_args, training_args: BoostTrainingArguments, tokenizer) ->
     return BoostLlamaForCausalLM(config, parallel_config)
 
 
-def rank_zero_print(*args) -> None:
-    if int(os.environ.get("RANK", "0")) == 0:
-        print(*args, flush=True)
-
-
 __all__ = [
     "ModelArguments",
     "DataArguments",
@@ -176,5 +177,4 @@ __all__ = [
     "build_datasets",
     "build_config",
     "build_model",
-    "rank_zero_print",
 ]

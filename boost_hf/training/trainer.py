@@ -44,9 +44,11 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, EvalLoopOutput
 from transformers.trainer_utils import rotate_checkpoints
 
 from ..parallel.checkpoint_io import load_canonical_checkpoint, resolve_checkpoint_files
+from ..perf.flops import training_flops_per_token
+from .arguments import default_peak_tflops
 from .checkpoint import atomic_directory, full_parameters, optimizer_file_name
-from .data import EvalShard, shard_by_data_parallel_rank
-from .deepspeed import ModelParallelUnit, configure_deepspeed, deepspeed_initialize_with_mpu
+from .data import EvalShard, shard_by_data_parallel_rank, streaming_loader
+from .deepspeed import ModelParallelUnit, configure_deepspeed, deepspeed_initialize_with_mpu, skip_shm_comm_if_requested
 from .grad_norm import clip_grad_norm_, global_grad_norm
 from .metrics import TrainingMetrics
 
@@ -74,7 +76,7 @@ class BoostTrainer(Trainer):
             model.config,
             world_size=state.tp_size * state.dp_size,
             dp_size=state.dp_size,
-            peak_tflops=getattr(self.args, "peak_tflops", None) or 1.0,
+            peak_tflops=getattr(self.args, "peak_tflops", None) or default_peak_tflops(),
             dp_grad_bytes=0 if state.dp_size == 1 else sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad),
         )
         self.add_callback(self.metrics)
@@ -89,6 +91,7 @@ class BoostTrainer(Trainer):
             )
         if self.is_deepspeed_enabled:
             configure_deepspeed(self.accelerator.state.deepspeed_plugin.hf_ds_config, self.args, self.parallel_state.dp_size)
+            skip_shm_comm_if_requested()
 
     def get_tp_size(self) -> int:
         return self.parallel_state.tp_size
@@ -118,7 +121,13 @@ class BoostTrainer(Trainer):
 
     # ------------------------------------------------------------------ data
     def get_train_dataloader(self) -> DataLoader:
-        return shard_by_data_parallel_rank(super().get_train_dataloader(), self.parallel_state)
+        state = self.parallel_state
+        if state.tp_size > 1 and isinstance(self.train_dataset, torch.utils.data.IterableDataset):
+            return streaming_loader(
+                self.train_dataset, state, batch_size=self._train_batch_size, collate_fn=self.data_collator,
+                num_workers=self.args.dataloader_num_workers, pin_memory=self.args.dataloader_pin_memory,
+            )
+        return shard_by_data_parallel_rank(super().get_train_dataloader(), state)
 
     def get_eval_dataloader(self, eval_dataset=None) -> DataLoader:
         if isinstance(eval_dataset, str):
@@ -183,8 +192,6 @@ class BoostTrainer(Trainer):
 
     def floating_point_ops(self, inputs) -> int:
         """Analytic training FLOPs of this rank's share of the micro-batch (its TP group splits the work)."""
-        from ..perf.flops import training_flops_per_token
-
         input_ids = inputs["input_ids"]
         per_token = training_flops_per_token(self.model.config, input_ids.shape[-1])
         return input_ids.numel() * per_token // self.parallel_state.tp_size
@@ -222,6 +229,10 @@ class BoostTrainer(Trainer):
                 self._save_optimizer_and_scheduler(staging)
                 self._save_scaler(staging)
                 self._save_rng_state(staging)
+            if self.state.best_global_step:
+                best = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.best_global_step}")
+                if self.state.best_global_step == self.state.global_step or os.path.isdir(best):
+                    self.state.best_model_checkpoint = best
             if self.args.should_save:
                 for callback in self.callback_handler.callbacks + [self.control]:
                     if isinstance(callback, ExportableState):
@@ -258,7 +269,8 @@ class BoostTrainer(Trainer):
                 f"{path} is missing: this checkpoint was not saved with tp_size={state.tp_size} (the optimizer state "
                 "does not reshard); to change tp_size, start a new run from the weights (init_from=<checkpoint>)."
             )
-        self.optimizer.load_state_dict(torch.load(path, map_location=self.args.device, weights_only=True))
+        device = "cpu" if self.args.device.type == "cpu" else self.args.device  # torch cannot restore to "cpu:0"
+        self.optimizer.load_state_dict(torch.load(path, map_location=device, weights_only=True))
         self.lr_scheduler.load_state_dict(torch.load(os.path.join(checkpoint, SCHEDULER_NAME), weights_only=True))
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:

@@ -1,19 +1,12 @@
-"""Fixtures of the training tests: an isolated cache with a small corpus and tokenizer, and a launcher
-for training commands (one process, ``torchrun`` or ``accelerate launch``) with a timeout."""
+"""Fixtures of the training tests: an isolated cache with a small corpus and tokenizer."""
 
 from __future__ import annotations
 
 import os
-import signal
-import socket
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
-TINY_RECIPE = Path(__file__).with_name("tiny.yaml")
+from .launcher import REPO
 
 
 @pytest.fixture(scope="session")
@@ -43,39 +36,3 @@ def training_env(tmp_path_factory) -> dict[str, str]:
     }
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def run_command(args: list[str], env: dict[str, str], timeout: float) -> str:
-    """Run ``args`` in its own session from the repository root; kill the whole group on timeout."""
-    proc = subprocess.Popen(
-        [str(a) for a in args], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        start_new_session=True,
-    )
-    try:
-        output, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
-        raise AssertionError(f"{' '.join(map(str, args))} timed out after {timeout}s:\n{output[-6000:]}")
-    if proc.returncode != 0:
-        raise AssertionError(f"{' '.join(map(str, args))} failed ({proc.returncode}):\n{output[-10000:]}")
-    return output
-
-
-def python_command(*args) -> list[str]:
-    return [sys.executable, *args]
-
-
-def torchrun_command(nproc: int, *args) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *args]
-
-
-def accelerate_command(config: str, *args) -> list[str]:
-    return [
-        sys.executable, "-m", "accelerate.commands.launch", "--config_file", REPO / "accelerate_configs" / config,
-        "--main_process_port", str(free_port()), *args,
-    ]

@@ -2,11 +2,13 @@
 
 Process start-up costs more than these tiny runs, so ``test_distributed.py`` launches this once:
 
-    accelerate launch --config_file accelerate_configs/cpu-4proc.yaml tests/training/distributed_cases.py OUT RECIPE [ARGS]
+    accelerate launch --config_file accelerate_configs/cpu-4proc.yaml tests/training/distributed_cases.py OUT RECIPE.yaml [ARGS]
 
 and it writes under ``OUT``: ``ddp``, ``ddp-resumed`` (from ``ddp/checkpoint-3``), ``zero1``, ``zero2``,
-``zero2-resumed``, ``tp4-from-ddp`` (the DDP run's final model loaded at tp_size 4) and ``data.json``
-(every rank's training samples over one epoch). Each run is tp 2 x dp 2 unless named otherwise.
+``zero2-resumed``, ``tp4-from-ddp`` (the DDP run's final model loaded at tp_size 4), ``ddp-lowrank``
+(low-rank activation checkpointing), ``ddp-accumulation`` and ``zero2-accumulation`` (2 micro-batches of
+2 per step), ``streaming`` (an iterable training set) and ``data.json`` (every rank's training samples
+over one epoch). Each run is tp 2 x dp 2 unless named otherwise.
 
 DeepSpeed runs use ``--deepspeed CONFIG``; accelerate drops DeepSpeed under ``ACCELERATE_USE_CPU`` (set by
 the cpu-4proc config) and keeps ``ACCELERATE_USE_DEEPSPEED`` set after a DeepSpeed run, so each run here
@@ -78,6 +80,11 @@ def main(out: str, *common: str) -> None:
     )
     train(common + ["--output_dir", str(out / "tp4-from-ddp"), "--tp_size", "4", "--init_from", str(out / "ddp" / "final"),
                     "--max_steps", "1"])
+    train(common + ["--output_dir", str(out / "ddp-lowrank"), "--activation_checkpointing_mode", "lowrank"])
+    accumulation = ["--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "2"]
+    train(common + accumulation + ["--output_dir", str(out / "ddp-accumulation")])
+    train(common + accumulation + ["--output_dir", str(out / "zero2-accumulation")], deepspeed_stage=2, out=out)
+    train(common + ["--output_dir", str(out / "streaming"), "--streaming", "true"])
     record_epoch(common + ["--output_dir", str(out / "data")], out)
 
 

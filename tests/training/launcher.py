@@ -1,0 +1,62 @@
+"""Launch training commands (one process, ``torchrun`` or ``accelerate launch``) from the repository root,
+in their own session, killed as a group on timeout."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+DEMO_RECIPE = REPO / "recipes" / "demo.yaml"
+# The demo recipe shrunk to seconds per run: a 2-layer d=64 CoLA model, 32-token blocks, 6 steps.
+TINY = [
+    "--hidden_size", "64", "--intermediate_size", "128", "--num_hidden_layers", "2", "--num_attention_heads", "4",
+    "--rank", "16", "--max_position_embeddings", "64",
+    "--tokenizer", "bpe-512", "--block_size", "32", "--max_train_blocks", "256", "--max_eval_blocks", "24",
+    "--max_steps", "6", "--per_device_eval_batch_size", "8", "--learning_rate", "1e-2", "--logging_steps", "1",
+    "--eval_strategy", "no", "--save_strategy", "no", "--sample_max_new_tokens", "4", "--disable_tqdm", "true",
+    "--report_to", "none",
+]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_command(args: list[str], env: dict[str, str], timeout: float) -> str:
+    """Run ``args`` in its own session from the repository root; kill the whole group on timeout."""
+    proc = subprocess.Popen(
+        [str(a) for a in args], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True,
+    )
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        raise AssertionError(f"{' '.join(map(str, args))} timed out after {timeout}s:\n{output[-6000:]}")
+    if proc.returncode != 0:
+        rank0 = "\n".join(line for line in output.splitlines() if line.startswith("[rank0]"))
+        raise AssertionError(f"{' '.join(map(str, args))} failed ({proc.returncode}):\n{rank0[-8000:] or output[-8000:]}")
+    return output
+
+
+def python_command(*args) -> list[str]:
+    return [sys.executable, *args]
+
+
+def torchrun_command(nproc: int, *args) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *args]
+
+
+def accelerate_command(config: str, *args) -> list[str]:
+    return [
+        sys.executable, "-m", "accelerate.commands.launch", "--config_file", REPO / "accelerate_configs" / config,
+        "--main_process_port", str(free_port()), *args,
+    ]

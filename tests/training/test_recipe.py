@@ -1,0 +1,94 @@
+"""Recipes: YAML + command line -> arguments, model configuration, CoLA defaults."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from boost_hf.training import BoostTrainingArguments
+from boost_hf.training.recipe import build_config, parse_recipe, recipe_to_argv
+
+from .launcher import REPO
+
+
+def test_yaml_values_come_first_and_the_command_line_wins(tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(
+        "model: {preset: cola-130m, num_hidden_layers: 3}\n"
+        "data: {block_size: 64}\n"
+        "training: {output_dir: out, learning_rate: 6e-3, report_to: [tensorboard], lr_scheduler_kwargs: {min_lr_rate: 0.2}}\n"
+    )
+    model, data, training = parse_recipe([str(recipe), "--learning_rate", "1e-3", "--hidden_size", "256"])
+    assert (model.preset, model.num_hidden_layers, model.hidden_size) == ("cola-130m", 3, 256)
+    assert data.block_size == 64
+    assert training.learning_rate == 1e-3 and training.report_to == ["tensorboard"]
+    assert training.lr_scheduler_kwargs == {"min_lr_rate": 0.2}
+
+
+@pytest.mark.parametrize(
+    "recipe, message",
+    [({"optimizer": {}}, "unknown recipe section 'optimizer'"), ({"model": {"hidden": 3}}, "unknown key 'hidden'")],
+)
+def test_recipe_errors_name_the_problem(recipe, message):
+    with pytest.raises(ValueError, match=message):
+        recipe_to_argv(recipe)
+
+
+def test_every_shipped_recipe_parses():
+    for path in sorted((REPO / "recipes").glob("*.yaml")):
+        model, data, training = parse_recipe([str(path)])
+        assert training.output_dir, path
+
+
+def test_every_accelerate_config_loads():
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    configs = sorted((REPO / "accelerate_configs").glob("*.yaml"))
+    assert len(configs) >= 9
+    for path in configs:
+        config = load_config_from_file(str(path))
+        assert config.num_processes >= 2, path
+        assert not (config.distributed_type == "DEEPSPEED" and config.use_cpu), f"{path}: accelerate drops DeepSpeed with use_cpu"
+
+
+def test_demo_command_runs_the_demo_recipe_under_accelerate():
+    from argparse import Namespace
+
+    from boost_hf.training.demo import command
+
+    cmd = command(Namespace(num_processes=4, tp_size=2, max_steps=5, output_dir="outputs/demo"), port=1234)
+    assert cmd[1:3] == ["-m", "accelerate.commands.launch"]
+    assert "accelerate_configs/cpu-4proc.yaml" in cmd and "recipes/demo.yaml" in cmd
+    assert cmd[cmd.index("--tp_size") + 1] == "2" and cmd[cmd.index("--max_steps") + 1] == "5"
+
+
+def test_cola_recipe_defaults():
+    args = BoostTrainingArguments(output_dir="unused")
+    assert (args.weight_decay, args.max_grad_norm, args.warmup_steps) == (0.01, 0.5, 0.1)
+    assert args.lr_scheduler_type == "cosine_with_min_lr" and args.lr_scheduler_kwargs == {"min_lr_rate": 0.1}
+    assert args.optim.value.startswith("adamw")
+
+
+def test_parallel_config_from_arguments():
+    args = BoostTrainingArguments(output_dir="unused", rmsnorm="sync", group_linears=False, activation_checkpointing_mode="lowrank")
+    parallel = args.to_parallel_config(SimpleNamespace(bottleneck="cola"))
+    assert (parallel.tp_style, parallel.rmsnorm, parallel.group_linears, parallel.activation_checkpointing) == (
+        "btp", "sync", False, "lowrank"
+    )
+    assert args.to_parallel_config(SimpleNamespace(bottleneck=None)).tp_style == "megatron"
+    with pytest.raises(ValueError, match="rmsnorm"):
+        BoostTrainingArguments(output_dir="unused", rmsnorm="exact")
+
+
+def test_trainer_activation_checkpointing_flag_selects_full_recompute():
+    args = BoostTrainingArguments(output_dir="unused", activation_checkpointing=True)
+    assert args.activation_checkpointing_mode == "full" and not args.activation_checkpointing
+
+
+def test_model_config_takes_the_tokenizer_vocabulary_padded():
+    tokenizer = type("Tokenizer", (), {"__len__": lambda self: 4100, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 3})()
+    model, _, _ = parse_recipe(["--preset", "cola-60m", "--num_attention_heads", "4", "--hidden_size", "128"])
+    config = build_config(model, tokenizer)
+    assert config.vocab_size == 4160 and config.pad_token_id == 3
+    assert config.num_key_value_heads == 4 and config.rank == 128  # the preset's rank is kept unless overridden
