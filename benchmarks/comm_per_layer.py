@@ -9,7 +9,7 @@ vocabulary is cut to ``--vocab`` to save time). The counts are compared with
 :func:`boost_hf.parallel.comm_formula.layer_communication` and scaled, exactly (every term is linear in
 the tokens), to the paper's setting: batch 4 x seq 4096, bf16.
 
-    python benchmarks/comm_per_layer.py            # 1b/3b/7b/13b at TP 2 and 4 (~5 min on 2 cores)
+    python benchmarks/comm_per_layer.py            # 1b/3b/7b/13b at TP 2 and 4 (~1.5-3 min on 2 cores)
     python benchmarks/comm_per_layer.py --quick    # 60m at TP 2
 """
 
@@ -148,7 +148,8 @@ def main() -> None:
         f"GiB columns: the measured elements scaled by {paper_tokens // tokens} to batch {PAPER_BATCH} x seq {PAPER_SEQ} "
         f"(N = {paper_tokens}), x {PAPER_DTYPE_BYTES} bytes (bf16). Calls and elements per layer do not depend on the TP size: "
         f"the table shows TP{args.tp[0]}'s counts, and for every TP size whether the measured calls and elements equal the "
-        "formula (`boost_hf.parallel.comm_formula.layer_communication`) in both directions. No activation checkpointing (its recomputation collectives are in `memory.md`).",
+        "formula (`boost_hf.parallel.comm_formula.layer_communication`) in both directions. No activation checkpointing "
+        "(its recomputation collectives are in `memory.md`).",
         "",
     ]
     per_tp = {}
@@ -236,7 +237,7 @@ def _plot(plotted: dict, out) -> str:
         ax.set_title(f"{title}, per layer")
         ax.set_xlabel("model size (1b: megatron/btp not applicable, d_ff=5461)")
     axes[0].set_ylabel("GiB per layer at batch 4 x seq 4096, bf16")
-    axes[0].legend()
+    axes[0].legend(loc="upper left")
     return save_figure(fig, out, "comm_per_layer")
 
 

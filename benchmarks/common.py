@@ -1,5 +1,5 @@
-"""What every benchmark script shares: the machine's name, result files, interleaved timing,
-barrier-wrapped collective timing, peak-RSS probes and the benchmark model shape.
+"""What every benchmark script shares: the benchmark shapes, the machine's name, result files,
+interleaved timing, barrier-wrapped collective timing and peak-RSS / saved-tensor probes.
 
 The scripts run as ``python benchmarks/<name>.py`` (this folder is then on ``sys.path``); the
 functions they hand to :func:`boost_hf.parallel.launcher.launch` live in importable modules, so the
@@ -16,6 +16,7 @@ import statistics
 import sys
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -24,10 +25,50 @@ RESULTS = Path(__file__).resolve().parent / "results"
 GIB = 2**30
 MIB = 2**20
 
-# The CPU benchmark model: a 350M-class LLaMA block (d=1024, 16 heads of 64, d_ff=2736, r=d/4), with a
-# small vocabulary so that the LM head (the same in every layout) does not hide the decoder layers.
-BENCH_SHAPE = dict(hidden_size=1024, intermediate_size=2736, num_attention_heads=16, rank=256, num_hidden_layers=2, vocab_size=4096)
-QUICK_SHAPE = dict(hidden_size=256, intermediate_size=688, num_attention_heads=4, rank=64, num_hidden_layers=2, vocab_size=512)
+
+# ---------------------------------------------------------------------------------------------- shapes
+@dataclass(frozen=True)
+class BenchShape:
+    """A model shape (``BoostLlamaConfig`` fields, r = d/4, 2 layers, a small vocabulary so the LM head, the
+    same in every layout, does not hide the decoder layers) and the micro-batch it is timed on."""
+
+    name: str
+    model: dict
+    batch: int
+    seq: int
+    why: str
+
+    @property
+    def tokens(self) -> int:
+        return self.batch * self.seq
+
+    def describe(self) -> str:
+        m = self.model
+        return (
+            f"d={m['hidden_size']}, {m['num_attention_heads']} heads, d_ff={m['intermediate_size']}, r={m['rank']}, "
+            f"{m['num_hidden_layers']} layers, vocab {m['vocab_size']}; micro-batch {self.batch} x seq {self.seq} = {self.tokens} tokens, fp32"
+        )
+
+
+SHAPES = {
+    "compute-bound": BenchShape(
+        "compute-bound",
+        dict(hidden_size=1024, intermediate_size=2736, num_attention_heads=16, rank=256, num_hidden_layers=2, vocab_size=4096),
+        batch=4, seq=128,
+        why="a 350M-class block: GEMMs dominate, and on this CPU communication is ~10x cheaper relative to compute than on GPUs",
+    ),
+    "comm-balanced": BenchShape(
+        "comm-balanced",
+        dict(hidden_size=128, intermediate_size=344, num_attention_heads=4, rank=32, num_hidden_layers=2, vocab_size=512),
+        batch=64, seq=64,
+        why="narrow enough that its collective time per unit of GEMM time on this CPU is of the order of a 3B model's at TP2 on A100s (see the balance table)",
+    ),
+}
+QUICK = BenchShape(
+    "quick",
+    dict(hidden_size=256, intermediate_size=688, num_attention_heads=4, rank=64, num_hidden_layers=2, vocab_size=512),
+    batch=1, seq=64, why="smoke test",
+)
 
 
 # ---------------------------------------------------------------------------------------------- machine
@@ -130,7 +171,7 @@ def write_result(out: Path, stem: str, title: str, body: list[str], *, quick: bo
         f"# {title}",
         "",
         f"- machine: {machine_line()}",
-        f"- command: `python {' '.join([Path(sys.argv[0]).as_posix().split('/main/')[-1], *sys.argv[1:]])}`"
+        f"- command: `python {' '.join(_relative(a) for a in sys.argv)}`"
         + (" (QUICK MODE: smoke-test shapes, not results)" if quick else ""),
         f"- generated: {datetime.datetime.now().strftime('%Y-%m-%d %H:%M')}, run time {time.perf_counter() - started:.0f} s; "
         f"{background_line()}",
@@ -139,6 +180,12 @@ def write_result(out: Path, stem: str, title: str, body: list[str], *, quick: bo
     path.write_text("\n".join(header + body).rstrip() + "\n")
     print(f"wrote {path}")
     return path
+
+
+def _relative(arg: str) -> str:
+    """A command-line argument with paths inside the repository written relative to its root."""
+    root = RESULTS.parent.parent
+    return os.path.relpath(arg, root) if arg.startswith(str(root)) else arg
 
 
 def table(headers: list[str], rows: list[list]) -> list[str]:
@@ -157,10 +204,11 @@ def save_figure(fig, out: Path, stem: str) -> str:
 
 
 # ---------------------------------------------------------------------------------------------- timing
-def interleaved_medians(steps: dict, *, warmup: int, reps: int, sync=None) -> dict[str, dict]:
+def time_interleaved(steps: dict, *, warmup: int, reps: int, sync=None) -> dict[str, dict]:
     """Run ``steps`` (name -> zero-argument callable) round-robin ``warmup + reps`` times, rotating the
     starting variant each round so no variant always follows the same one; return per variant the
-    median, min and max wall time (s) of the ``reps`` rounds after the warm-up.
+    median, min and max wall time (s) of the ``reps`` rounds after the warm-up, and the times of each round
+    (``times[i]`` of two variants were measured seconds apart: a paired comparison).
 
     ``sync()`` (e.g. a barrier, so that every rank starts a step together) runs before each timed call.
     """
@@ -176,7 +224,17 @@ def interleaved_medians(steps: dict, *, warmup: int, reps: int, sync=None) -> di
             elapsed = time.perf_counter() - t
             if round_ >= warmup:
                 times[name].append(elapsed)
-    return {n: {"median": statistics.median(v), "min": min(v), "max": max(v), "n": len(v)} for n, v in times.items()}
+    return {n: {"median": statistics.median(v), "min": min(v), "max": max(v), "times": v} for n, v in times.items()}
+
+
+def paired_median_difference(a: list[float], b: list[float]) -> float:
+    """Median over rounds of ``a[i] - b[i]`` (two variants timed in the same interleaved round)."""
+    return statistics.median(x - y for x, y in zip(a, b))
+
+
+def ratio(a: float, b: float) -> str:
+    """``a / b`` as ``"1.23x"``."""
+    return f"{a / b:.2f}x" if b else "-"
 
 
 def training_step(model, optimizer, input_ids) -> None:
@@ -187,39 +245,45 @@ def training_step(model, optimizer, input_ids) -> None:
 
 
 class CollectiveTimer:
-    """Barrier-wrapped timing of every collective issued through ``torch.distributed`` (a profile, not a
-    benchmark: the barriers add one latency per collective).
+    """Barrier-wrapped timing of every collective boost-hf issues (a profile, not a benchmark: the barriers
+    add one latency per collective).
 
-    Before each ``all_reduce`` / ``all_gather_into_tensor`` the ranks meet at a barrier: the time spent
-    there is ``wait_s`` (this rank arrived early: load imbalance, plus one barrier latency); the
-    collective after it is ``comm_s`` (transfer + reduction, all ranks starting together).
+    Before each all-reduce / all-gather the ranks meet at a barrier: the time spent there is ``wait_s``
+    (this rank arrived early: load imbalance, plus one barrier latency); the collective after it is
+    ``comm_s`` (transfer + reduction, all ranks starting together). The collectives are found by
+    wrapping the ``torch.distributed`` functions and the alias ``boost_hf.parallel.primitives`` binds
+    for its all-gather (boost-hf has no timing hook of its own).
     """
 
-    NAMES = ("all_reduce", "all_gather_into_tensor")
+    DIST_NAMES = ("all_reduce", "all_gather_into_tensor", "all_gather_single")
 
     def __init__(self):
         self.wait_s = self.comm_s = 0.0
         self.calls = self.bytes = 0
+        self._originals: list[tuple[object, str, object]] = []
 
     def __enter__(self) -> "CollectiveTimer":
         import torch.distributed as dist
 
-        self._originals = {name: getattr(dist, name) for name in self.NAMES}
-        for name, original in self._originals.items():
-            setattr(dist, name, self._wrap(original, dist))
+        from boost_hf.parallel import primitives
+
+        targets = [(dist, name) for name in self.DIST_NAMES] + [(primitives, "_all_gather_into")]
+        for module, name in targets:
+            original = getattr(module, name, None)
+            if original is not None:
+                self._originals.append((module, name, original))
+                setattr(module, name, self._wrap(original, dist))
         return self
 
     def __exit__(self, *exc) -> None:
-        import torch.distributed as dist
-
-        for name, original in self._originals.items():
-            setattr(dist, name, original)
+        for module, name, original in reversed(self._originals):
+            setattr(module, name, original)
+        self._originals.clear()
 
     def _wrap(self, original, dist):
         def timed(tensor, *args, **kwargs):
-            group = kwargs.get("group")
             t0 = time.perf_counter()
-            dist.barrier(group=group)
+            dist.barrier(group=kwargs.get("group"))
             t1 = time.perf_counter()
             result = original(tensor, *args, **kwargs)
             t2 = time.perf_counter()
@@ -304,18 +368,7 @@ class SavedTensorsProbe:
 
 # ---------------------------------------------------------------------------------------------- models
 def bench_config(shape: dict, bottleneck: str | None, seq: int):
+    """A ``BoostLlamaConfig`` of ``shape`` (its fields) with ``bottleneck`` (None: full rank)."""
     from boost_hf import BoostLlamaConfig
 
     return BoostLlamaConfig(bottleneck=bottleneck, max_position_embeddings=max(seq, 64), **shape)
-
-
-def shape_line(shape: dict, batch: int, seq: int) -> str:
-    s = shape
-    return (
-        f"d={s['hidden_size']}, {s['num_attention_heads']} heads, d_ff={s['intermediate_size']}, r={s['rank']}, "
-        f"{s['num_hidden_layers']} layers, vocab {s['vocab_size']}; micro-batch {batch} x seq {seq} = {batch * seq} tokens, fp32"
-    )
-
-
-def ratio(a: float, b: float) -> str:
-    return f"{a / b:.2f}x" if b else "-"

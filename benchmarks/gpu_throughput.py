@@ -18,7 +18,7 @@ from functools import partial
 
 import torch
 
-from common import base_parser, interleaved_medians, parse, table, write_result
+from common import base_parser, parse, table, time_interleaved, write_result
 
 PRESETS = ("llama-1b", "cola-1b")
 PEAK_BY_NAME = {"H200": "h200", "H100": "h100", "A100": "a100"}
@@ -67,7 +67,7 @@ def measure(presets, layers: int, batch: int, seq: int, warmup: int, reps: int, 
             torch.cuda.reset_peak_memory_stats()
         step(model, optimizer)
         peak_memory[preset] = torch.cuda.max_memory_allocated() if cuda else None
-    timing = interleaved_medians({p: partial(step, *m) for p, m in models.items()}, warmup=warmup, reps=reps)
+    timing = time_interleaved({p: partial(step, *m) for p, m in models.items()}, warmup=warmup, reps=reps)
     return {"timing": timing, "flops": flops, "params": params, "peak_memory": peak_memory}
 
 

@@ -9,36 +9,39 @@ Per variant, on ``--tp`` gloo ranks (rank 0 reported):
   ``/proc/self/clear_refs``; glibc is told to unmap freed tensors at once so the RSS follows live memory);
 * collectives of the whole step, counted and compared with
   :func:`boost_hf.parallel.comm_formula.model_communication` (recomputation collectives included);
-* the step time (separate processes, default allocator), all variants interleaved, and from it the recompute overhead and the paper's
-  figure of merit "activation memory saved per ms of recompute" (BOOST.md section 5).
+* the step time (separate processes, default allocator), all variants interleaved, and from it the
+  recompute overhead and the paper's figure of merit "activation memory saved per ms of recompute"
+  (BOOST.md section 5).
 
-    python benchmarks/memory.py           # ~3 min on 2 cores
+    python benchmarks/memory.py           # both shapes of common.SHAPES, ~2 min on 2 cores
     python benchmarks/memory.py --quick
 """
 
 from __future__ import annotations
 
 import gc
+import time
 from functools import partial
 
 import torch
 
 from common import (
-    BENCH_SHAPE,
     MIB,
-    QUICK_SHAPE,
+    QUICK,
+    SHAPES,
+    BenchShape,
     SavedTensorsProbe,
     base_parser,
     bench_config,
-    interleaved_medians,
+    paired_median_difference,
     parse,
     peak_rss_bytes,
     reset_peak_rss,
     returned_to_os_on_free,
     rss_bytes,
     save_figure,
-    shape_line,
     table,
+    time_interleaved,
     training_step,
     write_result,
 )
@@ -121,40 +124,13 @@ def timing_worker(spec: dict) -> dict:
         for mode in MODES:
             model, optimizer, _ = _build(layout, mode, config, tp)
             steps[_variant(layout, mode)] = partial(training_step, model, optimizer, ids)
-    timing = interleaved_medians(steps, warmup=spec["warmup"], reps=spec["reps"], sync=dist.barrier)
-    return {name: {"median": t["median"], "min": t["min"]} for name, t in timing.items()}
+    timing = time_interleaved(steps, warmup=spec["warmup"], reps=spec["reps"], sync=dist.barrier)
+    return {name: {"median": t["median"], "min": t["min"], "times": t["times"]} for name, t in timing.items()}
 
 
-def main() -> None:
-    parser = base_parser(__doc__.splitlines()[0], timed=True)
-    parser.add_argument("--tp", type=int, default=2)
-    parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--seq", type=int, default=256)
-    parser.add_argument("--layers", type=int, default=BENCH_SHAPE["num_hidden_layers"])
-    parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--reps", type=int, default=6)
-    args, started = parse(parser)
-    shape = dict(BENCH_SHAPE, num_hidden_layers=args.layers)
-    if args.quick:
-        shape, args.batch, args.seq, args.warmup, args.reps = dict(QUICK_SHAPE), 2, 64, 1, 2
-    from boost_hf.parallel.launcher import launch
-
-    spec = dict(shape=shape, batch=args.batch, seq=args.seq, warmup=args.warmup, reps=args.reps)
-    with returned_to_os_on_free():  # the RSS probe only: unmapping every free would slow the timed steps
-        res = launch(memory_worker, args.tp, spec, timeout=3600)[0]
-    timings = launch(timing_worker, args.tp, spec, timeout=3600)
-    for name in res:  # the slowest rank's step time
-        res[name]["step_s"] = max(t[name]["median"] for t in timings)
-        res[name]["fastest_s"] = max(t[name]["min"] for t in timings)
-    layers = shape["num_hidden_layers"]
-    body = [
-        f"Model: CoLA, {shape_line(shape, args.batch, args.seq)}; TP={args.tp}, rank 0. Saved bytes: one decoder layer "
-        "(layer 1) during the forward (unique storages seen by `saved_tensors_hooks`, parameters excluded). Peak RSS: "
-        "forward + backward of the whole model above the RSS before it (gradients included; measured in processes "
-        "whose allocator unmaps freed tensors at once). Step time (forward + backward + AdamW, separate processes with "
-        f"the default allocator): median (and fastest) of {args.reps} interleaved rounds after {args.warmup} warm-up, slowest rank.",
-        "",
-    ]
+def _shape_section(res: dict, shape: BenchShape, tp: int) -> tuple[list[str], dict]:
+    """The tables of one shape, and the figure of merit per checkpointed variant."""
+    layers = shape.model["num_hidden_layers"]
     rows = []
     for name, r in res.items():
         expected = r["expected_bytes"]
@@ -168,62 +144,109 @@ def main() -> None:
             "yes" if r["comm_matches"] else "**NO**",
             f"{1000 * r['step_s']:.0f} ({1000 * r['fastest_s']:.0f})",
         ])
-    body += table(["variant", "saved MiB/layer", "saved_elements_per_layer x 4 B (MiB)", "equal", "peak RSS of fwd+bwd (MiB)",
-                   "collectives fwd / bwd (model)", "= formula", "step ms, median (fastest)"], rows)
-    body += ["", "## Memory saved per ms of recompute", "",
-             f"saved = (saved bytes per layer without checkpointing - with) x {layers} layers; recompute = step time with "
-             "checkpointing - without (interleaved medians); the last column uses the drop of the peak RSS instead "
-             "(full checkpointing re-creates a whole layer's activations during its recompute, low-rank one segment's).", ""]
+    lines = [f"## Shape `{shape.name}`: CoLA, {shape.describe()}; TP={tp}", ""]
+    lines += table(["variant", "saved MiB/layer", "saved_elements_per_layer x 4 B (MiB)", "equal", "peak RSS of fwd+bwd (MiB)",
+                    "collectives fwd / bwd (model)", "= formula", "step ms, median (fastest)"], rows)
+    lines += ["", f"Memory saved per ms of recompute: saved = (saved bytes per layer without checkpointing - with) x {layers} "
+              "layers; recompute = step time with checkpointing - without: 'paired' is the median over rounds of the "
+              "difference within a round (the two steps ran seconds apart), 'fastest' the difference of the fastest steps; "
+              "the last column uses the drop of the peak RSS instead (full checkpointing re-creates a whole layer's "
+              "activations during its recompute, low-rank one segment's).", ""]
     merit, rows = {}, []
+    fmt = lambda v: f"{v:.2f}" if v is not None else "n/a"  # noqa: E731
     for layout in LAYOUTS:
         base = res[_variant(layout, "none")]
         for mode in ("full", "lowrank"):
             name = _variant(layout, mode)
             r = res[name]
             saved = (base["saved_bytes"] - r["saved_bytes"]) * layers
-            recompute_ms = {stat: 1000 * (r[stat] - base[stat]) for stat in ("step_s", "fastest_s")}
+            recompute_ms = {"paired": 1000 * paired_median_difference(r["times"], base["times"]),
+                            "fastest": 1000 * (r["fastest_s"] - base["fastest_s"])}
             merit[name] = {stat: saved / MIB / ms if ms > 0 else None for stat, ms in recompute_ms.items()}
+            ms = recompute_ms["paired"]
             peak_saved = base["peak_bytes"] - r["peak_bytes"] if r["peak_bytes"] is not None else None
-            ms = recompute_ms["step_s"]
             peak_merit = peak_saved / MIB / ms if ms > 0 and peak_saved is not None else None
-            fmt = lambda v: f"{v:.2f}" if v is not None else "n/a"  # noqa: E731
             rows.append([
                 name, f"{saved / MIB:.1f}", f"{100 * (1 - r['saved_bytes'] / base['saved_bytes']):.0f}%",
-                f"{ms:.0f} ({recompute_ms['fastest_s']:.0f}); {100 * ms / (1000 * base['step_s']):+.0f}%",
-                r["bwd_calls"] - base["bwd_calls"], f"{fmt(merit[name]['step_s'])} ({fmt(merit[name]['fastest_s'])})", fmt(peak_merit),
+                f"{ms:.0f} ({recompute_ms['fastest']:.0f}); {100 * ms / (1000 * base['step_s']):+.0f}%",
+                r["bwd_calls"] - base["bwd_calls"], f"{fmt(merit[name]['paired'])} ({fmt(merit[name]['fastest'])})", fmt(peak_merit),
             ])
-    body += table(["variant", "activation MiB saved (model)", "of layer's saved bytes", "recompute ms per step, median (fastest); overhead",
-                   "extra backward collectives (model)", "saved MiB per ms, median (fastest)", "peak-RSS MiB saved per ms"], rows)
-    pairs = [("btp lowrank", "vanilla lowrank"), ("btp lowrank", "vanilla full"), ("btp full", "vanilla full")]
-    lines = []
-    for a, b in pairs:
-        ratios = [merit[a][s] / merit[b][s] if merit[a][s] and merit[b][s] else None for s in ("step_s", "fastest_s")]
-        text = " / ".join(f"{x:.2f}x" if x is not None else "n/a (no measurable overhead)" for x in ratios)
-        lines.append(f"- {a} vs {b}: **{text}** (median / fastest step) the memory saved per ms of recompute")
-    body += ["", "Paper (7B, batch 4, GPU): BTP 1.70x the memory saved per ms of recompute of vanilla TP. Measured here:", ""] + lines
-    body += ["", _plot(res, merit, args.out), ""]
+    lines += table(["variant", "activation MiB saved (model)", "of layer's saved bytes", "recompute ms per step, paired (fastest); overhead",
+                    "extra backward collectives (model)", "saved MiB per ms, paired (fastest)", "peak-RSS MiB saved per ms"], rows)
+    return lines + [""], merit
+
+
+def main() -> None:
+    parser = base_parser(__doc__.splitlines()[0], timed=True)
+    parser.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=list(SHAPES), help="model shapes (default: all)")
+    parser.add_argument("--tp", type=int, default=2)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--reps", type=int, default=12)
+    args, started = parse(parser)
+    shapes = [SHAPES[name] for name in args.shapes]
+    if args.quick:
+        shapes, args.warmup, args.reps = [QUICK], 1, 2
+    from boost_hf.parallel.launcher import launch
+
+    body = [
+        f"TP={args.tp}, rank 0. Saved bytes: one decoder layer (layer 1) during the forward (unique storages seen by "
+        "`saved_tensors_hooks`, parameters excluded). Peak RSS: forward + backward of the whole model above the RSS "
+        "before it (gradients included; measured in processes whose allocator unmaps freed tensors at once). Step time "
+        "(forward + backward + AdamW, in separate processes with the default allocator): median (and fastest) of "
+        f"{args.reps} interleaved rounds after {args.warmup} warm-up, slowest rank.",
+        "",
+    ]
+    sections, merits, all_res = [], {}, {}
+    for shape in shapes:
+        spec = dict(shape=shape.model, batch=shape.batch, seq=shape.seq, warmup=args.warmup, reps=args.reps)
+        t0 = time.perf_counter()
+        with returned_to_os_on_free():  # the RSS probe only: unmapping every free would slow the timed steps
+            res = launch(memory_worker, args.tp, spec, timeout=3600)[0]
+        timings = launch(timing_worker, args.tp, spec, timeout=3600)
+        print(f"{shape.name}: {time.perf_counter() - t0:.0f} s")
+        for name in res:  # the slowest rank's step time
+            res[name]["step_s"] = max(t[name]["median"] for t in timings)
+            res[name]["fastest_s"] = max(t[name]["min"] for t in timings)
+            res[name]["times"] = [max(round_) for round_ in zip(*(t[name]["times"] for t in timings))]
+        lines, merits[shape.name] = _shape_section(res, shape, args.tp)
+        sections += lines
+        all_res[shape.name] = res
+    rows = []
+    for shape in shapes:
+        merit = merits[shape.name]
+        for a, b in (("btp lowrank", "vanilla lowrank"), ("btp lowrank", "vanilla full"), ("btp full", "vanilla full")):
+            ratios = [merit[a][s] / merit[b][s] if merit[a][s] and merit[b][s] else None for s in ("paired", "fastest")]
+            rows.append([shape.name, f"{a} vs {b}", *(f"{x:.2f}x" if x is not None else "n/a (no measurable overhead)" for x in ratios)])
+    body += ["## Memory saved per ms of recompute, BTP vs vanilla", "",
+             "Paper (7B, batch 4, GPU): BTP 1.70x the activation memory saved per ms of recompute of vanilla TP. Measured "
+             "(ratio of the 'saved MiB per ms' columns below):", ""]
+    body += table(["shape", "comparison", "ratio (paired recompute time)", "ratio (fastest steps)"], rows) + [""]
+    body += sections
+    body += [_plot(all_res, merits, args.out), ""]
     write_result(args.out, "memory", "Activation memory and recompute: checkpointing none / full / lowrank", body, quick=args.quick, started=started)
 
 
-def _plot(res: dict, merit: dict, out) -> str:
+def _plot(all_res: dict, merits: dict, out) -> str:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 3, figsize=(15, 3.8))
-    names = list(res)
-    colors = ["C0" if n.startswith("btp") else "C1" for n in names]
-    axes[0].barh(names, [res[n]["saved_bytes"] / MIB for n in names], color=colors)
-    axes[0].set_xlabel("MiB saved for backward per layer (rank 0)")
-    if all(res[n]["peak_bytes"] is not None for n in names):
-        axes[1].barh(names, [res[n]["peak_bytes"] / MIB for n in names], color=colors)
-    axes[1].set_xlabel("peak RSS of forward + backward above the start (MiB)")
-    valued = [n for n in merit if merit[n]["step_s"] is not None]
-    axes[2].barh(valued, [merit[n]["step_s"] for n in valued], color=["C0" if n.startswith("btp") else "C1" for n in valued])
-    axes[2].set_xlabel("activation MiB saved per ms of recompute (median)")
-    for ax in axes:
-        ax.invert_yaxis()
+    fig, axes = plt.subplots(len(all_res), 3, figsize=(16, 3.8 * len(all_res)), squeeze=False)
+    for row, (shape, res) in zip(axes, all_res.items()):
+        names = list(res)
+        colors = ["C0" if n.startswith("btp") else "C1" for n in names]
+        row[0].barh(names, [res[n]["saved_bytes"] / MIB for n in names], color=colors)
+        row[0].set_xlabel(f"MiB saved for backward per layer ({shape})")
+        if all(res[n]["peak_bytes"] is not None for n in names):
+            row[1].barh(names, [res[n]["peak_bytes"] / MIB for n in names], color=colors)
+        row[1].set_xlabel(f"peak RSS of fwd + bwd, MiB ({shape})")
+        merit = merits[shape]
+        valued = [n for n in merit if merit[n]["paired"] is not None]
+        row[2].barh(valued, [merit[n]["paired"] for n in valued], color=["C0" if n.startswith("btp") else "C1" for n in valued])
+        row[2].set_xlabel(f"MiB saved per ms of recompute ({shape})")
+        for ax in row:
+            ax.invert_yaxis()
     return save_figure(fig, out, "memory")
 
 

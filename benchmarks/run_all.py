@@ -1,6 +1,6 @@
 """Run every benchmark in turn (``make bench``): each writes its Markdown (and PNG) under the results folder.
 
-    python benchmarks/run_all.py            # the CPU suite, ~15 min on 2 cores
+    python benchmarks/run_all.py            # the CPU suite, ~7 min on an idle 2-core machine
     python benchmarks/run_all.py --quick    # smoke test, tiny shapes
     python benchmarks/run_all.py --only step_time memory
 
