@@ -23,6 +23,8 @@ from torch import nn
 
 from common import GIB, base_parser, parse, save_figure, table, write_result
 
+from boost_hf.parallel.comm_counter import count_training_step, counts_difference
+
 LAYOUTS = {
     "megatron (full rank)": dict(tp_style="megatron"),
     "vanilla": dict(tp_style="vanilla"),
@@ -45,25 +47,10 @@ def model_config(size: str, fields: dict, layers: int, vocab: int):
 
 
 def _count_step(model, input_ids) -> tuple[dict, dict]:
-    from boost_hf import CommCounter
 
-    with CommCounter() as forward:
-        loss = model(input_ids, labels=input_ids).loss
-    with CommCounter() as backward:
-        loss.backward()
+    counts = count_training_step(model, input_ids)
     model.zero_grad(set_to_none=True)
-    strip = lambda counts: {k: {"calls": v["calls"], "elements": v["elements"]} for k, v in counts.items()}  # noqa: E731
-    return strip(forward.as_dict()), strip(backward.as_dict())
-
-
-def _minus(a: dict, b: dict) -> dict:
-    out = {}
-    for kind in sorted(set(a) | set(b)):
-        calls = a.get(kind, {}).get("calls", 0) - b.get(kind, {}).get("calls", 0)
-        elements = a.get(kind, {}).get("elements", 0) - b.get(kind, {}).get("elements", 0)
-        if calls or elements:
-            out[kind] = {"calls": calls, "elements": elements}
-    return out
+    return counts
 
 
 def measure(sizes: list[str], tp: int, batch: int, seq: int, vocab: int) -> dict:
@@ -98,8 +85,8 @@ def measure(sizes: list[str], tp: int, batch: int, seq: int, vocab: int) -> dict
             model.model.layers = layers
             formula = layer_communication(model_config(size, fields, 1, vocab), parallel, batch * seq)
             results.setdefault(size, {})[name] = {
-                "measured_fwd": _minus(two[0], one[0]),
-                "measured_bwd": _minus(two[1], one[1]),
+                "measured_fwd": counts_difference(two[0], one[0]),
+                "measured_bwd": counts_difference(two[1], one[1]),
                 "formula_fwd": formula.forward.to_dict(),
                 "formula_bwd": formula.backward.to_dict(),
                 "seconds": time.perf_counter() - t0,

@@ -341,31 +341,6 @@ def returned_to_os_on_free():
             os.environ["MALLOC_MMAP_THRESHOLD_"] = saved
 
 
-class SavedTensorsProbe:
-    """Bytes one module's forward saves for backward: the unique storages (parameters excluded) seen by
-    ``saved_tensors_hooks`` between the module's forward pre-hook and forward hook."""
-
-    def __init__(self, module):
-        self.storages: dict[int, int] = {}
-        self.hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
-        self._handles = [module.register_forward_pre_hook(lambda *_: self.hooks.__enter__()),
-                         module.register_forward_hook(lambda *_: self.hooks.__exit__(None, None, None))]
-
-    def _pack(self, t):
-        if not isinstance(t, torch.nn.Parameter):
-            storage = t.untyped_storage()
-            self.storages[storage.data_ptr()] = storage.nbytes()
-        return t
-
-    @property
-    def saved_bytes(self) -> int:
-        return sum(self.storages.values())
-
-    def remove(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-
-
 # ---------------------------------------------------------------------------------------------- models
 def bench_config(shape: dict, bottleneck: str | None, seq: int):
     """A ``BoostLlamaConfig`` of ``shape`` (its fields) with ``bottleneck`` (None: full rank)."""

@@ -30,7 +30,6 @@ from common import (
     QUICK,
     SHAPES,
     BenchShape,
-    SavedTensorsProbe,
     base_parser,
     bench_config,
     paired_median_difference,
@@ -45,6 +44,8 @@ from common import (
     training_step,
     write_result,
 )
+
+from boost_hf.parallel.activation_memory import SavedTensorsProbe
 
 LAYOUTS = ("vanilla", "btp")
 MODES = ("none", "full", "lowrank")

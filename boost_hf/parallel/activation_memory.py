@@ -8,6 +8,8 @@ The tests measure the same quantity with ``saved_tensors_hooks`` and compare it 
 
 from __future__ import annotations
 
+import torch
+
 from .config import ParallelConfig
 
 
@@ -33,4 +35,34 @@ def saved_elements_per_layer(config, parallel: ParallelConfig, tokens: int, laye
     return 2 * residual + latents + carries
 
 
-__all__ = ["saved_elements_per_layer"]
+class SavedTensorsProbe:
+    """Measures what one module's forward saves for backward: the unique storages (parameters excluded)
+    seen by ``saved_tensors_hooks`` between the module's forward pre-hook and forward hook."""
+
+    def __init__(self, module: torch.nn.Module):
+        self.storages: dict[int, int] = {}
+        self.hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+        self._handles = [module.register_forward_pre_hook(self._enter), module.register_forward_hook(self._exit)]
+
+    def _enter(self, *_) -> None:  # a hook's return value would replace the module's inputs/outputs
+        self.hooks.__enter__()
+
+    def _exit(self, *_) -> None:
+        self.hooks.__exit__(None, None, None)
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        if not isinstance(t, torch.nn.Parameter):
+            storage = t.untyped_storage()
+            self.storages[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    @property
+    def saved_bytes(self) -> int:
+        return sum(self.storages.values())
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+
+
+__all__ = ["saved_elements_per_layer", "SavedTensorsProbe"]

@@ -61,8 +61,33 @@ class CommCounter:
     def as_dict(self) -> dict[str, dict[str, int]]:
         return {k: {"calls": r.calls, "elements": r.elements, "bytes": r.bytes} for k, r in sorted(self.by_kind.items())}
 
+    def counts(self) -> dict[str, dict[str, int]]:
+        """``{kind: {"calls", "elements"}}``: comparable with ``comm_formula``'s ``Communication.to_dict()``."""
+        return {k: {"calls": r.calls, "elements": r.elements} for k, r in sorted(self.by_kind.items())}
+
     def reset(self) -> None:
         self.by_kind.clear()
+
+
+def counts_difference(a: dict[str, dict[str, int]], b: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:
+    """``a - b`` of two :meth:`CommCounter.counts` (kinds that cancel are dropped), e.g. one layer's
+    collectives as a 2-layer model's minus a 1-layer model's."""
+    out = {}
+    for kind in sorted(set(a) | set(b)):
+        calls = a.get(kind, {}).get("calls", 0) - b.get(kind, {}).get("calls", 0)
+        elements = a.get(kind, {}).get("elements", 0) - b.get(kind, {}).get("elements", 0)
+        if calls or elements:
+            out[kind] = {"calls": calls, "elements": elements}
+    return out
+
+
+def count_training_step(model, input_ids) -> tuple[dict[str, dict[str, int]], dict[str, dict[str, int]]]:
+    """Collectives (:meth:`CommCounter.counts`) of one forward with labels and of its backward."""
+    with CommCounter() as forward:
+        loss = model(input_ids, labels=input_ids).loss
+    with CommCounter() as backward:
+        loss.backward()
+    return forward.counts(), backward.counts()
 
 
 def record_collective(kind: str, tensor: torch.Tensor) -> None:
@@ -78,4 +103,4 @@ def record_collective(kind: str, tensor: torch.Tensor) -> None:
         record.bytes += nbytes
 
 
-__all__ = ["CommCounter", "CollectiveRecord", "record_collective"]
+__all__ = ["CommCounter", "CollectiveRecord", "counts_difference", "count_training_step", "record_collective"]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from transformers.initialization import no_init_weights
 
-from .comm_counter import CommCounter
+from .comm_counter import count_training_step, counts_difference
 from .comm_formula import layer_communication
 from .config import ParallelConfig
 
@@ -39,23 +39,7 @@ def _count(config, parallel, batch: int, seq: int) -> tuple[dict, dict]:
     for param in model.parameters():  # values do not change the counts; keep them finite
         param.data.normal_(0, 0.02)
     model.train()
-    ids = torch.randint(0, config.vocab_size, (batch, seq))
-    with CommCounter() as fwd:
-        loss = model(ids, labels=ids).loss
-    with CommCounter() as bwd:
-        loss.backward()
-    return fwd.as_dict(), bwd.as_dict()
-
-
-def _minus(a: dict, b: dict) -> dict:
-    kinds = set(a) | set(b)
-    out = {}
-    for k in sorted(kinds):
-        calls = a.get(k, {}).get("calls", 0) - b.get(k, {}).get("calls", 0)
-        elements = a.get(k, {}).get("elements", 0) - b.get(k, {}).get("elements", 0)
-        if calls or elements:
-            out[k] = {"calls": calls, "elements": elements}
-    return out
+    return count_training_step(model, torch.randint(0, config.vocab_size, (batch, seq)))
 
 
 def measure_layer_communication(preset: str, tp: int, batch: int, seq: int) -> dict:
@@ -67,8 +51,8 @@ def measure_layer_communication(preset: str, tp: int, batch: int, seq: int) -> d
         one, two = (_count(_config(preset, full_rank, n), parallel, batch, seq) for n in (1, 2))
         formula = layer_communication(_config(preset, full_rank, 1), parallel, batch * seq)
         rows[name] = {
-            "measured_fwd": _minus(two[0], one[0]),
-            "measured_bwd": _minus(two[1], one[1]),
+            "measured_fwd": counts_difference(two[0], one[0]),
+            "measured_bwd": counts_difference(two[1], one[1]),
             "formula_fwd": formula.forward.to_dict(),
             "formula_bwd": formula.backward.to_dict(),
         }

@@ -74,9 +74,14 @@ class ProjectionGroup:
     def up(self, z: Tensors, carries: Tensors = ()) -> tuple[list[torch.Tensor], Tensors]:
         raise NotImplementedError
 
-    def __call__(self, x: torch.Tensor, norm: nn.Module | None = None, carries: Tensors = ()):
-        """``down -> reduce -> up`` in one go: ``(outputs, carries)``."""
-        return self.up(self.reduce(self.down(x, norm)), carries)
+    def latents(self, z: Tensors, carries: Tensors) -> tuple[list[torch.Tensor], Tensors]:
+        """Each projection's latent function on its slice of the reduced ``z`` (one tensor with the
+        projections' latents side by side when grouped, one per projection otherwise): ``(latents fed to
+        the B's, LaX carries for the next block)``. No communication."""
+        zs = z[0].chunk(len(self.projections), dim=-1) if len(z) == 1 else z
+        carries = carries or (None,) * len(zs)
+        latents, new_carries = zip(*(p.latent(zi, c) for p, zi, c in zip(self.projections, zs, carries)))
+        return list(latents), tuple(c for c in new_carries if c is not None)
 
 
 class DenseGroup(ProjectionGroup):
@@ -135,18 +140,14 @@ class ReplicatedLowRankGroup(ProjectionGroup):
         return (z.reshape(*z.shape[:-3], -1),)
 
     def up(self, z, carries=()):
-        zs = z[0].chunk(len(self.projections), dim=-1) if len(z) == 1 else z
-        carries = carries or (None,) * len(zs)
-        latents, new_carries = zip(*(p.latent(zi, c) for p, zi, c in zip(self.projections, zs, carries)))
-        latents = list(latents)
+        latents, carries = self.latents(z, carries)
         if self.gather_latent:
             if self.grouped and len(latents) > 1:
                 latents = list(split_to_tp(torch.stack(latents), -1, self.group).unbind(0))
             else:
                 latents = [split_to_tp(l, -1, self.group) for l in latents]
         partial = batched_linear(latents, [p.B for p in self.projections], self.grouped)
-        outputs = [reduce_from_tp(y, self.group) for y in partial]
-        return outputs, tuple(c for c in new_carries if c is not None)
+        return [reduce_from_tp(y, self.group) for y in partial], carries
 
 
 class BottleneckAwareGroup(ProjectionGroup):
@@ -193,15 +194,12 @@ class BottleneckAwareGroup(ProjectionGroup):
             inv_rms = online_rms_norm_inverse(z[0][..., -1:], self.hidden_size, self.norm_eps)
             z[0] = z[0][..., :-1]
             z = [(zi.to(torch.float32) * inv_rms).to(zi.dtype) for zi in z]
-        zs = z[0].chunk(len(self.projections), dim=-1) if len(z) == 1 else z
-        carries = carries or (None,) * len(zs)
-        latents, new_carries = zip(*(p.latent(zi, c) for p, zi, c in zip(self.projections, zs, carries)))
+        latents, carries = self.latents(z, carries)
         if self.grouped and len(latents) > 1:
             latents = list(copy_to_tp(torch.stack(latents), self.group).unbind(0))
         else:
             latents = [copy_to_tp(l, self.group) for l in latents]
-        outputs = batched_linear(latents, [p.B for p in self.projections], self.grouped)
-        return outputs, tuple(c for c in new_carries if c is not None)
+        return batched_linear(latents, [p.B for p in self.projections], self.grouped), carries
 
 
 __all__ = ["ProjectionGroup", "DenseGroup", "ReplicatedLowRankGroup", "BottleneckAwareGroup", "batched_linear"]

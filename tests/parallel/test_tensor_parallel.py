@@ -72,7 +72,7 @@ def test_lowrank_checkpointing_recompute_issues_no_collective_under_online_btp(r
             config = tp_cases.tiny_config(**c["case"]["model"])
             plain = ParallelConfig(tp_size=world, **{**p, "activation_checkpointing": "none"})
             without = model_communication(config, plain, tp_cases.BATCH * tp_cases.SEQ).backward.to_dict()
-            assert {k: {"calls": v["calls"], "elements": v["elements"]} for k, v in c["bwd"].items()} == without
+            assert c["bwd"] == without
             checked += 1
     assert checked >= 3
 

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from boost_hf import BoostLlamaConfig, BoostLlamaForCausalLM, CommCounter, ParallelConfig
-from boost_hf.parallel.activation_memory import saved_elements_per_layer
+from boost_hf.parallel.activation_memory import SavedTensorsProbe, saved_elements_per_layer
 from boost_hf.parallel.comm_formula import layer_communication, model_communication
 from boost_hf.parallel.sharding import gather_full, shard_spec_of
 
@@ -38,37 +38,23 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-12))
 
 
-class LayerProbe:
-    """Counts, for one decoder layer's forward, its collectives and the bytes it saves for backward
-    (unique storages seen by ``saved_tensors_hooks``)."""
+class LayerProbe(SavedTensorsProbe):
+    """A layer's saved-for-backward bytes (:class:`SavedTensorsProbe`) and its forward collectives."""
 
     def __init__(self, layer):
-        self.storages: dict[int, int] = {}
+        super().__init__(layer)
         self.counter = CommCounter()
-        self.hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
-        layer.register_forward_pre_hook(self._enter)
-        layer.register_forward_hook(self._exit)
 
-    def _pack(self, t):
-        if not isinstance(t, torch.nn.Parameter):
-            storage = t.untyped_storage()
-            self.storages[storage.data_ptr()] = storage.nbytes()
-        return t
-
-    def _enter(self, *_):
-        self.hooks.__enter__()
+    def _enter(self, *_) -> None:
+        super()._enter()
         self.counter.__enter__()
 
-    def _exit(self, *_):
+    def _exit(self, *_) -> None:
         self.counter.__exit__()
-        self.hooks.__exit__()
-
-    @property
-    def saved_bytes(self) -> int:
-        return sum(self.storages.values())
+        super()._exit()
 
 
-def train_step(model, parallel: bool):
+def train_step(model):
     """Forward with labels, backward, one optimizer step; returns loss, canonical grads/params, comm counts.
 
     The step is SGD with momentum and weight decay: Adam's first step is ``lr * sign(g)`` for gradients
@@ -84,7 +70,7 @@ def train_step(model, parallel: bool):
     grads = {n: gather_full(p.grad, shard_spec_of(p), group) for n, p in model.named_parameters()}
     torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=0.01).step()
     params = {n: gather_full(p.detach(), shard_spec_of(p), group) for n, p in model.named_parameters()}
-    return float(loss.detach()), grads, params, fwd.as_dict(), bwd.as_dict()
+    return float(loss.detach()), grads, params, fwd.counts(), bwd.counts()
 
 
 def parity_case(case: dict) -> dict:
@@ -92,7 +78,7 @@ def parity_case(case: dict) -> dict:
     torch.manual_seed(SEED)
     reference = BoostLlamaForCausalLM(config)
     initial = {n: p.detach().clone() for n, p in reference.named_parameters()}
-    ref_loss, ref_grads, ref_params, _, _ = train_step(reference, parallel=False)
+    ref_loss, ref_grads, ref_params, _, _ = train_step(reference)
 
     parallel = ParallelConfig(tp_size=dist.get_world_size(), **case["parallel"])
     torch.manual_seed(SEED)
@@ -102,7 +88,7 @@ def parity_case(case: dict) -> dict:
     init_exact = all(
         torch.equal(gather_full(p.detach(), shard_spec_of(p), group), initial[n]) for n, p in model.named_parameters()
     )
-    loss, grads, params, fwd, bwd = train_step(model, parallel=True)
+    loss, grads, params, fwd, bwd = train_step(model)
     losses = [None] * dist.get_world_size()
     dist.all_gather_object(losses, loss)
     return {
@@ -116,7 +102,7 @@ def parity_case(case: dict) -> dict:
         "worst_grad": max(ref_grads, key=lambda n: rel(grads[n], ref_grads[n])),
         "fwd": fwd,
         "bwd": bwd,
-        "layer_fwd": probe.counter.as_dict(),
+        "layer_fwd": probe.counter.counts(),
         **expected_communication(config, parallel, fwd, bwd, probe),
     }
 
@@ -127,13 +113,10 @@ def expected_communication(config, parallel, fwd, bwd, probe) -> dict:
     model = model_communication(config, parallel, tokens, with_loss=True)
     layer = layer_communication(config, parallel, tokens)
 
-    def counted(measured):
-        return {k: {"calls": v["calls"], "elements": v["elements"]} for k, v in measured.items()}
-
     result = {
-        "fwd_matches": counted(fwd) == model.forward.to_dict(),
-        "bwd_matches": counted(bwd) == model.backward.to_dict(),
-        "layer_fwd_matches": counted(probe.counter.as_dict()) == layer.forward.to_dict(),
+        "fwd_matches": fwd == model.forward.to_dict(),
+        "bwd_matches": bwd == model.backward.to_dict(),
+        "layer_fwd_matches": probe.counter.counts() == layer.forward.to_dict(),
         "expected_fwd": model.forward.to_dict(),
         "expected_bwd": model.backward.to_dict(),
         "saved_bytes": probe.saved_bytes,
