@@ -6,7 +6,7 @@ values do not change what is communicated) on ``tp`` local processes; a training
 :class:`boost_hf.CommCounter` with both layers and again with the first layer only, and the difference
 is one layer's collectives (what the embedding, LM head and loss communicate cancels, so the
 vocabulary is cut to ``--vocab`` to save time). The counts are compared with
-:func:`boost_hf.parallel.comm_formula.layer_communication` and scaled, exactly (every term is linear in
+:func:`boost_hf.perf.comm_formula.layer_communication` and scaled, exactly (every term is linear in
 the tokens), to the paper's setting: batch 4 x seq 4096, bf16.
 
     python benchmarks/comm_per_layer.py            # 1b/3b/7b/13b at TP 2 and 4 (~1.5-3 min on 2 cores)
@@ -59,7 +59,7 @@ def measure(sizes: list[str], tp: int, batch: int, seq: int, vocab: int) -> dict
     from transformers.initialization import no_init_weights
 
     from boost_hf import BoostLlamaForCausalLM, ParallelConfig
-    from boost_hf.parallel.comm_formula import layer_communication
+    from boost_hf.perf.comm_formula import layer_communication
 
     results: dict = {}
     for size in sizes:
@@ -108,7 +108,7 @@ def _fmt(comm: dict) -> str:
 def paper_gib(size: str, name: str, vocab: int, tp: int) -> tuple[float, float]:
     """Formula forward and backward GiB per layer at batch 4 x seq 4096, bf16."""
     from boost_hf import ParallelConfig
-    from boost_hf.parallel.comm_formula import layer_communication
+    from boost_hf.perf.comm_formula import layer_communication
 
     fields = LAYOUTS[name]
     comm = layer_communication(model_config(size, fields, 1, vocab), ParallelConfig(tp_size=tp, **fields), PAPER_BATCH * PAPER_SEQ)
@@ -125,7 +125,7 @@ def main() -> None:
     args, started = parse(parser)
     if args.quick:
         args.sizes, args.tp = ["60m"], [2]
-    from boost_hf.parallel.launcher import launch
+    from boost_hf.perf.launcher import launch
 
     tokens, paper_tokens = args.batch * args.seq, PAPER_BATCH * PAPER_SEQ
     body = [
@@ -135,7 +135,7 @@ def main() -> None:
         f"GiB columns: the measured elements scaled by {paper_tokens // tokens} to batch {PAPER_BATCH} x seq {PAPER_SEQ} "
         f"(N = {paper_tokens}), x {PAPER_DTYPE_BYTES} bytes (bf16). Calls and elements per layer do not depend on the TP size: "
         f"the table shows TP{args.tp[0]}'s counts, and for every TP size whether the measured calls and elements equal the "
-        "formula (`boost_hf.parallel.comm_formula.layer_communication`) in both directions. No activation checkpointing "
+        "formula (`boost_hf.perf.comm_formula.layer_communication`) in both directions. No activation checkpointing "
         "(its recomputation collectives are in `memory.md`).",
         "",
     ]

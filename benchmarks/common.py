@@ -2,7 +2,7 @@
 interleaved timing, barrier-wrapped collective timing and peak-RSS / saved-tensor probes.
 
 The scripts run as ``python benchmarks/<name>.py`` (this folder is then on ``sys.path``); the
-functions they hand to :func:`boost_hf.parallel.launcher.launch` live in importable modules, so the
+functions they hand to :func:`boost_hf.perf.launcher.launch` live in importable modules, so the
 spawned ranks find them.
 """
 

@@ -4,11 +4,11 @@ Per variant, on ``--tp`` gloo ranks (rank 0 reported):
 
 * bytes one decoder layer (layer 1) saves for backward: the unique storages seen by
   ``saved_tensors_hooks`` during its forward (parameters excluded; what the tests' LayerProbe measures),
-  next to :func:`boost_hf.parallel.activation_memory.saved_elements_per_layer` (x 4 bytes, fp32);
+  next to :func:`boost_hf.perf.activation_memory.saved_elements_per_layer` (x 4 bytes, fp32);
 * the peak RSS of a forward + backward above the RSS before it (``VmHWM`` reset through
   ``/proc/self/clear_refs``; glibc is told to unmap freed tensors at once so the RSS follows live memory);
 * collectives of the whole step, counted and compared with
-  :func:`boost_hf.parallel.comm_formula.model_communication` (recomputation collectives included);
+  :func:`boost_hf.perf.comm_formula.model_communication` (recomputation collectives included);
 * the step time (separate processes, default allocator), all variants interleaved, and from it the
   recompute overhead and the paper's figure of merit "activation memory saved per ms of recompute"
   (BOOST.md section 5).
@@ -45,7 +45,7 @@ from common import (
     write_result,
 )
 
-from boost_hf.parallel.activation_memory import SavedTensorsProbe
+from boost_hf.perf.activation_memory import SavedTensorsProbe
 
 LAYOUTS = ("vanilla", "btp")
 MODES = ("none", "full", "lowrank")
@@ -70,8 +70,8 @@ def memory_worker(spec: dict) -> dict:
     import torch.distributed as dist
 
     from boost_hf import CommCounter
-    from boost_hf.parallel.activation_memory import saved_elements_per_layer
-    from boost_hf.parallel.comm_formula import model_communication
+    from boost_hf.perf.activation_memory import saved_elements_per_layer
+    from boost_hf.perf.comm_formula import model_communication
 
     tp = dist.get_world_size()
     shape, batch, seq = spec["shape"], spec["batch"], spec["seq"]
@@ -187,7 +187,7 @@ def main() -> None:
     shapes = [SHAPES[name] for name in args.shapes]
     if args.quick:
         shapes, args.warmup, args.reps = [QUICK], 1, 2
-    from boost_hf.parallel.launcher import launch
+    from boost_hf.perf.launcher import launch
 
     body = [
         f"TP={args.tp}, rank 0. Saved bytes: one decoder layer (layer 1) during the forward (unique storages seen by "

@@ -179,9 +179,9 @@ def single_process(shape: BenchShape, warmup: int, reps: int, threads: int) -> d
 
 def megatron_flop_per_byte(model_fields: dict, tp: int, dtype_bytes: int) -> float:
     """Training FLOPs of a full-rank layer's linears per byte its TP collectives send per rank (ring), from
-    :mod:`boost_hf.perf.flops` and :mod:`boost_hf.parallel.comm_formula`."""
+    :mod:`boost_hf.perf.flops` and :mod:`boost_hf.perf.comm_formula`."""
     from boost_hf import BoostLlamaConfig, ParallelConfig
-    from boost_hf.parallel.comm_formula import layer_communication
+    from boost_hf.perf.comm_formula import layer_communication
     from boost_hf.perf.flops import linear_flops_per_token
 
     config = BoostLlamaConfig(bottleneck=None, **model_fields)
@@ -213,7 +213,7 @@ def main() -> None:
     shapes = [SHAPES[name] for name in args.shapes]
     if args.quick:
         shapes, args.tp, args.warmup, args.reps, args.single_reps = [QUICK], [2], 1, 2, 2
-    from boost_hf.parallel.launcher import launch
+    from boost_hf.perf.launcher import launch
 
     runs: dict[str, dict[int, dict]] = {}
     for shape in shapes:

@@ -160,7 +160,7 @@ def _add_comm_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _run_comm(args: argparse.Namespace) -> int:
-    from .parallel.comm_report import report
+    from .perf.comm_report import report
 
     print(report(args.preset, args.tp, args.batch, args.seq))
     return 0

@@ -1,272 +1,381 @@
 """The boost-hf LLaMA family: full-rank LLaMA and its low-rank bottleneck variants (svd, cola, lax).
 
-Reads like ``transformers``' ``modeling_llama.py``: norm -> rotary -> attention -> MLP -> decoder layer
--> base model -> causal-LM head. The tensor-parallel layout is decided outside, by a
-:class:`~boost_hf.parallel.plan.TensorParallelPlan` built from a
-:class:`~boost_hf.parallel.config.ParallelConfig`; with none (or ``tp_size=1``) this is a plain
-single-device model, and with ``bottleneck=None`` it computes exactly ``transformers.LlamaForCausalLM``.
+A single-device model that reads like ``transformers``' ``modeling_llama.py``: norm -> rotary ->
+projections -> MLP -> attention -> decoder layer -> base model -> causal-LM head. It imports only
+``torch``, ``transformers`` and its configuration, so it is also what a saved checkpoint ships as remote
+code. With ``bottleneck=None`` it is exactly ``transformers.LlamaForCausalLM`` (same names, same logits).
 
-Shapes: ``B`` batch, ``S`` sequence, ``d`` hidden size, ``r`` rank, ``p`` tensor-parallel size. The
-residual stream is ``[B, S, d]`` except under BTP, where each rank holds ``[B, S, d/p]``.
+Tensor parallelism is applied from outside (:func:`boost_hf.parallel.parallelize`), which swaps these
+modules for sharded ones and keeps every parameter name.
 
-A decoder layer runs as five segments separated by the collectives of its projection groups (see
-:mod:`boost_hf.parallel.groups`); ``activation_checkpointing="lowrank"`` recomputes each segment from
-its inputs, which are only r-dim latents and the residual.
+Shapes: ``B`` batch, ``S`` sequence, ``d`` hidden size, ``r`` rank.
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+from collections.abc import Callable
+
 import torch
-import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
 from transformers import initialization as init
 from transformers.activations import ACT2FN
 from transformers.cache_utils import Cache, DynamicCache
-from transformers.initialization import no_init_weights
 from transformers.masking_utils import create_causal_mask
+from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, slice_logits_to_keep
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb, eager_attention_forward
+from transformers.utils import can_return_tuple
+from transformers.utils.generic import merge_with_config_defaults
+from transformers.utils.output_capturing import capture_outputs
 
 from .configuration_boost_llama import BoostLlamaConfig
-from .parallel.checkpoint_io import HUB_KWARGS, canonical_state_dict, load_canonical_checkpoint, resolve_checkpoint_files
-from .parallel.checkpointing import run_segment
-from .parallel.config import ParallelConfig
-from .parallel.cross_entropy import vocab_parallel_causal_lm_loss
-from .parallel.norms import rms_norm
-from .parallel.plan import TensorParallelPlan
-from .parallel.primitives import gather_from_tp, split_to_tp
-from .parallel.sharding import constant_init, init_from_full, sharded_parameter
+
+LATENT_NORM_EPS = 1e-5
 
 
 class BoostLlamaRMSNorm(nn.Module):
-    """RMSNorm, ``weight: [d]`` (canonical); under BTP the block norms hold ``[d/p]`` and are applied by
-    the projection group that reads them (online or sync statistics, :mod:`boost_hf.parallel.norms`)."""
+    """RMSNorm over the last dim, statistics in fp32 (as ``LlamaRMSNorm``); ``weight: [d]``."""
 
-    def __init__(self, hidden_size: int, eps: float = 1e-6, *, split_dim: int | None = None, tp_rank: int = 0, tp_size: int = 1):
+    def __init__(self, hidden_size: int, eps: float = 1e-6):
         super().__init__()
-        self.weight = sharded_parameter((hidden_size,), split_dim, tp_rank, tp_size, constant_init(1.0))
+        self.weight = nn.Parameter(torch.ones(hidden_size))
         self.variance_epsilon = eps
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return rms_norm(hidden_states, self.weight, self.variance_epsilon)
+        input_dtype = hidden_states.dtype
+        hidden_states = hidden_states.to(torch.float32)
+        variance = hidden_states.pow(2).mean(-1, keepdim=True)
+        hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+        return self.weight * hidden_states.to(input_dtype)
 
     def extra_repr(self) -> str:
-        return f"{tuple(self.weight.shard_spec.full_shape)}, local={tuple(self.weight.shape)}, eps={self.variance_epsilon}"
+        return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}"
 
 
 class BoostLlamaRotaryEmbedding(LlamaRotaryEmbedding):
     """RoPE exactly as ``transformers``' LLaMA (``cos, sin: [B, S, head_dim]``)."""
 
 
-class BoostLlamaAttention(nn.Module):
-    """Causal self-attention with GQA on this rank's heads (all heads unless the plan splits them)."""
+class BoostLlamaLowRankLinear(nn.Module):
+    """Bottleneck projection ``y = B act(A x)`` (svd: no ``act``; cola: ``act`` on the r-dim latent).
 
-    def __init__(self, config: BoostLlamaConfig, layer_idx: int, plan: TensorParallelPlan):
+    ``A: [r, in_features]``, ``B: [out_features, r]``; ``x: [..., in_features] -> y: [..., out_features]``.
+    """
+
+    def __init__(self, in_features: int, out_features: int, rank: int, latent_activation: str | None):
         super().__init__()
-        self.config, self.layer_idx = config, layer_idx
-        self.head_dim = config.head_dim
-        self.num_heads = plan.local_heads(config.num_attention_heads)
-        self.num_key_value_heads = plan.local_heads(config.num_key_value_heads)
-        self.num_key_value_groups = config.num_attention_heads // config.num_key_value_heads
-        self.scaling = self.head_dim**-0.5
-        self.attention_dropout = config.attention_dropout
-        self.is_causal = True
-        self.q_proj = plan.projection("q_proj", layer_idx)
-        self.k_proj = plan.projection("k_proj", layer_idx)
-        self.v_proj = plan.projection("v_proj", layer_idx)
-        self.o_proj = plan.projection("o_proj", layer_idx)
-        self.qkv = plan.projection_group([self.q_proj, self.k_proj, self.v_proj], row=False, reads_norm=True)
-        self.o = plan.projection_group([self.o_proj], row=True, reads_norm=False)
+        self.in_features, self.out_features, self.rank = in_features, out_features, rank
+        self.A = nn.Parameter(torch.empty(rank, in_features))
+        self.B = nn.Parameter(torch.empty(out_features, rank))
+        self.latent_activation = latent_activation
+        self.act_fn = ACT2FN[latent_activation] if latent_activation else None
 
-    def attend(self, z_qkv, carries, position_embeddings, attention_mask, past_key_values, **kwargs):
-        """``z_qkv`` (the qkv group's reduced latents) -> ``(o_proj partials, qkv carries)``.
+    def latent(self, z: torch.Tensor) -> torch.Tensor:
+        """The function between the factors, on ``z = A x: [..., r]``."""
+        return self.act_fn(z) if self.act_fn is not None else z
 
-        B_q, B_k, B_v -> RoPE -> attention over ``[B, heads, S, head_dim]`` -> A_o (local part)."""
-        (q, k, v), carries = self.qkv.up(z_qkv, carries)
-        input_shape = q.shape[:-1]
-        q = q.view(*input_shape, -1, self.head_dim).transpose(1, 2)
-        k = k.view(*input_shape, -1, self.head_dim).transpose(1, 2)
-        v = v.view(*input_shape, -1, self.head_dim).transpose(1, 2)
-        cos, sin = position_embeddings
-        q, k = apply_rotary_pos_emb(q, k, cos, sin)
-        if past_key_values is not None:
-            k, v = past_key_values.update(k, v, self.layer_idx)
-        attention = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_attention_forward)
-        out, _ = attention(
-            self, q, k, v, attention_mask,
-            dropout=0.0 if not self.training else self.attention_dropout,
-            scaling=self.scaling,
-            **kwargs,
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(self.latent(F.linear(x, self.A)), self.B)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, rank={self.rank}, latent_activation={self.latent_activation}"
+
+
+class BoostLlamaLaxLinear(BoostLlamaLowRankLinear):
+    """LaX bottleneck projection: the latent crosses in the same projection's latent of the previous block.
+
+    ``c = A x + G c_prev`` (``G``: ``"dense"`` ``[r, r]``, ``"kronecker"`` ``L (x) R`` or ``"identity"``; no
+    crossing in block 0), then ``y = B act(LayerNorm_r(c))``. ``forward(x, c_prev) -> (y, c)``: ``c`` is
+    handed to the same projection of the next block.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        rank: int,
+        latent_activation: str | None,
+        *,
+        crossing: str | None,
+        kronecker_factors: tuple[int, int],
+        latent_norm: bool,
+    ):
+        super().__init__(in_features, out_features, rank, latent_activation)
+        self.crossing = crossing
+        if crossing == "dense":
+            self.gate = nn.Parameter(torch.empty(rank, rank))
+        elif crossing == "kronecker":
+            a, b = kronecker_factors
+            self.gate_left = nn.Parameter(torch.empty(a, a))
+            self.gate_right = nn.Parameter(torch.empty(b, b))
+        self.latent_norm = nn.LayerNorm(rank, eps=LATENT_NORM_EPS) if latent_norm else None
+
+    def cross(self, previous: torch.Tensor) -> torch.Tensor:
+        """``G c_prev`` for ``c_prev: [..., r]``."""
+        if self.crossing == "identity":
+            return previous
+        if self.crossing == "dense":
+            return F.linear(previous, self.gate)
+        a, b = self.gate_left.shape[0], self.gate_right.shape[0]
+        grid = previous.reshape(*previous.shape[:-1], a, b)
+        # kron(L, R) vec(H) = vec(L H R^T) for a row-major H of shape [a, b]
+        return (self.gate_left @ grid @ self.gate_right.T).reshape(previous.shape)
+
+    def crossed_latent(self, z: torch.Tensor, previous: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(act(norm(c)), c)`` with ``c = z + G c_prev`` (``c = z`` in block 0)."""
+        if self.crossing is not None and previous is not None:
+            z = z + self.cross(previous)
+        fed = self.latent_norm(z) if self.latent_norm is not None else z
+        return self.latent(fed), z
+
+    def forward(self, x: torch.Tensor, previous: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        fed, carried = self.crossed_latent(F.linear(x, self.A), previous)
+        return F.linear(fed, self.B), carried
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, crossing={self.crossing}"
+
+
+def make_projection(config: BoostLlamaConfig, name: str, layer_idx: int) -> nn.Module:
+    """Projection ``name`` (``q_proj`` ... ``down_proj``) of block ``layer_idx``: ``nn.Linear`` at full rank."""
+    in_features, out_features = config.projection_shapes()[name]
+    if config.bottleneck is None:
+        bias = config.attention_bias if name in ("q_proj", "k_proj", "v_proj", "o_proj") else config.mlp_bias
+        return nn.Linear(in_features, out_features, bias=bias)
+    if config.bottleneck == "lax":
+        return BoostLlamaLaxLinear(
+            in_features,
+            out_features,
+            config.rank,
+            config.latent_activation,
+            crossing=config.lax_gate if layer_idx > 0 else None,
+            kronecker_factors=config.kronecker_factors,
+            latent_norm=config.lax_latent_norm,
         )
-        out = out.reshape(*input_shape, -1).contiguous()  # [B, S, heads_local * head_dim]
-        return self.o.down(out), carries
+    return BoostLlamaLowRankLinear(in_features, out_features, config.rank, config.latent_activation)
+
+
+class LatentCrossing:
+    """LaX's latents between blocks: reads each projection's latent of the previous block and records
+    this block's (``{projection name: [B, S, r]}``)."""
+
+    def __init__(self, previous: dict[str, torch.Tensor] | None):
+        self.previous = previous or {}
+        self.current: dict[str, torch.Tensor] = {}
+
+    def project(self, name: str, projection: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        y, self.current[name] = projection(x, self.previous.get(name))
+        return y
+
+
+def project(name: str, projection: nn.Module, x: torch.Tensor, crossing: LatentCrossing | None) -> torch.Tensor:
+    """``projection(x)``, through the LaX ``crossing`` when the model has one."""
+    return projection(x) if crossing is None else crossing.project(name, projection, x)
 
 
 class BoostLlamaMLP(nn.Module):
     """Gated MLP ``down(act(gate(x)) * up(x))``; CoLA with ``only_lr_act`` drops the outer ``act``."""
 
-    def __init__(self, config: BoostLlamaConfig, layer_idx: int, plan: TensorParallelPlan):
+    def __init__(self, config: BoostLlamaConfig, layer_idx: int):
         super().__init__()
-        self.gate_proj = plan.projection("gate_proj", layer_idx)
-        self.up_proj = plan.projection("up_proj", layer_idx)
-        self.down_proj = plan.projection("down_proj", layer_idx)
-        self.gate_up = plan.projection_group([self.gate_proj, self.up_proj], row=False, reads_norm=True)
-        self.down = plan.projection_group([self.down_proj], row=True, reads_norm=False)
+        self.gate_proj = make_projection(config, "gate_proj", layer_idx)
+        self.up_proj = make_projection(config, "up_proj", layer_idx)
+        self.down_proj = make_projection(config, "down_proj", layer_idx)
         self.act_fn = ACT2FN[config.mlp_activation] if config.mlp_activation else None
 
-    def multiply(self, z_gate_up, carries):
-        """``z_gate_up`` -> ``(down_proj partials, gate/up carries)``: B_gate, B_up, product, A_down (local)."""
-        (gate, up), carries = self.gate_up.up(z_gate_up, carries)
+    def forward(self, x: torch.Tensor, crossing: LatentCrossing | None = None) -> torch.Tensor:
+        gate = project("gate_proj", self.gate_proj, x, crossing)
         if self.act_fn is not None:
             gate = self.act_fn(gate)
-        return self.down.down(gate * up), carries
+        up = project("up_proj", self.up_proj, x, crossing)
+        return project("down_proj", self.down_proj, gate * up, crossing)
 
 
-class BoostLlamaDecoderLayer(nn.Module):
-    """Pre-norm decoder block. ``hidden_states``: the residual stream (``[B, S, d/p]`` under BTP).
+class BoostLlamaAttention(nn.Module):
+    """Causal self-attention with grouped-query heads; ``[B, S, d] -> [B, S, d]``."""
 
-    ``carries`` are LaX's latents of this block's 7 projections, passed to the next block (empty otherwise).
-    """
-
-    def __init__(self, config: BoostLlamaConfig, layer_idx: int, plan: TensorParallelPlan):
+    def __init__(self, config: BoostLlamaConfig, layer_idx: int):
         super().__init__()
-        norm_split = dict(split_dim=plan.block_norm_split(), tp_rank=plan.tp_rank, tp_size=plan.tp_size)
-        self.self_attn = BoostLlamaAttention(config, layer_idx, plan)
-        self.mlp = BoostLlamaMLP(config, layer_idx, plan)
-        self.input_layernorm = BoostLlamaRMSNorm(config.hidden_size, config.rms_norm_eps, **norm_split)
-        self.post_attention_layernorm = BoostLlamaRMSNorm(config.hidden_size, config.rms_norm_eps, **norm_split)
-        self.checkpointing = plan.parallel.activation_checkpointing
-        # LaX latents handed to the next block, per group (qkv, o, gate_up, down)
-        self.carry_counts = (3, 1, 2, 1) if config.bottleneck == "lax" else (0, 0, 0, 0)
+        self.config = config
+        self.layer_idx = layer_idx
+        self.head_dim = config.head_dim
+        self.num_key_value_groups = config.num_attention_heads // config.num_key_value_heads
+        self.scaling = self.head_dim**-0.5
+        self.attention_dropout = config.attention_dropout
+        self.is_causal = True
+        self.q_proj = make_projection(config, "q_proj", layer_idx)
+        self.k_proj = make_projection(config, "k_proj", layer_idx)
+        self.v_proj = make_projection(config, "v_proj", layer_idx)
+        self.o_proj = make_projection(config, "o_proj", layer_idx)
 
-    def forward(self, hidden_states, carries=(), position_embeddings=None, attention_mask=None, past_key_values=None, **kwargs):
-        full = self.checkpointing == "full" and self.training
-        run = lambda *t: self._segments(t[0], t[1:], position_embeddings, attention_mask, past_key_values, **kwargs)  # noqa: E731
-        out = run_segment(run, hidden_states, *carries, recompute=full)
-        return out[0], out[1:]
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        attention_mask: torch.Tensor | None = None,
+        past_key_values: Cache | None = None,
+        crossing: LatentCrossing | None = None,
+        **kwargs,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        input_shape = hidden_states.shape[:-1]
+        hidden_shape = (*input_shape, -1, self.head_dim)
+        query_states = project("q_proj", self.q_proj, hidden_states, crossing).view(hidden_shape).transpose(1, 2)
+        key_states = project("k_proj", self.k_proj, hidden_states, crossing).view(hidden_shape).transpose(1, 2)
+        value_states = project("v_proj", self.v_proj, hidden_states, crossing).view(hidden_shape).transpose(1, 2)
 
-    def _segments(self, hidden_states, carries, position_embeddings, attention_mask, past_key_values, **kwargs):
-        attn, mlp = self.self_attn, self.mlp
-        lowrank = self.checkpointing == "lowrank" and self.training
-        n_qkv, n_o, n_gate_up, n_down = self.carry_counts
-        c_qkv, c_o, c_gate_up, c_down = _split(carries, self.carry_counts) if carries else ((),) * 4
+        cos, sin = position_embeddings
+        query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
+        if past_key_values is not None:
+            key_states, value_states = past_key_values.update(key_states, value_states, self.layer_idx)
 
-        def segment(fn, *tensors):  # fn runs again in backward (lowrank): bind loop variables as defaults
-            return run_segment(lambda *t: tuple(fn(*t)), *tensors, recompute=lowrank)
-
-        # 1. input norm -> A_q, A_k, A_v (local part) | collective
-        z = attn.qkv.reduce(segment(lambda x: attn.qkv.down(x, self.input_layernorm), hidden_states))
-        # 2. latents -> B_q, B_k, B_v -> attention -> A_o (local part) | collective
-        n = len(z)
-        out = segment(
-            lambda *t, n=n: _flat(*attn.attend(t[:n], t[n:], position_embeddings, attention_mask, past_key_values, **kwargs)),
-            *z, *c_qkv,
+        attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
+            self.config._attn_implementation, eager_attention_forward
         )
-        partial_o, c_qkv = _tail(out, n_qkv)
-        z = attn.o.reduce(partial_o)
-        # 3. latent -> B_o, residual add -> post-attention norm -> A_gate, A_up (local part) | collective
-        n = len(z)
-
-        def attention_output_and_mlp_input(*t, n=n):
-            (o,), carry = attn.o.up(t[:n], t[n + 1:])
-            residual = t[n] + o
-            return (residual, *mlp.gate_up.down(residual, self.post_attention_layernorm), *carry)
-
-        out, c_o = _tail(segment(attention_output_and_mlp_input, *z, hidden_states, *c_o), n_o)
-        hidden_states = out[0]
-        z = mlp.gate_up.reduce(out[1:])
-        # 4. latents -> B_gate, B_up -> product -> A_down (local part) | collective
-        n = len(z)
-        partial_down, c_gate_up = _tail(segment(lambda *t, n=n: _flat(*mlp.multiply(t[:n], t[n:])), *z, *c_gate_up), n_gate_up)
-        z = mlp.down.reduce(partial_down)
-        # 5. latent -> B_down, residual add
-        n = len(z)
-
-        def mlp_output(*t, n=n):
-            (y,), carry = mlp.down.up(t[:n], t[n + 1:])
-            return (t[n] + y, *carry)
-
-        out, c_down = _tail(segment(mlp_output, *z, hidden_states, *c_down), n_down)
-        return (out[0], *c_qkv, *c_o, *c_gate_up, *c_down)
+        attn_output, attn_weights = attention_interface(
+            self,
+            query_states,
+            key_states,
+            value_states,
+            attention_mask,
+            dropout=0.0 if not self.training else self.attention_dropout,
+            scaling=self.scaling,
+            **kwargs,
+        )
+        attn_output = attn_output.reshape(*input_shape, -1).contiguous()  # [B, S, heads * head_dim]
+        return project("o_proj", self.o_proj, attn_output, crossing), attn_weights
 
 
-def _split(items, counts):
-    parts, start = [], 0
-    for c in counts:
-        parts.append(tuple(items[start: start + c]))
-        start += c
-    return parts
+class BoostLlamaDecoderLayer(GradientCheckpointingLayer):
+    """Pre-norm decoder block. Returns ``(hidden_states, lax_latents)``; ``lax_latents`` (LaX only, else
+    ``None``) are this block's latents, crossed into the next block."""
+
+    def __init__(self, config: BoostLlamaConfig, layer_idx: int):
+        super().__init__()
+        self.hidden_size = config.hidden_size
+        self.self_attn = BoostLlamaAttention(config, layer_idx)
+        self.mlp = BoostLlamaMLP(config, layer_idx)
+        self.input_layernorm = BoostLlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = BoostLlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.crosses_latents = config.bottleneck == "lax"
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: Cache | None = None,
+        use_cache: bool | None = False,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        lax_latents: dict[str, torch.Tensor] | None = None,
+        **kwargs,
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor] | None]:
+        crossing = LatentCrossing(lax_latents) if self.crosses_latents else None
+        residual = hidden_states
+        hidden_states = self.input_layernorm(hidden_states)
+        hidden_states, _ = self.self_attn(
+            hidden_states,
+            position_embeddings=position_embeddings,
+            attention_mask=attention_mask,
+            past_key_values=past_key_values,
+            crossing=crossing,
+            **kwargs,
+        )
+        hidden_states = residual + hidden_states
+
+        residual = hidden_states
+        hidden_states = self.post_attention_layernorm(hidden_states)
+        hidden_states = residual + self.mlp(hidden_states, crossing=crossing)
+        return hidden_states, (crossing.current if crossing is not None else None)
 
 
-def _flat(first, second):
-    return (*first, *second)
-
-
-def _tail(items, count):
-    """Split ``items`` into ``(head, last count items)``."""
-    return tuple(items[: len(items) - count]), tuple(items[len(items) - count:])
+def name_seed(seed: int, name: str) -> int:
+    """A per-parameter seed from the global seed and the parameter's name (the same at every TP size)."""
+    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
 class BoostLlamaPreTrainedModel(PreTrainedModel):
     config_class = BoostLlamaConfig
     config: BoostLlamaConfig
     base_model_prefix = "model"
-    supports_gradient_checkpointing = False
+    supports_gradient_checkpointing = True
     _no_split_modules = ["BoostLlamaDecoderLayer"]
     _skip_keys_device_placement = ["past_key_values"]
+    _supports_flash_attn = True
     _supports_sdpa = True
-    _supports_flash_attn = False
+    _supports_flex_attn = True
+    _can_compile_fullgraph = True
     _supports_attention_backend = True
+    _can_record_outputs = {"hidden_states": BoostLlamaDecoderLayer, "attentions": BoostLlamaAttention}
+
+    def initial_value(self, module: nn.Module, name: str, shape: tuple[int, ...], generator: torch.Generator) -> torch.Tensor | None:
+        """The initial value of parameter ``name`` of ``module`` at its full ``shape`` (``None``: not ours).
+
+        Dense weights ``N(0, initializer_range^2)``; bottleneck factors ``N(0, s^2)`` with
+        ``s = r^(-1/4) (in + out)^(-1/4)`` (CoLA); LaX gates ``N(0, 0.02^2)`` (a Kronecker gate's factors
+        ``N(0, 0.02)`` each); norm weights 1 and biases 0.
+        """
+        if isinstance(module, BoostLlamaLowRankLinear) and name in ("A", "B"):
+            std = (module.rank**-0.25) * ((module.in_features + module.out_features) ** -0.25)
+        elif isinstance(module, BoostLlamaLaxLinear) and name == "gate":
+            std = 0.02
+        elif isinstance(module, BoostLlamaLaxLinear) and name in ("gate_left", "gate_right"):
+            std = 0.02**0.5  # entries of kron(L, R) then have std 0.02 like the dense gate
+        elif isinstance(module, (nn.Linear, nn.Embedding)) and name == "weight":
+            std = self.config.initializer_range
+        elif name == "bias":
+            return torch.zeros(shape)
+        elif isinstance(module, (BoostLlamaRMSNorm, nn.LayerNorm)) and name == "weight":
+            return torch.ones(shape)
+        else:
+            return None
+        return torch.empty(shape).normal_(0.0, std, generator=generator)
+
+    def parameter_name(self, module: nn.Module, name: str) -> str:
+        """The checkpoint name of ``module``'s parameter ``name``, relative to the base model (``lm_head.weight``)."""
+        names = self.__dict__.get("_module_names")
+        if names is None or module not in names:
+            names = self.__dict__["_module_names"] = {m: n for n, m in self.named_modules()}
+        full = f"{names[module]}.{name}" if names[module] else name
+        prefix = self.base_model_prefix + "."
+        return full[len(prefix):] if full.startswith(prefix) else full
 
     def _init_weights(self, module: nn.Module) -> None:
-        """Every parameter is drawn at its canonical (unsharded) shape from a generator seeded by
-        ``(torch.initial_seed(), canonical name)`` and then sliced, so a sharded model holds exactly the
-        slices of the single-device model built after the same ``torch.manual_seed``."""
-        if isinstance(module, LlamaRotaryEmbedding):
+        """Every parameter is drawn from a generator seeded by ``(torch.initial_seed(), its name)``: the
+        model is reproducible from the seed alone and independent of how it is later sharded."""
+        if isinstance(module, BoostLlamaRotaryEmbedding):
             super()._init_weights(module)
-            return
-        seed = self.init_seed
-        for param in module.parameters(recurse=False):
-            if hasattr(param, "full_init") and hasattr(param, "canonical_name"):
-                init.copy_(param, init_from_full(param, param.canonical_name, seed))
-
-    @property
-    def init_seed(self) -> int:
-        """The seed every rank draws the initial weights from: ``torch.initial_seed()`` of global rank 0,
-        broadcast once per model, so unseeded ranks never build inconsistent shards."""
-        if getattr(self, "_init_seed", None) is None:
-            seed = [torch.initial_seed()]
-            if dist.is_available() and dist.is_initialized():
-                dist.broadcast_object_list(seed, src=0)
-            self._init_seed = seed[0]
-        return self._init_seed
-
-    def _name_parameters(self) -> None:
-        """Give every parameter its canonical name (relative to the base model; ``lm_head.weight``)."""
-        prefix = self.base_model_prefix + "."
-        for name, param in self.named_parameters():
-            if not hasattr(param, "canonical_name"):
-                param.canonical_name = name[len(prefix):] if name.startswith(prefix) else name
+        for name, param in module.named_parameters(recurse=False):
+            generator = torch.Generator().manual_seed(name_seed(torch.initial_seed(), self.parameter_name(module, name)))
+            value = self.initial_value(module, name, tuple(param.shape), generator)
+            if value is None:
+                continue  # not a parameter of this model's own modules (e.g. an adapter added later)
+            if isinstance(module, nn.Embedding) and module.padding_idx is not None:
+                value[module.padding_idx] = 0.0
+            init.copy_(param, value)
 
 
 class BoostLlamaModel(BoostLlamaPreTrainedModel):
-    """Embedding -> decoder layers -> final norm. ``last_hidden_state``: ``[B, S, d]``, full width."""
+    """Embedding -> decoder layers -> final norm; ``last_hidden_state: [B, S, d]``."""
 
-    def __init__(self, config: BoostLlamaConfig, parallel_config: ParallelConfig | None = None, plan: TensorParallelPlan | None = None):
+    def __init__(self, config: BoostLlamaConfig):
         super().__init__(config)
-        self.plan = plan or TensorParallelPlan(config, parallel_config)
-        self.embed_tokens = self.plan.embedding()
-        self.layers = nn.ModuleList(BoostLlamaDecoderLayer(config, i, self.plan) for i in range(config.num_hidden_layers))
-        self.norm = BoostLlamaRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.padding_idx = config.pad_token_id
+        self.vocab_size = config.vocab_size
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
+        self.layers = nn.ModuleList(BoostLlamaDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = BoostLlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = BoostLlamaRotaryEmbedding(config=config)
-        self._name_parameters()
+        self.gradient_checkpointing = False
         self.post_init()
 
-    def get_input_embeddings(self):
-        return self.embed_tokens
-
+    @merge_with_config_defaults
+    @capture_outputs
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -279,123 +388,105 @@ class BoostLlamaModel(BoostLlamaPreTrainedModel):
     ) -> BaseModelOutputWithPast:
         if (input_ids is None) ^ (inputs_embeds is not None):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
+        self._check_latent_checkpointing()
         if inputs_embeds is None:
-            hidden_states = self.embed_tokens(input_ids)  # [B, S, d] ([B, S, d/p] under BTP)
-        else:
-            hidden_states = split_to_tp(inputs_embeds, -1, self.plan.group) if self.plan.residual_sharded else inputs_embeds
-        if use_cache is None:
-            use_cache = self.config.use_cache and not self.training
-        if self.training and self.plan.parallel.activation_checkpointing != "none":
-            use_cache = False  # recomputed segments would append to the cache twice
+            inputs_embeds = self.embed_tokens(input_ids)
         if use_cache and past_key_values is None:
             past_key_values = DynamicCache(config=self.config)
         if position_ids is None:
-            past_seen = past_key_values.get_seq_length() if past_key_values is not None else 0
-            position_ids = (torch.arange(hidden_states.shape[1], device=hidden_states.device) + past_seen).unsqueeze(0)
+            past_seen_tokens = past_key_values.get_seq_length() if past_key_values is not None else 0
+            position_ids = (torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen_tokens).unsqueeze(0)
+
         causal_mask = create_causal_mask(
             config=self.config,
-            inputs_embeds=hidden_states,
+            inputs_embeds=inputs_embeds,
             attention_mask=attention_mask,
             past_key_values=past_key_values,
             position_ids=position_ids,
         )
+        hidden_states = inputs_embeds
         position_embeddings = self.rotary_emb(hidden_states, position_ids=position_ids)
-        carries = ()
-        for layer in self.layers:
-            hidden_states, carries = layer(
+        lax_latents = None
+        for decoder_layer in self.layers[: self.config.num_hidden_layers]:
+            hidden_states, lax_latents = decoder_layer(
                 hidden_states,
-                carries,
-                position_embeddings=position_embeddings,
                 attention_mask=causal_mask,
+                position_embeddings=position_embeddings,
+                position_ids=position_ids,
                 past_key_values=past_key_values,
+                use_cache=use_cache,
+                lax_latents=lax_latents,
                 **kwargs,
             )
-        if self.plan.residual_sharded:
-            hidden_states = gather_from_tp(hidden_states, -1, self.plan.group)  # [B, S, d/p] -> [B, S, d]
         hidden_states = self.norm(hidden_states)
-        return BaseModelOutputWithPast(last_hidden_state=hidden_states, past_key_values=past_key_values if use_cache else None)
+        return BaseModelOutputWithPast(last_hidden_state=hidden_states, past_key_values=past_key_values)
+
+    def _check_latent_checkpointing(self) -> None:
+        """LaX hands each layer's latents to the next one as keyword tensors: re-entrant checkpointing
+        would silently drop their gradients, so it is refused."""
+        if self.config.bottleneck != "lax" or not self.training:
+            return
+        for layer in self.layers:
+            function = getattr(layer, "_gradient_checkpointing_func", None)
+            if layer.gradient_checkpointing and getattr(function, "keywords", {}).get("use_reentrant"):
+                raise ValueError(
+                    "LaX models cannot use gradient checkpointing with use_reentrant=True (the latents crossed "
+                    "between layers would get no gradient): call gradient_checkpointing_enable() without "
+                    "gradient_checkpointing_kwargs, or with {'use_reentrant': False}."
+                )
 
 
 class BoostLlamaForCausalLM(BoostLlamaPreTrainedModel, GenerationMixin):
-    """Causal LM: base model -> vocab-parallel LM head -> vocab-parallel cross-entropy.
+    """Causal LM: base model -> LM head ``[B, S, V]`` -> next-token cross-entropy.
 
     ``BoostLlamaForCausalLM(config, parallel_config=ParallelConfig(tp_size=4))`` inside a launched process
-    group builds this rank's shard. ``model(input_ids, labels=labels).loss`` is the same on every rank.
-    ``.logits`` are full-vocab ``[B, S, V]`` when no labels are given (so ``generate()`` works under TP) or
-    when ``return_logits=True``; with labels under TP they are omitted (never gathered for the loss).
+    group builds this rank's shard (see :func:`boost_hf.parallel.parallelize`).
     """
 
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
 
-    def __init__(self, config: BoostLlamaConfig, parallel_config: ParallelConfig | None = None):
+    def __init__(self, config: BoostLlamaConfig, parallel_config=None):
         super().__init__(config)
-        self.model = BoostLlamaModel(config, parallel_config)
-        self.plan = self.model.plan
-        self.vocab_size = config.vocab_size
-        self.lm_head = self.plan.lm_head()
-        self._name_parameters()
-        self.post_init()
-
-    @property
-    def parallel_config(self) -> ParallelConfig:
-        return self.plan.parallel
-
-    def get_output_embeddings(self):
-        return self.lm_head
-
-    def save_pretrained(self, save_directory, *args, is_main_process: bool | None = None, state_dict=None, **kwargs):
-        """Write the canonical, unsharded checkpoint. Under tensor parallelism call it on every rank: the
-        shards are all-gathered over the TP group and global rank 0 writes."""
-        if self.plan.tp_size == 1 and state_dict is None:
-            return super().save_pretrained(save_directory, *args, is_main_process=is_main_process is not False, **kwargs)
-        if state_dict is None:
-            state_dict = canonical_state_dict(self, self.plan.group)
-        if is_main_process is None:
-            is_main_process = not dist.is_initialized() or dist.get_rank() == 0
-        if is_main_process:
-            super().save_pretrained(save_directory, *args, is_main_process=True, state_dict=state_dict, **kwargs)
-        if dist.is_initialized():
-            dist.barrier()
+        # A ParallelConfig (boost-hf) builds on the meta device and shards from outside; this file never
+        # imports boost-hf, so a checkpoint's copy of it loads anywhere.
+        with parallel_config.single_device_skeleton() if parallel_config is not None else contextlib.nullcontext():
+            self.model = BoostLlamaModel(config)
+            self.vocab_size = config.vocab_size
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            self.post_init()
+        if parallel_config is not None:
+            parallel_config.parallelize(self)
 
     @classmethod
-    def from_pretrained(
-        cls,
-        pretrained_model_name_or_path,
-        *model_args,
-        parallel_config: ParallelConfig | None = None,
-        config: BoostLlamaConfig | None = None,
-        dtype=None,
-        **kwargs,
-    ):
-        """Load a canonical checkpoint (local folder or Hub repo) into this rank's shard of the layout
-        given by ``parallel_config`` (default: single device), reading only this rank's slices.
+    def from_pretrained(cls, pretrained_model_name_or_path, *model_args, parallel_config=None, **kwargs):
+        """``PreTrainedModel.from_pretrained``; with a boost-hf ``parallel_config``, this rank's shard of the
+        given tensor-parallel layout, reading only this rank's slices of the checkpoint."""
+        if parallel_config is not None:
+            return parallel_config.load_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs)
+        # Unlike a plain transformers load, a checkpoint of another architecture (missing, unexpected or
+        # wrongly-shaped weights) is an error, unless the caller asks for the loading report or to ignore sizes.
+        wants_report = kwargs.pop("output_loading_info", False)
+        tolerate_sizes = kwargs.get("ignore_mismatched_sizes", False)
+        kwargs["ignore_mismatched_sizes"] = True
+        model, report = super().from_pretrained(pretrained_model_name_or_path, *model_args, output_loading_info=True, **kwargs)
+        if wants_report:
+            return model, report
+        order = {name: i for i, name in enumerate(model.state_dict())}
+        mismatched = [] if tolerate_sizes else sorted(report.get("mismatched_keys", ()), key=lambda m: order.get(m[0], -1))
+        problems = {
+            "missing": sorted(report.get("missing_keys", ()), key=lambda name: order.get(name, -1)),
+            "unexpected": sorted(report.get("unexpected_keys", ())),
+            "shape mismatch": [f"{name}: checkpoint {tuple(saved)} vs model {tuple(ours)}" for name, saved, ours in mismatched],
+        }
+        if any(problems.values()):
+            raise ValueError(
+                "checkpoint does not match this model's architecture (was it saved from another bottleneck, rank "
+                "or size? load it with its own config.json): "
+                + "; ".join(f"{kind} {names[:5]}{'...' if len(names) > 5 else ''}" for kind, names in problems.items() if names)
+            )
+        return model
 
-        Unlike a plain ``transformers`` load, missing, unexpected or wrongly-shaped weights raise a
-        ``ValueError`` naming them (e.g. a checkpoint of another bottleneck), and every parameter keeps
-        its sharding metadata. Accepts the usual Hub arguments (``revision``, ``cache_dir``, ``token``,
-        ``local_files_only``, ``subfolder``), ``dtype`` / ``torch_dtype`` and ``attn_implementation``.
-        """
-        if model_args:
-            raise ValueError("BoostLlamaForCausalLM.from_pretrained takes no positional model arguments")
-        dtype = dtype if dtype is not None else kwargs.pop("torch_dtype", None)
-        attn_implementation = kwargs.pop("attn_implementation", None)
-        hub = {k: kwargs.pop(k) for k in HUB_KWARGS if k in kwargs}
-        for ignored in [k for k in kwargs if k.startswith("_") or k in ("trust_remote_code", "low_cpu_mem_usage") or not kwargs[k]]:
-            kwargs.pop(ignored)  # passed by the Auto classes (or empty); nothing to do for a local build
-        if kwargs:
-            raise ValueError(f"from_pretrained does not support {sorted(kwargs)} for boost-hf models")
-        if config is None:
-            config = cls.config_class.from_pretrained(pretrained_model_name_or_path, **hub)
-        if attn_implementation is not None:
-            config._attn_implementation = attn_implementation
-        with no_init_weights():
-            model = cls(config, parallel_config)
-        model.tie_weights()  # no_init_weights skips the tying done in post_init
-        load_canonical_checkpoint(model, resolve_checkpoint_files(str(pretrained_model_name_or_path), **hub))
-        if dtype is not None and dtype != "auto":
-            model = model.to(getattr(torch, dtype) if isinstance(dtype, str) else dtype)
-        return model.eval()
-
+    @can_return_tuple
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -406,11 +497,9 @@ class BoostLlamaForCausalLM(BoostLlamaPreTrainedModel, GenerationMixin):
         labels: torch.LongTensor | None = None,
         use_cache: bool | None = None,
         logits_to_keep: int | torch.Tensor = 0,
-        return_logits: bool | None = None,
-        num_items_in_batch: int | torch.Tensor | None = None,
         **kwargs,
     ) -> CausalLMOutputWithPast:
-        outputs = self.model(
+        outputs: BaseModelOutputWithPast = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
@@ -419,19 +508,18 @@ class BoostLlamaForCausalLM(BoostLlamaPreTrainedModel, GenerationMixin):
             use_cache=use_cache,
             **kwargs,
         )
-        hidden_states = outputs.last_hidden_state
-        if isinstance(logits_to_keep, int):
-            hidden_states = hidden_states[:, -logits_to_keep:, :] if logits_to_keep else hidden_states
-        else:
-            hidden_states = hidden_states[:, logits_to_keep, :]
-        local_logits = self.lm_head(hidden_states)  # [B, S, V/p]
+        hidden_states = slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep)
+        logits = self.lm_head(hidden_states)
         loss = None
         if labels is not None:
-            loss = vocab_parallel_causal_lm_loss(local_logits, labels, self.plan.group, num_items_in_batch=num_items_in_batch)
-        if return_logits is None:
-            return_logits = labels is None or self.plan.tp_size == 1
-        logits = self.lm_head.gather_logits(local_logits) if return_logits else None
-        return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=outputs.past_key_values)
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
+        return CausalLMOutputWithPast(
+            loss=loss,
+            logits=logits,
+            past_key_values=outputs.past_key_values,
+            hidden_states=outputs.hidden_states,
+            attentions=outputs.attentions,
+        )
 
 
 __all__ = [
@@ -439,6 +527,9 @@ __all__ = [
     "BoostLlamaModel",
     "BoostLlamaForCausalLM",
     "BoostLlamaRMSNorm",
+    "BoostLlamaRotaryEmbedding",
+    "BoostLlamaLowRankLinear",
+    "BoostLlamaLaxLinear",
     "BoostLlamaAttention",
     "BoostLlamaMLP",
     "BoostLlamaDecoderLayer",

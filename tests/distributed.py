@@ -1,5 +1,5 @@
 """The tests' multi-process launcher is the library's (one process group per test module)."""
 
-from boost_hf.parallel.launcher import launch
+from boost_hf.perf.launcher import launch
 
 __all__ = ["launch"]

@@ -2,7 +2,7 @@
 
 Every primitive in :mod:`boost_hf.parallel.primitives` reports here before it communicates, so a
 ``CommCounter`` around one forward (or one backward) gives the measured volume that the tests,
-benchmarks and metrics compare with :mod:`boost_hf.parallel.comm_formula`.
+benchmarks and metrics compare with :mod:`boost_hf.perf.comm_formula`.
 """
 
 from __future__ import annotations

@@ -27,8 +27,9 @@ class ParallelConfig:
             next A's partial output), ``"sync"`` (exact; one extra all-reduce of N scalars per norm) or
             ``"local"`` (APPROXIMATE: normalises each d/p shard by its own statistics, a group norm that
             changes the model with tp_size; never the default).
-        group_linears: concatenate the A's that share an input (A_qkv, A_gate_up) into one GEMM and one
-            collective, and run equally-shaped B's as one batched GEMM. Checkpoint names are unchanged.
+        group_linears: low-rank layouts run the A's that share an input (A_qkv, A_gate_up) as one GEMM
+            with one collective (and, under BTP, copy the latents their B's read in one collective).
+            Megatron runs each projection as its own GEMM either way. Checkpoint names are unchanged.
         activation_checkpointing: ``"none"``; ``"full"`` (recompute each decoder layer, re-running its
             forward collectives); ``"lowrank"`` (save only r-dim latents and the residual; under BTP the
             recomputation issues no collective).
@@ -50,48 +51,30 @@ class ParallelConfig:
             raise ValueError(f"group_linears must be True or False, got {self.group_linears!r}.")
 
     def check_model(self, config) -> None:
-        """Raise ``ValueError`` if this layout cannot hold ``config`` (a ``BoostLlamaConfig``)."""
-        p = self.tp_size
-        if config.bottleneck is None and self.tp_style != "megatron" and p > 1:
-            raise ValueError(
-                f"tp_style={self.tp_style!r} needs a low-rank model (bottleneck svd/cola/lax); "
-                "the full-rank model (bottleneck=None) uses tp_style='megatron'."
-            )
-        if config.bottleneck is not None and self.tp_style == "megatron":
-            raise ValueError(
-                f"tp_style='megatron' is the full-rank layout; for bottleneck={config.bottleneck!r} "
-                "use tp_style='btp' (or 'vanilla' for the naive baseline)."
-            )
-        if self.activation_checkpointing == "lowrank" and config.bottleneck is None:
-            raise ValueError(
-                "activation_checkpointing='lowrank' cuts at r-dim latents and needs a low-rank model; "
-                "use 'full' for the full-rank model."
-            )
-        if p == 1:
-            return
-        for name, value in (("num_attention_heads", config.num_attention_heads), ("num_key_value_heads", config.num_key_value_heads)):
-            if value % p != 0:
-                raise ValueError(f"{name} ({value}) is not divisible by tp_size ({p}): choose a tp_size that divides it.")
-        if config.vocab_size % p != 0:
-            raise ValueError(
-                f"vocab_size ({config.vocab_size}) is not divisible by tp_size ({p}): pad the vocabulary "
-                f"to a multiple of {p} (e.g. {-(-config.vocab_size // p) * p})."
-            )
-        if self.tp_style == "btp" and config.tie_word_embeddings:
-            raise ValueError(
-                "tie_word_embeddings=True cannot be combined with tp_style='btp' at tp_size > 1 (the embedding is "
-                "split along d, the LM head along the vocabulary): set tie_word_embeddings=False."
-            )
-        if self.tp_style in ("btp", "megatron"):
-            dims = {"hidden_size": config.hidden_size, "intermediate_size": config.intermediate_size}
-        else:
-            dims = {"rank": config.rank}
-        for name, value in dims.items():
-            if value % p != 0:
-                raise ValueError(
-                    f"{name} ({value}) is not divisible by tp_size ({p}), which tp_style={self.tp_style!r} "
-                    "splits: choose a tp_size that divides it."
-                )
+        """Raise ``ValueError`` naming the field to change if this layout cannot hold ``config``."""
+        from .parallelize import layout_for
+
+        layout_for(config, self)
+
+    # The single-device model file calls these three (it never imports boost-hf itself).
+    def single_device_skeleton(self):
+        """Context in which the single-device modules are built on the meta device, uninitialised."""
+        from .parallelize import single_device_skeleton
+
+        return single_device_skeleton()
+
+    def parallelize(self, model):
+        """Shard ``model`` in place for this rank (see :func:`boost_hf.parallel.parallelize`)."""
+        from .parallelize import parallelize
+
+        return parallelize(model, self)
+
+    def load_pretrained(self, model_class, pretrained_model_name_or_path, *model_args, **kwargs):
+        """``model_class.from_pretrained(..., parallel_config=self)``: this rank's shard, reading only this
+        rank's slices (see :func:`boost_hf.parallel.weights_io.load_pretrained`)."""
+        from .weights_io import load_pretrained
+
+        return load_pretrained(model_class, pretrained_model_name_or_path, self, *model_args, **kwargs)
 
     def to_dict(self) -> dict:
         return asdict(self)

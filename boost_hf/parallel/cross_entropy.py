@@ -11,29 +11,34 @@ IGNORE_INDEX = -100
 
 
 def vocab_parallel_causal_lm_loss(
-    local_logits: torch.Tensor,
-    labels: torch.Tensor,
-    group: ProcessGroup | None,
+    logits: torch.Tensor,
+    labels: torch.Tensor | None = None,
+    vocab_size: int | None = None,
     *,
+    group: ProcessGroup | None = None,
     num_items_in_batch: int | torch.Tensor | None = None,
     ignore_index: int = IGNORE_INDEX,
+    shift_labels: torch.Tensor | None = None,
+    **kwargs,
 ) -> torch.Tensor:
     """Next-token cross-entropy from this rank's logits ``[B, S, V/p]`` (vocab range
-    ``[rank V/p, (rank+1) V/p)``) and unshifted ``labels [B, S]`` (as ``transformers``' causal-LM loss:
-    position t predicts ``labels[t+1]``; ``ignore_index`` is skipped).
+    ``[rank V/p, (rank+1) V/p)``), with the arguments of ``transformers``' ``ForCausalLMLoss``: unshifted
+    ``labels [B, S]`` (position t predicts ``labels[t+1]``) or already-shifted ``shift_labels``;
+    ``ignore_index`` is skipped; the sum is divided by ``num_items_in_batch`` when given (gradient
+    accumulation), else averaged over the targets.
 
     Communication (forward only): all-reduce-max of ``N`` fp32 values, then one all-reduce of the
-    ``[N, 2]`` (sum of exponentials, target logit). Returns the mean over target tokens, or the sum
-    divided by ``num_items_in_batch`` when given (gradient accumulation, as ``transformers``).
+    ``[N, 2]`` (sum of exponentials, target logit).
     """
-    targets = F.pad(labels[..., 1:], (0, 1), value=ignore_index).reshape(-1)
-    logits = local_logits.reshape(-1, local_logits.shape[-1]).float()
+    if shift_labels is None:
+        shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+    targets = shift_labels.reshape(-1).to(logits.device)
+    logits = logits.reshape(-1, logits.shape[-1]).float()
     vocab_local = logits.shape[-1]
     with torch.no_grad():
         maxima = all_reduce_max_(logits.max(dim=-1).values, group)
     shifted = logits - maxima.unsqueeze(-1)
-    start = group_rank(group) * vocab_local
-    local_targets = targets - start
+    local_targets = targets - group_rank(group) * vocab_local
     here = (local_targets >= 0) & (local_targets < vocab_local)
     picked = shifted.gather(1, local_targets.clamp(0, vocab_local - 1).unsqueeze(1)).squeeze(1) * here
     stats = reduce_from_tp(torch.stack([shifted.exp().sum(dim=-1), picked], dim=-1), group)

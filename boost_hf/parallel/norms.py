@@ -1,61 +1,72 @@
-"""RMSNorm on a replicated or a sharded residual stream (BOOST.md section 3).
+"""RMSNorm on a sharded residual stream (BOOST.md section 3), as modules adopted by the block norms.
 
 RMSNorm needs ``sum_j x_j^2`` over all ``d`` features; under BTP each rank holds ``d/p`` of them.
 
-* :func:`rms_norm` — the ordinary norm of a full-width (replicated) ``[..., d]`` tensor.
-* :func:`online_rms_norm_local` — the **online RMSNorm**: normalise the shard by its own statistics,
-  ``xh = x / rms_local * gamma``; the caller multiplies the next row-parallel GEMM's partial output
-  by ``rms_local`` and appends ``sum_local(x^2)`` as one extra column, so that ONE all-reduce carries
-  both; :func:`online_rms_norm_inverse` then gives the global ``1/sqrt(S/d + eps)`` to scale by. Exact.
-* :func:`sync_rms_norm` — all-reduce the ``[..., 1]`` partial sums of squares first (one extra
+* :class:`OnlineRMSNorm` — the **online RMSNorm**. The per-shard scale cancels through the next
+  row-parallel GEMM, ``A_i (g_i x_i / rms) = A_i (g_i x_i) / rms``, so the norm's local half is one
+  element-wise pass: it returns ``(g_i * x_i, sum(x_i^2))``; the projection group appends the sum as
+  one extra column of its partial A output, ONE all-reduce carries both, and
+  :func:`online_rms_norm_inverse` turns the reduced sum into ``1 / rms`` for the reduced latents. Exact.
+* :class:`SyncRMSNorm` — all-reduce the ``[..., 1]`` partial sums of squares first (one extra
   latency-bound collective of N scalars, all-reduced again in backward), then normalise. Exact.
-* :func:`local_rms_norm` — APPROXIMATE: normalises each shard by its own statistics only (a group
-  norm with ``p`` groups; the model changes with ``tp_size``). Offered for comparison, never default.
+* :class:`LocalRMSNorm` — APPROXIMATE: normalises each shard by its own statistics only (a group norm
+  with ``p`` groups; the model changes with ``tp_size``). Offered for comparison, never the default.
+* :class:`GatheredRMSNorm` — the final norm under BTP: all-gather the residual to full ``d``, then norm.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .primitives import ProcessGroup, all_reduce_sum
+from .modules import shard_repr
+from .primitives import all_reduce_sum, gather_from_tp
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """``weight * x / sqrt(mean(x^2) + eps)`` over the last dim, statistics in fp32 (as LlamaRMSNorm)."""
-    dtype = x.dtype
-    xf = x.to(torch.float32)
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(dtype)
+def online_rms_norm_inverse(sum_of_squares: torch.Tensor, hidden_size: int, eps: float) -> torch.Tensor:
+    """``1 / sqrt(S / d + eps)`` (fp32, ``[..., 1]``) from the all-reduced sum of squares ``S``."""
+    return torch.rsqrt(sum_of_squares.to(torch.float32) / hidden_size + eps)
 
 
-local_rms_norm = rms_norm  # on a [..., d/p] shard: normalises by the shard's own statistics (approximate)
+class ShardedRMSNorm:
+    """A block norm whose ``weight: [d/p]`` is this rank's slice; ``hidden_size`` is the full ``d``."""
+
+    group = None
+    hidden_size = None
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, {shard_repr(self.weight)}"
 
 
-def online_rms_norm_local(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Local half of the online RMSNorm on a shard ``x: [..., d/p]``.
+class OnlineRMSNorm(ShardedRMSNorm):
+    """``x: [..., d/p] -> (weight * x [..., d/p], sum(x^2) [..., 1] fp32)``; no communication."""
 
-    Returns ``(xh, rms_local, sumsq)``: ``xh = weight * x / rms_local`` (``[..., d/p]``, x's dtype),
-    ``rms_local = sqrt(sum_local(x^2)/(d/p) + eps)`` and ``sumsq = sum_local(x^2)``, both ``[..., 1]`` fp32.
-    No communication.
-    """
-    xf = x.to(torch.float32)
-    sumsq = xf.pow(2).sum(-1, keepdim=True)
-    rms_local = torch.sqrt(sumsq / x.shape[-1] + eps)
-    return weight * (xf / rms_local).to(x.dtype), rms_local, sumsq
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.weight * x, x.to(torch.float32).pow(2).sum(-1, keepdim=True)
 
 
-def online_rms_norm_inverse(sumsq: torch.Tensor, hidden_size: int, eps: float) -> torch.Tensor:
-    """``1 / sqrt(S / d + eps)`` (fp32, ``[..., 1]``) from the all-reduced sum of squares ``S``; the caller
-    multiplies the all-reduced GEMM output ``H`` by it. No communication."""
-    return torch.rsqrt(sumsq.to(torch.float32) / hidden_size + eps)
+class SyncRMSNorm(ShardedRMSNorm):
+    """Exact RMSNorm of ``x: [..., d/p]``: all-reduce of the ``[..., 1]`` fp32 sums of squares (forward
+    and backward), then ``weight * x / sqrt(S/d + eps)``."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.to(torch.float32)
+        total = all_reduce_sum(xf.pow(2).sum(-1, keepdim=True), self.group)
+        return self.weight * (xf * torch.rsqrt(total / self.hidden_size + self.variance_epsilon)).to(x.dtype)
 
 
-def sync_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, hidden_size: int, group: ProcessGroup | None) -> torch.Tensor:
-    """Exact RMSNorm of a shard ``x: [..., d/p]``: all-reduce of the ``[..., 1]`` fp32 sums of squares
-    (forward and backward), then ``weight * x / sqrt(S/d + eps)``."""
-    xf = x.to(torch.float32)
-    total = all_reduce_sum(xf.pow(2).sum(-1, keepdim=True), group)
-    return weight * (xf * torch.rsqrt(total / hidden_size + eps)).to(x.dtype)
+class LocalRMSNorm(ShardedRMSNorm):
+    """APPROXIMATE: the ordinary RMSNorm of the ``[..., d/p]`` shard by its own statistics."""
 
 
-__all__ = ["rms_norm", "local_rms_norm", "online_rms_norm_local", "online_rms_norm_inverse", "sync_rms_norm"]
+class GatheredRMSNorm:
+    """``x: [..., d/p]`` -> all-gather -> RMSNorm over the full ``[..., d]`` (replicated ``weight``)."""
+
+    group = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(gather_from_tp(x, -1, self.group))
+
+
+RMSNORM_MODES = {"online": OnlineRMSNorm, "sync": SyncRMSNorm, "local": LocalRMSNorm}
+
+__all__ = ["online_rms_norm_inverse", "OnlineRMSNorm", "SyncRMSNorm", "LocalRMSNorm", "GatheredRMSNorm", "RMSNORM_MODES"]

@@ -7,16 +7,10 @@ reads for gradient clipping. Checkpoint, grad-norm and optimizer code only read 
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.distributed as dist
-from torch import nn
-
-# Initialisers of a full (unsharded) tensor from a generator: name -> fn(shape, generator) -> tensor.
-Initializer = Callable[[tuple[int, ...], torch.Generator], torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -53,52 +47,16 @@ class ShardSpec:
         return full.chunk(self.tp_size, dim=self.partition_dim)[self.tp_rank]
 
 
-def sharded_parameter(
-    full_shape: tuple[int, ...],
-    partition_dim: int | None,
-    tp_rank: int,
-    tp_size: int,
-    init: Initializer,
-    dtype: torch.dtype | None = None,
-) -> nn.Parameter:
-    """An (uninitialised) parameter holding this rank's shard, carrying its metadata and initialiser."""
-    if partition_dim is not None and tp_size > 1 and full_shape[partition_dim] % tp_size != 0:
-        raise ValueError(
-            f"cannot split dimension {partition_dim} of a {full_shape} parameter over tp_size={tp_size}: "
-            "choose a tp_size that divides it."
-        )
-    spec = ShardSpec(tuple(full_shape), partition_dim if tp_size > 1 else None, tp_rank, tp_size)
-    param = nn.Parameter(torch.empty(spec.local_shape, dtype=dtype))
-    attach_shard_spec(param, spec, init)
-    return param
-
-
-def attach_shard_spec(param: torch.Tensor, spec: ShardSpec, init: Initializer | None = None) -> None:
+def attach_shard_spec(param: torch.Tensor, spec: ShardSpec) -> None:
     param.shard_spec = spec
     param.tensor_model_parallel = spec.is_sharded
     param.partition_dim = spec.partition_dim if spec.is_sharded else -1
     param.partition_stride = 1
-    if init is not None:
-        param.full_init = init
 
 
 def shard_spec_of(param: torch.Tensor) -> ShardSpec:
     spec = getattr(param, "shard_spec", None)
     return spec if spec is not None else ShardSpec(tuple(param.shape))
-
-
-def name_seed(seed: int, name: str) -> int:
-    """A per-parameter seed from the global seed and the canonical name (stable across runs and TP sizes)."""
-    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
-
-
-def init_from_full(param: torch.Tensor, name: str, seed: int) -> torch.Tensor:
-    """The full tensor of ``param`` as initialised from (``seed``, ``name``), sliced to this rank's shard."""
-    spec = shard_spec_of(param)
-    generator = torch.Generator(device="cpu").manual_seed(name_seed(seed, name))
-    full = param.full_init(spec.full_shape, generator)
-    return spec.local_slice(full).to(dtype=param.dtype)
 
 
 def gather_full(tensor: torch.Tensor, spec: ShardSpec, group: dist.ProcessGroup | None) -> torch.Tensor:
@@ -110,35 +68,4 @@ def gather_full(tensor: torch.Tensor, spec: ShardSpec, group: dist.ProcessGroup 
     return torch.cat(shards, dim=spec.partition_dim)
 
 
-# Initialisers -------------------------------------------------------------------------------------
-
-def normal_init(std: float) -> Initializer:
-    return lambda shape, gen: torch.empty(shape).normal_(0.0, std, generator=gen)
-
-
-def constant_init(value: float) -> Initializer:
-    return lambda shape, gen: torch.full(shape, float(value))
-
-
-def eye_init() -> Initializer:
-    return lambda shape, gen: torch.eye(*shape)
-
-
-def bottleneck_factor_init(rank: int, d_in: int, d_out: int) -> Initializer:
-    """CoLA's init for A and B: ``N(0, s^2)``, ``s = r^(-1/4) (d_in + d_out)^(-1/4)`` (Xavier-like product)."""
-    return normal_init((rank ** -0.25) * ((d_in + d_out) ** -0.25))
-
-
-__all__ = [
-    "ShardSpec",
-    "sharded_parameter",
-    "attach_shard_spec",
-    "shard_spec_of",
-    "init_from_full",
-    "gather_full",
-    "name_seed",
-    "normal_init",
-    "constant_init",
-    "eye_init",
-    "bottleneck_factor_init",
-]
+__all__ = ["ShardSpec", "attach_shard_spec", "shard_spec_of", "gather_full"]

@@ -1,6 +1,6 @@
 """Performance model: FLOPs (:mod:`.flops`), GPU presets (:mod:`.hardware`) and the iteration-time
 estimator of the three tensor-parallel layouts (:mod:`.estimator`). Communication volumes come from
-:mod:`boost_hf.parallel.comm_formula`."""
+:mod:`boost_hf.perf.comm_formula`."""
 
 from .estimator import CALIBRATED_EFFICIENCY, LAYOUTS, Estimate, KernelEfficiency, LayoutEstimate, Workload, estimate
 from .flops import forward_flops_per_token, training_flops_per_token

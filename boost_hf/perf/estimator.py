@@ -28,8 +28,8 @@ Time of one decoder layer, forward (backward in parentheses)::
   the replicated residual, vanilla everything between chunks replicated at full width. btp's online
   RMSNorm adds two passes over the ``5r``-wide outputs of A_qkv and A_gate_up (scale the partial
   output by the local rms, divide the reduced one by the global rms).
-* **Communication**: :func:`boost_hf.parallel.comm_formula.layer_communication` and
-  :func:`~boost_hf.parallel.comm_formula.outside_layers_communication` (the only source of volumes),
+* **Communication**: :func:`boost_hf.perf.comm_formula.layer_communication` and
+  :func:`~boost_hf.perf.comm_formula.outside_layers_communication` (the only source of volumes),
   timed as ``latency * calls + ring_traffic_bytes / bandwidth`` with the bandwidth of
   :meth:`~boost_hf.perf.hardware.Hardware.collective_gbps` for ``p`` GPUs. Nothing overlaps with
   compute.
@@ -78,8 +78,10 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Literal
 
-from ..parallel.comm_formula import Communication, layer_communication, outside_layers_communication
 from ..parallel.config import ParallelConfig
+from ..parallel.layouts import Gemm
+from ..parallel.parallelize import layout_for
+from .comm_formula import Communication, layer_communication, outside_layers_communication
 from .flops import attention_flops_per_token, training_flops_per_token
 from .hardware import Hardware, get_hardware
 
@@ -122,75 +124,11 @@ class KernelEfficiency:
 CALIBRATED_EFFICIENCY = KernelEfficiency(gemm_max=0.75, gemm_half_dim=320.0, attention=0.60, memory=0.70)
 
 
-@dataclass(frozen=True)
-class Gemm:
-    """One GEMM ``(m, k) x (k, n)`` of one rank's forward pass.
-
-    ``role``: ``"dense"`` (a full-rank projection or the LM head), ``"A"`` (down-projection to the
-    latent), ``"B"`` (up-projection from the latent) or ``"crossing"`` (a LaX gate ``G``).
-    """
-
-    name: str
-    m: int
-    k: int
-    n: int
-    role: Literal["dense", "A", "B", "crossing"]
-
-    @property
-    def flops(self) -> int:
-        return 2 * self.m * self.k * self.n
-
-
 def layer_gemms(config, parallel: ParallelConfig, tokens: int, *, crossing: bool = True) -> list[Gemm]:
-    """The GEMMs of one decoder layer's forward on one rank, with their local shapes.
-
-    megatron: q/k/v, gate/up column-split (fused when ``group_linears``), o/down row-split.
-    vanilla: A column-split along ``r`` (``r/p``), B row-split (fused A_qkv / A_gate_up when grouped).
-    btp: A row-split along its input (``d/p``, heads, ``f/p``), B column-split along its output.
-    LaX crossings (``crossing`` and ``bottleneck == "lax"``) act on the full, replicated ``r``.
-    """
-    p, n = parallel.tp_size, tokens
-    d, dq, dkv, f, r = config.hidden_size, config.q_dim, config.kv_dim, config.intermediate_size, config.rank
-    grouped = parallel.group_linears
-    if parallel.tp_style == "megatron":
-        qkv = [Gemm("qkv_proj", n, d, (dq + 2 * dkv) // p, "dense")] if grouped else [
-            Gemm("q_proj", n, d, dq // p, "dense"),
-            Gemm("k_proj", n, d, dkv // p, "dense"),
-            Gemm("v_proj", n, d, dkv // p, "dense"),
-        ]
-        gate_up = [Gemm("gate_up_proj", n, d, 2 * f // p, "dense")] if grouped else [
-            Gemm("gate_proj", n, d, f // p, "dense"),
-            Gemm("up_proj", n, d, f // p, "dense"),
-        ]
-        return qkv + [Gemm("o_proj", n, dq // p, d, "dense")] + gate_up + [Gemm("down_proj", n, f // p, d, "dense")]
-
-    # Local (k of A, n of B) widths and local r per layout.
-    if parallel.tp_style == "vanilla":
-        local = {"d": d, "dq": dq, "dkv": dkv, "f": f}
-        r_local = r // p
-    else:
-        local = {"d": d // p, "dq": dq // p, "dkv": dkv // p, "f": f // p}
-        r_local = r
-    shapes = {
-        "q_proj": ("d", "dq"),
-        "k_proj": ("d", "dkv"),
-        "v_proj": ("d", "dkv"),
-        "o_proj": ("dq", "d"),
-        "gate_proj": ("d", "f"),
-        "up_proj": ("d", "f"),
-        "down_proj": ("f", "d"),
-    }
-    if grouped:
-        a_gemms = [
-            Gemm("qkv_proj.A", n, local["d"], 3 * r_local, "A"),
-            Gemm("o_proj.A", n, local["dq"], r_local, "A"),
-            Gemm("gate_up_proj.A", n, local["d"], 2 * r_local, "A"),
-            Gemm("down_proj.A", n, local["f"], r_local, "A"),
-        ]
-    else:
-        a_gemms = [Gemm(f"{name}.A", n, local[d_in], r_local, "A") for name, (d_in, _) in shapes.items()]
-    b_gemms = [Gemm(f"{name}.B", n, r_local, local[d_out], "B") for name, (_, d_out) in shapes.items()]
-    return a_gemms + b_gemms + _crossing_gemms(config, n, crossing)
+    """The GEMMs of one decoder layer's forward on one rank, with their local shapes (the layout's,
+    :meth:`~boost_hf.parallel.layouts.Layout.local_gemms`), plus LaX's crossings (``crossing`` and
+    ``bottleneck == "lax"``), which act on the full, replicated ``r``."""
+    return layout_for(config, parallel).local_gemms(config, tokens) + _crossing_gemms(config, tokens, crossing)
 
 
 def _crossing_gemms(config, tokens: int, crossing: bool) -> list[Gemm]:
@@ -210,32 +148,26 @@ def _crossing_gemms(config, tokens: int, crossing: bool) -> list[Gemm]:
 def elementwise_elements_per_token(config, parallel: ParallelConfig) -> int:
     """Elements read + written per token by one layer's elementwise forward ops on one rank.
 
-    2 RMSNorms (read, write) and 2 residual adds (2 reads, 1 write) on the residual width; RoPE on the
-    local q and k; the latent activation of each of the 7 latents; LaX crossing add (3) and latent
-    LayerNorm (2) on the full ``r``; the SwiGLU product (3) and gate activation (2, when kept) on the
-    local ``f``.
+    2 RMSNorms (read, write) and 2 residual adds (2 reads, 1 write) on the residual width the layout
+    holds; RoPE on the local q and k; the latent activation of each of the 7 latents; LaX crossing add
+    (3) and latent LayerNorm (2) on the full ``r``; the SwiGLU product (3) and gate activation (2, when
+    kept) on the local ``f``; with the online norm of a sharded residual, the scaling of the reduced
+    A_qkv and A_gate_up latents by ``1/rms`` (read, write).
     """
-    p = parallel.tp_size
-    d, dq, dkv, f, r = config.hidden_size, config.q_dim, config.kv_dim, config.intermediate_size, config.rank
-    if parallel.tp_style == "btp":
-        residual, q, k, f_local, r_local = d // p, dq // p, dkv // p, f // p, r
-    elif parallel.tp_style == "megatron":
-        residual, q, k, f_local, r_local = d, dq // p, dkv // p, f // p, 0
-    else:
-        residual, q, k, f_local, r_local = d, dq, dkv, f, r // p
-    total = 2 * 2 * residual + 2 * 3 * residual + 2 * (q + k) + 3 * f_local
+    layout = layout_for(config, parallel)
+    widths, r = layout.widths(config), config.rank
+    total = 2 * 2 * widths.residual + 2 * 3 * widths.residual + 2 * (widths.q + widths.k) + 3 * widths.mlp
     if config.mlp_activation is not None:
-        total += 2 * f_local
+        total += 2 * widths.mlp
+    latent = widths.latent
     if config.bottleneck == "lax":
-        # Vanilla gathers the latent to full r for the crossing and LayerNorm.
+        # the crossing and LayerNorm act on the full r (vanilla gathers it)
         total += 7 * (3 + (2 if config.lax_latent_norm else 0)) * r
-        r_local = r
+        latent = r
     if config.latent_activation is not None:
-        total += 7 * 2 * r_local
-    if parallel.tp_style == "btp" and parallel.rmsnorm == "online" and p > 1:
-        # Online RMSNorm: scale A_qkv's (3r) and A_gate_up's (2r) partial outputs by the local rms,
-        # then divide the reduced outputs by the global rms.
-        total += 2 * 2 * (3 * r + 2 * r)
+        total += 7 * 2 * latent
+    if layout.residual_sharded and parallel.rmsnorm == "online" and parallel.tp_size > 1:
+        total += 2 * (3 * r + 2 * r)
     return total
 
 
@@ -425,7 +357,7 @@ def estimate_layout(
     def gemm_time(gemms: list[Gemm]) -> float:
         return sum(g.flops / (efficiency.gemm(g.m, g.k, g.n) * peak) for g in gemms)
 
-    heads_per_rank = 1 if layout == "vanilla" else 1 / p  # vanilla computes every head on every rank
+    heads_per_rank = 1 / p if layout_for(config, parallel).heads_split else 1  # vanilla: every head on every rank
     attention_flops = round(attention_flops_per_token(config, workload.seq_len) * n * heads_per_rank)
     comm = layer_communication(config, parallel, n)
     comm_time = {"tp_comm": _comm_time(comm.forward, workload, hardware)}
@@ -467,7 +399,7 @@ def estimate_layout(
     p2p: dict[str, float] = {}
     if pp > 1:
         bandwidth = hardware.point_to_point_gbps(same_node=p * pp <= hardware.gpus_per_node)
-        send_elements = n * config.hidden_size // (p if layout == "btp" else 1)
+        send_elements = n * config.hidden_size // (p if layout_for(config, parallel).residual_sharded else 1)
         send = hardware.latency_us * 1e-6 + send_elements * workload.dtype_bytes / (bandwidth * 1e9)
         p2p = {"pp_comm": 2 * send}
     stages = [

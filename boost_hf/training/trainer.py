@@ -43,7 +43,7 @@ from transformers.trainer_callback import ExportableState
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, EvalLoopOutput
 from transformers.trainer_utils import rotate_checkpoints
 
-from ..parallel.checkpoint_io import load_canonical_checkpoint, resolve_checkpoint_files
+from ..parallel.weights_io import load_canonical_checkpoint, resolve_checkpoint_files
 from ..perf.flops import training_flops_per_token
 from .arguments import default_peak_tflops
 from .checkpoint import atomic_directory, full_parameters, optimizer_file_name

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from boost_hf.configuration_boost_llama import BoostLlamaConfig
-from boost_hf.parallel.comm_formula import (
+from boost_hf.perf.comm_formula import (
     Collective,
     Communication,
     PassCommunication,

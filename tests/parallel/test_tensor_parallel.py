@@ -11,7 +11,7 @@ import json
 import pytest
 
 from boost_hf import ParallelConfig
-from boost_hf.parallel.comm_formula import model_communication
+from boost_hf.perf.comm_formula import model_communication
 from tests.distributed import launch
 from tests.parallel import tp_cases
 

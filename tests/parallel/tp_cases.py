@@ -11,8 +11,8 @@ import torch
 import torch.distributed as dist
 
 from boost_hf import BoostLlamaConfig, BoostLlamaForCausalLM, CommCounter, ParallelConfig
-from boost_hf.parallel.activation_memory import SavedTensorsProbe, saved_elements_per_layer
-from boost_hf.parallel.comm_formula import layer_communication, model_communication
+from boost_hf.perf.activation_memory import SavedTensorsProbe, saved_elements_per_layer
+from boost_hf.perf.comm_formula import layer_communication, model_communication
 from boost_hf.parallel.sharding import gather_full, shard_spec_of
 
 SEED = 1234
@@ -66,7 +66,7 @@ def train_step(model):
         loss = model(ids, labels=labels).loss
     with CommCounter() as bwd:
         loss.backward()
-    group = model.plan.group
+    group = model.plan.group if hasattr(model, "plan") else None  # the reference is the single-device model
     grads = {n: gather_full(p.grad, shard_spec_of(p), group) for n, p in model.named_parameters()}
     torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=0.01).step()
     params = {n: gather_full(p.detach(), shard_spec_of(p), group) for n, p in model.named_parameters()}

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from boost_hf.configuration_boost_llama import BoostLlamaConfig
-from boost_hf.parallel.comm_formula import layer_communication
+from boost_hf.perf.comm_formula import layer_communication
 from boost_hf.perf.estimator import (
     CALIBRATED_EFFICIENCY,
     COMPONENTS,

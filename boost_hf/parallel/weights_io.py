@@ -1,4 +1,4 @@
-"""Canonical (unsharded, layout-free) checkpoints for models of any tensor-parallel layout.
+"""Canonical (unsharded, layout-free) weights for models of any tensor-parallel layout.
 
 The canonical checkpoint is exactly what the single-device model saves (``model.safetensors`` with the
 canonical parameter names), so a model saved at TP=4 loads at TP=1, TP=2 or in plain ``transformers``.
@@ -100,4 +100,59 @@ def load_canonical_checkpoint(model: nn.Module, files: list[str]) -> None:
         param.copy_(tensor_slice[tuple(index)].to(param.dtype))
 
 
-__all__ = ["HUB_KWARGS", "canonical_state_dict", "resolve_checkpoint_files", "load_canonical_checkpoint"]
+# from_pretrained arguments with nothing to do when each rank reads its own slices itself
+IGNORED_UNDER_TP = ("trust_remote_code", "low_cpu_mem_usage", "use_safetensors", "_from_auto", "_from_pipeline", "_commit_hash", "adapter_kwargs")
+
+
+def load_pretrained(model_class, pretrained_model_name_or_path, parallel, *model_args, **kwargs):
+    """``model_class.from_pretrained`` into this rank's shard of ``parallel``'s layout.
+
+    At ``tp_size=1`` without recomputation this is transformers' own ``from_pretrained`` (every argument
+    applies), then :func:`~boost_hf.parallel.parallelize.parallelize`. Otherwise the model is built on
+    the meta device, sharded, and each rank reads only its slices of the canonical safetensors files.
+    Arguments that cannot apply there (``device_map`` other than ``"cpu"``, ``state_dict``,
+    ``quantization_config``, ``ignore_mismatched_sizes``, ...) raise a ``ValueError`` naming them.
+    """
+    from .parallelize import parallelize
+
+    if parallel.tp_size == 1 and parallel.activation_checkpointing == "none":
+        loaded = model_class.from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
+        model, info = loaded if isinstance(loaded, tuple) else (loaded, None)
+        parallelize(model, parallel)
+        return (model, info) if info is not None else model
+    if model_args:
+        raise ValueError(f"from_pretrained takes no positional model arguments under tensor parallelism, got {model_args!r}")
+    path = str(pretrained_model_name_or_path)
+    config = kwargs.pop("config", None)
+    dtype = kwargs.pop("dtype", None)
+    dtype = kwargs.pop("torch_dtype", None) if dtype is None else dtype
+    attn_implementation = kwargs.pop("attn_implementation", None)
+    output_loading_info = kwargs.pop("output_loading_info", False)
+    if kwargs.get("device_map") in (None, "cpu"):
+        kwargs.pop("device_map", None)
+    hub = {k: kwargs.pop(k) for k in HUB_KWARGS if k in kwargs}
+    for name in IGNORED_UNDER_TP:
+        kwargs.pop(name, None)
+    if config is None:
+        config, kwargs = model_class.config_class.from_pretrained(path, return_unused_kwargs=True, **hub, **kwargs)
+    if kwargs:
+        raise ValueError(
+            f"from_pretrained arguments {sorted(kwargs)} cannot apply under tensor parallelism "
+            f"(tp_size={parallel.tp_size}, activation_checkpointing={parallel.activation_checkpointing!r}): each rank "
+            "reads its own slices of the canonical checkpoint on the CPU. Drop them, or load with tp_size=1."
+        )
+    if attn_implementation is not None:
+        config._attn_implementation = attn_implementation
+    with parallel.single_device_skeleton():
+        model = model_class(config)
+    parallelize(model, parallel, initialize=False)
+    load_canonical_checkpoint(model, resolve_checkpoint_files(path, **hub))
+    if dtype is not None and dtype != "auto":
+        model = model.to(getattr(torch, dtype) if isinstance(dtype, str) else dtype)
+    model.eval()
+    if output_loading_info:
+        return model, {"missing_keys": [], "unexpected_keys": [], "mismatched_keys": [], "error_msgs": []}
+    return model
+
+
+__all__ = ["HUB_KWARGS", "canonical_state_dict", "resolve_checkpoint_files", "load_canonical_checkpoint", "load_pretrained"]

@@ -1,38 +1,34 @@
 """What a decoder layer keeps for backward under activation checkpointing (elements per rank).
 
-Low-rank checkpointing (BOOST.md section 5) keeps only the inputs of the layer's five segments:
-the residual entering the layer and after attention, plus the reduced latents of the four projection
-groups (and LaX's carried latents of the previous block). ``full`` keeps the layer's inputs only.
-The tests measure the same quantity with ``saved_tensors_hooks`` and compare it with this function.
+Low-rank checkpointing (BOOST.md section 5) keeps only the inputs of the layer's five steps
+(:mod:`boost_hf.parallel.decoder_layer`): the residual entering the layer and after attention, plus
+the reduced latents of the four projection groups (as the layout holds them) and LaX's carried
+latents of the previous block. ``full`` keeps the layer's inputs only. The tests measure the same
+quantity with :class:`SavedTensorsProbe` and compare it with :func:`saved_elements_per_layer`.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .config import ParallelConfig
+from ..parallel.config import ParallelConfig
+from ..parallel.parallelize import layout_for
 
 
 def saved_elements_per_layer(config, parallel: ParallelConfig, tokens: int, layer_idx: int = 1) -> int:
     """Elements saved for backward by one decoder layer (``layer_idx``) on one rank, for
     ``activation_checkpointing`` ``"full"`` or ``"lowrank"`` (``"none"`` keeps every intermediate:
     not modelled here)."""
-    n, d, r, p = tokens, config.hidden_size, config.rank, parallel.tp_size
-    btp = parallel.tp_style == "btp" and p > 1
-    residual = n * d // p if btp else n * d
-    carries = 7 * n * r if config.bottleneck == "lax" and layer_idx > 0 else 0
+    layout = layout_for(config, parallel)
+    sharded = layout.residual_sharded and parallel.tp_size > 1
+    residual = tokens * config.hidden_size // (parallel.tp_size if sharded else 1)
+    carries = 7 * tokens * config.rank if config.bottleneck == "lax" and layer_idx > 0 else 0
     mode = parallel.activation_checkpointing
     if mode == "full":
         return residual + carries
     if mode != "lowrank":
         raise ValueError(f"saved_elements_per_layer models 'full' and 'lowrank' checkpointing, not {mode!r}")
-    if btp:
-        latents = 7 * n * r + (2 * n if parallel.rmsnorm == "online" else 0)
-    elif config.bottleneck == "lax" and p > 1:
-        latents = 7 * n * r  # vanilla LaX keeps the latents gathered to full r
-    else:
-        latents = 7 * n * r // p  # vanilla: the A outputs, split along r
-    return 2 * residual + latents + carries
+    return 2 * residual + layout.saved_latent_elements(config, tokens) + carries
 
 
 class SavedTensorsProbe:

@@ -25,7 +25,7 @@ def _entry(rank: int, world_size: int, tmp: str, fn, args) -> None:
         result = {"ok": False, "error": traceback.format_exc()}
     with open(os.path.join(tmp, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
-    from .state import reset_parallel_states
+    from ..parallel.state import reset_parallel_states
 
     reset_parallel_states()
     dist.destroy_process_group()

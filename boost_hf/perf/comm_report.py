@@ -2,7 +2,7 @@
 
 Each layout's model is built twice (1 and 2 decoder layers, uninitialised weights: only the
 collectives matter) on ``tp`` local gloo processes; the difference of the counted collectives is one
-layer's, forward and backward. It is compared with :func:`~boost_hf.parallel.comm_formula.layer_communication`
+layer's, forward and backward. It is compared with :func:`~boost_hf.perf.comm_formula.layer_communication`
 and then scaled, through the same formula, to a paper-sized micro-batch.
 """
 
@@ -11,9 +11,9 @@ from __future__ import annotations
 import torch
 from transformers.initialization import no_init_weights
 
-from .comm_counter import count_training_step, counts_difference
+from ..parallel.comm_counter import count_training_step, counts_difference
 from .comm_formula import layer_communication
-from .config import ParallelConfig
+from ..parallel.config import ParallelConfig
 
 LAYOUTS = {
     "megatron (full rank)": dict(tp_style="megatron"),

@@ -1,0 +1,14 @@
+"""One :class:`~.base.Layout` per tensor-parallel style; ``LAYOUTS`` is the registry."""
+
+from .base import Gemm, Layout, ProjectionGroup, ResidualWidths
+from .btp import BottleneckAwareLayout
+from .megatron import MegatronLayout
+from .vanilla import VanillaLayout
+
+LAYOUTS: dict[str, type[Layout]] = {
+    MegatronLayout.name: MegatronLayout,
+    VanillaLayout.name: VanillaLayout,
+    BottleneckAwareLayout.name: BottleneckAwareLayout,
+}
+
+__all__ = ["LAYOUTS", "Layout", "ProjectionGroup", "Gemm", "ResidualWidths", "MegatronLayout", "VanillaLayout", "BottleneckAwareLayout"]

@@ -1,0 +1,198 @@
+"""What a tensor-parallel layout is: one object per style owns every fact about it.
+
+A :class:`Layout` decides which dimension of which parameter each rank holds, builds the runtime
+communication pattern of each projection group (:class:`ProjectionGroup`), and states the analytic
+facts the tests, benchmarks and estimator ask for: collectives per layer (forward, backward and
+recomputation), what low-rank checkpointing keeps, and the local GEMM shapes. Adding a layout is one
+file in this folder plus one line in its registry.
+
+A *projection group* is the set of projections reading one input: ``qkv`` (q, k, v), ``o``,
+``gate_up`` (gate, up) and ``down``. Every group runs in three steps, so that the decoder layer (and
+low-rank checkpointing) cuts between them:
+
+1. ``down(x)``: local work up to the group's collective (the A GEMMs, or the input copy);
+2. ``reduce(partials)``: that collective (identity where the layout has none here);
+3. ``project(z, previous)``: the latent functions and each projection *called as a module*
+   (``q_proj(latent)``), which applies B and any trailing collective.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar, NamedTuple
+
+import torch
+from torch import nn
+
+from ..communication import NO_COMMUNICATION, Communication, PassCommunication
+from ..decoder_layer import Latents, Tensors
+
+GROUPS: dict[str, tuple[str, ...]] = {
+    "qkv": ("q_proj", "k_proj", "v_proj"),
+    "o": ("o_proj",),
+    "gate_up": ("gate_proj", "up_proj"),
+    "down": ("down_proj",),
+}
+READS_NORM = ("qkv", "gate_up")  # groups whose input is a normalised residual
+
+
+class Gemm(NamedTuple):
+    """One GEMM of a layer's forward on one rank: ``[m, k] x [k, n]``; ``role`` is ``dense``, ``A``, ``B``
+    or ``crossing``."""
+
+    name: str
+    m: int
+    k: int
+    n: int
+    role: str
+
+    @property
+    def flops(self) -> int:
+        return 2 * self.m * self.k * self.n
+
+
+@dataclass(frozen=True)
+class ResidualWidths:
+    """Per-rank widths a layer's element-wise work runs on: residual stream, local q and k widths,
+    local MLP width and the r-dim latent as each rank holds it."""
+
+    residual: int
+    q: int
+    k: int
+    mlp: int
+    latent: int
+
+
+class ProjectionGroup:
+    """Projections ``names`` of ``owner`` (attention or MLP) reading one input, and the layout's
+    communication around them. The projections are looked up on ``owner`` at every call, so a module a
+    tool puts in their place is the one that runs."""
+
+    def __init__(self, owner: nn.Module, names: tuple[str, ...], *, group, grouped: bool):
+        self.owner, self.names, self.group, self.grouped = owner, names, group, grouped
+
+    @property
+    def projections(self) -> list[nn.Module]:
+        return [getattr(self.owner, name) for name in self.names]
+
+    def down(self, x) -> Tensors:
+        raise NotImplementedError
+
+    def reduce(self, partials: Tensors) -> Tensors:
+        return partials
+
+    def project(self, z: Tensors, previous: Latents | None) -> tuple[list[torch.Tensor], Latents]:
+        raise NotImplementedError
+
+
+class Layout:
+    """One tensor-parallel style. Subclasses set the class attributes and implement the methods."""
+
+    name: ClassVar[str]
+    #: the residual stream is split along d (each rank holds ``[..., d/p]``)
+    residual_sharded: ClassVar[bool] = False
+    #: attention runs on ``heads/p`` local heads (else every rank computes every head)
+    heads_split: ClassVar[bool] = True
+    #: the config dimensions the layout splits over ranks
+    split_dimensions: ClassVar[tuple[str, ...]] = ()
+
+    def __init__(self, parallel):
+        self.parallel = parallel
+
+    # ------------------------------------------------------------------ validation
+    def check(self, config) -> None:
+        """Raise ``ValueError`` naming the field to change if this layout cannot hold ``config``."""
+        p = self.parallel.tp_size
+        if p == 1:
+            return
+        for name in ("num_attention_heads", "num_key_value_heads"):
+            value = getattr(config, name)
+            if value % p != 0:
+                raise ValueError(f"{name} ({value}) is not divisible by tp_size ({p}): choose a tp_size that divides it.")
+        if config.vocab_size % p != 0:
+            raise ValueError(
+                f"vocab_size ({config.vocab_size}) is not divisible by tp_size ({p}): pad the vocabulary "
+                f"to a multiple of {p} (e.g. {-(-config.vocab_size // p) * p})."
+            )
+        for name in self.split_dimensions:
+            value = getattr(config, name)
+            if value % p != 0:
+                raise ValueError(
+                    f"{name} ({value}) is not divisible by tp_size ({p}), which tp_style={self.name!r} "
+                    "splits: choose a tp_size that divides it."
+                )
+        if getattr(config, "attention_bias", False) or getattr(config, "mlp_bias", False):
+            raise ValueError(
+                "attention_bias/mlp_bias are not supported under tensor parallelism (tp_size > 1): "
+                "set them to False or use tp_size=1."
+            )
+
+    # ------------------------------------------------------------------ runtime
+    def parallelize_layer(self, layer: nn.Module, plan) -> None:
+        """Turn one single-device decoder layer into this rank's shard, in place (parameter names kept)."""
+        raise NotImplementedError
+
+    def embedding_split(self) -> int | None:
+        """Dimension of the ``[V, d]`` embedding table each rank holds a slice of (``None``: replicated)."""
+        return 0
+
+    # ------------------------------------------------------------------ analysis
+    def layer_communication(self, config, tokens: int) -> PassCommunication:
+        """One decoder layer's collectives for ``tokens`` tokens, without recomputation."""
+        raise NotImplementedError
+
+    def recompute_communication(self, config, tokens: int) -> Communication:
+        """Collectives re-issued in backward by ``activation_checkpointing``."""
+        if self.parallel.activation_checkpointing == "full":
+            return self.layer_communication(config, tokens).forward
+        return NO_COMMUNICATION
+
+    def outside_layers_communication(self, config, tokens: int) -> PassCommunication:
+        """Collectives of the embedding, the final norm and the LM head (not the loss or logits)."""
+        raise NotImplementedError
+
+    def saved_latent_elements(self, config, tokens: int) -> int:
+        """Elements of the reduced latents low-rank checkpointing keeps per layer (all four groups)."""
+        raise NotImplementedError
+
+    def local_gemms(self, config, tokens: int) -> list[Gemm]:
+        """The GEMMs of one layer's forward on one rank (without LaX crossings)."""
+        raise NotImplementedError
+
+    def widths(self, config) -> ResidualWidths:
+        """Per-rank widths of the element-wise work."""
+        raise NotImplementedError
+
+
+def split_latents(z: torch.Tensor, count: int) -> tuple[torch.Tensor, ...]:
+    """``count`` equal slices of the last dim (views, no copy)."""
+    return z.chunk(count, dim=-1) if count > 1 else (z,)
+
+
+def apply_latent_functions(projections: list[nn.Module], names, zs, previous: Latents | None) -> tuple[list[torch.Tensor], Latents]:
+    """Each projection's function between its factors on its latent; LaX crosses in ``previous``.
+    Returns ``(latents fed to the B's, {name: crossed latent})``. No communication."""
+    fed, crossed = [], {}
+    for name, projection, z in zip(names, projections, zs):
+        if hasattr(projection, "crossed_latent"):
+            latent, crossed[name] = projection.crossed_latent(z, (previous or {}).get(name))
+        else:
+            latent = projection.latent(z)
+        fed.append(latent)
+    return fed, crossed
+
+
+def low_rank_a_gemms(config, n: int, r_local: int, local: dict[str, int], grouped: bool) -> list[Gemm]:
+    """The A GEMMs of a low-rank layer: ``local`` widths of d, dq and f on this rank."""
+    if grouped:
+        return [
+            Gemm("qkv_proj.A", n, local["d"], 3 * r_local, "A"),
+            Gemm("o_proj.A", n, local["dq"], r_local, "A"),
+            Gemm("gate_up_proj.A", n, local["d"], 2 * r_local, "A"),
+            Gemm("down_proj.A", n, local["f"], r_local, "A"),
+        ]
+    inputs = {"q_proj": "d", "k_proj": "d", "v_proj": "d", "o_proj": "dq", "gate_proj": "d", "up_proj": "d", "down_proj": "f"}
+    return [Gemm(f"{name}.A", n, local[width], r_local, "A") for name, width in inputs.items()]
+
+
+__all__ = ["Layout", "ProjectionGroup", "Gemm", "ResidualWidths", "GROUPS", "READS_NORM", "split_latents", "apply_latent_functions", "low_rank_a_gemms"]

@@ -1,0 +1,177 @@
+"""Bottleneck-aware tensor parallelism (BTP), BOOST's layout.
+
+``A`` is row-parallel (``[r, d_in/p]``), ``B`` column-parallel (``[d_out/p, r]``); the residual stream is
+sharded along ``d`` (each rank holds ``[..., d/p]``), the r-dim latents are replicated, attention runs
+on ``heads/p`` heads, the embedding table is split along ``d`` (no collective) and the block norms'
+``gamma`` along ``d`` (online or sync statistics, :mod:`boost_hf.parallel.norms`).
+
+Per layer: all-reduce of each A's partial ``N x r`` output, ``7 N r`` in 4 calls (grouped) or 7
+(ungrouped), mirrored in backward at the input gradients of the B's. RMSNorm statistics: ``online``
+adds ``2N`` elements to the forward calls; ``sync`` adds 2 calls and ``2N`` elements forward and
+backward; ``local`` nothing. Low-rank checkpointing recomputes no collective with the online norm.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..communication import Communication, PassCommunication, all_gather, all_reduce
+from ..decoder_layer import ParallelAttention, ParallelDecoderLayer, ParallelMLP
+from ..modules import adopt, shard_parameter, shard_repr
+from ..norms import RMSNORM_MODES, online_rms_norm_inverse
+from ..primitives import copy_to_tp, reduce_from_tp
+from .base import GROUPS, READS_NORM, Gemm, Layout, ProjectionGroup, ResidualWidths, apply_latent_functions, low_rank_a_gemms, split_latents
+
+
+class BottleneckAwareProjection:
+    """Bottleneck projection with ``A: [r, d_in/p]`` (applied by its group) and ``B: [d_out/p, r]``.
+    Module call: the replicated latent ``[B, S, r]`` -> this rank's output ``[B, S, d_out/p]``."""
+
+    def forward(self, latent: torch.Tensor) -> torch.Tensor:
+        return F.linear(latent, self.B)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, A {shard_repr(self.A)}, B {shard_repr(self.B)}"
+
+
+class HiddenShardedEmbedding:
+    """``nn.Embedding`` whose table ``[V, d/p]`` is split along ``d``: each rank looks up its own slice
+    of the residual stream; no communication."""
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, {shard_repr(self.weight)}"
+
+
+class BottleneckAwareGroup(ProjectionGroup):
+    """``down``: this rank's partial A output ``[..., k r]`` from its ``[..., d_in/p]`` input (one GEMM on
+    the concatenated A's when grouped), plus one column of norm statistics with the online norm;
+    ``reduce``: all-reduce it; ``project``: scale by the global ``1/rms`` (online), latent functions,
+    copy into the TP region (one collective in backward when grouped) and each B."""
+
+    def __init__(self, owner, names, *, group, grouped, statistics: bool, hidden_size: int, eps: float):
+        super().__init__(owner, names, group=group, grouped=grouped)
+        self.statistics, self.hidden_size, self.eps = statistics, hidden_size, eps
+
+    def down(self, x):
+        h, sum_of_squares = x if self.statistics else (x, None)
+        factors = [p.A for p in self.projections]
+        if self.grouped and len(factors) > 1:
+            partials = [F.linear(h, torch.cat(factors))]
+        else:
+            partials = [F.linear(h, a) for a in factors]
+        if self.statistics:
+            partials[0] = torch.cat([partials[0], sum_of_squares.to(partials[0].dtype)], dim=-1)
+        return tuple(partials)
+
+    def reduce(self, partials):
+        return tuple(reduce_from_tp(partial, self.group) for partial in partials)
+
+    def project(self, z, previous=None):
+        z = list(z)
+        if self.statistics:
+            inverse_rms = online_rms_norm_inverse(z[0][..., -1:], self.hidden_size, self.eps)
+            z[0] = z[0][..., :-1]
+            z = [(zi.to(torch.float32) * inverse_rms).to(zi.dtype) for zi in z]
+        projections = self.projections
+        k = len(projections)
+        crosses = any(hasattr(p, "crossed_latent") for p in projections)
+        if len(z) == 1 and not crosses:
+            # every projection has the same element-wise latent function: apply it once, copy once
+            fed = split_latents(copy_to_tp(projections[0].latent(z[0]), self.group), k)
+            return [projection(latent) for projection, latent in zip(projections, fed)], {}
+        zs = split_latents(z[0], k) if len(z) == 1 else z
+        latents, crossed = apply_latent_functions(projections, self.names, zs, previous)
+        if self.grouped and k > 1:
+            fed = split_latents(copy_to_tp(torch.cat(latents, dim=-1), self.group), k)
+        else:
+            fed = [copy_to_tp(latent, self.group) for latent in latents]
+        return [projection(latent) for projection, latent in zip(projections, fed)], crossed
+
+
+class BottleneckAwareLayout(Layout):
+    name = "btp"
+    residual_sharded = True
+    split_dimensions = ("hidden_size", "intermediate_size")
+
+    def check(self, config) -> None:
+        p = self.parallel.tp_size
+        if config.bottleneck is None and p > 1:
+            raise ValueError(
+                "tp_style='btp' needs a low-rank model (bottleneck svd/cola/lax); "
+                "the full-rank model (bottleneck=None) uses tp_style='megatron'."
+            )
+        if config.tie_word_embeddings and p > 1:
+            raise ValueError(
+                "tie_word_embeddings=True cannot be combined with tp_style='btp' at tp_size > 1 (the embedding is "
+                "split along d, the LM head along the vocabulary): set tie_word_embeddings=False."
+            )
+        super().check(config)
+
+    def embedding_split(self) -> int | None:
+        return 1
+
+    def parallelize_layer(self, layer, plan) -> None:
+        config = layer.self_attn.config
+        # at tp_size=1 the residual is whole: the block norms stay the single-device norm
+        rmsnorm = self.parallel.rmsnorm if plan.tp_size > 1 else None
+        for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+            shard_parameter(norm, "weight", 0, plan)
+            if rmsnorm is not None:
+                adopt(norm, RMSNORM_MODES[rmsnorm], group=plan.group, hidden_size=config.hidden_size)
+        for owner, mixin, groups in ((layer.self_attn, ParallelAttention, ("qkv", "o")), (layer.mlp, ParallelMLP, ("gate_up", "down"))):
+            for group_name in groups:
+                for name in GROUPS[group_name]:
+                    projection = getattr(owner, name)
+                    shard_parameter(projection, "A", 1, plan)
+                    shard_parameter(projection, "B", 0, plan)
+                    adopt(projection, BottleneckAwareProjection)
+                group = BottleneckAwareGroup(
+                    owner, GROUPS[group_name], group=plan.group, grouped=self.parallel.group_linears,
+                    statistics=group_name in READS_NORM and rmsnorm == "online",
+                    hidden_size=config.hidden_size, eps=config.rms_norm_eps,
+                )
+                setattr(owner, group_name, group)
+            adopt(owner, mixin)
+        adopt(layer, ParallelDecoderLayer, checkpointing=self.parallel.activation_checkpointing)
+
+    def layer_communication(self, config, tokens):
+        n, r = tokens, config.rank
+        # each A is row-parallel and all-reduces its partial N x r output (A_qkv: 3r, A_o: r,
+        # A_gate_up: 2r, A_down: r); backward mirrors it at the input gradient of each B
+        calls = 4 if self.parallel.group_linears else 7
+        forward, backward = all_reduce(calls, 7 * n * r), all_reduce(calls, 7 * n * r)
+        if self.parallel.rmsnorm == "online":
+            # the N partial sums of squares of each of the 2 norms ride in the next A's all-reduce
+            forward = forward + all_reduce(0, 2 * n)
+        elif self.parallel.rmsnorm == "sync":
+            # one separate all-reduce of N statistics per norm, whose backward is an all-reduce too
+            forward, backward = forward + all_reduce(2, 2 * n), backward + all_reduce(2, 2 * n)
+        return PassCommunication(forward, backward)
+
+    def recompute_communication(self, config, tokens) -> Communication:
+        if self.parallel.activation_checkpointing == "lowrank" and self.parallel.rmsnorm == "sync":
+            return all_reduce(2, 2 * tokens)  # the statistics all-reduces sit inside the norms' steps
+        return super().recompute_communication(config, tokens)
+
+    def outside_layers_communication(self, config, tokens):
+        n, d = tokens, config.hidden_size
+        # the embedding is sharded along d (no collective); the d-sharded residual is all-gathered to full
+        # d before the final norm; the vocab-parallel LM head all-reduces its input gradient
+        return PassCommunication(all_gather(1, n * d), all_reduce(1, n * d))
+
+    def saved_latent_elements(self, config, tokens):
+        return 7 * tokens * config.rank + (2 * tokens if self.parallel.rmsnorm == "online" else 0)
+
+    def local_gemms(self, config, tokens):
+        p, n, r = self.parallel.tp_size, tokens, config.rank
+        local = {"d": config.hidden_size // p, "dq": config.q_dim // p, "f": config.intermediate_size // p}
+        a_gemms = low_rank_a_gemms(config, n, r, local, self.parallel.group_linears)
+        return a_gemms + [Gemm(f"{name}.B", n, r, d_out // p, "B") for name, (_, d_out) in config.projection_shapes().items()]
+
+    def widths(self, config):
+        p = self.parallel.tp_size
+        return ResidualWidths(config.hidden_size // p, config.q_dim // p, config.kv_dim // p, config.intermediate_size // p, config.rank)
+
+
+__all__ = ["BottleneckAwareLayout", "BottleneckAwareProjection", "BottleneckAwareGroup", "HiddenShardedEmbedding"]

@@ -1,0 +1,126 @@
+"""Megatron tensor parallelism of the full-rank model (the baseline).
+
+q, k, v, gate, up are column-parallel (``W: [d_out/p, d_in]``), o and down row-parallel
+(``W: [d_out, d_in/p]``); the residual stream is replicated and full width; attention runs on
+``heads/p`` heads; the embedding and LM head are split along the vocabulary.
+
+Per layer: forward all-reduce after o_proj and down_proj (2 calls, ``N (d + d)``); backward all-reduce
+of the input gradient shared by q/k/v and by gate/up (2 calls, ``2 N d``; the input is copied into
+the tensor-parallel region once per group). ``group_linears`` changes nothing here: each projection is
+its own module and GEMM.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..communication import PassCommunication, all_reduce
+from ..decoder_layer import ParallelAttention, ParallelDecoderLayer, ParallelMLP
+from ..modules import adopt, shard_parameter, shard_repr
+from ..primitives import copy_to_tp, reduce_from_tp
+from .base import GROUPS, Gemm, Layout, ProjectionGroup, ResidualWidths
+
+COLUMN_GROUPS = ("qkv", "gate_up")
+
+
+class ColumnParallel:
+    """``nn.Linear`` split along its output: ``[B, S, d_in]`` (already in the TP region) ->
+    ``[B, S, d_out/p]``. No communication (the group copies the shared input once)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, {shard_repr(self.weight)}"
+
+
+class RowParallel:
+    """``nn.Linear`` split along its input: ``[B, S, d_in/p]`` -> all-reduce -> ``[B, S, d_out]``."""
+
+    group = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return reduce_from_tp(F.linear(x, self.weight), self.group)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, {shard_repr(self.weight)}"
+
+
+class DenseGroup(ProjectionGroup):
+    """Column groups copy their shared input into the TP region once; row groups pass it on."""
+
+    def __init__(self, owner, names, *, group, grouped, column: bool):
+        super().__init__(owner, names, group=group, grouped=grouped)
+        self.column = column
+
+    def down(self, x):
+        return (copy_to_tp(x, self.group),) if self.column else (x,)
+
+    def project(self, z, previous=None):
+        (h,) = z
+        return [projection(h) for projection in self.projections], {}
+
+
+class MegatronLayout(Layout):
+    name = "megatron"
+    split_dimensions = ("hidden_size", "intermediate_size")
+
+    def check(self, config) -> None:
+        if config.bottleneck is not None:
+            raise ValueError(
+                f"tp_style='megatron' is the full-rank layout; for bottleneck={config.bottleneck!r} "
+                "use tp_style='btp' (or 'vanilla' for the naive baseline)."
+            )
+        if self.parallel.activation_checkpointing == "lowrank":
+            raise ValueError(
+                "activation_checkpointing='lowrank' cuts at r-dim latents and needs a low-rank model; "
+                "use 'full' for the full-rank model."
+            )
+        super().check(config)
+
+    def parallelize_layer(self, layer, plan) -> None:
+        for owner, mixin in ((layer.self_attn, ParallelAttention), (layer.mlp, ParallelMLP)):
+            for group_name in ("qkv", "o") if mixin is ParallelAttention else ("gate_up", "down"):
+                column = group_name in COLUMN_GROUPS
+                for name in GROUPS[group_name]:
+                    projection = getattr(owner, name)
+                    shard_parameter(projection, "weight", 0 if column else 1, plan)
+                    adopt(projection, ColumnParallel if column else RowParallel, group=plan.group)
+                setattr(owner, group_name, DenseGroup(owner, GROUPS[group_name], group=plan.group, grouped=self.parallel.group_linears, column=column))
+            adopt(owner, mixin)
+        adopt(layer, ParallelDecoderLayer, checkpointing=self.parallel.activation_checkpointing)
+
+    def layer_communication(self, config, tokens):
+        n, d = tokens, config.hidden_size
+        # Row-parallel o_proj and down_proj reduce their outputs; the column-parallel inputs of q/k/v
+        # and gate/up reduce their input gradients.
+        return PassCommunication(all_reduce(2, n * (d + d)), all_reduce(2, 2 * n * d))
+
+    def outside_layers_communication(self, config, tokens):
+        n, d = tokens, config.hidden_size
+        # Vocab-parallel embedding (forward all-reduce); vocab-parallel LM head (backward all-reduce).
+        return PassCommunication(all_reduce(1, n * d), all_reduce(1, n * d))
+
+    def saved_latent_elements(self, config, tokens):
+        raise ValueError("megatron has no low-rank checkpointing: it saves no latents")
+
+    def local_gemms(self, config, tokens):
+        p, n = self.parallel.tp_size, tokens
+        d, dq, dkv, f = config.hidden_size, config.q_dim, config.kv_dim, config.intermediate_size
+        return [
+            Gemm("q_proj", n, d, dq // p, "dense"),
+            Gemm("k_proj", n, d, dkv // p, "dense"),
+            Gemm("v_proj", n, d, dkv // p, "dense"),
+            Gemm("o_proj", n, dq // p, d, "dense"),
+            Gemm("gate_proj", n, d, f // p, "dense"),
+            Gemm("up_proj", n, d, f // p, "dense"),
+            Gemm("down_proj", n, f // p, d, "dense"),
+        ]
+
+    def widths(self, config):
+        p = self.parallel.tp_size
+        return ResidualWidths(config.hidden_size, config.q_dim // p, config.kv_dim // p, config.intermediate_size // p, 0)
+
+
+__all__ = ["MegatronLayout", "ColumnParallel", "RowParallel", "DenseGroup"]

@@ -1,0 +1,94 @@
+"""Turning single-device modules into sharded ones, in place.
+
+A module is *adopted* by a parallel subclass of its own class (the way FSDP2's ``fully_shard`` does):
+the object, its parameter names, its hooks and its place in the model stay; its class gains the
+parallel ``forward`` and its parameters become this rank's shards, each carrying a
+:class:`~boost_hf.parallel.sharding.ShardSpec`. Layout-specific modules live with their layout
+(:mod:`boost_hf.parallel.layouts`); the ones shared by several layouts are here.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .primitives import copy_to_tp, gather_from_tp, reduce_from_tp
+from .sharding import ShardSpec, attach_shard_spec, shard_spec_of
+
+
+@functools.cache
+def parallel_class(mixin: type, cls: type) -> type:
+    """``class <Mixin><Cls>(mixin, cls)``, made once per pair."""
+    if issubclass(cls, mixin):
+        return cls
+    return type(f"{mixin.__name__}{cls.__name__}", (mixin, cls), {"__module__": mixin.__module__})
+
+
+def adopt(module: nn.Module, mixin: type, **attributes) -> nn.Module:
+    """Make ``module`` an instance of ``parallel_class(mixin, type(module))`` and set ``attributes``."""
+    module.__class__ = parallel_class(mixin, type(module))
+    for name, value in attributes.items():
+        setattr(module, name, value)
+    return module
+
+
+def shard_parameter(module: nn.Module, name: str, dim: int | None, plan) -> nn.Parameter:
+    """Replace ``module.<name>`` by this rank's contiguous slice along ``dim`` (``None``: replicated).
+
+    A meta parameter becomes an uninitialised local tensor; a materialised one is sliced. The new
+    parameter carries its :class:`ShardSpec` (and Megatron's attribute names, read by DeepSpeed)."""
+    old = getattr(module, name)
+    spec = ShardSpec(tuple(old.shape), dim if plan.tp_size > 1 else None, plan.tp_rank, plan.tp_size)
+    if old.is_meta:
+        local = torch.empty(spec.local_shape, dtype=old.dtype)
+    else:
+        local = spec.local_slice(old.detach()).clone()
+    param = nn.Parameter(local, requires_grad=old.requires_grad)
+    attach_shard_spec(param, spec)
+    setattr(module, name, param)
+    return param
+
+
+def shard_repr(param: torch.Tensor) -> str:
+    spec = shard_spec_of(param)
+    return f"local={tuple(param.shape)}, split_dim={spec.partition_dim}, tp={spec.tp_rank}/{spec.tp_size}"
+
+
+class VocabParallelEmbedding:
+    """``nn.Embedding`` split along the vocabulary (local ``[V/p, d]``): masked local lookup, then an
+    all-reduce of ``[B, S, d]`` (forward only)."""
+
+    group = None
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        spec = shard_spec_of(self.weight)
+        local_ids = input_ids - spec.tp_rank * self.weight.shape[0]
+        outside = (local_ids < 0) | (local_ids >= self.weight.shape[0])
+        embeds = F.embedding(local_ids.masked_fill(outside, 0), self.weight)
+        return reduce_from_tp(embeds.masked_fill(outside.unsqueeze(-1), 0.0), self.group)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, {shard_repr(self.weight)}"
+
+
+class VocabParallelHead:
+    """LM head ``nn.Linear(d, V)`` split along the vocabulary: replicated ``[B, S, d]`` in, this rank's
+    logits ``[B, S, V/p]`` out; all-reduce of the input gradient in backward. :meth:`gather_logits`
+    all-gathers the full ``[B, S, V]``."""
+
+    group = None
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return F.linear(copy_to_tp(hidden_states, self.group), self.weight)
+
+    def gather_logits(self, local_logits: torch.Tensor) -> torch.Tensor:
+        return gather_from_tp(local_logits, -1, self.group)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, {shard_repr(self.weight)}"
+
+
+__all__ = ["adopt", "parallel_class", "shard_parameter", "shard_repr", "VocabParallelEmbedding", "VocabParallelHead"]

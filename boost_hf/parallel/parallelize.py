@@ -1,0 +1,211 @@
+"""Tensor parallelism applied from outside: :func:`parallelize` turns a single-device
+:class:`~boost_hf.modeling_boost_llama.BoostLlamaForCausalLM` into this rank's shard.
+
+In a fixed order (torchtitan's lesson): check the layout against the config and the launched world,
+build the process groups, let the :class:`~boost_hf.parallel.layouts.Layout` adopt every decoder layer,
+shard the embedding, final norm and LM head, then fill the shards: a single-device model built on the
+meta device is initialised by name (each rank draws the full tensor from the same seeded generator and
+keeps its slice), a materialised one is sliced. Parameter names never change, so canonical
+checkpoints load at any TP size and hooks registered on the single-device modules keep firing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from transformers.initialization import no_init_weights
+
+from .config import ParallelConfig
+from .cross_entropy import vocab_parallel_causal_lm_loss
+from .layouts import LAYOUTS, Layout
+from .modules import VocabParallelEmbedding, VocabParallelHead, adopt, parallel_class, shard_parameter
+from .norms import GatheredRMSNorm
+from .primitives import split_to_tp
+from .sharding import shard_spec_of
+from .state import ParallelState, check_world, get_parallel_state
+from .layouts.btp import HiddenShardedEmbedding
+
+
+@dataclass(frozen=True)
+class TensorParallelPlan:
+    """How a parallelized model is laid out: its :class:`ParallelConfig`, :class:`Layout` and groups."""
+
+    parallel: ParallelConfig
+    layout: Layout
+    state: ParallelState
+
+    @property
+    def tp_size(self) -> int:
+        return self.state.tp_size
+
+    @property
+    def tp_rank(self) -> int:
+        return self.state.tp_rank
+
+    @property
+    def group(self) -> dist.ProcessGroup | None:
+        return self.state.tp_group
+
+    @property
+    def residual_sharded(self) -> bool:
+        return self.layout.residual_sharded and self.tp_size > 1
+
+
+def layout_for(config, parallel: ParallelConfig) -> Layout:
+    """The :class:`Layout` running ``config`` under ``parallel`` (the full-rank model always runs
+    Megatron's); raises ``ValueError`` naming the field to change when they do not fit."""
+    style = parallel.tp_style
+    if config.bottleneck is None and parallel.tp_size == 1:
+        style = "megatron"
+    layout = LAYOUTS[style](parallel)
+    layout.check(config)
+    return layout
+
+
+def single_device_skeleton():
+    """Build modules on the meta device without initialising them (nothing allocated)."""
+    stack = contextlib.ExitStack()
+    stack.enter_context(torch.device("meta"))
+    stack.enter_context(no_init_weights())
+    return stack
+
+
+def parallelize(model: nn.Module, parallel: ParallelConfig, *, initialize: bool = True) -> nn.Module:
+    """Shard ``model`` (a ``BoostLlamaForCausalLM``) in place for this rank of ``parallel``'s layout.
+
+    Raises ``ValueError`` on every rank, before any collective, when the layout cannot hold the model or
+    ``tp_size`` does not fit the launched world. ``initialize``: draw the weights of a meta-device
+    model (otherwise leave them for a checkpoint loader); a materialised model is always sliced.
+    """
+    config = model.config
+    check_world(parallel.tp_size)
+    layout = layout_for(config, parallel)
+    plan = TensorParallelPlan(parallel, layout, get_parallel_state(parallel.tp_size))
+    seed = _shared_seed()
+    base = model.model
+    embedding_dim = layout.embedding_split() if plan.tp_size > 1 else None
+    shard_parameter(base.embed_tokens, "weight", embedding_dim, plan)
+    if plan.tp_size > 1:
+        adopt(base.embed_tokens, VocabParallelEmbedding if embedding_dim == 0 else HiddenShardedEmbedding, group=plan.group)
+    if not (plan.tp_size == 1 and parallel.activation_checkpointing == "none"):
+        for layer in base.layers:
+            layout.parallelize_layer(layer, plan)
+    if plan.residual_sharded:
+        adopt(base.norm, GatheredRMSNorm, group=plan.group)
+    tied = config.tie_word_embeddings
+    if tied:
+        model.lm_head.weight = base.embed_tokens.weight
+    else:
+        shard_parameter(model.lm_head, "weight", 0, plan)
+    adopt(model.lm_head, VocabParallelHead, group=plan.group)
+    for module in model.modules():
+        for name, param in list(module.named_parameters(recurse=False)):
+            if not hasattr(param, "shard_spec"):
+                shard_parameter(module, name, None, plan)  # replicated: materialise and mark
+        if any(buffer.is_meta for buffer in module.buffers(recurse=False)):
+            module.to_empty(device="cpu", recurse=False)
+            model._init_weights(module)  # rotary tables
+    for module, mixin in ((base, TensorParallelBaseModel), (model, TensorParallelCausalLM)):
+        _keep_class_identity(mixin, type(module))
+        adopt(module, mixin, plan=plan)
+    model.loss_function = functools.partial(vocab_parallel_causal_lm_loss, group=plan.group)
+    if initialize:
+        initialize_shards(model, seed)
+    return model
+
+
+def _shared_seed() -> int:
+    """``torch.initial_seed()`` of global rank 0 (every rank draws the same initial weights)."""
+    seed = [torch.initial_seed()]
+    if dist.is_available() and dist.is_initialized():
+        dist.broadcast_object_list(seed, src=0)
+    return seed[0]
+
+
+@torch.no_grad()
+def initialize_shards(model: nn.Module, seed: int) -> None:
+    """Fill every shard with its slice of the single-device initial value (drawn at full shape from
+    ``(seed, canonical name)``, one tensor at a time)."""
+    from ..modeling_boost_llama import name_seed
+
+    for module in model.modules():
+        for name, param in module.named_parameters(recurse=False):
+            spec = shard_spec_of(param)
+            generator = torch.Generator().manual_seed(name_seed(seed, model.parameter_name(module, name)))
+            full = model.initial_value(module, name, spec.full_shape, generator)
+            if full is None:
+                continue
+            if isinstance(module, nn.Embedding) and module.padding_idx is not None:
+                full[module.padding_idx] = 0.0
+            param.copy_(spec.local_slice(full))
+
+
+class TensorParallelBaseModel:
+    """The base model under a layout: under BTP, ``inputs_embeds: [B, S, d]`` are split to this rank's
+    ``[B, S, d/p]`` (backward: all-gather of their gradient)."""
+
+    plan: TensorParallelPlan
+
+    def forward(self, *args, **kwargs):
+        if self.plan.residual_sharded and kwargs.get("inputs_embeds") is not None:
+            kwargs["inputs_embeds"] = split_to_tp(kwargs["inputs_embeds"], -1, self.plan.group)
+        return super().forward(*args, **kwargs)
+
+
+class TensorParallelCausalLM:
+    """The causal LM under a layout (its class and module names stay the single-device model's, so a
+    saved checkpoint's ``architectures`` and remote code name that class).
+
+    * ``loss``: vocab-parallel cross-entropy on this rank's logits (the ``[N, V]`` logits are never
+      gathered for it); the same value on every rank.
+    * ``logits``: the full ``[B, S, V]`` (one all-gather) when no labels are given (``generate`` works),
+      at ``tp_size=1`` or when ``return_logits=True``; otherwise ``None``.
+    * ``save_pretrained``: call on every rank; the canonical unsharded checkpoint is gathered over the TP
+      group and global rank 0 writes it.
+    """
+
+    plan: TensorParallelPlan
+
+    @property
+    def parallel_config(self) -> ParallelConfig:
+        return self.plan.parallel
+
+    def forward(self, *args, return_logits: bool | None = None, **kwargs):
+        labels = inspect.signature(super().forward).bind_partial(*args, **kwargs).arguments.get("labels")
+        return_dict = kwargs.pop("return_dict", None)
+        outputs = super().forward(*args, return_dict=True, **kwargs)
+        if return_logits is None:
+            return_logits = labels is None or self.plan.tp_size == 1
+        fields = {name: value for name, value in outputs.items() if name != "logits"}
+        outputs = type(outputs)(**fields, logits=self.lm_head.gather_logits(outputs.logits) if return_logits else None)
+        if return_dict is False or (return_dict is None and not self.config.return_dict):
+            return outputs.to_tuple()
+        return outputs
+
+    def save_pretrained(self, save_directory, *args, is_main_process: bool | None = None, state_dict=None, **kwargs):
+        from .weights_io import canonical_state_dict
+
+        if state_dict is None:
+            state_dict = canonical_state_dict(self, self.plan.group)
+        if is_main_process is None:
+            is_main_process = not dist.is_initialized() or dist.get_rank() == 0
+        if is_main_process:
+            super().save_pretrained(save_directory, *args, is_main_process=True, state_dict=state_dict, **kwargs)
+        if dist.is_initialized():
+            dist.barrier()
+
+
+def _keep_class_identity(mixin: type, cls: type) -> type:
+    """The adopted class keeps ``cls``'s name and module (checkpoints record and ship ``cls``)."""
+    adopted = parallel_class(mixin, cls)
+    adopted.__name__, adopted.__qualname__, adopted.__module__ = cls.__name__, cls.__qualname__, cls.__module__
+    return adopted
+
+
+__all__ = ["parallelize", "layout_for", "single_device_skeleton", "initialize_shards", "TensorParallelPlan"]

@@ -1,0 +1,79 @@
+"""How much each tensor-parallel layout communicates: the single entry point for the analysis.
+
+The runtime communication counters, the benchmarks, the performance estimator
+(:mod:`boost_hf.perf.estimator`) and the tests all call these functions; each asks the
+:class:`~boost_hf.parallel.layouts.Layout` of the configuration, which states its own pattern.
+
+Notation: ``d`` hidden size, ``dq`` query width (heads x head_dim), ``dkv`` key/value width, ``f``
+intermediate size, ``r`` bottleneck rank, ``N`` tokens in the micro-batch (batch x sequence), ``p``
+tensor-parallel size, ``V`` vocabulary size, ``L`` decoder layers. Counts are per tensor-parallel rank
+and per micro-batch (see :mod:`boost_hf.parallel.communication` for what an element counts). With
+``p == 1`` nothing is communicated at all.
+"""
+
+from __future__ import annotations
+
+from ..parallel.communication import (
+    COLLECTIVE_KINDS,
+    Collective,
+    CollectiveKind,
+    Communication,
+    PassCommunication,
+    all_gather,
+    all_reduce,
+    ring_traffic_bytes,
+)
+from ..parallel.config import ParallelConfig
+from ..parallel.parallelize import layout_for
+
+
+def layer_communication(config, parallel: ParallelConfig, tokens: int) -> PassCommunication:
+    """Collectives of one decoder layer for a micro-batch of ``tokens`` tokens on one TP rank,
+    including what activation checkpointing re-issues in backward (``"full"``: the whole forward;
+    ``"lowrank"``: nothing under btp with the online norm, the sync norm's statistics all-reduces, the
+    B all-reduces under vanilla)."""
+    layout = layout_for(config, parallel)
+    if parallel.tp_size == 1:
+        return PassCommunication()
+    layer = layout.layer_communication(config, tokens)
+    return PassCommunication(layer.forward, layer.backward + layout.recompute_communication(config, tokens))
+
+
+def outside_layers_communication(
+    config, parallel: ParallelConfig, tokens: int, *, with_loss: bool = True, with_logits: bool = False
+) -> PassCommunication:
+    """Collectives outside the decoder layers, once per micro-batch: the layout's embedding, final norm
+    and LM head; the vocab-parallel cross-entropy (``with_loss``: all-reduces of the max, ``N``, and of
+    [sum-exp, target logit], ``2N``); the full logits (``with_logits``: all-gather of ``N V``)."""
+    layout = layout_for(config, parallel)
+    if parallel.tp_size == 1:
+        return PassCommunication()
+    outside = layout.outside_layers_communication(config, tokens)
+    forward = outside.forward
+    if with_loss:
+        forward = forward + all_reduce(2, 3 * tokens)
+    if with_logits:
+        forward = forward + all_gather(1, tokens * config.vocab_size)
+    return PassCommunication(forward, outside.backward)
+
+
+def model_communication(
+    config, parallel: ParallelConfig, tokens: int, *, with_loss: bool = True, with_logits: bool = False
+) -> PassCommunication:
+    """Collectives of a whole model (``L`` decoder layers plus embedding, final norm, LM head and loss)
+    for one micro-batch of ``tokens`` tokens on one TP rank."""
+    layers = layer_communication(config, parallel, tokens).scaled(config.num_hidden_layers)
+    return layers + outside_layers_communication(config, parallel, tokens, with_loss=with_loss, with_logits=with_logits)
+
+
+__all__ = [
+    "COLLECTIVE_KINDS",
+    "CollectiveKind",
+    "Collective",
+    "Communication",
+    "PassCommunication",
+    "layer_communication",
+    "model_communication",
+    "outside_layers_communication",
+    "ring_traffic_bytes",
+]

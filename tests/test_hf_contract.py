@@ -1,0 +1,175 @@
+"""The Hugging Face contract on one device: what a ``LlamaForCausalLM`` user relies on works the same on
+every bottleneck (hidden states and attentions, hooks, gradient checkpointing through the HF API,
+``from_pretrained`` arguments, ``resize_token_embeddings``, beam search with dict outputs, static
+cache, remote code). transformers' own common model tests are run against these classes separately
+(see ``tests/hf_common_tests.md``)."""
+
+from __future__ import annotations
+
+import ast
+import warnings
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, GenerationConfig
+
+from boost_hf import BoostLlamaConfig, BoostLlamaForCausalLM, ParallelConfig
+
+BOTTLENECKS = [None, "svd", "cola", "lax"]
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def tiny(bottleneck, **overrides) -> BoostLlamaConfig:
+    fields = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=64, rank=8, bottleneck=bottleneck, pad_token_id=0)
+    return BoostLlamaConfig(**{**fields, **overrides})
+
+
+def build(bottleneck, **overrides) -> BoostLlamaForCausalLM:
+    torch.manual_seed(0)
+    return BoostLlamaForCausalLM(tiny(bottleneck, **overrides)).eval()
+
+
+def ids(batch: int = 2, length: int = 6) -> torch.Tensor:
+    return torch.randint(1, 96, (batch, length), generator=torch.Generator().manual_seed(1))
+
+
+@pytest.fixture(params=BOTTLENECKS, ids=lambda b: str(b))
+def bottleneck(request):
+    return request.param
+
+
+def test_hidden_states_and_attentions(bottleneck):
+    model = build(bottleneck, attn_implementation="eager")
+    out = model(ids(), output_hidden_states=True, output_attentions=True)
+    assert len(out.hidden_states) == 3 and all(h.shape == (2, 6, 32) for h in out.hidden_states)
+    assert len(out.attentions) == 2 and all(a.shape == (2, 4, 6, 6) for a in out.attentions)
+    # the last hidden state is the final norm's output, as in LlamaModel
+    base = model.model(ids(), output_hidden_states=True)
+    torch.testing.assert_close(base.hidden_states[-1], base.last_hidden_state)
+
+
+def test_return_dict_false_and_shift_labels(bottleneck):
+    model = build(bottleneck)
+    x = ids()
+    as_tuple = model(x, labels=x, return_dict=False)
+    loss = model(x, labels=x).loss
+    torch.testing.assert_close(as_tuple[0], loss)
+    shifted = torch.nn.functional.pad(x, (0, 1), value=-100)[..., 1:].contiguous()
+    torch.testing.assert_close(model(x, shift_labels=shifted, labels=x).loss, loss)
+    kept = model(x, logits_to_keep=1).logits
+    assert kept.shape == (2, 1, 96)
+
+
+def _record_hooks(model):
+    calls: list[str] = []
+    for name, module in model.named_modules():
+        if name.endswith(PROJECTIONS + ("self_attn", "mlp")):
+            module.register_forward_hook(lambda m, i, o, name=name: calls.append(name))
+    return calls
+
+
+@pytest.mark.parametrize("parallel", [None, ParallelConfig(activation_checkpointing="lowrank")], ids=["plain", "tp1-lowrank"])
+def test_forward_hooks_fire_on_every_projection_attention_and_mlp(bottleneck, parallel):
+    if bottleneck is None and parallel is not None:
+        parallel = ParallelConfig(tp_style="megatron", activation_checkpointing="full")
+    torch.manual_seed(0)
+    model = BoostLlamaForCausalLM(tiny(bottleneck))
+    calls = _record_hooks(model)  # registered on the single-device modules, before any layout is applied
+    if parallel is not None:
+        parallel.parallelize(model)
+    model(ids())
+    expected = {f"model.layers.{i}.{owner}.{p}" for i in range(2) for owner, p in
+                [("self_attn", p) for p in PROJECTIONS[:4]] + [("mlp", p) for p in PROJECTIONS[4:]]}
+    expected |= {f"model.layers.{i}.{m}" for i in range(2) for m in ("self_attn", "mlp")}
+    assert set(calls) == expected
+
+
+def test_gradient_checkpointing_through_the_hf_api(bottleneck):
+    plain, checkpointed = build(bottleneck).train(), build(bottleneck).train()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        checkpointed.gradient_checkpointing_enable()
+    assert checkpointed.is_gradient_checkpointing
+    x = ids()
+    losses = []
+    for model in (plain, checkpointed):
+        loss = model(x, labels=x).loss
+        loss.backward()
+        losses.append(loss)
+    torch.testing.assert_close(losses[0], losses[1])
+    for (name, a), b in zip(plain.named_parameters(), checkpointed.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_from_pretrained_accepts_transformers_arguments(bottleneck, tmp_path):
+    build(bottleneck).save_pretrained(tmp_path)
+    model, info = BoostLlamaForCausalLM.from_pretrained(tmp_path, output_loading_info=True, device_map="cpu")
+    assert info["missing_keys"] == set() or not info["missing_keys"]
+    assert not info["unexpected_keys"]
+    auto = AutoModelForCausalLM.from_pretrained(tmp_path, adapter_kwargs={}, low_cpu_mem_usage=True, dtype=torch.float32)
+    assert torch.equal(auto(ids()).logits, model(ids()).logits)
+
+
+def test_from_pretrained_under_tensor_parallelism_names_arguments_it_cannot_apply(tmp_path):
+    build("cola").save_pretrained(tmp_path)
+    lowrank = ParallelConfig(activation_checkpointing="lowrank")
+    with pytest.raises(ValueError, match=r"\['quantization_config'\] cannot apply under tensor parallelism"):
+        BoostLlamaForCausalLM.from_pretrained(tmp_path, parallel_config=lowrank, quantization_config={"x": 1})
+    with pytest.raises(ValueError, match=r"\['device_map'\]"):
+        BoostLlamaForCausalLM.from_pretrained(tmp_path, parallel_config=lowrank, device_map="auto")
+    model, info = BoostLlamaForCausalLM.from_pretrained(tmp_path, parallel_config=lowrank, output_loading_info=True, device_map="cpu")
+    assert info["missing_keys"] == [] and hasattr(model, "plan")
+
+
+def test_resize_token_embeddings(bottleneck):
+    model = build(bottleneck)
+    before = model(ids()).logits
+    model.resize_token_embeddings(128)
+    assert model.config.vocab_size == 128
+    after = model(ids()).logits
+    assert after.shape[-1] == 128
+    torch.testing.assert_close(after[..., :96], before)
+
+
+def test_beam_search_with_dict_outputs(bottleneck):
+    model = build(bottleneck)
+    config = GenerationConfig(max_new_tokens=4, num_beams=2, do_sample=False, return_dict_in_generate=True,
+                              output_scores=True, output_hidden_states=True, pad_token_id=0)
+    out = model.generate(ids(), generation_config=config)
+    assert out.sequences.shape == (2, 10)
+    assert len(out.scores) == 4 and out.hidden_states is not None
+
+
+def test_static_cache_generation_equals_dynamic(bottleneck):
+    model = build(bottleneck)
+    dynamic = model.generate(ids(), max_new_tokens=5, do_sample=False, pad_token_id=0)
+    static = model.generate(ids(), max_new_tokens=5, do_sample=False, cache_implementation="static", pad_token_id=0)
+    no_cache = model.generate(ids(), max_new_tokens=5, do_sample=False, use_cache=False, pad_token_id=0)
+    assert torch.equal(dynamic, static) and torch.equal(dynamic, no_cache)
+
+
+def test_lax_rejects_reentrant_checkpointing():
+    model = build("lax").train()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    with pytest.raises(ValueError, match="use_reentrant"):
+        model(ids(), labels=ids())
+
+
+def test_remote_code_files_import_nothing_from_boost_hf(tmp_path):
+    model = build("cola")
+    model.register_for_auto_class("AutoModelForCausalLM")
+    model.config.register_for_auto_class()
+    model.save_pretrained(tmp_path)
+    files = sorted(p.name for p in tmp_path.glob("*.py"))
+    assert files == ["configuration_boost_llama.py", "modeling_boost_llama.py"]
+    for path in tmp_path.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level:
+                assert node.module in ("configuration_boost_llama", "modeling_boost_llama"), (path.name, node.module)
+            elif isinstance(node, (ast.Import, ast.ImportFrom)):
+                names = [node.module] if isinstance(node, ast.ImportFrom) else [a.name for a in node.names]
+                assert all(n.split(".")[0] in ("__future__", "torch", "transformers", "hashlib", "contextlib", "collections", "typing") for n in names), names
+    assert model.config.auto_map["AutoModelForCausalLM"] == "modeling_boost_llama.BoostLlamaForCausalLM"
