@@ -6,6 +6,7 @@ from .configuration_boost_llama import BoostLlamaConfig
 from .modeling_boost_llama import BoostLlamaForCausalLM, BoostLlamaModel, BoostLlamaPreTrainedModel
 from .parallel.comm_counter import CommCounter
 from .parallel.config import ParallelConfig
+from .parallel.parallelize import parallelize
 
 AutoConfig.register(BoostLlamaConfig.model_type, BoostLlamaConfig, exist_ok=True)
 AutoModel.register(BoostLlamaConfig, BoostLlamaModel, exist_ok=True)
@@ -30,6 +31,7 @@ __all__ = [
     "BoostLlamaForCausalLM",
     "BoostLlamaPreTrainedModel",
     "ParallelConfig",
+    "parallelize",
     "CommCounter",
     "BoostTrainer",
     "BoostTrainingArguments",

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import inspect
 from dataclasses import dataclass
 
 import torch
@@ -176,10 +175,32 @@ class TensorParallelCausalLM:
     def parallel_config(self) -> ParallelConfig:
         return self.plan.parallel
 
-    def forward(self, *args, return_logits: bool | None = None, **kwargs):
-        labels = inspect.signature(super().forward).bind_partial(*args, **kwargs).arguments.get("labels")
-        return_dict = kwargs.pop("return_dict", None)
-        outputs = super().forward(*args, return_dict=True, **kwargs)
+    def forward(
+        self,
+        input_ids=None,
+        attention_mask=None,
+        position_ids=None,
+        past_key_values=None,
+        inputs_embeds=None,
+        labels=None,
+        use_cache=None,
+        logits_to_keep=0,
+        return_logits: bool | None = None,
+        return_dict: bool | None = None,
+        **kwargs,
+    ):
+        outputs = super().forward(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=past_key_values,
+            inputs_embeds=inputs_embeds,
+            labels=labels,
+            use_cache=use_cache,
+            logits_to_keep=logits_to_keep,
+            return_dict=True,
+            **kwargs,
+        )
         if return_logits is None:
             return_logits = labels is None or self.plan.tp_size == 1
         fields = {name: value for name, value in outputs.items() if name != "logits"}

@@ -48,6 +48,7 @@ from ..perf.flops import training_flops_per_token
 from .arguments import default_peak_tflops
 from .checkpoint import atomic_directory, full_parameters, optimizer_file_name
 from .data import EvalShard, shard_by_data_parallel_rank, streaming_loader
+from ..parallel.state import ParallelState
 from .deepspeed import ModelParallelUnit, configure_deepspeed, deepspeed_initialize_with_mpu, skip_shm_comm_if_requested
 from .grad_norm import clip_grad_norm_, global_grad_norm
 from .metrics import TrainingMetrics
@@ -62,7 +63,7 @@ class BoostTrainer(Trainer):
     """
 
     def __init__(self, model=None, args=None, **kwargs):
-        self.parallel_state = model.plan.state
+        self.parallel_state = model.plan.state if hasattr(model, "plan") else ParallelState()  # a plain model: one device
         tp_size = getattr(args, "tp_size", self.parallel_state.tp_size)
         if tp_size != self.parallel_state.tp_size:
             raise ValueError(

@@ -111,3 +111,14 @@ def test_bad_configurations_raise_clear_errors_on_every_rank(reports):
     for r in per_rank:
         for name, word in expected_words.items():
             assert r["bad"][name] is not None and word in r["bad"][name], (name, r["bad"][name])
+
+
+def test_hooks_on_single_device_modules_fire_after_parallelize(reports):
+    """Hooks registered before ``parallelize`` fire on every projection, attention and MLP; the sliced model
+    computes the single-device logits, from ``input_ids`` and from ``inputs_embeds``; hidden states are
+    returned for every layer."""
+    for r in (per_rank for per_rank in reports[1]):
+        for name, case in r["hugging_face"].items():
+            assert case["hooked"] and case["hook_calls"] == 2 * 9 * 3, (name, case)  # 2 layers x 9 modules x 3 forwards
+            assert case["logits_rel"] <= TOL and case["inputs_embeds_rel"] <= TOL, (name, case)
+            assert case["hidden_states"] == tp_cases.TINY["num_hidden_layers"] + 1, (name, case)

@@ -195,10 +195,51 @@ def bad_configurations() -> dict:
     return messages
 
 
+HOOKED = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "self_attn", "mlp")
+
+
+def hugging_face_contract() -> dict:
+    """A single-device model with forward hooks, then parallelized (the materialised model is sliced):
+    the hooks fire, the logits are the single-device model's, ``inputs_embeds`` equal ``input_ids`` and
+    every layer's hidden state is returned."""
+    world = dist.get_world_size()
+    ids, _ = batch()
+    out = {}
+    for style, bottleneck in (("megatron", None), ("vanilla", "cola"), ("btp", "cola"), ("btp", "lax")):
+        config = tiny_config(bottleneck=bottleneck)
+        torch.manual_seed(SEED)
+        model = BoostLlamaForCausalLM(config).eval()
+        with torch.no_grad():
+            reference = model(ids).logits
+        calls = []
+        for name, module in model.named_modules():
+            if name.endswith(HOOKED):
+                module.register_forward_hook(lambda m, i, o, name=name: calls.append(name))
+        ParallelConfig(tp_size=world, tp_style=style).parallelize(model)
+        with torch.no_grad():
+            logits = model(ids).logits
+            embeds = model.model.embed_tokens.weight  # [V, d] or a shard: look the ids up on one device instead
+            from_embeds = model(inputs_embeds=torch.nn.functional.embedding(ids, gather_full(embeds, shard_spec_of(embeds), model.plan.group))).logits
+            hidden = model(ids, output_hidden_states=True).hidden_states
+        out[f"{style}-{bottleneck}"] = {
+            "hooked": sorted(set(calls)) == sorted(n for n, _ in model.named_modules() if n.endswith(HOOKED)),
+            "hook_calls": len(calls),
+            "logits_rel": rel(logits, reference),
+            "inputs_embeds_rel": rel(from_embeds, reference),
+            "hidden_states": len(hidden),
+        }
+    return out
+
+
 def everything(world_size: int) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         shared = [tmp]
         dist.broadcast_object_list(shared, src=0)
         round_trip = checkpoint_round_trip(shared[0] + "/ckpt")
         dist.barrier()
-    return {"parity": parity_cases(all_cases(world_size)), "round_trip": round_trip, "bad": bad_configurations()}
+    return {
+        "parity": parity_cases(all_cases(world_size)),
+        "round_trip": round_trip,
+        "bad": bad_configurations(),
+        "hugging_face": hugging_face_contract(),
+    }
