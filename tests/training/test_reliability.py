@@ -220,3 +220,49 @@ def test_disk_full_keeps_the_previous_checkpoint_and_no_partial_folder(tmp_path,
     finally:
         if mounted:
             subprocess.run(["umount", str(disk)], check=True)
+
+
+def test_init_from_paths_and_architecture_are_checked(finished_run, tmp_path):
+    from boost_hf.training.recipe import build_model, parse_recipe
+
+    def model_from(path, *extra):
+        model_args, _, training_args = parse_recipe(["--init_from", str(path), "--output_dir", str(tmp_path / "o"), *extra])
+        tokenizer = type("Tokenizer", (), {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": None})()
+        return build_model(model_args, training_args, tokenizer)
+
+    with pytest.raises(FileNotFoundError, match="init_from: no such file or folder"):
+        model_from(tmp_path / "missing")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="has no config.json, so it is not a saved model"):
+        model_from(tmp_path / "empty")
+    with pytest.raises(CheckpointIntegrityError, match="only_lr_act: checkpoint True, config False"):
+        model_from(finished_run / "final", "--only_lr_act", "false")
+    assert model_from(finished_run / "final").config.only_lr_act is True
+
+
+# ---------------------------------------------------------------------------- Trainer internals still overridden
+TRANSFORMERS_PRIVATE_OVERRIDES = {
+    # name: SHA-256[:16] of ``inspect.getsource(transformers.Trainer.<name>)`` in transformers 5.23.0
+    "_clip_grad_norm": "ebfa9dc91d3088ab",
+    "_get_grad_norm": "913ba6f52f074d10",
+    "_load_from_checkpoint": "a2804e8d93a297e3",
+    "_load_optimizer_and_scheduler": "741032f57d6fb802",
+    "_prepare_for_training": "f55950593d7e10c0",
+    "_save_checkpoint": "a9111e30faa99339",
+    "_save_optimizer_and_scheduler": "c5ef974db69ab993",
+    "_track_num_input_tokens": "090592fb6618b957",
+    "_wrap_model": "317173a8bd8960fc",
+}
+
+
+def test_overridden_private_trainer_methods_have_not_changed():
+    """BoostTrainer overrides these private Trainer methods; if transformers changes one, review the override
+    (then record the new hash here)."""
+    import hashlib
+    import inspect
+
+    current = {
+        name: hashlib.sha256(inspect.getsource(getattr(Trainer, name)).encode()).hexdigest()[:16]
+        for name in sorted(n for n in vars(BoostTrainer) if n.startswith("_") and not n.startswith("__") and hasattr(Trainer, n))
+    }
+    assert current == TRANSFORMERS_PRIVATE_OVERRIDES
