@@ -17,11 +17,17 @@ Trainer hook                           boost-hf behaviour
                                        shards over DP only (:mod:`boost_hf.training.deepspeed`)
 ``_clip_grad_norm`` / ``_get_grad_norm``  (no DeepSpeed) the true global norm: TP shards summed over the TP
                                        group, replicated parameters once (DeepSpeed does the same via ``mpu``)
-``training_step`` / ``log``            tokens/s, MFU, communication per step (:mod:`boost_hf.training.metrics`)
-``save_model`` / ``_save_checkpoint``  canonical checkpoint from every rank's shard, atomic folders,
-``_save_optimizer_and_scheduler``      optimizer state per TP rank (:mod:`boost_hf.training.checkpoint`)
-``_load_from_checkpoint`` /            resume: this rank's slice of the canonical weights, its optimizer file
-``_load_optimizer_and_scheduler``
+``training_step`` / ``log``            tokens/s, MFU, communication per step (:mod:`boost_hf.training.metrics`),
+                                       skipped non-finite steps
+``compute_loss`` / ``_get_grad_norm``  non-finite loss or grad norm: stop or skip the step
+                                       (:mod:`boost_hf.training.health`)
+``save_model`` / ``_save_checkpoint``  canonical checkpoint from every rank's shard; ``super()._save_checkpoint``
+``_save_optimizer_and_scheduler``      inside a guard that writes the manifest and removes a failed save;
+                                       optimizer state per TP rank (:mod:`boost_hf.training.checkpoint`)
+``train``                              resume from the last *complete* checkpoint; refuse an earlier run's
+                                       ``output_dir`` unless ``overwrite_output_dir``; lock ``output_dir``
+``_load_from_checkpoint`` /            resume: manifest and architecture verified, then this rank's slice of
+``_load_optimizer_and_scheduler``      the canonical weights, its optimizer file
 =====================================  ======================================================================
 
 Launch with ``accelerate launch`` (``world = dp x tp_size`` processes; TP ranks are adjacent, see
