@@ -15,9 +15,12 @@ All validation lives in :meth:`BoostLlamaConfig.validate`, called on constructio
 
 from __future__ import annotations
 
+import math
+import numbers
 from typing import Any
 
 from transformers import PretrainedConfig
+from transformers.activations import ACT2FN
 
 BOTTLENECKS = (None, "svd", "cola", "lax")
 LAX_GATES = ("dense", "kronecker", "identity")
@@ -34,6 +37,90 @@ PRESET_SIZES: dict[str, tuple[int, int, int, int, int]] = {
     "13b": (40, 5120, 40, 13824, 1280),
 }
 PRESET_ARCHS: dict[str, str | None] = {"llama": None, "svd": "svd", "cola": "cola", "lax": "lax"}
+
+
+
+# ---------------------------------------------------------------------- field checks
+INT_FIELDS_AT_LEAST_1 = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "max_position_embeddings",
+)
+OPTIONAL_INT_FIELDS = {"rank": None, "lax_kronecker_factor": 1}  # name -> minimum (rank's range: validate())
+BOOL_FIELDS = ("use_cache", "tie_word_embeddings", "attention_bias", "mlp_bias", "only_lr_act", "lax_latent_norm")
+ACTIVATION_FIELDS = ("hidden_act", "lr_act")
+TOKEN_ID_FIELDS = ("pad_token_id", "bos_token_id", "eos_token_id")
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _is_real(value) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def check_int(name: str, value, minimum: int | None = 1) -> None:
+    """``value`` must be an int (not a bool, float or str) and at least ``minimum`` (``None``: any int)."""
+    if not _is_int(value):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}: write it without quotes or decimals.")
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}.")
+
+
+def check_real(name: str, value, *, positive: bool = False, low: float | None = None, high: float | None = None) -> None:
+    """``value`` must be a finite real number (an int is fine), ``> 0`` if ``positive``, within ``[low, high)``."""
+    if not _is_real(value):
+        raise TypeError(f"{name} must be a number, got {type(value).__name__} {value!r}: write it without quotes.")
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value}.")
+    if positive and value <= 0:
+        raise ValueError(f"{name} must be > 0, got {value}.")
+    if low is not None and high is not None and not low <= value < high:
+        raise ValueError(f"{name} must be in [{low}, {high}), got {value}.")
+
+
+def check_config_fields(config) -> None:
+    """Raise ``TypeError`` (wrong type) or ``ValueError`` (out of range) naming the first bad field of ``config``.
+
+    Checks integers (``>= 1``; ``rank`` and ``lax_kronecker_factor`` may be ``None``), booleans, the
+    activations (``hidden_act``, ``lr_act``: names of ``transformers.activations.ACT2FN``), ``initializer_range``
+    (finite, > 0), ``rms_norm_eps`` (> 0), ``attention_dropout`` (in [0, 1)), ``rope_parameters`` (a dict with a
+    finite ``rope_theta`` > 0) and, when set, the special token ids (``0 <= id < vocab_size``).
+    """
+    for name in INT_FIELDS_AT_LEAST_1:
+        check_int(name, getattr(config, name))
+    for name, minimum in OPTIONAL_INT_FIELDS.items():
+        if getattr(config, name, None) is not None:
+            check_int(name, getattr(config, name), minimum=minimum)
+    for name in BOOL_FIELDS:
+        value = getattr(config, name, False)
+        if not isinstance(value, bool):
+            raise TypeError(f"{name} must be true or false, got {type(value).__name__} {value!r}.")
+    for name in ACTIVATION_FIELDS:
+        if name == "lr_act" and getattr(config, "bottleneck", None) is None:
+            continue  # full rank has no latent activation
+        value = getattr(config, name)
+        if not isinstance(value, str) or value not in ACT2FN:
+            raise ValueError(f"unknown {name} {value!r}: use an activation name of transformers' ACT2FN, e.g. 'silu' or 'gelu'.")
+    check_real("initializer_range", config.initializer_range, positive=True)
+    check_real("rms_norm_eps", config.rms_norm_eps, positive=True)
+    check_real("attention_dropout", config.attention_dropout, low=0.0, high=1.0)
+    rope = config.rope_parameters
+    if not isinstance(rope, dict) or "rope_theta" not in rope:
+        raise ValueError(f"rope_parameters must be a dict with a 'rope_theta' (e.g. {{'rope_type': 'default', 'rope_theta': 10000.0}}), got {rope!r}.")
+    check_real("rope_theta", rope["rope_theta"], positive=True)
+    for name in TOKEN_ID_FIELDS:
+        value = getattr(config, name, None)
+        if value is not None:
+            check_int(name, value, minimum=0)
+            if value >= config.vocab_size:
+                raise ValueError(f"{name} ({value}) must be < vocab_size ({config.vocab_size}): raise vocab_size or fix the token id.")
 
 
 class BoostLlamaConfig(PretrainedConfig):
@@ -184,14 +271,12 @@ class BoostLlamaConfig(PretrainedConfig):
 
     # ------------------------------------------------------------------ validation
     def validate(self) -> None:
-        """Raise ``ValueError`` naming the field to change if the configuration is inconsistent."""
+        """Raise ``TypeError``/``ValueError`` naming the field to change if the configuration is wrong or inconsistent."""
+        check_config_fields(self)
         if self.bottleneck not in BOTTLENECKS:
             raise ValueError(
                 f"Unknown bottleneck {self.bottleneck!r}: use one of None (full rank), 'svd', 'cola', 'lax'."
             )
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
-            if int(getattr(self, name)) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}.")
         if self.num_key_value_heads < 1 or self.num_attention_heads % self.num_key_value_heads != 0:
             raise ValueError(
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of num_key_value_heads "
@@ -208,8 +293,6 @@ class BoostLlamaConfig(PretrainedConfig):
                 f"hidden_size ({self.hidden_size}) must be divisible by num_attention_heads "
                 f"({self.num_attention_heads}) into an even head size."
             )
-        if self.rms_norm_eps <= 0:
-            raise ValueError(f"rms_norm_eps must be > 0, got {self.rms_norm_eps}.")
         if self.bottleneck is None:
             return
         smallest = min(min(shape) for shape in self.projection_shapes().values())
@@ -219,10 +302,6 @@ class BoostLlamaConfig(PretrainedConfig):
                 f"from hidden_size={self.hidden_size}, kv width={self.kv_dim}, "
                 f"intermediate_size={self.intermediate_size}): lower rank."
             )
-        from transformers.activations import ACT2FN
-
-        if self.lr_act not in ACT2FN:
-            raise ValueError(f"Unknown lr_act {self.lr_act!r}: use an activation name from transformers' ACT2FN, e.g. 'silu'.")
         if self.bottleneck == "lax":
             if self.lax_gate not in LAX_GATES:
                 raise ValueError(f"Unknown lax_gate {self.lax_gate!r}: use one of {LAX_GATES}.")

@@ -11,11 +11,14 @@ tokenizer to ``<output_dir>/final``.
 import sys
 
 from boost_hf.training import BoostTrainer, build_datasets, build_model, build_tokenizer, parse_recipe
+from boost_hf.training.preflight import check_model_and_data
+from boost_hf.training.recipe import build_config
 
 
 def main(argv: list[str]) -> None:
     model_args, data_args, training_args = parse_recipe(argv)
     tokenizer = build_tokenizer(data_args)
+    check_model_and_data(build_config(model_args, tokenizer), tokenizer, data_args.block_size)  # before any collective
     datasets = build_datasets(data_args, tokenizer, training_args)
     model = build_model(model_args, training_args, tokenizer)
     trainer = BoostTrainer(

@@ -25,7 +25,7 @@ from .conftest import TINY
         (dict(bottleneck="lax", rank=-1), ["rank (-1)"]),
         (dict(hidden_size=40, num_attention_heads=6, num_key_value_heads=6), ["hidden_size (40)", "num_attention_heads (6)"]),
         (dict(num_key_value_heads=3), ["num_key_value_heads (3)", "num_attention_heads (4)"]),
-        (dict(num_key_value_heads=0), ["num_key_value_heads (0)"]),
+        (dict(num_key_value_heads=0), ["num_key_value_heads must be >= 1, got 0"]),
         (dict(hidden_size=12, num_attention_heads=4, num_key_value_heads=4, intermediate_size=16), ["head_dim (3)"]),
         pytest.param(
             dict(hidden_size=36, num_attention_heads=4, num_key_value_heads=4), ["head_dim (9)"]
@@ -37,7 +37,7 @@ from .conftest import TINY
         (dict(bottleneck="lax", lax_gate="full"), ["lax_gate", "'full'"]),
         (dict(bottleneck="lax", lax_base="lora"), ["lax_base", "'lora'"]),
         (dict(bottleneck="lax", lax_gate="kronecker", lax_kronecker_factor=3), ["lax_kronecker_factor (3)", "rank (8)"]),
-        (dict(bottleneck="lax", lax_gate="kronecker", lax_kronecker_factor=0), ["lax_kronecker_factor (0)"]),
+        (dict(bottleneck="lax", lax_gate="kronecker", lax_kronecker_factor=0), ["lax_kronecker_factor must be >= 1, got 0"]),
         (dict(bottleneck="cola", lr_act="swish2"), ["lr_act", "'swish2'"]),
         (dict(vocab_size=0), ["vocab_size"]),
         (dict(hidden_size=0), ["hidden_size"]),

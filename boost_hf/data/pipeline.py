@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import logging
 import os
 from collections.abc import Mapping
 from itertools import chain
@@ -25,7 +24,6 @@ from .corpus import DEFAULT_VALIDATION_PERCENT
 from .sources import AnyDatasetDict, PathLike, Source, load_text_splits
 from .tokenizer import load_tokenizer
 
-logger = logging.getLogger(__name__)
 
 DEFAULT_BLOCK_SIZE = 256
 PACK_BATCH_SIZE = 1000
@@ -181,10 +179,18 @@ def build_lm_datasets(
     caps = {"train": max_train_blocks, "validation": max_eval_blocks}
     built: dict[str, Dataset | IterableDataset] = {}
     for name, split in splits.items():
+        if isinstance(split, Dataset) and len(split) == 0:
+            raise ValueError(
+                f"the {name} split of {source!r} has no documents (validation_percent={validation_percent} of "
+                f"{sum(len(s) for s in splits.values())} documents): add documents or give the split its own files, "
+                "e.g. {'train': 'train.txt', 'validation': 'valid.txt'}."
+            )
         tokens = tokenize_documents(split, tokenizer, text_column=text_column, add_bos=add_bos, num_proc=num_proc)
         built[name] = _cap(pack_blocks(tokens, block_size, num_proc=num_proc), caps[name])
-        if isinstance(built[name], Dataset) and len(built[name]) == 0:
-            logger.warning("the %s split has no complete block of %d tokens", name, block_size)
+        if isinstance(built[name], Dataset) and len(built[name]) == 0 and caps[name] != 0:
+            raise ValueError(
+                f"the {name} split of {source!r} has no complete block of {block_size} tokens: add text or lower block_size."
+            )
     if streaming:
         return IterableDatasetDict(built)
     return DatasetDict(built)

@@ -34,6 +34,7 @@ from datasets import (
     load_from_disk,
 )
 
+from .checks import check_text_file, require_existing_path
 from .corpus import DEFAULT_VALIDATION_PERCENT, load_wikipedia_sample
 from .splits import split_by_key
 
@@ -101,6 +102,9 @@ def _load_files(
     builders = {builder_for_file(path) for files in data_files.values() for path in files}
     if len(builders) != 1:
         raise ValueError(f"all data files must share one format, got {sorted(builders)}")
+    for path in (path for files in data_files.values() for path in files):
+        if builder_for_file(path) != "parquet" and not path.lower().endswith(_COMPRESSION_SUFFIXES):
+            check_text_file(path)
     return load_dataset(
         builders.pop(), data_files=data_files, streaming=streaming, cache_dir=datasets_cache_dir, **load_kwargs
     )
@@ -147,6 +151,7 @@ def load_raw_dataset(
         if files is None:
             raise FileNotFoundError(f"no data files found in {source!r}")
         return _load_files({"train": files}, streaming=streaming, datasets_cache_dir=hf_cache, load_kwargs=kwargs)
+    require_existing_path(source, "dataset")
     path = Path(os.fspath(source)).expanduser()
     if path.is_dir():
         if _is_saved_dataset(path):

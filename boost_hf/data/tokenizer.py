@@ -27,6 +27,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from .cache import cache_subdir
+from .checks import require_existing_path
 
 logger = logging.getLogger(__name__)
 
@@ -180,4 +181,5 @@ def load_tokenizer(
         from .corpus import load_wikipedia_sample
 
         return train_bpe_tokenizer(load_wikipedia_sample(cache_dir)["train"], int(match.group(1)), cache_dir)
+    require_existing_path(name, "tokenizer")
     return AutoTokenizer.from_pretrained(name)

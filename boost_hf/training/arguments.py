@@ -17,6 +17,7 @@ import torch
 from transformers import TrainingArguments
 
 from ..parallel.config import ParallelConfig
+from .health import NONFINITE_POLICIES
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +56,10 @@ class BoostTrainingArguments(TrainingArguments):
         peak_tflops: dense peak TFLOP/s of one device, the denominator of MFU (default: the GPU preset of
             :mod:`boost_hf.perf.hardware`, or a rough CPU guess).
         sample_prompt / sample_max_new_tokens: the greedy sample printed at the end of training.
+        nonfinite: what a non-finite loss or gradient norm does: ``"stop"`` (default, an error naming the step)
+            or ``"skip_step"`` (the update is not applied; counted in the logs). See :mod:`boost_hf.training.health`.
+        overwrite_output_dir: let a new (not resumed) run replace the checkpoints and final model of an earlier
+            run in ``output_dir`` (transformers 5 dropped this Trainer flag; without it such a run is refused).
 
     Without CUDA, ``use_cpu`` is set (and ``ddp_backend="gloo"`` when launched on several processes), so
     ``accelerate launch`` runs on CPU processes with or without DeepSpeed.
@@ -74,6 +79,10 @@ class BoostTrainingArguments(TrainingArguments):
     )
     sample_prompt: str = field(default="The history of", metadata={"help": "Prompt of the sample generated after training."})
     sample_max_new_tokens: int = field(default=40, metadata={"help": "Tokens generated for the final sample (0: none)."})
+    nonfinite: str = field(default="stop", metadata={"help": "On a non-finite loss or grad norm: stop (error) or skip_step."})
+    overwrite_output_dir: bool = field(
+        default=False, metadata={"help": "Let a new run replace an earlier run's checkpoints and final model in output_dir."}
+    )
 
     # CoLA recipe defaults (BOOST.md section 1)
     weight_decay: float = 0.01
@@ -101,6 +110,8 @@ class BoostTrainingArguments(TrainingArguments):
         super().__post_init__()
         if self.peak_tflops is None:
             self.peak_tflops = default_peak_tflops()
+        if self.nonfinite not in NONFINITE_POLICIES:
+            raise ValueError(f"nonfinite must be one of {', '.join(NONFINITE_POLICIES)}, got {self.nonfinite!r}.")
         if self.peak_tflops <= 0:
             raise ValueError(f"peak_tflops must be > 0, got {self.peak_tflops}.")
         self.to_parallel_config()  # validate the layout fields now, not after the model is built

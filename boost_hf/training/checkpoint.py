@@ -1,4 +1,4 @@
-"""Training checkpoints: what each rank writes, and atomic publication of the folder.
+"""Training checkpoints: what each rank writes, complete-or-absent folders, and the run's claim on ``output_dir``.
 
 A checkpoint folder ``checkpoint-<step>`` holds
 
@@ -8,21 +8,47 @@ A checkpoint folder ``checkpoint-<step>`` holds
   ``optimizer_tp<rank>.pt`` otherwise; DP ranks hold identical copies, DP rank 0 writes); with
   DeepSpeed, its own ``global_step<N>/`` folder (ZeRO partitions per DP rank and TP rank);
 * ``scheduler.pt``, ``rng_state_<rank>.pth`` (every rank) and ``trainer_state.json`` (step, epoch, logs:
-  the data position follows from the step and the seeded sampler).
+  the data position follows from the step and the seeded sampler);
+* ``manifest.json``, written last by rank 0 once every rank has written (:mod:`boost_hf.checkpoint_integrity`):
+  size and SHA-256 of every file and the model's architecture record. A folder without it is incomplete;
+  resuming verifies it.
 
-All ranks write into a hidden staging folder ``.checkpoint-<step>.tmp``; after a barrier, rank 0 renames
-it to ``checkpoint-<step>``. A crash mid-save leaves only the staging folder, which ``--resume_from_checkpoint``
-(``transformers.trainer_utils.get_last_checkpoint``) and checkpoint rotation ignore.
+If a save fails (disk full, I/O error) the partial folder is removed, a folder of the same name that existed
+before is put back, and :class:`CheckpointWriteError` says what happened (and how much space is left).
+:func:`atomic_directory` (the ``final`` model) writes into a staging folder unique to the run and renames it.
+:class:`OutputDirLock` keeps a second run out of an ``output_dir`` in use.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import errno
+import json
 import os
+import re
 import shutil
+import socket
+import time
 
 import torch.distributed as dist
 from transformers.trainer import OPTIMIZER_NAME
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+from ..checkpoint_integrity import MANIFEST_NAME, write_manifest
+
+LOCK_NAME = ".boost_hf.lock"
+LOW_SPACE_BYTES = 1 << 20
+"""A failed write with less free space than this on the target's file system is reported as a full disk."""
+_CHECKPOINT = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")
+
+
+class CheckpointWriteError(OSError):
+    """A checkpoint or the final model could not be written (disk full or another I/O error)."""
+
+
+class OutputDirInUseError(RuntimeError):
+    """Another run holds the lock of this ``output_dir``."""
 
 
 def optimizer_file_name(tp_rank: int, tp_size: int) -> str:
@@ -35,29 +61,165 @@ def _barrier() -> None:
         dist.barrier()
 
 
+def _is_io_error(error: BaseException, free_bytes: int) -> bool:
+    return isinstance(error, OSError) or free_bytes < LOW_SPACE_BYTES
+
+
 @contextlib.contextmanager
-def atomic_directory(target: str, *, is_writer: bool):
+def _removed_on_error(target: str, partial: str | None, previous: str | None = None):
+    """On an exception in the block: remove ``partial``, move ``previous`` back to ``target``, and re-raise an I/O
+    error (or any error on a nearly full disk) as :class:`CheckpointWriteError` naming the cause."""
+    try:
+        yield
+    except BaseException as error:
+        parent = os.path.dirname(os.path.abspath(target))
+        free = shutil.disk_usage(parent).free if os.path.isdir(parent) else LOW_SPACE_BYTES
+        if partial is not None:
+            shutil.rmtree(partial, ignore_errors=True)
+        if previous is not None and os.path.exists(previous):
+            os.replace(previous, target)
+        if not _is_io_error(error, free) or isinstance(error, CheckpointWriteError):
+            raise
+        full = getattr(error, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or free < LOW_SPACE_BYTES
+        cause = f"no space left on device ({free / 2**20:.1f} MiB free)" if full else f"I/O error ({type(error).__name__}: {error})"
+        fix = "free space or point output_dir to a larger disk" if full else "check the file system"
+        raise CheckpointWriteError(
+            getattr(error, "errno", None) or errno.EIO,
+            f"could not save {target!r}: {cause}; {fix}. The partial folder was removed; earlier checkpoints are intact.",
+        ) from error
+
+
+@contextlib.contextmanager
+def atomic_directory(target: str, *, is_writer: bool, run_id: str, config=None):
     """Collective (all ranks): yield a staging folder to write into; on success it becomes ``target``.
 
-    ``is_writer`` (one rank) creates the staging folder and renames it. An existing ``target`` is replaced
-    (moved aside first, so that a crash never leaves a half-written folder under the final name).
+    The staging folder ``.<name>.tmp-<run_id>`` is unique to the run. ``is_writer`` (one rank) creates it, writes
+    its manifest (with ``config``'s architecture record) after every rank wrote, and renames it; an existing
+    ``target`` is replaced (moved aside first, so a crash never leaves a half-written folder under that name).
     """
     parent, name = os.path.split(os.path.abspath(target))
-    staging = os.path.join(parent, f".{name}.tmp")
+    staging = os.path.join(parent, f".{name}.tmp-{run_id}")
+    with _removed_on_error(target, staging if is_writer else None):
+        if is_writer:
+            os.makedirs(staging)
+        _barrier()
+        yield staging
+        _barrier()
+        if is_writer:
+            write_manifest(staging, config)
     if is_writer:
-        shutil.rmtree(staging, ignore_errors=True)
-        os.makedirs(staging)
-    _barrier()
-    yield staging
-    _barrier()
-    if is_writer:
-        previous = os.path.join(parent, f".{name}.old")
+        previous = os.path.join(parent, f".{name}.old-{run_id}")
         if os.path.exists(target):
-            shutil.rmtree(previous, ignore_errors=True)
             os.replace(target, previous)
         os.replace(staging, target)
         shutil.rmtree(previous, ignore_errors=True)
     _barrier()
+
+
+@contextlib.contextmanager
+def checkpoint_directory(target: str, *, is_writer: bool, run_id: str, config=None):
+    """Collective (all ranks): the block writes the checkpoint ``target`` in place (``Trainer._save_checkpoint``);
+    afterwards ``is_writer`` writes its manifest, which marks it complete. A folder already named ``target`` is
+    moved aside first and put back if the block fails."""
+    parent, name = os.path.split(os.path.abspath(target))
+    previous = os.path.join(parent, f".{name}.old-{run_id}")
+    if is_writer and os.path.exists(target):
+        os.replace(target, previous)
+    _barrier()
+    with _removed_on_error(target, target if is_writer else None, previous if is_writer else None):
+        yield
+        _barrier()
+        if is_writer:
+            write_manifest(target, config)
+    if is_writer:
+        shutil.rmtree(previous, ignore_errors=True)
+
+
+def completed_checkpoints(run_dir: str) -> list[str]:
+    """``checkpoint-<step>`` folders of ``run_dir`` that have a manifest, oldest step first."""
+    if not os.path.isdir(run_dir):
+        return []
+    found = [(int(m.group(1)), m.group(0)) for m in map(_CHECKPOINT.match, os.listdir(run_dir)) if m]
+    return [os.path.join(run_dir, name) for _, name in sorted(found) if os.path.isfile(os.path.join(run_dir, name, MANIFEST_NAME))]
+
+
+def check_fresh_output_dir(output_dir: str, overwrite: bool) -> None:
+    """A new (not resumed) run must not silently overwrite an earlier run's checkpoints or final model."""
+    if overwrite or not os.path.isdir(output_dir):
+        return
+    earlier = sorted(n for n in os.listdir(output_dir) if _CHECKPOINT.match(n) or n == "final")
+    if earlier:
+        raise FileExistsError(
+            f"output_dir {output_dir!r} already holds a run ({', '.join(earlier[:4])}): resume it with "
+            "--resume_from_checkpoint last, pass --overwrite_output_dir true to replace it, or choose another output_dir."
+        )
+
+
+def remove_earlier_run(output_dir: str) -> None:
+    """Delete the checkpoints and final model of an earlier run (``--overwrite_output_dir``)."""
+    for name in os.listdir(output_dir):
+        if _CHECKPOINT.match(name) or name == "final":
+            shutil.rmtree(os.path.join(output_dir, name))
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class OutputDirLock:
+    """``<output_dir>/.boost_hf.lock``, created exclusively by one process of a run and removed at its exit.
+
+    A lock left by a dead process of this host is taken over; any other lock raises :class:`OutputDirInUseError`.
+    """
+
+    def __init__(self, output_dir: str):
+        self.output_dir = output_dir
+        self.path = os.path.join(output_dir, LOCK_NAME)
+        self.held = False
+
+    def acquire(self, run_id: str) -> None:
+        os.makedirs(self.output_dir, exist_ok=True)
+        owner = {"run_id": run_id, "pid": os.getpid(), "host": socket.gethostname(), "since": time.strftime("%Y-%m-%d %H:%M:%S")}
+        for _ in range(2):
+            try:
+                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+            except FileExistsError:
+                self._take_over_if_stale()
+                continue
+            with os.fdopen(fd, "w") as f:
+                json.dump(owner, f)
+            self.held = True
+            atexit.register(self.release)
+            return
+        raise OutputDirInUseError(f"could not lock output_dir {self.output_dir!r}: another run keeps creating {self.path}.")
+
+    def _take_over_if_stale(self) -> None:
+        try:
+            with open(self.path) as f:
+                owner = json.load(f)
+        except (OSError, ValueError):
+            owner = {}
+        if owner.get("host") == socket.gethostname() and not _process_alive(int(owner.get("pid", -1))):
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(self.path)
+            return
+        raise OutputDirInUseError(
+            f"output_dir {self.output_dir!r} is in use by another run (pid {owner.get('pid')} on {owner.get('host')}, "
+            f"since {owner.get('since')}): wait for it to finish or choose another output_dir; if that run is dead, "
+            f"delete {self.path}."
+        )
+
+    def release(self) -> None:
+        if self.held:
+            self.held = False
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(self.path)
 
 
 @contextlib.contextmanager
@@ -72,4 +234,15 @@ def full_parameters(model, zero_stage: int | None):
         yield
 
 
-__all__ = ["optimizer_file_name", "atomic_directory", "full_parameters"]
+__all__ = [
+    "CheckpointWriteError",
+    "OutputDirInUseError",
+    "OutputDirLock",
+    "optimizer_file_name",
+    "atomic_directory",
+    "checkpoint_directory",
+    "completed_checkpoints",
+    "check_fresh_output_dir",
+    "remove_earlier_run",
+    "full_parameters",
+]

@@ -16,6 +16,7 @@ so ``recipes/pretrain.py recipe.yaml --learning_rate 1e-3 --hidden_size 256`` ov
 from __future__ import annotations
 
 import json
+import os
 import typing
 from dataclasses import dataclass, field, fields, make_dataclass
 
@@ -23,6 +24,7 @@ import yaml
 from datasets import Dataset
 from transformers import HfArgumentParser, set_seed
 
+from ..checkpoint_integrity import MANIFEST_NAME, verify_checkpoint
 from ..configuration_boost_llama import BoostLlamaConfig
 from ..data import DEFAULT_VALIDATION_PERCENT, build_lm_datasets, load_tokenizer
 from ..modeling_boost_llama import BoostLlamaForCausalLM
@@ -150,6 +152,7 @@ def build_config(model_args, tokenizer) -> BoostLlamaConfig:
     overrides = {k: v for k, v in overrides.items() if v is not None}
     tokens = dict(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     if model_args.init_from:
+        check_checkpoint_folder(model_args.init_from)
         return BoostLlamaConfig.from_pretrained(model_args.init_from, **overrides)
     overrides.setdefault("vocab_size", -(-len(tokenizer) // VOCAB_MULTIPLE) * VOCAB_MULTIPLE)
     if "num_attention_heads" in overrides:  # presets have no GQA: keep it that way unless asked
@@ -157,12 +160,26 @@ def build_config(model_args, tokenizer) -> BoostLlamaConfig:
     return BoostLlamaConfig.from_preset(model_args.preset, **tokens, **overrides)
 
 
+def check_checkpoint_folder(path: str) -> None:
+    """``path`` is a local folder with a ``config.json`` (``init_from``), else ``FileNotFoundError`` saying so."""
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"init_from: no such file or folder: {path!r}")
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise FileNotFoundError(
+            f"init_from: {path!r} has no config.json, so it is not a saved model: point it at a checkpoint-<step> or "
+            "final folder of a boost-hf run."
+        )
+
+
 def build_model(model_args, training_args: BoostTrainingArguments, tokenizer) -> BoostLlamaForCausalLM:
     """This rank's shard of the model (call inside the launched process group, i.e. after parsing the
-    training arguments). Weights depend only on ``training_args.seed``, whatever the TP size."""
+    training arguments). Weights depend only on ``training_args.seed``, whatever the TP size. A checkpoint given
+    as ``init_from`` is verified against its manifest and architecture record (when it has a manifest)."""
     config = build_config(model_args, tokenizer)
     parallel_config = training_args.to_parallel_config(config)
     if model_args.init_from:
+        if os.path.isfile(os.path.join(model_args.init_from, MANIFEST_NAME)):
+            verify_checkpoint(model_args.init_from, config)
         return BoostLlamaForCausalLM.from_pretrained(model_args.init_from, config=config, parallel_config=parallel_config)
     set_seed(training_args.seed)
     return BoostLlamaForCausalLM(config, parallel_config)
@@ -177,4 +194,5 @@ __all__ = [
     "build_datasets",
     "build_config",
     "build_model",
+    "check_checkpoint_folder",
 ]

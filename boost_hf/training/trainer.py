@@ -17,11 +17,17 @@ Trainer hook                           boost-hf behaviour
                                        shards over DP only (:mod:`boost_hf.training.deepspeed`)
 ``_clip_grad_norm`` / ``_get_grad_norm``  (no DeepSpeed) the true global norm: TP shards summed over the TP
                                        group, replicated parameters once (DeepSpeed does the same via ``mpu``)
-``training_step`` / ``log``            tokens/s, MFU, communication per step (:mod:`boost_hf.training.metrics`)
-``save_model`` / ``_save_checkpoint``  canonical checkpoint from every rank's shard, atomic folders,
-``_save_optimizer_and_scheduler``      optimizer state per TP rank (:mod:`boost_hf.training.checkpoint`)
-``_load_from_checkpoint`` /            resume: this rank's slice of the canonical weights, its optimizer file
-``_load_optimizer_and_scheduler``
+``training_step`` / ``log``            tokens/s, MFU, communication per step (:mod:`boost_hf.training.metrics`),
+                                       skipped non-finite steps
+``compute_loss`` / ``_get_grad_norm``  non-finite loss or grad norm: stop or skip the step
+                                       (:mod:`boost_hf.training.health`)
+``save_model`` / ``_save_checkpoint``  canonical checkpoint from every rank's shard; ``super()._save_checkpoint``
+``_save_optimizer_and_scheduler``      inside a guard that writes the manifest and removes a failed save;
+                                       optimizer state per TP rank (:mod:`boost_hf.training.checkpoint`)
+``train``                              resume from the last *complete* checkpoint; refuse an earlier run's
+                                       ``output_dir`` unless ``overwrite_output_dir``; lock ``output_dir``
+``_load_from_checkpoint`` /            resume: manifest and architecture verified, then this rank's slice of
+``_load_optimizer_and_scheduler``      the canonical weights, its optimizer file
 =====================================  ======================================================================
 
 Launch with ``accelerate launch`` (``world = dp x tp_size`` processes; TP ranks are adjacent, see
@@ -33,25 +39,37 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import uuid
 
 import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader
 from transformers import Trainer, default_data_collator
-from transformers.trainer import SCHEDULER_NAME, TRAINER_STATE_NAME
-from transformers.trainer_callback import ExportableState
+from transformers.trainer import SCHEDULER_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, EvalLoopOutput
-from transformers.trainer_utils import rotate_checkpoints
 
+from ..checkpoint_integrity import verify_checkpoint
 from ..parallel.weights_io import load_canonical_checkpoint, resolve_checkpoint_files
 from ..perf.flops import training_flops_per_token
 from .arguments import default_peak_tflops
-from .checkpoint import atomic_directory, full_parameters, optimizer_file_name
+from .checkpoint import (
+    OutputDirInUseError,
+    OutputDirLock,
+    atomic_directory,
+    check_fresh_output_dir,
+    checkpoint_directory,
+    completed_checkpoints,
+    full_parameters,
+    optimizer_file_name,
+    remove_earlier_run,
+)
 from .data import EvalShard, shard_by_data_parallel_rank, streaming_loader
 from ..parallel.state import ParallelState
 from .deepspeed import ModelParallelUnit, configure_deepspeed, deepspeed_initialize_with_mpu, skip_shm_comm_if_requested
 from .grad_norm import clip_grad_norm_, global_grad_norm
+from .health import is_finite, nonfinite_error, poison_nonfinite_loss
 from .metrics import TrainingMetrics
+from .preflight import TokenIdCheckingCollator, check_dataset
 
 
 class BoostTrainer(Trainer):
@@ -59,7 +77,11 @@ class BoostTrainer(Trainer):
 
     Takes the Trainer's arguments; ``args`` is usually a
     :class:`~boost_hf.training.arguments.BoostTrainingArguments` whose ``tp_size`` must match the model's.
-    Without ``data_collator``, batches are stacked as they are (``default_data_collator``: packed blocks).
+    Without ``data_collator``, batches are stacked as they are (``default_data_collator``: packed blocks); every
+    batch's token ids are checked against the model's vocabulary. Before anything else, every rank checks the
+    datasets (at least one global batch of training blocks, a non-empty validation set, token ids in range).
+    ``compute_metrics`` is refused: evaluation computes the exact token-weighted loss and perplexity without
+    gathering (vocabulary-sharded) logits.
     """
 
     def __init__(self, model=None, args=None, **kwargs):
@@ -70,7 +92,23 @@ class BoostTrainer(Trainer):
                 f"the model was built with tp_size={self.parallel_state.tp_size} but args.tp_size={tp_size}: "
                 "build it with args.to_parallel_config(config)."
             )
-        kwargs.setdefault("data_collator", default_data_collator)
+        if kwargs.get("compute_metrics") is not None or kwargs.get("preprocess_logits_for_metrics") is not None:
+            raise ValueError(
+                "BoostTrainer does not support compute_metrics / preprocess_logits_for_metrics: evaluation reports the "
+                "exact eval_loss and eval_perplexity without gathering logits (they are vocabulary-sharded under TP). "
+                "Compute other metrics in a TrainerCallback (on_evaluate) or with the model after training."
+            )
+        vocab_size = model.config.vocab_size
+        kwargs["data_collator"] = TokenIdCheckingCollator(kwargs.get("data_collator") or default_data_collator, vocab_size)
+        if args is not None:
+            global_batch = args.per_device_train_batch_size * self.parallel_state.dp_size * args.gradient_accumulation_steps
+            check_dataset(kwargs.get("train_dataset"), vocab_size, "training", global_batch)
+            eval_sets = kwargs.get("eval_dataset")
+            for name, dataset in (eval_sets.items() if isinstance(eval_sets, dict) else [("validation", eval_sets)]):
+                if dataset is not None:
+                    check_dataset(dataset, vocab_size, name, 1)
+        self.run_id: str | None = None
+        self.nonfinite_skipped_steps = 0
         super().__init__(model=model, args=args, **kwargs)
         state = self.parallel_state
         self.metrics = TrainingMetrics(
@@ -89,6 +127,11 @@ class BoostTrainer(Trainer):
             raise ValueError(
                 "DeepSpeed was requested but accelerate runs without it: ACCELERATE_USE_CPU is set (use_cpu: true in "
                 "the accelerate config). Remove it; boost-hf selects the CPU itself when there is no GPU."
+            )
+        if self.is_deepspeed_enabled and getattr(self.args, "nonfinite", "stop") == "skip_step":
+            raise ValueError(
+                "--nonfinite skip_step is not supported with DeepSpeed (its engine applies the update inside backward): "
+                "use --nonfinite stop."
             )
         if self.is_deepspeed_enabled:
             configure_deepspeed(self.accelerator.state.deepspeed_plugin.hf_ds_config, self.args, self.parallel_state.dp_size)
@@ -170,6 +213,13 @@ class BoostTrainer(Trainer):
         return EvalLoopOutput(predictions=None, label_ids=None, metrics=metrics, num_samples=len(dataloader.dataset.dataset))
 
     # ------------------------------------------------------------------ steps, gradients, metrics
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        """The Trainer's loss, times NaN if it is not finite: its gradients then carry it to every rank's grad norm."""
+        result = super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
+        if return_outputs:
+            return poison_nonfinite_loss(result[0]), result[1]
+        return poison_nonfinite_loss(result)
+
     def training_step(self, model, inputs, num_items_in_batch=None):
         self.metrics.count_micro_batch(inputs["input_ids"])
         with self.metrics.comm:
@@ -182,9 +232,18 @@ class BoostTrainer(Trainer):
         return clip_grad_norm_(model.parameters(), self.args.max_grad_norm, self.parallel_state.tp_group)
 
     def _get_grad_norm(self, model, grad_norm=None):
+        """The global grad norm, checked on every step (the same value on every rank, see
+        :mod:`boost_hf.training.health`): ``--nonfinite stop`` raises, ``skip_step`` drops the gradients."""
         if grad_norm is None and not self.is_deepspeed_enabled:
             grad_norm = global_grad_norm(model.parameters(), self.parallel_state.tp_group)
-        return super()._get_grad_norm(model, grad_norm)
+        grad_norm = super()._get_grad_norm(model, grad_norm)
+        if not is_finite(grad_norm):
+            if getattr(self.args, "nonfinite", "stop") == "stop":
+                checkpoints = completed_checkpoints(self.args.output_dir)
+                raise nonfinite_error(self.state.global_step + 1, grad_norm, checkpoints[-1] if checkpoints else None)
+            self.optimizer.zero_grad(set_to_none=True)  # torch optimizers skip parameters without a gradient
+            self.nonfinite_skipped_steps += 1
+        return grad_norm
 
     def _track_num_input_tokens(self, inputs) -> None:
         before = self.state.num_input_tokens_seen
@@ -200,6 +259,7 @@ class BoostTrainer(Trainer):
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         if "loss" in logs:
             logs.update(self.metrics.pop_logs())
+            logs["nonfinite_skipped_steps"] = self.nonfinite_skipped_steps
         super().log(logs, start_time)
 
     # ------------------------------------------------------------------ saving and resuming
@@ -214,42 +274,57 @@ class BoostTrainer(Trainer):
             torch.save(self.args, os.path.join(output_dir, "training_args.bin"))
 
     def save_final_model(self, output_dir: str | None = None) -> str:
-        """Save the model (canonical) + tokenizer atomically to ``<output_dir>/final``; return that path."""
+        """Save the model (canonical) + tokenizer + manifest atomically to ``<output_dir>/final``; return that path."""
+        self.claim_output_dir()
         target = output_dir or os.path.join(self.args.output_dir, "final")
-        with atomic_directory(target, is_writer=self.args.should_save) as staging:
+        with atomic_directory(target, is_writer=self.args.should_save, run_id=self.run_id, config=self.model.config) as staging:
             self.save_model(staging)
         return target
 
     def _save_checkpoint(self, model, trial) -> None:
-        run_dir = self._get_output_dir(trial=trial)
-        target = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
-        self.store_flos()
-        with atomic_directory(target, is_writer=self.args.should_save) as staging:
-            self.save_model(staging, _internal_call=True)
-            if not self.args.save_only_model:
-                self._save_optimizer_and_scheduler(staging)
-                self._save_scaler(staging)
-                self._save_rng_state(staging)
-            if self.state.best_global_step:
-                best = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.best_global_step}")
-                if self.state.best_global_step == self.state.global_step or os.path.isdir(best):
-                    self.state.best_model_checkpoint = best
-            if self.args.should_save:
-                for callback in self.callback_handler.callbacks + [self.control]:
-                    if isinstance(callback, ExportableState):
-                        name = callback.__class__.__name__
-                        if isinstance(self.state.stateful_callbacks.get(name), list):
-                            self.state.stateful_callbacks[name].append(callback.state())
-                        else:
-                            self.state.stateful_callbacks[name] = callback.state()
-                self.state.save_to_json(os.path.join(staging, TRAINER_STATE_NAME))
+        """The Trainer's checkpoint (push to hub, best model, rotation included), then its manifest (complete);
+        a failed save leaves no partial folder (:func:`~boost_hf.training.checkpoint.checkpoint_directory`)."""
+        target = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+        with checkpoint_directory(target, is_writer=self.args.should_save, run_id=self.run_id, config=self.model.config):
+            super()._save_checkpoint(model, trial)
+
+    # ------------------------------------------------------------------ the run's output folder
+    def claim_output_dir(self) -> None:
+        """Collective, once per run: lock ``output_dir`` on the writing rank and share the run id (which names the
+        staging folders) with every rank; every rank raises the writer's error if the folder is in use."""
+        if self.run_id is not None:
+            return
+        claim = [None, None]  # [run id, error]
         if self.args.should_save:
-            rotate_checkpoints(
-                output_dir=run_dir,
-                save_total_limit=self.args.save_total_limit,
-                best_model_checkpoint=self.state.best_model_checkpoint,
-                use_mtime=True,
-            )
+            claim[0] = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
+            self._output_dir_lock = OutputDirLock(self.args.output_dir)
+            try:
+                self._output_dir_lock.acquire(claim[0])
+            except OutputDirInUseError as error:
+                claim[1] = str(error)
+        if dist.is_available() and dist.is_initialized():
+            dist.broadcast_object_list(claim, src=0)
+        if claim[1] is not None:
+            raise OutputDirInUseError(claim[1])
+        self.run_id = claim[0]
+
+    def train(self, resume_from_checkpoint: str | bool | None = None, **kwargs):
+        """``Trainer.train``; ``resume_from_checkpoint=True`` takes the last *complete* checkpoint. A new run
+        refuses an ``output_dir`` holding an earlier run unless ``overwrite_output_dir``; the folder is locked."""
+        run_dir = self.args.output_dir
+        if resume_from_checkpoint is True:
+            complete = completed_checkpoints(run_dir)
+            if not complete:
+                raise FileNotFoundError(f"no complete checkpoint (with a manifest.json) in output_dir {run_dir!r} to resume from.")
+            resume_from_checkpoint = complete[-1]
+        elif isinstance(resume_from_checkpoint, str) and not os.path.isdir(resume_from_checkpoint):
+            raise FileNotFoundError(f"resume_from_checkpoint: no such file or folder: {resume_from_checkpoint!r}")
+        elif not resume_from_checkpoint:
+            check_fresh_output_dir(run_dir, getattr(self.args, "overwrite_output_dir", False))
+        self.claim_output_dir()
+        if not resume_from_checkpoint and self.args.should_save and os.path.isdir(run_dir):
+            remove_earlier_run(run_dir)  # only reached with overwrite_output_dir (or nothing to remove)
+        return super().train(resume_from_checkpoint=resume_from_checkpoint or None, **kwargs)
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         state = self.parallel_state
@@ -275,8 +350,10 @@ class BoostTrainer(Trainer):
         self.lr_scheduler.load_state_dict(torch.load(os.path.join(checkpoint, SCHEDULER_NAME), weights_only=True))
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
-        """This rank's slice of the checkpoint's canonical weights (any TP size wrote it)."""
+        """This rank's slice of the checkpoint's canonical weights (any TP size wrote it), after checking every
+        file against the manifest and the architecture record against the model's config."""
         model = self.accelerator.unwrap_model(model if model is not None else self.model)
+        verify_checkpoint(resume_from_checkpoint, model.config)
         load_canonical_checkpoint(model, resolve_checkpoint_files(resume_from_checkpoint))
 
     # ------------------------------------------------------------------ generation

@@ -67,18 +67,20 @@ def test_deepspeed_batch_size_counts_data_parallel_ranks_only():
 
 def test_atomic_directory_publishes_only_complete_folders(tmp_path):
     target = tmp_path / "checkpoint-1"
-    with atomic_directory(str(target), is_writer=True) as staging:
+    with atomic_directory(str(target), is_writer=True, run_id="run-a") as staging:
+        assert staging.endswith(".checkpoint-1.tmp-run-a"), "staging folders are unique per run"
         (tmp_path / staging / "a").write_text("1")
         assert not target.exists()
-    assert (target / "a").read_text() == "1"
+    assert (target / "a").read_text() == "1" and (target / "manifest.json").is_file()
     with pytest.raises(RuntimeError):
-        with atomic_directory(str(target), is_writer=True) as staging:
+        with atomic_directory(str(target), is_writer=True, run_id="run-b") as staging:
             (tmp_path / staging / "a").write_text("2")
             raise RuntimeError("crash mid-save")
     assert (target / "a").read_text() == "1", "a failed save must not touch the published folder"
-    with atomic_directory(str(target), is_writer=True) as staging:
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-1"], "the failed save left its staging folder"
+    with atomic_directory(str(target), is_writer=True, run_id="run-c") as staging:
         (tmp_path / staging / "b").write_text("3")
-    assert sorted(p.name for p in target.iterdir()) == ["b"]
+    assert sorted(p.name for p in target.iterdir()) == ["b", "manifest.json"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-1"]
 
 

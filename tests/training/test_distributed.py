@@ -104,7 +104,7 @@ def test_streaming_training_set_under_tp(runs):
 def test_checkpoints_are_complete_and_atomic(runs):
     ddp = runs / "ddp"
     assert sorted(p.name for p in ddp.iterdir() if p.name.startswith("checkpoint")) == ["checkpoint-3", "checkpoint-6"]
-    assert not [p for p in runs.rglob(".*.tmp")], "a staging folder was left behind"
+    assert not [p for p in runs.rglob(".*.tmp-*")], "a staging folder was left behind"
     checkpoint = ddp / "checkpoint-3"
     for name in ("model.safetensors", "config.json", "tokenizer.json", "trainer_state.json", "scheduler.pt",
                  "optimizer_tp00.pt", "optimizer_tp01.pt", "rng_state_0.pth", "rng_state_3.pth"):

@@ -1,0 +1,187 @@
+"""Checkpoints that cannot be confused or corrupted: a manifest of every file, and the architecture record.
+
+``manifest.json`` (written last, so it also marks a folder as complete) holds, for every other file of a
+checkpoint folder (sub-folders included, e.g. DeepSpeed's ``global_step<N>/``), its size and SHA-256, and
+the model's *architecture record*: the configuration fields that change the function computed by the same
+tensor names (bottleneck, rank, activations, LaX options, sizes, ...). A cola checkpoint therefore cannot be
+loaded as svd, ``only_lr_act`` cannot be flipped on load, and a flipped byte is reported by file name.
+
+Pure functions, no collectives: call them on the process that writes or reads the folder.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+
+MANIFEST_NAME = "manifest.json"
+MANIFEST_VERSION = 1
+ARCHITECTURE_METADATA_KEY = "boost_hf_architecture"
+"""Key of the JSON architecture record in a safetensors header's ``metadata`` (see :func:`architecture_metadata`)."""
+HASH_CHUNK_BYTES = 1 << 22
+
+ARCHITECTURE_FIELDS = (
+    "model_type",
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "hidden_act",
+    "rms_norm_eps",
+    "tie_word_embeddings",
+    "attention_bias",
+    "mlp_bias",
+    "rope_theta",
+    "bottleneck",
+    "rank",
+    "only_lr_act",
+    "lr_act",
+    "lax_gate",
+    "lax_latent_norm",
+    "lax_base",
+    "lax_kronecker_factor",
+)
+"""Fields that change what the same weights compute. Fields a low-rank variant ignores are recorded as ``None``."""
+
+
+class CheckpointIntegrityError(ValueError):
+    """A checkpoint folder is incomplete, corrupted, or was saved from another architecture."""
+
+
+def _sha256(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(HASH_CHUNK_BYTES):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _files(folder: str) -> list[str]:
+    """Relative paths of every file under ``folder`` but the manifest, sorted."""
+    found = []
+    for root, _, names in os.walk(folder):
+        for name in names:
+            relative = os.path.relpath(os.path.join(root, name), folder)
+            if relative != MANIFEST_NAME:
+                found.append(relative)
+    return sorted(found)
+
+
+def architecture_record(config) -> dict:
+    """The fields of ``config`` (a ``BoostLlamaConfig``) that change the function, JSON-serialisable.
+
+    Options of a bottleneck that is not used are ``None`` (a full-rank model has no rank, an svd model no
+    ``lr_act``), so two configs computing the same function have the same record.
+    """
+    record = {name: getattr(config, name, None) for name in ARCHITECTURE_FIELDS}
+    bottleneck = record["bottleneck"]
+    if bottleneck is None:
+        for name in ("rank", "only_lr_act", "lr_act"):
+            record[name] = None
+    if config.latent_activation is None:
+        record["lr_act"] = record["only_lr_act"] = None
+    if bottleneck == "lax":
+        record["lax_kronecker_factor"] = list(config.kronecker_factors) if config.lax_gate == "kronecker" else None
+    else:
+        for name in ("lax_gate", "lax_latent_norm", "lax_base", "lax_kronecker_factor"):
+            record[name] = None
+    return record
+
+
+def architecture_metadata(config) -> dict[str, str]:
+    """The architecture record as safetensors header metadata (``save_file(..., metadata=...)``)."""
+    return {ARCHITECTURE_METADATA_KEY: json.dumps(architecture_record(config), sort_keys=True)}
+
+
+def check_architecture(record: dict, config) -> None:
+    """Raise :class:`CheckpointIntegrityError` listing every field where ``config`` differs from ``record``."""
+    expected = architecture_record(config)
+    different = [
+        f"{name}: checkpoint {record.get(name)!r}, config {expected[name]!r}"
+        for name in ARCHITECTURE_FIELDS
+        if json.dumps(record.get(name)) != json.dumps(expected[name])
+    ]
+    if different:
+        raise CheckpointIntegrityError(
+            "the checkpoint was saved from another architecture than this config ("
+            + "; ".join(different)
+            + "): load it with its own config.json, or start a new run from a matching config."
+        )
+
+
+def write_manifest(folder: str, config=None) -> dict:
+    """Write ``<folder>/manifest.json`` (size and SHA-256 of every file, and ``config``'s architecture record);
+    return it. Call after every other file of the folder is written: the manifest marks the folder complete."""
+    manifest = {
+        "version": MANIFEST_VERSION,
+        "architecture": architecture_record(config) if config is not None else None,
+        "files": {
+            name: {"size": os.path.getsize(os.path.join(folder, name)), "sha256": _sha256(os.path.join(folder, name))}
+            for name in _files(folder)
+        },
+    }
+    staging = os.path.join(folder, f".{MANIFEST_NAME}.tmp")
+    with open(staging, "w") as f:
+        json.dump(manifest, f, indent=1, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(staging, os.path.join(folder, MANIFEST_NAME))
+    return manifest
+
+
+def read_manifest(folder: str) -> dict:
+    """The manifest of ``folder``; :class:`CheckpointIntegrityError` if there is none (an incomplete save)."""
+    path = os.path.join(folder, MANIFEST_NAME)
+    if not os.path.isfile(path):
+        raise CheckpointIntegrityError(
+            f"{folder!r} has no {MANIFEST_NAME}: its save did not complete (or it predates manifests); "
+            "resume from an earlier checkpoint."
+        )
+    with open(path) as f:
+        return json.load(f)
+
+
+def verify_manifest(folder: str, *, hashes: bool = True) -> dict:
+    """Check every file of ``folder`` against its manifest (presence, size and, if ``hashes``, SHA-256); return
+    the manifest. Raises :class:`CheckpointIntegrityError` naming the first missing, resized or altered file."""
+    manifest = read_manifest(folder)
+    for name, entry in manifest["files"].items():
+        path = os.path.join(folder, name)
+        if not os.path.isfile(path):
+            raise CheckpointIntegrityError(f"checkpoint {folder!r} is incomplete: {name} is missing.")
+        size = os.path.getsize(path)
+        if size != entry["size"]:
+            raise CheckpointIntegrityError(
+                f"checkpoint file {path!r} has {size} bytes, the manifest says {entry['size']}: it was truncated or replaced."
+            )
+        if hashes and _sha256(path) != entry["sha256"]:
+            raise CheckpointIntegrityError(
+                f"checkpoint file {path!r} is corrupted (SHA-256 differs from the manifest): restore it or use another checkpoint."
+            )
+    return manifest
+
+
+def verify_checkpoint(folder: str, config) -> None:
+    """:func:`verify_manifest` and, when the manifest has one, :func:`check_architecture` against ``config``."""
+    record = verify_manifest(folder)["architecture"]
+    if record is not None:
+        check_architecture(record, config)
+
+
+__all__ = [
+    "MANIFEST_NAME",
+    "ARCHITECTURE_FIELDS",
+    "ARCHITECTURE_METADATA_KEY",
+    "CheckpointIntegrityError",
+    "architecture_record",
+    "architecture_metadata",
+    "check_architecture",
+    "write_manifest",
+    "read_manifest",
+    "verify_manifest",
+    "verify_checkpoint",
+]

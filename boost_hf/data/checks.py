@@ -1,0 +1,57 @@
+"""Input checks that fail before any work with a message naming the file and the fix.
+
+* :func:`require_existing_path`: a name that looks like a local path (``/``, ``./``, ``~``, or more than one
+  ``/``) but does not exist is reported as "no such file or folder", never sent to the Hub (whose error would
+  be "Repo id must be in the form ...").
+* :func:`check_text_file`: a local text/JSON/CSV file must be non-empty and UTF-8; an undecodable file is
+  named with the byte offset of its first bad byte.
+"""
+
+from __future__ import annotations
+
+import codecs
+import os
+
+CHUNK_BYTES = 1 << 20
+
+
+def looks_like_local_path(name: str | os.PathLike) -> bool:
+    """True if ``name`` cannot be a Hub id (``name`` or ``namespace/name``), so it must be a local path."""
+    text = os.fspath(name)
+    return text.startswith(("/", ".", "~")) or text.count("/") > 1 or os.sep in text.replace("/", "") or text.endswith("/")
+
+
+def require_existing_path(name: str | os.PathLike, what: str) -> None:
+    """Raise ``FileNotFoundError`` if ``name`` looks like a local path (see :func:`looks_like_local_path`) and
+    does not exist; ``what`` says which argument it was (e.g. ``"tokenizer"``)."""
+    if looks_like_local_path(name) and not os.path.exists(os.path.expanduser(os.fspath(name))):
+        raise FileNotFoundError(f"{what}: no such file or folder: {os.fspath(name)!r}")
+
+
+def check_text_file(path: str | os.PathLike) -> None:
+    """Raise ``ValueError`` if the file at ``path`` is empty or not valid UTF-8 (with the offset of the first
+    bad byte). Reads the file once, in 1 MiB chunks."""
+    path = os.fspath(path)
+    if os.path.getsize(path) == 0:
+        raise ValueError(f"data file {path!r} is empty (0 bytes): remove it from the dataset or fill it.")
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    offset = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(CHUNK_BYTES):
+            data = decoder.getstate()[0] + chunk  # bytes held back from the previous chunk come first
+            try:
+                decoder.decode(chunk)
+            except UnicodeDecodeError as error:
+                raise ValueError(
+                    f"data file {path!r} is not UTF-8 text: byte 0x{data[error.start]:02x} at byte offset "
+                    f"{offset - (len(data) - len(chunk)) + error.start} ({error.reason}); convert it "
+                    "(e.g. `iconv -f latin1 -t utf-8`) or remove it."
+                ) from None
+            offset += len(chunk)
+    try:
+        decoder.decode(b"", final=True)
+    except UnicodeDecodeError as error:
+        raise ValueError(f"data file {path!r} is not UTF-8 text: it ends inside a multi-byte character ({error.reason}).") from None
+
+
+__all__ = ["looks_like_local_path", "require_existing_path", "check_text_file"]

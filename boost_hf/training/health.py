@@ -1,0 +1,53 @@
+"""Numerical health of training steps: a non-finite loss or gradient norm is detected on every step.
+
+Detection costs no collective of its own. A micro-batch whose loss is not finite gets a NaN factor
+(:func:`poison_nonfinite_loss`), so its gradients are NaN; gradients are averaged over the data-parallel group
+and the gradient norm is reduced over the tensor-parallel group (:mod:`boost_hf.training.grad_norm`), so every
+rank sees the same non-finite norm at the same step and takes the same decision. With a finite loss the factor
+is exactly 1.0: gradients are bit-identical.
+
+Policies (``--nonfinite``): ``stop`` raises :class:`NonFiniteError` naming the step and the last complete
+checkpoint (nothing is saved after it); ``skip_step`` drops the step's gradients so the optimizer does not
+apply it (moments and weights unchanged; the learning-rate schedule still advances) and counts the skipped
+steps in the logs (``nonfinite_skipped_steps``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+NONFINITE_POLICIES = ("stop", "skip_step")
+
+
+class NonFiniteError(FloatingPointError):
+    """Training produced a non-finite loss or gradient norm under ``--nonfinite stop``."""
+
+
+def poison_nonfinite_loss(loss: torch.Tensor) -> torch.Tensor:
+    """``loss`` times 1.0, or times NaN if it is not finite (so that its gradients are NaN). No host sync."""
+    finite = torch.isfinite(loss.detach())
+    return loss * torch.where(finite, torch.ones_like(loss), torch.full_like(loss, float("nan")))
+
+
+def is_finite(value) -> bool:
+    """Whether a gradient norm (tensor or float) is finite."""
+    return math.isfinite(float(value))
+
+
+def nonfinite_error(step: int, grad_norm, last_checkpoint: str | None) -> NonFiniteError:
+    """The error of ``--nonfinite stop`` at optimizer step ``step`` (1-based)."""
+    resume = (
+        f"the last complete checkpoint is {last_checkpoint!r} (resume with --resume_from_checkpoint {last_checkpoint})"
+        if last_checkpoint
+        else "no checkpoint was saved before it"
+    )
+    return NonFiniteError(
+        f"non-finite loss or gradient norm ({float(grad_norm)}) at step {step}: training stopped and nothing was saved "
+        f"after it; {resume}. Lower the learning rate or raise the warm-up, check the data, or pass "
+        "--nonfinite skip_step to skip such steps."
+    )
+
+
+__all__ = ["NONFINITE_POLICIES", "NonFiniteError", "poison_nonfinite_loss", "is_finite", "nonfinite_error"]

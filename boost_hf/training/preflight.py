@@ -1,0 +1,80 @@
+"""Checks of a training run that fail before any collective, with the same error on every rank.
+
+Each rank checks the same facts (the configuration, the tokenizer, the whole training and validation sets),
+so all ranks raise the same error before a collective could hang. Token ids are also checked per batch
+(:class:`TokenIdCheckingCollator`, on the CPU before the batch moves to the device) for data that cannot be
+checked up front (streams); an out-of-range id on a DP rank then stops that rank with a message naming it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..configuration_boost_llama import check_int
+
+
+def check_model_and_data(config, tokenizer, block_size) -> None:
+    """``block_size`` fits the model's positions, and every token id of ``tokenizer`` fits its vocabulary."""
+    check_int("block_size", block_size, minimum=2)
+    if block_size > config.max_position_embeddings:
+        raise ValueError(
+            f"block_size ({block_size}) exceeds the model's max_position_embeddings ({config.max_position_embeddings}): "
+            "lower block_size or raise max_position_embeddings."
+        )
+    if len(tokenizer) > config.vocab_size:
+        raise ValueError(
+            f"the tokenizer has {len(tokenizer)} tokens but the model's vocab_size is {config.vocab_size}: raise "
+            "vocab_size (or leave it unset to take the tokenizer's) or use a smaller tokenizer."
+        )
+
+
+def check_token_ids(input_ids: torch.Tensor, vocab_size: int, where: str = "a batch") -> None:
+    """Every id of ``input_ids`` is in ``[0, vocab_size)``."""
+    if input_ids.numel() == 0:
+        return
+    low, high = int(input_ids.min()), int(input_ids.max())
+    if low < 0 or high >= vocab_size:
+        bad = low if low < 0 else high
+        raise ValueError(
+            f"{where} holds token id {bad}, outside the model's vocabulary [0, {vocab_size}): the data was tokenized "
+            "with another tokenizer, or vocab_size is too small."
+        )
+
+
+def check_dataset(dataset, vocab_size: int, name: str, minimum_blocks: int) -> None:
+    """A sized dataset has at least ``minimum_blocks`` rows and, for a ``datasets.Dataset`` with ``input_ids``,
+    only ids in range (one vectorised pass over the Arrow column)."""
+    if not hasattr(dataset, "__len__"):
+        return
+    if len(dataset) < minimum_blocks:
+        raise ValueError(
+            f"the {name} set has {len(dataset)} blocks, fewer than {minimum_blocks} "
+            + ("(one global batch: per_device_train_batch_size x data-parallel size x gradient_accumulation_steps)"
+               if name == "training" else "(it is empty)")
+            + ": add data, lower block_size or the batch size, or raise max_train_blocks / max_eval_blocks."
+        )
+    from datasets import Dataset
+
+    if not isinstance(dataset, Dataset) or "input_ids" not in dataset.column_names:
+        return
+    import pyarrow.compute as pc
+
+    ids = pc.list_flatten(dataset.data.column("input_ids"))
+    if len(ids):
+        bounds = pc.min_max(ids)
+        check_token_ids(torch.tensor([bounds["min"].as_py(), bounds["max"].as_py()]), vocab_size, f"the {name} set")
+
+
+class TokenIdCheckingCollator:
+    """Wraps a data collator: every batch's ``input_ids`` must lie in ``[0, vocab_size)``."""
+
+    def __init__(self, collator, vocab_size: int):
+        self.collator, self.vocab_size = collator, vocab_size
+
+    def __call__(self, features):
+        batch = self.collator(features)
+        check_token_ids(torch.as_tensor(batch["input_ids"]), self.vocab_size)
+        return batch
+
+
+__all__ = ["check_model_and_data", "check_token_ids", "check_dataset", "TokenIdCheckingCollator"]

@@ -1,0 +1,81 @@
+"""Manifest (size + SHA-256 of every file) and architecture record of checkpoint folders."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from boost_hf import BoostLlamaConfig
+from boost_hf.checkpoint_integrity import (
+    ARCHITECTURE_METADATA_KEY,
+    CheckpointIntegrityError,
+    architecture_metadata,
+    architecture_record,
+    check_architecture,
+    verify_checkpoint,
+    verify_manifest,
+    write_manifest,
+)
+
+
+def config(**fields) -> BoostLlamaConfig:
+    base = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                bottleneck="cola", rank=16)
+    return BoostLlamaConfig(**{**base, **fields})
+
+
+@pytest.fixture
+def folder(tmp_path):
+    (tmp_path / "model.safetensors").write_bytes(bytes(range(256)) * 4)
+    (tmp_path / "global_step3").mkdir()
+    (tmp_path / "global_step3" / "optim.pt").write_bytes(b"x" * 10)
+    write_manifest(str(tmp_path), config())
+    return tmp_path
+
+
+def test_an_intact_folder_verifies(folder):
+    manifest = verify_manifest(str(folder))
+    assert sorted(manifest["files"]) == ["global_step3/optim.pt", "model.safetensors"]
+    verify_checkpoint(str(folder), config())
+
+
+def test_a_flipped_byte_is_named(folder):
+    data = bytearray((folder / "model.safetensors").read_bytes())
+    data[100] ^= 0xFF
+    (folder / "model.safetensors").write_bytes(bytes(data))
+    with pytest.raises(CheckpointIntegrityError, match="model.safetensors' is corrupted"):
+        verify_manifest(str(folder))
+
+
+def test_truncated_and_missing_files_are_named(folder):
+    (folder / "global_step3" / "optim.pt").write_bytes(b"x")
+    with pytest.raises(CheckpointIntegrityError, match="optim.pt' has 1 bytes, the manifest says 10"):
+        verify_manifest(str(folder))
+    (folder / "global_step3" / "optim.pt").unlink()
+    with pytest.raises(CheckpointIntegrityError, match="incomplete: global_step3/optim.pt is missing"):
+        verify_manifest(str(folder))
+
+
+def test_a_folder_without_manifest_is_incomplete(tmp_path):
+    with pytest.raises(CheckpointIntegrityError, match="has no manifest.json: its save did not complete"):
+        verify_manifest(str(tmp_path))
+
+
+@pytest.mark.parametrize("other, message", [
+    (dict(bottleneck="svd"), "bottleneck: checkpoint 'cola', config 'svd'"),
+    (dict(only_lr_act=False), "only_lr_act: checkpoint True, config False"),
+    (dict(rank=8), "rank: checkpoint 16, config 8"),
+    (dict(lr_act="gelu"), "lr_act: checkpoint 'silu', config 'gelu'"),
+])
+def test_another_architecture_is_refused(folder, other, message):
+    with pytest.raises(CheckpointIntegrityError, match=message):
+        verify_checkpoint(str(folder), config(**other))
+
+
+def test_unused_options_do_not_count():
+    assert architecture_record(config(bottleneck="svd", lr_act="gelu")) == architecture_record(config(bottleneck="svd"))
+    assert architecture_record(config(bottleneck=None, rank=8)) == architecture_record(config(bottleneck=None))
+    lax = config(bottleneck="lax", lax_gate="kronecker")
+    assert architecture_record(lax)["lax_kronecker_factor"] == [4, 4]
+    check_architecture(json.loads(architecture_metadata(lax)[ARCHITECTURE_METADATA_KEY]), lax)

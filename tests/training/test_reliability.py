@@ -1,0 +1,268 @@
+"""Training that never lies, in one process: non-finite steps, data and path mistakes, checkpoint integrity,
+the output folder's lock, disk-full saves, and the Trainer internals that BoostTrainer still overrides."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import subprocess
+
+import pytest
+import torch
+from datasets import Dataset
+from transformers import Trainer
+
+from boost_hf import BoostLlamaConfig, BoostLlamaForCausalLM
+from boost_hf.checkpoint_integrity import CheckpointIntegrityError
+from boost_hf.training import BoostTrainer, BoostTrainingArguments
+from boost_hf.training.checkpoint import CheckpointWriteError, OutputDirInUseError, OutputDirLock
+from boost_hf.training.health import NonFiniteError
+
+VOCAB, BLOCK = 64, 16
+
+
+def tiny_model(**fields) -> BoostLlamaForCausalLM:
+    torch.manual_seed(0)
+    config = BoostLlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                              num_attention_heads=2, bottleneck="cola", rank=8, max_position_embeddings=BLOCK, **fields)
+    return BoostLlamaForCausalLM(config)
+
+
+def blocks(n: int, high: int = VOCAB) -> Dataset:
+    ids = torch.randint(0, high, (n, BLOCK), generator=torch.Generator().manual_seed(n)).tolist()
+    return Dataset.from_dict({"input_ids": ids, "labels": ids})
+
+
+def arguments(output_dir, **overrides) -> BoostTrainingArguments:
+    values = dict(output_dir=str(output_dir), max_steps=4, per_device_train_batch_size=4, learning_rate=1e-3,
+                  logging_steps=1, save_strategy="steps", save_steps=2, report_to="none", disable_tqdm=True,
+                  sample_max_new_tokens=0, warmup_steps=0)
+    return BoostTrainingArguments(**{**values, **overrides})
+
+
+def trainer(output_dir, train=None, **overrides) -> BoostTrainer:
+    return BoostTrainer(model=tiny_model(), args=arguments(output_dir, **overrides),
+                        train_dataset=train if train is not None else blocks(32), eval_dataset=blocks(4))
+
+
+@pytest.fixture
+def nan_loss_at(monkeypatch):
+    """``nan_loss_at({3})``: the loss of the micro-batches of steps 3 is NaN, its gradients stay finite (a constant
+    is added), so only the loss check can catch it."""
+    def install(steps: set[int]):
+        original = Trainer.compute_loss
+
+        def compute_loss(self, *args, **kwargs):
+            loss = original(self, *args, **kwargs)
+            return loss + torch.tensor(float("nan")) if self.state.global_step + 1 in steps else loss
+
+        monkeypatch.setattr(Trainer, "compute_loss", compute_loss)
+    return install
+
+
+def parameters(model) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+# ---------------------------------------------------------------------------- numerical health
+def test_nonfinite_stop_names_the_step_and_the_last_checkpoint(tmp_path, nan_loss_at):
+    nan_loss_at({3})
+    t = trainer(tmp_path)
+    with pytest.raises(NonFiniteError, match=r"non-finite loss or gradient norm \(nan\) at step 3: .*checkpoint-2"):
+        t.train()
+    assert sorted(os.listdir(tmp_path)) == [".boost_hf.lock", "checkpoint-2"]  # no final, no later checkpoint
+    assert all(torch.isfinite(p).all() for p in t.model.parameters()), "the non-finite update was applied"
+
+
+def test_huge_learning_rate_stops_instead_of_saving_nan(tmp_path):
+    t = trainer(tmp_path, learning_rate=1e12, max_steps=20, save_strategy="no", max_grad_norm=0.0)
+    with pytest.raises(NonFiniteError, match="no checkpoint was saved before it"):
+        t.train()
+
+
+def test_nonfinite_skip_step_leaves_the_weights_and_counts(tmp_path, nan_loss_at):
+    nan_loss_at({2})
+    t = trainer(tmp_path, nonfinite="skip_step", save_strategy="no")
+    seen = {}
+
+    class Snapshot(__import__("transformers").TrainerCallback):
+        def on_step_end(self, args, state, control, model=None, **kwargs):
+            seen[state.global_step] = parameters(model)
+
+    t.add_callback(Snapshot())
+    t.train()
+    assert all(torch.equal(seen[1][n], seen[2][n]) for n in seen[1]), "the skipped step changed the weights"
+    assert not all(torch.equal(seen[2][n], seen[3][n]) for n in seen[2])
+    logs = [log for log in t.state.log_history if "nonfinite_skipped_steps" in log]
+    assert [log["nonfinite_skipped_steps"] for log in logs] == [0, 1, 1, 1]
+
+
+def test_nonfinite_policy_is_validated(tmp_path):
+    with pytest.raises(ValueError, match="nonfinite must be one of stop, skip_step, got 'ignore'"):
+        arguments(tmp_path, nonfinite="ignore")
+
+
+# ---------------------------------------------------------------------------- data and arguments
+def test_fewer_blocks_than_one_global_batch(tmp_path):
+    with pytest.raises(ValueError, match="the training set has 3 blocks, fewer than 8 .one global batch"):
+        trainer(tmp_path, train=blocks(3), per_device_train_batch_size=8)
+
+
+def test_empty_validation_set(tmp_path):
+    with pytest.raises(ValueError, match="the validation set has 0 blocks, fewer than 1 .it is empty"):
+        BoostTrainer(model=tiny_model(), args=arguments(tmp_path), train_dataset=blocks(8), eval_dataset=blocks(0))
+
+
+def test_token_ids_out_of_range_fail_before_training(tmp_path):
+    with pytest.raises(ValueError, match=rf"the training set holds token id {VOCAB}, outside the model's vocabulary \[0, {VOCAB}\)"):
+        trainer(tmp_path, train=blocks(8, high=VOCAB + 1))
+    streamed = trainer(tmp_path).data_collator  # batches of streams are checked one by one
+    with pytest.raises(ValueError, match=r"a batch holds token id -1"):
+        streamed([{"input_ids": [1, -1], "labels": [1, -1]}])
+
+
+def test_compute_metrics_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="does not support compute_metrics"):
+        BoostTrainer(model=tiny_model(), args=arguments(tmp_path), train_dataset=blocks(8), compute_metrics=lambda p: {})
+
+
+def test_model_must_fit_block_size_and_tokenizer():
+    from boost_hf.training.preflight import check_model_and_data
+
+    config = tiny_model().config
+    tokenizer = type("Tokenizer", (), {"__len__": lambda self: VOCAB + 1})()
+    with pytest.raises(ValueError, match=r"block_size \(32\) exceeds the model's max_position_embeddings \(16\)"):
+        check_model_and_data(config, tokenizer, 32)
+    with pytest.raises(ValueError, match=rf"the tokenizer has {VOCAB + 1} tokens but the model's vocab_size is {VOCAB}"):
+        check_model_and_data(config, tokenizer, BLOCK)
+    with pytest.raises(TypeError, match="block_size must be an int, got str"):
+        check_model_and_data(config, tokenizer, "16")
+
+
+# ---------------------------------------------------------------------------- checkpoints and the output folder
+@pytest.fixture
+def finished_run(tmp_path):
+    t = trainer(tmp_path / "run")
+    t.train()
+    t.save_final_model()
+    t._output_dir_lock.release()
+    return tmp_path / "run"
+
+
+def test_checkpoints_have_a_manifest_and_resume_verifies_it(finished_run, tmp_path):
+    for folder in ("checkpoint-2", "checkpoint-4", "final"):
+        assert (finished_run / folder / "manifest.json").is_file(), folder
+    assert not [p for p in finished_run.iterdir() if p.name.startswith(".") and p.name != ".boost_hf.lock"]
+    weights = finished_run / "checkpoint-2" / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-3] ^= 0x01
+    weights.write_bytes(bytes(data))
+    with pytest.raises(CheckpointIntegrityError, match="checkpoint-2/model.safetensors' is corrupted"):
+        trainer(finished_run).train(resume_from_checkpoint=str(finished_run / "checkpoint-2"))
+    with pytest.raises(FileNotFoundError, match="resume_from_checkpoint: no such file or folder"):
+        trainer(finished_run).train(resume_from_checkpoint=str(tmp_path / "nowhere"))
+
+
+def test_resume_last_takes_the_last_complete_checkpoint(finished_run):
+    (finished_run / "checkpoint-4" / "manifest.json").unlink()  # as if the save of step 4 had been interrupted
+    t = trainer(finished_run)
+    t.train(resume_from_checkpoint=True)
+    assert [log["step"] for log in t.state.log_history if "loss" in log] == [1, 2, 3, 4]  # 3 and 4 retrained
+
+
+def test_a_new_run_refuses_a_finished_output_dir(finished_run):
+    with pytest.raises(FileExistsError, match="already holds a run .checkpoint-2, checkpoint-4, final.*--overwrite_output_dir"):
+        trainer(finished_run).train()
+    t = trainer(finished_run, overwrite_output_dir=True, save_strategy="no", max_steps=1)
+    t.train()
+    assert not (finished_run / "checkpoint-4").exists() and not (finished_run / "final").exists()
+
+
+def test_a_second_run_into_a_locked_output_dir_fails(tmp_path):
+    first = OutputDirLock(str(tmp_path))
+    first.acquire("first-run")
+    with pytest.raises(OutputDirInUseError, match=rf"is in use by another run \(pid {os.getpid()} on .*delete .*\.boost_hf\.lock"):
+        trainer(tmp_path).train()
+    first.release()
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    (tmp_path / ".boost_hf.lock").write_text(json.dumps({"pid": dead.pid, "host": os.uname().nodename}))
+    OutputDirLock(str(tmp_path)).acquire("second-run")  # a dead run's lock on this host is taken over
+
+
+def _tmpfs(path, size: str) -> bool:
+    path.mkdir()
+    return subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True).returncode == 0
+
+
+def test_disk_full_keeps_the_previous_checkpoint_and_no_partial_folder(tmp_path, monkeypatch):
+    """On a 240 KiB tmpfs (or, without mount rights, a simulated ENOSPC) the second ~150 KiB checkpoint does not fit."""
+    disk = tmp_path / "disk"
+    mounted = _tmpfs(disk, "240k")
+    try:
+        t = trainer(disk, max_steps=4)
+        if not mounted:
+            original = torch.save
+
+            def full_after_first_checkpoint(obj, f, *args, **kwargs):
+                if t.state.global_step > 2:
+                    raise OSError(errno.ENOSPC, "No space left on device")
+                return original(obj, f, *args, **kwargs)
+
+            monkeypatch.setattr(torch, "save", full_after_first_checkpoint)
+        with pytest.raises(CheckpointWriteError, match=r"could not save .*checkpoint-4': no space left on device"):
+            t.train()
+        assert sorted(p.name for p in disk.iterdir() if p.name != ".boost_hf.lock") == ["checkpoint-2"]
+        from boost_hf.checkpoint_integrity import verify_manifest
+
+        verify_manifest(str(disk / "checkpoint-2"))
+    finally:
+        if mounted:
+            subprocess.run(["umount", str(disk)], check=True)
+
+
+def test_init_from_paths_and_architecture_are_checked(finished_run, tmp_path):
+    from boost_hf.training.recipe import build_model, parse_recipe
+
+    def model_from(path, *extra):
+        model_args, _, training_args = parse_recipe(["--init_from", str(path), "--output_dir", str(tmp_path / "o"), *extra])
+        tokenizer = type("Tokenizer", (), {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": None})()
+        return build_model(model_args, training_args, tokenizer)
+
+    with pytest.raises(FileNotFoundError, match="init_from: no such file or folder"):
+        model_from(tmp_path / "missing")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="has no config.json, so it is not a saved model"):
+        model_from(tmp_path / "empty")
+    with pytest.raises(CheckpointIntegrityError, match="only_lr_act: checkpoint True, config False"):
+        model_from(finished_run / "final", "--only_lr_act", "false")
+    assert model_from(finished_run / "final").config.only_lr_act is True
+
+
+# ---------------------------------------------------------------------------- Trainer internals still overridden
+TRANSFORMERS_PRIVATE_OVERRIDES = {
+    # name: SHA-256[:16] of ``inspect.getsource(transformers.Trainer.<name>)`` in transformers 5.23.0
+    "_clip_grad_norm": "ebfa9dc91d3088ab",
+    "_get_grad_norm": "913ba6f52f074d10",
+    "_load_from_checkpoint": "a2804e8d93a297e3",
+    "_load_optimizer_and_scheduler": "741032f57d6fb802",
+    "_prepare_for_training": "f55950593d7e10c0",
+    "_save_checkpoint": "a9111e30faa99339",
+    "_save_optimizer_and_scheduler": "c5ef974db69ab993",
+    "_track_num_input_tokens": "090592fb6618b957",
+    "_wrap_model": "317173a8bd8960fc",
+}
+
+
+def test_overridden_private_trainer_methods_have_not_changed():
+    """BoostTrainer overrides these private Trainer methods; if transformers changes one, review the override
+    (then record the new hash here)."""
+    import hashlib
+    import inspect
+
+    current = {
+        name: hashlib.sha256(inspect.getsource(getattr(Trainer, name)).encode()).hexdigest()[:16]
+        for name in sorted(n for n in vars(BoostTrainer) if n.startswith("_") and not n.startswith("__") and hasattr(Trainer, n))
+    }
+    assert current == TRANSFORMERS_PRIVATE_OVERRIDES
