@@ -87,10 +87,10 @@ def _build(config, parallel):
     return BoostLlamaForCausalLM(config, parallel_config=parallel).train()
 
 
-def build_fake_model(config, parallel, fake_mode, device: str = "cpu") -> nn.Module:
-    """A ``BoostLlamaForCausalLM`` whose parameters and buffers are fake tensors of ``fake_mode`` (a
-    ``FakeTensorMode``) on ``device``. Call it outside fake mode: the model is first built on ``meta``
-    (see the module docstring)."""
+def build_fake_model(config, parallel, fake_mode) -> nn.Module:
+    """A ``BoostLlamaForCausalLM`` whose parameters and buffers are CPU fake tensors of ``fake_mode`` (a
+    ``FakeTensorMode``). Call it outside fake mode: the model is first built on ``meta`` (see the module
+    docstring)."""
     with torch.device("meta"):
         model = _build(config, parallel)
     fakes: dict[int, torch.Tensor] = {}  # tied tensors stay tied
@@ -101,7 +101,7 @@ def build_fake_model(config, parallel, fake_mode, device: str = "cpu") -> nn.Mod
                     if tensor is None:
                         continue
                     if id(tensor) not in fakes:
-                        fake = torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device=device)
+                        fake = torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device="cpu")
                         if isinstance(tensor, nn.Parameter):
                             fake = nn.Parameter(fake, requires_grad=tensor.requires_grad)
                         fake.__dict__.update(tensor.__dict__)
