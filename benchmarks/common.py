@@ -74,14 +74,9 @@ QUICK = BenchShape(
 # ---------------------------------------------------------------------------------------------- machine
 def cpu_model() -> str:
     """The CPU's ``model name`` from ``/proc/cpuinfo`` (or ``platform.processor()``)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
+    from boost_hf.perf.rank_cost import device_name
+
+    return device_name("cpu")
 
 
 def memory_gib() -> float:

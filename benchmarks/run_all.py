@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-SCRIPTS = ("comm_per_layer", "step_time", "memory", "gpu_throughput")
+SCRIPTS = ("comm_per_layer", "step_time", "memory", "rank_cost", "gpu_throughput")
 
 
 def main() -> int:

@@ -109,7 +109,8 @@ def parallelize(model: nn.Module, parallel: ParallelConfig, *, initialize: bool 
                 shard_parameter(module, name, None, plan)  # replicated: materialise and mark
         if any(buffer.is_meta for buffer in module.buffers(recurse=False)):
             module.to_empty(device="cpu", recurse=False)
-            model._init_weights(module)  # rotary tables
+            with torch.device("cpu"):  # even inside a caller's meta-device context
+                model._init_weights(module)  # rotary tables
     for module, mixin in ((base, TensorParallelBaseModel), (model, TensorParallelCausalLM)):
         _keep_class_identity(mixin, type(module))
         adopt(module, mixin, plan=plan)

@@ -1,0 +1,214 @@
+"""One tensor-parallel rank's decoder-layer cost: counted with fake tensors (any machine, seconds) and measured
+on this machine's device.
+
+Both run one rank of a ``--tp``-way layout alone under a fake process group (collectives are no-ops) and
+take one layer as the difference of an ``L2``- and an ``L1``-layer model over ``L2 - L1``
+(:mod:`boost_hf.perf.rank_cost`). Counted (bf16 autocast, forward + backward): GEMM and attention FLOPs,
+bytes and number of every other aten op, collectives, checked against ``comm_formula``. Measured (forward +
+backward + AdamW, eager and with ``--compile``): milliseconds per layer, variants interleaved, medians.
+
+    python benchmarks/rank_cost.py                     # counted 7B TP4, 2 x 4096; measured on CPU at a tiny 60m shape
+    python benchmarks/rank_cost.py --device cuda --compile   # measured at the counted shape on the GPU too
+    python benchmarks/rank_cost.py --size 13b --tp 2 --seq 2048 --variants btp btp-sync --no-measure
+    python benchmarks/rank_cost.py --quick             # 60m TP2, a few steps (smoke test)
+"""
+
+from __future__ import annotations
+
+import torch
+
+from common import base_parser, parse, save_figure, table, write_result
+
+from boost_hf import BoostLlamaConfig, ParallelConfig
+from boost_hf.perf.comm_formula import layer_communication
+from boost_hf.perf.rank_cost import count_rank_layer, device_name, fake_process_group, measure_rank_layers
+
+# name -> (preset family: "llama" or the low-rank family of --low-rank, ParallelConfig fields)
+VARIANTS = {
+    "megatron": ("llama", dict(tp_style="megatron")),
+    "vanilla": ("low-rank", dict(tp_style="vanilla")),
+    "vanilla ungrouped": ("low-rank", dict(tp_style="vanilla", group_linears=False)),
+    "btp online grouped": ("low-rank", dict(tp_style="btp", rmsnorm="online")),
+    "btp sync grouped": ("low-rank", dict(tp_style="btp", rmsnorm="sync")),
+    "btp online ungrouped": ("low-rank", dict(tp_style="btp", rmsnorm="online", group_linears=False)),
+    "btp sync ungrouped": ("low-rank", dict(tp_style="btp", rmsnorm="sync", group_linears=False)),
+}
+DEFAULT_VARIANTS = ["megatron", "vanilla", "btp online grouped", "btp sync grouped", "btp online ungrouped"]
+GB, MB = 1e9, 1e6
+
+
+def _num(x: float) -> str:
+    """Whole numbers from 100 up, three significant digits below (0.0609, 12.6, 2487)."""
+    return f"{x:.0f}" if abs(x) >= 100 else f"{x:.3g}"
+
+
+def variant_case(name: str, size: str, low_rank: str, tp: int, checkpointing: str, **overrides):
+    """``(preset name, BoostLlamaConfig, ParallelConfig)`` of a variant."""
+    family, fields = VARIANTS[name]
+    preset = f"{low_rank if family == 'low-rank' else family}-{size}"
+    config = BoostLlamaConfig.from_preset(preset, **overrides)
+    return preset, config, ParallelConfig(tp_size=tp, activation_checkpointing=checkpointing, **fields)
+
+
+def _collectives(summary: dict) -> str:
+    c = summary["collectives"]
+    return f"{sum(k['calls'] for k in c.values())}, {_num(sum(k['bytes'] for k in c.values()) / MB)} MB"
+
+
+def _equals_formula(cost: dict, config, parallel) -> str:
+    formula = layer_communication(config, parallel, cost["tokens"])
+    counted = {d: {k: {"calls": v["calls"], "elements": v["elements"]} for k, v in cost[d]["collectives"].items()}
+               for d in ("forward", "backward")}
+    return "yes" if counted == {"forward": formula.forward.to_dict(), "backward": formula.backward.to_dict()} else "**NO**"
+
+
+def counted_section(args, names: list[str]) -> tuple[list[str], dict]:
+    """Count every variant; return the Markdown lines and ``{name: total summary}`` for the plot."""
+    rows, totals = [], {}
+    for name in names:
+        preset, config, parallel = variant_case(name, args.size, args.low_rank, args.tp, args.checkpointing)
+        try:
+            parallel.check_model(config)
+        except ValueError as err:
+            rows.append([name, preset, f"not applicable: {err}", "", "", "", "", "", ""])
+            continue
+        cost = count_rank_layer(config, parallel, args.batch, args.seq, layers=tuple(args.layers))
+        total = totals[name] = cost["total"]
+        movers = ", ".join(f"{op} {_num(v['bytes'] / GB)}" for op, v in list(total["non_gemm_by_op"].items())[:5])
+        rows.append([
+            name, preset, _num(total["gemm_flops"] / GB), _num(total["attention_flops"] / GB),
+            _num(total["non_gemm_bytes"] / GB), f"{total['non_gemm_ops']:g}",
+            f"{_collectives(cost['forward'])} / {_collectives(cost['backward'])}", _equals_formula(cost, config, parallel), movers,
+        ])
+        print(f"counted {name}: {rows[-1][2:6]}", flush=True)
+    lines = [
+        f"## Counted: {args.size}, TP {args.tp}, micro-batch {args.batch} x seq {args.seq} "
+        f"(N = {args.batch * args.seq}), bf16 autocast, forward + backward",
+        "",
+        f"Per decoder layer on one rank = (model with {args.layers[1]} layers - model with {args.layers[0]}) / "
+        f"{args.layers[1] - args.layers[0]}, counted under `FakeTensorMode` and a fake process group "
+        f"(`boost_hf.perf.rank_cost.count_rank_layer`); activation checkpointing: {args.checkpointing}. "
+        "GEMM = mm/addmm/bmm/baddbmm (2mkn); attention = the fused SDPA kernels (score and weighted-sum GEMMs, "
+        "backward 2x forward; boost-hf passes an explicit causal mask, so the full score matrix); non-GEMM = "
+        "bytes read + written and number of every other aten op (views, metadata and bare allocations excluded; "
+        "collectives excluded: they are the next column, from `CommCounter`, forward / backward).",
+        "",
+        *table(["layout", "preset", "GEMM GFLOP", "attention GFLOP", "non-GEMM GB", "non-GEMM ops",
+                "collectives fwd / bwd (calls, bytes)", "= comm formula", "biggest movers (GB)"], rows),
+        "",
+    ]
+    return lines, totals
+
+
+def _ms(result: dict) -> str:
+    if "error" in result:
+        return result["error"]
+    return f"{result['ms_per_layer']:.2f} [{result['ms_per_layer_min']:.2f}, {result['ms_per_layer_max']:.2f}]"
+
+
+def measured_section(args, names: list[str]) -> tuple[list[str], dict]:
+    """Time every variant eager (and compiled with ``--compile``); Markdown lines and ``{mode: results}``."""
+    m = args.measure
+    cases = {}
+    for name in names:
+        preset, config, parallel = variant_case(name, m["size"], args.low_rank, args.tp, args.checkpointing, **m["overrides"])
+        try:
+            parallel.check_model(config)
+        except ValueError:
+            continue
+        cases[name] = (config, parallel)
+    timing = dict(device=args.device, layers=m["layers"], warmup=args.warmup, reps=args.reps)
+    runs = {"eager": measure_rank_layers(cases, m["batch"], m["seq"], **timing)}
+    if args.compile:
+        runs["compiled"] = measure_rank_layers(cases, m["batch"], m["seq"], compile=True, **timing)
+    rows = [[name, *(_ms(runs[mode][name]) for mode in runs),
+             " / ".join(f"{v:.1f}" for v in runs["eager"][name].get("step_ms", {}).values())] for name in cases]
+    overrides = ", ".join(f"{k}={v}" for k, v in m["overrides"].items())
+    lines = [
+        f"## Measured on {device_name(args.device)} ({args.device})",
+        "",
+        f"{m['size']} presets{' (' + overrides + ')' if overrides else ''}, TP {args.tp} (one rank, fake process group), "
+        f"micro-batch {m['batch']} x seq {m['seq']}, bf16 autocast, forward + backward + AdamW; per layer = "
+        f"(t({m['layers'][1]} layers) - t({m['layers'][0]} layers)) / {m['layers'][1] - m['layers'][0]} per round, "
+        f"all models interleaved, median [min, max] of {args.reps} rounds after {args.warmup} warm-up rounds "
+        "(`boost_hf.perf.rank_cost.measure_rank_layers`).",
+        "",
+        *table(["layout", *(f"{mode} ms per layer" for mode in runs), f"eager step ms ({m['layers'][0]} / {m['layers'][1]} layers)"], rows),
+        "",
+    ]
+    return lines, runs
+
+
+def plot(counted: dict, runs: dict, args, out) -> str:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [
+        ("GEMM + attention TFLOP", lambda t: (t["gemm_flops"] + t["attention_flops"]) / 1e12),
+        ("non-GEMM GB", lambda t: t["non_gemm_bytes"] / GB),
+        ("non-GEMM ops (eager kernels)", lambda t: t["non_gemm_ops"]),
+    ]
+    fig, axes = plt.subplots(1, len(panels) + bool(runs), figsize=(4.2 * (len(panels) + bool(runs)), 4))
+    names = list(counted)
+    for ax, (title, value) in zip(axes, panels):
+        ax.barh(names, [value(counted[n]) for n in names], color="tab:blue")
+        ax.set_title(f"counted: {title}", fontsize=9)
+        ax.invert_yaxis()
+    if runs:
+        ax = axes[-1]
+        width = 0.8 / len(runs)
+        for i, (mode, results) in enumerate(runs.items()):
+            ok = [n for n in results if "ms_per_layer" in results[n]]
+            ax.barh([list(results).index(n) + i * width for n in ok], [results[n]["ms_per_layer"] for n in ok], height=width, label=mode)
+        ax.set_yticks(range(len(runs["eager"])), list(runs["eager"]))
+        ax.invert_yaxis()
+        ax.set_title(f"measured ms per layer, {args.device}", fontsize=9)
+        ax.legend(fontsize=8)
+    fig.suptitle(f"one rank's decoder layer: counted {args.size} TP{args.tp}, {args.batch} x {args.seq}", fontsize=10)
+    return save_figure(fig, out, "rank_cost")
+
+
+def main() -> None:
+    parser = base_parser(__doc__.splitlines()[0], timed=True)
+    parser.add_argument("--size", default="7b", help="preset size of the counted models (default: 7b)")
+    parser.add_argument("--low-rank", default="cola", choices=["cola", "svd", "lax"], help="preset family of the low-rank layouts (megatron uses llama)")
+    parser.add_argument("--tp", type=int, default=4, help="tensor-parallel size (default: 4)")
+    parser.add_argument("--batch", type=int, default=2, help="micro-batch of the counted run (default: 2)")
+    parser.add_argument("--seq", type=int, default=4096, help="sequence length of the counted run (default: 4096)")
+    parser.add_argument("--layers", type=int, nargs=2, default=[1, 3], metavar=("L1", "L2"), help="layer counts differenced (default: 1 3)")
+    parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=DEFAULT_VARIANTS, metavar="NAME",
+                        help=f"layouts to run (default: {', '.join(DEFAULT_VARIANTS)}; all: {', '.join(VARIANTS)})")
+    parser.add_argument("--checkpointing", default="none", choices=["none", "full", "lowrank"], help="activation checkpointing of every variant")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cuda", "cpu"],
+                        help="device of the measured run (default: cuda where available)")
+    parser.add_argument("--compile", action="store_true", help="also measure torch.compile-d models")
+    parser.add_argument("--no-measure", action="store_true", help="count only")
+    parser.add_argument("--warmup", type=int, default=2, help="warm-up rounds of the measured run (default: 2)")
+    parser.add_argument("--reps", type=int, default=None, help="timed rounds (default: 10 on cuda, 20 on cpu)")
+    args, started = parse(parser)
+    if args.quick:
+        args.size, args.tp, args.batch, args.seq = "60m", 2, 1, 128
+    on_cpu = args.device == "cpu"
+    # On CPU the counted shape would take minutes per step: time a 60m model with a small vocabulary (the LM
+    # head, identical in both models, only adds noise to the difference).
+    args.measure = dict(
+        size="60m" if on_cpu else args.size, batch=1 if on_cpu else args.batch, seq=(64 if args.quick else 128) if on_cpu else args.seq,
+        layers=(1, 2) if args.quick else (1, 5) if on_cpu else (2, 10), overrides=dict(vocab_size=1024) if on_cpu else {},
+    )
+    args.reps = args.reps or (2 if args.quick else 20 if on_cpu else 10)
+    args.warmup = 1 if args.quick else args.warmup
+
+    with fake_process_group(args.tp):
+        lines, counted = counted_section(args, args.variants)
+        runs: dict = {}
+        if not args.no_measure:
+            measured, runs = measured_section(args, args.variants)
+            lines += measured
+    lines.append(plot(counted, runs, args, args.out))
+    write_result(args.out, "rank_cost", "One tensor-parallel rank's decoder-layer cost", lines, quick=args.quick, started=started)
+
+
+if __name__ == "__main__":
+    main()

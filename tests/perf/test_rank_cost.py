@@ -1,0 +1,125 @@
+"""One rank's counted decoder-layer cost (``boost_hf.perf.rank_cost``) at the 60m shape, TP 2, batch 1 x seq 128.
+
+Collectives must equal ``comm_formula.layer_communication`` exactly and GEMM / attention FLOPs the
+``perf.flops`` formulas; non-GEMM bytes and op counts are held under the values counted when this test was
+written, so that they cannot grow silently.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from boost_hf import BoostLlamaConfig, ParallelConfig
+from boost_hf.perf.comm_formula import layer_communication
+from boost_hf.perf.flops import attention_flops_per_token, crossing_flops_per_token, linear_flops_per_token
+from boost_hf.perf.op_counter import OpCounter
+from boost_hf.perf.rank_cost import count_rank_layer, fake_process_group, measure_rank_layer
+
+TP, BATCH, SEQ = 2, 1, 128
+TOKENS = BATCH * SEQ
+
+# name -> (preset, ParallelConfig fields)
+LAYOUTS = {
+    "megatron": ("llama-60m", dict(tp_style="megatron")),
+    "vanilla": ("cola-60m", dict(tp_style="vanilla")),
+    "vanilla-ungrouped": ("cola-60m", dict(tp_style="vanilla", group_linears=False)),
+    "btp": ("cola-60m", dict(tp_style="btp")),
+    "btp-sync": ("cola-60m", dict(tp_style="btp", rmsnorm="sync")),
+    "btp-ungrouped": ("cola-60m", dict(tp_style="btp", group_linears=False)),
+    "btp-sync-ungrouped": ("cola-60m", dict(tp_style="btp", rmsnorm="sync", group_linears=False)),
+    "btp-lax": ("lax-60m", dict(tp_style="btp")),
+    "btp-full-checkpointing": ("cola-60m", dict(tp_style="btp", activation_checkpointing="full")),
+    "btp-lowrank-checkpointing": ("cola-60m", dict(tp_style="btp", activation_checkpointing="lowrank")),
+    "vanilla-lowrank-checkpointing": ("cola-60m", dict(tp_style="vanilla", activation_checkpointing="lowrank")),
+}
+
+# Counted per layer when this test was written (forward + backward, bf16 autocast): (non-GEMM bytes, ops).
+# Upper bounds: a change that lowers them should lower these numbers with it.
+NON_GEMM_BOUNDS = {
+    "megatron": (56_986_624, 122),
+    "vanilla": (55_938_048, 146),
+    "btp": (35_459_072, 163),
+    "btp-sync": (31_650_816, 143),
+    "btp-ungrouped": (35_402_752, 213),
+}
+
+
+@pytest.fixture(scope="module")
+def fake_group():
+    """One fake process group of TP ranks for the whole module (closed after it)."""
+    with fake_process_group(TP):
+        yield
+
+
+@pytest.fixture(scope="module")
+def counted(fake_group):
+    """``name -> count_rank_layer(...)`` for every layout."""
+    return {name: count_rank_layer(*_case(name), BATCH, SEQ) for name in LAYOUTS}
+
+
+def _case(name: str) -> tuple[BoostLlamaConfig, ParallelConfig]:
+    preset, fields = LAYOUTS[name]
+    return BoostLlamaConfig.from_preset(preset), ParallelConfig(tp_size=TP, **fields)
+
+
+def _calls_elements(collectives: dict) -> dict:
+    return {kind: {"calls": c["calls"], "elements": c["elements"]} for kind, c in collectives.items()}
+
+
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_collectives_equal_formula(counted, name):
+    formula = layer_communication(*_case(name), TOKENS)
+    assert _calls_elements(counted[name]["forward"]["collectives"]) == formula.forward.to_dict()
+    assert _calls_elements(counted[name]["backward"]["collectives"]) == formula.backward.to_dict()
+
+
+@pytest.mark.parametrize("name", [n for n, (_, fields) in LAYOUTS.items() if "activation_checkpointing" not in fields])
+def test_flops_equal_formulas(counted, name):
+    """Training = 3 x forward; the rank holds 1/p of the projections and, under BTP, the whole of LaX's
+    crossings (the r-dim latents are replicated); without padding, transformers' SDPA path runs the
+    causal kernel (``is_causal=True``: half the score matrix); vanilla runs every head on every rank."""
+    config, parallel = _case(name)
+    heads_share = 1 if parallel.tp_style == "vanilla" else TP
+    total = counted[name]["total"]
+    per_token = linear_flops_per_token(config, crossing=False) // TP + crossing_flops_per_token(config)
+    assert total["gemm_flops"] == 3 * TOKENS * per_token
+    assert total["attention_flops"] == 3 * TOKENS * attention_flops_per_token(config, SEQ, causal=True) // heads_share
+
+
+@pytest.mark.parametrize("name", NON_GEMM_BOUNDS)
+def test_non_gemm_traffic_not_above_recorded(counted, name):
+    total = counted[name]["total"]
+    max_bytes, max_ops = NON_GEMM_BOUNDS[name]
+    assert total["non_gemm_bytes"] <= max_bytes
+    assert total["non_gemm_ops"] <= max_ops
+    assert total["non_gemm_bytes"] == sum(op["bytes"] for op in total["non_gemm_by_op"].values())
+
+
+def test_per_layer_cost_does_not_depend_on_the_layers_differenced(counted):
+    other = count_rank_layer(*_case("btp"), BATCH, SEQ, layers=(2, 3))
+    assert other["total"] == counted["btp"]["total"]
+
+
+def test_op_counter_classifies_ops():
+    with FakeTensorMode(), OpCounter() as ops:
+        a, b = torch.empty(8, 16), torch.empty(16, 4)
+        c = a @ b  # GEMM: 2 * 8 * 16 * 4 FLOPs
+        c.t(), c.view(32)  # views: free
+        c + c  # 3 tensors of 32 fp32 elements read and written
+    assert ops.gemm_flops == 2 * 8 * 16 * 4
+    assert ops.ops_by_op == {"add": 1}
+    assert ops.bytes_by_op == {"add": 3 * 32 * 4}
+
+
+def test_measure_reports_a_compile_failure(fake_group, make_config, monkeypatch):
+    def broken_compile(model):
+        raise RuntimeError("no compiler here")
+
+    monkeypatch.setattr(torch, "compile", broken_compile)
+    config = make_config("cola")
+    eager = measure_rank_layer(config, ParallelConfig(tp_size=TP), 1, 8, warmup=1, reps=2)
+    compiled = measure_rank_layer(config, ParallelConfig(tp_size=TP), 1, 8, compile=True, warmup=1, reps=2)
+    assert set(eager) == {"ms_per_layer", "ms_per_layer_min", "ms_per_layer_max", "step_ms"}
+    assert compiled == {"error": "compile failed: RuntimeError: no compiler here"}
