@@ -1,8 +1,11 @@
 """Tensor-parallel communication primitives: small autograd Functions with an explicit process group.
 
-The one place where boost-hf calls ``torch.distributed`` collectives on activations. Each primitive
-reports its collective to :mod:`boost_hf.parallel.comm_counter`. With a group of size 1 (or ``None``)
-every primitive is the identity and communicates nothing.
+The one place where boost-hf calls ``torch.distributed`` collectives on activations. In eager mode each
+all-reduce runs in place on a tensor nothing else holds (no copy) and reports to
+:mod:`boost_hf.parallel.comm_counter`; under ``torch.compile`` the primitives use the functional
+collectives (``torch.distributed._functional_collectives``), which dynamo traces without a graph break
+(inductor re-inplaces them; compiled regions are not counted). With a group of size 1 (or ``None``) every
+primitive is the identity and communicates nothing.
 
 ======================  ======================  =========================  =============================
 primitive               forward                 backward                   used for
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 
 from .comm_counter import record_collective
 
@@ -36,16 +40,22 @@ def group_rank(group: ProcessGroup | None) -> int:
     return 0 if group is None else dist.get_rank(group)
 
 
-def _all_reduce(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
-    x = x.contiguous().clone()
+def _all_reduce_(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """Sum ``x`` over ``group``. Eager: in place on ``x`` (no copy); under ``torch.compile``: the
+    functional collective, which dynamo traces and inductor re-inplaces."""
+    if torch.compiler.is_compiling():
+        return funcol.all_reduce(x, "sum", group)
     record_collective("all_reduce", x)
     dist.all_reduce(x, group=group)
     return x
 
 
 def _all_gather(x: torch.Tensor, dim: int, group: ProcessGroup) -> torch.Tensor:
+    """Concatenate every rank's ``x`` along ``dim`` (a new tensor ``p`` times larger)."""
     p = dist.get_world_size(group)
     x = x.contiguous()
+    if torch.compiler.is_compiling():
+        return funcol.all_gather_tensor(x, dim, group)
     out = torch.empty((p * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
     record_collective("all_gather", out)
     _all_gather_into(out, x, group=group)
@@ -65,17 +75,22 @@ class _CopyToTP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
-        return x
+        return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_reduce(grad, ctx.group), None
+        return _all_reduce_(grad.contiguous(), ctx.group), None
 
 
 class _ReduceFromTP(torch.autograd.Function):
+    """In place on its input in eager (the input is a fresh GEMM or lookup output that nothing saved)."""
+
     @staticmethod
     def forward(ctx, x, group):
-        return _all_reduce(x, group)
+        if torch.compiler.is_compiling() or not x.is_contiguous():
+            return _all_reduce_(x.contiguous(), group)
+        ctx.mark_dirty(x)
+        return _all_reduce_(x, group)
 
     @staticmethod
     def backward(ctx, grad):
@@ -86,11 +101,14 @@ class _AllReduceSum(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
-        return _all_reduce(x, group)
+        if torch.compiler.is_compiling() or not x.is_contiguous():
+            return _all_reduce_(x.contiguous(), group)
+        ctx.mark_dirty(x)
+        return _all_reduce_(x, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_reduce(grad, ctx.group), None
+        return _all_reduce_(grad.contiguous().clone(), ctx.group), None
 
 
 class _GatherFromTP(torch.autograd.Function):
@@ -141,10 +159,13 @@ def split_to_tp(x: torch.Tensor, dim: int, group: ProcessGroup | None) -> torch.
 
 
 def all_reduce_max_(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
-    """In-place all-reduce (max), no autograd: for numerically-stabilising constants."""
-    if group_size(group) > 1:
-        record_collective("all_reduce", x)
-        dist.all_reduce(x, op=dist.ReduceOp.MAX, group=group)
+    """All-reduce (max), no autograd, in place in eager: for numerically-stabilising constants."""
+    if group_size(group) == 1:
+        return x
+    if torch.compiler.is_compiling():
+        return funcol.all_reduce(x, "max", group)
+    record_collective("all_reduce", x)
+    dist.all_reduce(x, op=dist.ReduceOp.MAX, group=group)
     return x
 
 
