@@ -11,6 +11,8 @@ Trainer hook                           boost-hf behaviour
                                        (:mod:`boost_hf.training.data`)
 ``get_eval_dataloader`` /              DP-sharded validation, exact token-weighted loss all-reduced over DP;
 ``evaluation_loop``                    ``eval_perplexity = exp(eval_loss)``
+``create_accelerator_and_postprocess``  ``--torch_compile``: each decoder layer compiled in place
+                                       (:mod:`boost_hf.training.compile`), not the whole model
 ``get_tp_size``                        our TP size: global batch and loss scaling count DP ranks only
 ``_wrap_model``                        (tp > 1, no DeepSpeed) DDP over the DP group, never across TP ranks
 ``_prepare_for_training``              (DeepSpeed) ``deepspeed.initialize`` gets our groups as ``mpu``: ZeRO
@@ -44,6 +46,7 @@ import uuid
 import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader
+from accelerate.utils import DynamoBackend
 from transformers import Trainer, default_data_collator
 from transformers.trainer import SCHEDULER_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, EvalLoopOutput
@@ -63,6 +66,7 @@ from .checkpoint import (
     optimizer_file_name,
     remove_earlier_run,
 )
+from .compile import compile_decoder_layers
 from .data import EvalShard, shard_by_data_parallel_rank, streaming_loader
 from ..parallel.state import ParallelState
 from .deepspeed import ModelParallelUnit, configure_deepspeed, deepspeed_initialize_with_mpu, skip_shm_comm_if_requested
@@ -136,6 +140,10 @@ class BoostTrainer(Trainer):
         if self.is_deepspeed_enabled:
             configure_deepspeed(self.accelerator.state.deepspeed_plugin.hf_ds_config, self.args, self.parallel_state.dp_size)
             skip_shm_comm_if_requested()
+        if self.args.torch_compile:
+            # per decoder layer, in place, at any TP size; accelerate must not compile the whole model again
+            compile_decoder_layers(self.model, backend=self.args.torch_compile_backend, mode=self.args.torch_compile_mode)
+            self.accelerator.state.dynamo_plugin.backend = DynamoBackend.NO
 
     def get_tp_size(self) -> int:
         return self.parallel_state.tp_size
