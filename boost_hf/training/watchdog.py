@@ -11,8 +11,8 @@ blamed. Every rank that sees it prints ::
 
     boost-hf watchdog: rank 3 (pid 4242 on node-b) has not responded for 300 s ...
 
-and exits with :data:`HANG_EXIT_CODE`; the launcher then stops the remaining processes (the frozen one included:
-SIGTERM, then SIGKILL). A rank that finishes or fails marks itself done and is not watched any more. The
+and exits with :data:`HANG_EXIT_CODE`, after sending SIGKILL to the frozen process if it runs on the same host
+(else the launcher stops it: SIGTERM, then SIGKILL after 30 s). A rank that finishes or fails marks itself done and is not watched any more. The
 timeout is ``--hang_timeout_s`` (default 300 s; 0 disables). A rank that is alive but never reaches the next
 collective is stopped by the process group's own timeout (``--ddp_timeout``).
 
@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import atexit
 import ctypes
+import json
 import os
 import signal
 import socket
@@ -69,6 +70,17 @@ def exit_with_launcher() -> None:
     threading.Thread(target=watch, name="boost-hf-launcher-watch", daemon=True).start()
 
 
+def _kill_local(owners) -> None:
+    """SIGKILL the frozen processes that run on this host: a stopped process would otherwise wait for the
+    launcher's SIGKILL (30 s after its SIGTERM)."""
+    for owner in owners:
+        if owner["host"] == socket.gethostname():
+            try:
+                os.kill(owner["pid"], signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+
 class HangWatchdog:
     """Heartbeats of every rank through ``store``; exits this process when a peer has been silent ``timeout_s``."""
 
@@ -80,7 +92,7 @@ class HangWatchdog:
         self._thread: threading.Thread | None = None
 
     def start(self) -> None:
-        self.store.set(f"{_PREFIX}who/{self.rank}", f"pid {os.getpid()} on {socket.gethostname()}")
+        self.store.set(f"{_PREFIX}who/{self.rank}", json.dumps({"pid": os.getpid(), "host": socket.gethostname()}))
         self.store.add(f"{_PREFIX}beat/{self.rank}", 1)
         self._thread = threading.Thread(target=self._run, name="boost-hf-hang-watchdog", daemon=True)
         self._thread.start()
@@ -113,7 +125,9 @@ class HangWatchdog:
                     elif now - last[r][1] > self.timeout_s:
                         silent.append(r)
                 if silent and not self._stop.is_set():
-                    who = ", ".join(f"rank {r} ({self.store.get(f'{_PREFIX}who/{r}').decode()})" for r in silent)
+                    owners = {r: json.loads(self.store.get(f"{_PREFIX}who/{r}")) for r in silent}
+                    who = ", ".join(f"rank {r} (pid {o['pid']} on {o['host']})" for r, o in owners.items())
+                    _kill_local(owners.values())
                     _die(
                         f"boost-hf watchdog: {who} has not responded for {self.timeout_s:g} s (frozen, stopped or its "
                         f"machine hangs); rank {self.rank} stops at step {self.step} with exit status {HANG_EXIT_CODE}, "
