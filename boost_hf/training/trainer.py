@@ -361,13 +361,15 @@ class BoostTrainer(Trainer):
         if checkpoint is None:
             return
         scheduler = os.path.join(checkpoint, SCHEDULER_NAME)
-        if not os.path.isfile(scheduler) and not (self.is_deepspeed_enabled and type(self.lr_scheduler).__name__ == "DeepSpeedSchedulerWrapper"):
-            raise missing_file_error(scheduler, checkpoint, "learning-rate scheduler state")
         if self.is_deepspeed_enabled:
+            if not os.path.isfile(scheduler) and type(self.lr_scheduler).__name__ != "DeepSpeedSchedulerWrapper":
+                raise missing_file_error(scheduler, checkpoint, "learning-rate scheduler state")
             return super()._load_optimizer_and_scheduler(checkpoint)
         state = self.parallel_state
         device = "cpu" if self.args.device.type == "cpu" else self.args.device  # torch cannot restore to "cpu:0"
         load_optimizer_state(self.optimizer, self.model, checkpoint, state.tp_rank, state.tp_size, device)
+        if not os.path.isfile(scheduler):
+            raise missing_file_error(scheduler, checkpoint, "learning-rate scheduler state")
         self.lr_scheduler.load_state_dict(torch.load(scheduler, weights_only=True))
 
     def start_hang_watchdog(self) -> None:
