@@ -36,7 +36,8 @@ def runs(training_env, tmp_path_factory) -> Path:
     run_command(accelerate_command("cpu-4proc.yaml", "tests/training/distributed_cases.py", "all", out, *distributed), training_env, timeout=900)
     run_command(python_command("tests/training/distributed_cases.py", "tp1-resume", out, *distributed), training_env, timeout=300)
     run_command(accelerate_command("cpu-4proc-zero3.yaml", "tests/training/distributed_cases.py", "zero3", out, *distributed), training_env, timeout=300)
-    run_commands(torchrun_node_commands(2, 2, "recipes/pretrain.py", *distributed, "--output_dir", out / "multinode"), training_env, timeout=300)
+    run_commands(torchrun_node_commands(2, 2, "recipes/pretrain.py", *distributed, "--output_dir", out / "multinode",
+                                        "--hang_timeout_s", "10"), training_env, timeout=300)
     return out
 
 
