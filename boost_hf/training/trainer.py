@@ -23,11 +23,16 @@ Trainer hook                           boost-hf behaviour
                                        (:mod:`boost_hf.training.health`)
 ``save_model`` / ``_save_checkpoint``  canonical checkpoint from every rank's shard; ``super()._save_checkpoint``
 ``_save_optimizer_and_scheduler``      inside a guard that writes the manifest and removes a failed save;
-                                       optimizer state per TP rank (:mod:`boost_hf.training.checkpoint`)
-``train``                              resume from the last *complete* checkpoint; refuse an earlier run's
-                                       ``output_dir`` unless ``overwrite_output_dir``; lock ``output_dir``
+                                       optimizer state per TP rank and ``training_layout.json``
+                                       (:mod:`boost_hf.training.checkpoint`, :mod:`boost_hf.training.resume`)
+``train``                              resume from the last *complete* checkpoint, refused at a layout it cannot
+                                       resume exactly (another global batch; DeepSpeed at another tp x dp);
+                                       refuse an earlier run's ``output_dir`` unless ``overwrite_output_dir``;
+                                       lock ``output_dir``; start the hang watchdog
+                                       (:mod:`boost_hf.training.watchdog`)
 ``_load_from_checkpoint`` /            resume: manifest and architecture verified, then this rank's slice of
-``_load_optimizer_and_scheduler``      the canonical weights, its optimizer file
+``_load_optimizer_and_scheduler``      the canonical weights and of the optimizer state (resharded when saved
+                                       at another TP size); a missing optimizer or scheduler file raises
 =====================================  ======================================================================
 
 Launch with ``accelerate launch`` (``world = dp x tp_size`` processes; TP ranks are adjacent, see
