@@ -173,6 +173,13 @@ def load_optimizer_state(optimizer, model, checkpoint: str, tp_rank: int, tp_siz
     same_tp = layout is None or layout["tp_size"] == tp_size
     if same_tp:
         if not os.path.isfile(own):
+            others = sorted(n for n in os.listdir(checkpoint) if n.startswith("optimizer"))
+            if layout is None and others:
+                raise ResumeLayoutError(
+                    f"{checkpoint} has no {os.path.basename(own)} but {', '.join(others)}: it was saved at another TP size "
+                    f"by a boost-hf version without {LAYOUT_NAME}, so its optimizer state cannot be resharded. Resume at "
+                    f"its TP size, or start from its weights only with --init_from {checkpoint}."
+                )
             raise missing_file_error(own, checkpoint, "optimizer state")
         optimizer.load_state_dict(torch.load(own, map_location=device, weights_only=True))
         return

@@ -92,6 +92,11 @@ def test_missing_optimizer_or_scheduler_file_is_an_error(checkpoint, tmp_path):
     write_manifest(str(copy), t.model.config)  # as if saved without it
     with pytest.raises(FileNotFoundError, match=r"checkpoint-2/scheduler.pt is missing: resuming needs the learning-rate scheduler state"):
         trainer(tmp_path / "c").train(resume_from_checkpoint=str(copy))
+    (copy / "optimizer.pt").rename(copy / "optimizer_tp01.pt")  # a tp 2 checkpoint of a version without a layout file
+    (copy / "training_layout.json").unlink()
+    write_manifest(str(copy), t.model.config)
+    with pytest.raises(ResumeLayoutError, match=r"has no optimizer.pt but optimizer_tp01.pt: it was saved at another TP size"):
+        trainer(tmp_path / "d").train(resume_from_checkpoint=str(copy))
 
 
 def test_resume_with_another_global_batch_is_refused(checkpoint, tmp_path):
