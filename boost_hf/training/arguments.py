@@ -58,6 +58,8 @@ class BoostTrainingArguments(TrainingArguments):
         sample_prompt / sample_max_new_tokens: the greedy sample printed at the end of training.
         nonfinite: what a non-finite loss or gradient norm does: ``"stop"`` (default, an error naming the step)
             or ``"skip_step"`` (the update is not applied; counted in the logs). See :mod:`boost_hf.training.health`.
+        hang_timeout_s: seconds after which a rank that stopped responding (frozen, SIGSTOPped, its machine hung) stops
+            the run with an error naming it (default 300; 0: no watchdog). See :mod:`boost_hf.training.watchdog`.
         overwrite_output_dir: let a new (not resumed) run replace the checkpoints and final model of an earlier
             run in ``output_dir`` (transformers 5 dropped this Trainer flag; without it such a run is refused).
 
@@ -80,6 +82,9 @@ class BoostTrainingArguments(TrainingArguments):
     sample_prompt: str = field(default="The history of", metadata={"help": "Prompt of the sample generated after training."})
     sample_max_new_tokens: int = field(default=40, metadata={"help": "Tokens generated for the final sample (0: none)."})
     nonfinite: str = field(default="stop", metadata={"help": "On a non-finite loss or grad norm: stop (error) or skip_step."})
+    hang_timeout_s: float = field(
+        default=300.0, metadata={"help": "Stop the run when a rank has not responded for this many seconds (0: never)."}
+    )
     overwrite_output_dir: bool = field(
         default=False, metadata={"help": "Let a new run replace an earlier run's checkpoints and final model in output_dir."}
     )
@@ -112,6 +117,8 @@ class BoostTrainingArguments(TrainingArguments):
             self.peak_tflops = default_peak_tflops()
         if self.nonfinite not in NONFINITE_POLICIES:
             raise ValueError(f"nonfinite must be one of {', '.join(NONFINITE_POLICIES)}, got {self.nonfinite!r}.")
+        if self.hang_timeout_s < 0:
+            raise ValueError(f"hang_timeout_s must be >= 0 (0 disables the watchdog), got {self.hang_timeout_s}.")
         if self.peak_tflops <= 0:
             raise ValueError(f"peak_tflops must be > 0, got {self.peak_tflops}.")
         self.to_parallel_config()  # validate the layout fields now, not after the model is built

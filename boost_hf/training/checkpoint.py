@@ -9,6 +9,8 @@ A checkpoint folder ``checkpoint-<step>`` holds
   DeepSpeed, its own ``global_step<N>/`` folder (ZeRO partitions per DP rank and TP rank);
 * ``scheduler.pt``, ``rng_state_<rank>.pth`` (every rank) and ``trainer_state.json`` (step, epoch, logs:
   the data position follows from the step and the seeded sampler);
+* ``training_layout.json``: TP x DP sizes, ZeRO stage, global batch and the optimizer's parameters with their
+  sharding, which lets a run at another layout reshard the optimizer state (:mod:`boost_hf.training.resume`);
 * ``manifest.json``, written last by rank 0 once every rank has written (:mod:`boost_hf.checkpoint_integrity`):
   size and SHA-256 of every file and the model's architecture record. A folder without it is incomplete;
   resuming verifies it.

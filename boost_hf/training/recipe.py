@@ -109,7 +109,11 @@ def recipe_to_argv(recipe: dict) -> list[str]:
 
 
 def parse_recipe(argv: list[str]) -> tuple:
-    """``[RECIPE.yaml] [--field value ...]`` -> ``(ModelArguments, DataArguments, BoostTrainingArguments)``."""
+    """``[RECIPE.yaml] [--field value ...]`` -> ``(ModelArguments, DataArguments, BoostTrainingArguments)``.
+    In a launched worker, from here on the process dies with its launcher (:func:`~boost_hf.training.watchdog.exit_with_launcher`)."""
+    from .watchdog import exit_with_launcher
+
+    exit_with_launcher()
     recipe = {}
     if argv and argv[0].endswith((".yaml", ".yml")):
         with open(argv[0]) as f:

@@ -25,11 +25,16 @@ Trainer hook                           boost-hf behaviour
                                        (:mod:`boost_hf.training.health`)
 ``save_model`` / ``_save_checkpoint``  canonical checkpoint from every rank's shard; ``super()._save_checkpoint``
 ``_save_optimizer_and_scheduler``      inside a guard that writes the manifest and removes a failed save;
-                                       optimizer state per TP rank (:mod:`boost_hf.training.checkpoint`)
-``train``                              resume from the last *complete* checkpoint; refuse an earlier run's
-                                       ``output_dir`` unless ``overwrite_output_dir``; lock ``output_dir``
+                                       optimizer state per TP rank and ``training_layout.json``
+                                       (:mod:`boost_hf.training.checkpoint`, :mod:`boost_hf.training.resume`)
+``train``                              resume from the last *complete* checkpoint, refused at a layout it cannot
+                                       resume exactly (another global batch; DeepSpeed at another tp x dp);
+                                       refuse an earlier run's ``output_dir`` unless ``overwrite_output_dir``;
+                                       lock ``output_dir``; start the hang watchdog
+                                       (:mod:`boost_hf.training.watchdog`)
 ``_load_from_checkpoint`` /            resume: manifest and architecture verified, then this rank's slice of
-``_load_optimizer_and_scheduler``      the canonical weights, its optimizer file
+``_load_optimizer_and_scheduler``      the canonical weights and of the optimizer state (resharded when saved
+                                       at another TP size); a missing optimizer or scheduler file raises
 =====================================  ======================================================================
 
 Launch with ``accelerate launch`` (``world = dp x tp_size`` processes; TP ranks are adjacent, see
@@ -74,6 +79,8 @@ from .grad_norm import clip_grad_norm_, global_grad_norm
 from .health import is_finite, nonfinite_error, poison_nonfinite_loss
 from .metrics import TrainingMetrics
 from .preflight import TokenIdCheckingCollator, check_dataset
+from .resume import check_resume_layout, load_optimizer_state, missing_file_error, training_layout, write_training_layout
+from .watchdog import HangWatchdog, exit_with_launcher
 
 
 class BoostTrainer(Trainer):
@@ -89,6 +96,7 @@ class BoostTrainer(Trainer):
     """
 
     def __init__(self, model=None, args=None, **kwargs):
+        exit_with_launcher()
         self.parallel_state = model.plan.state if hasattr(model, "plan") else ParallelState()  # a plain model: one device
         tp_size = getattr(args, "tp_size", self.parallel_state.tp_size)
         if tp_size != self.parallel_state.tp_size:
@@ -112,6 +120,7 @@ class BoostTrainer(Trainer):
                 if dataset is not None:
                     check_dataset(dataset, vocab_size, name, 1)
         self.run_id: str | None = None
+        self.hang_watchdog: HangWatchdog | None = None
         self.nonfinite_skipped_steps = 0
         super().__init__(model=model, args=args, **kwargs)
         state = self.parallel_state
@@ -230,6 +239,8 @@ class BoostTrainer(Trainer):
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         self.metrics.count_micro_batch(inputs["input_ids"])
+        if self.hang_watchdog is not None:
+            self.hang_watchdog.step = self.state.global_step + 1
         with self.metrics.comm:
             return super().training_step(model, inputs, num_items_in_batch)
 
@@ -329,33 +340,62 @@ class BoostTrainer(Trainer):
             raise FileNotFoundError(f"resume_from_checkpoint: no such file or folder: {resume_from_checkpoint!r}")
         elif not resume_from_checkpoint:
             check_fresh_output_dir(run_dir, getattr(self.args, "overwrite_output_dir", False))
+        if resume_from_checkpoint:
+            check_resume_layout(resume_from_checkpoint, self.training_layout())
         self.claim_output_dir()
+        self.start_hang_watchdog()
         if not resume_from_checkpoint and self.args.should_save and os.path.isdir(run_dir):
             remove_earlier_run(run_dir)  # only reached with overwrite_output_dir (or nothing to remove)
         return super().train(resume_from_checkpoint=resume_from_checkpoint or None, **kwargs)
 
-    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+    def training_layout(self) -> dict:
+        """This run's TP x DP sizes, ZeRO stage, global batch and optimizer parameters (:mod:`boost_hf.training.resume`)."""
         state = self.parallel_state
-        if self.is_deepspeed_enabled or state.tp_size == 1:
-            return super()._save_optimizer_and_scheduler(output_dir)
-        if state.dp_rank == 0:  # DP replicas hold the same optimizer state
+        optimizer = None if self.is_deepspeed_enabled else self.optimizer
+        return training_layout(tp_size=state.tp_size, dp_size=state.dp_size, zero_stage=self._zero_stage, args=self.args,
+                               model=self.model, optimizer=optimizer)
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        """One optimizer file per TP rank (written by DP rank 0; DeepSpeed: its own folder), the scheduler and
+        ``training_layout.json``, which lets a later run at another TP x DP size reshard the optimizer state."""
+        state = self.parallel_state
+        if self.is_deepspeed_enabled:
+            super()._save_optimizer_and_scheduler(output_dir)
+        elif state.dp_rank == 0:  # DP replicas hold the same optimizer state
             torch.save(self.optimizer.state_dict(), os.path.join(output_dir, optimizer_file_name(state.tp_rank, state.tp_size)))
         if self.args.should_save:
-            torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
+            if not self.is_deepspeed_enabled:
+                torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
+            write_training_layout(output_dir, self.training_layout())
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
-        state = self.parallel_state
-        if checkpoint is None or self.is_deepspeed_enabled or state.tp_size == 1:
+        """The optimizer state of this rank (resharded if the checkpoint has another TP size) and the scheduler; a
+        missing file is an error naming it (``--init_from`` starts from the weights only)."""
+        if checkpoint is None:
+            return
+        scheduler = os.path.join(checkpoint, SCHEDULER_NAME)
+        if self.is_deepspeed_enabled:
+            if not os.path.isfile(scheduler) and type(self.lr_scheduler).__name__ != "DeepSpeedSchedulerWrapper":
+                raise missing_file_error(scheduler, checkpoint, "learning-rate scheduler state")
             return super()._load_optimizer_and_scheduler(checkpoint)
-        path = os.path.join(checkpoint, optimizer_file_name(state.tp_rank, state.tp_size))
-        if not os.path.isfile(path):
-            raise FileNotFoundError(
-                f"{path} is missing: this checkpoint was not saved with tp_size={state.tp_size} (the optimizer state "
-                "does not reshard); to change tp_size, start a new run from the weights (init_from=<checkpoint>)."
-            )
+        state = self.parallel_state
         device = "cpu" if self.args.device.type == "cpu" else self.args.device  # torch cannot restore to "cpu:0"
-        self.optimizer.load_state_dict(torch.load(path, map_location=device, weights_only=True))
-        self.lr_scheduler.load_state_dict(torch.load(os.path.join(checkpoint, SCHEDULER_NAME), weights_only=True))
+        load_optimizer_state(self.optimizer, self.model, checkpoint, state.tp_rank, state.tp_size, device)
+        if not os.path.isfile(scheduler):
+            raise missing_file_error(scheduler, checkpoint, "learning-rate scheduler state")
+        self.lr_scheduler.load_state_dict(torch.load(scheduler, weights_only=True))
+
+    def start_hang_watchdog(self) -> None:
+        """Start this rank's :class:`~boost_hf.training.watchdog.HangWatchdog` (launched runs, ``hang_timeout_s > 0``)."""
+        timeout = getattr(self.args, "hang_timeout_s", 0)
+        if self.hang_watchdog is not None or not timeout or not (dist.is_available() and dist.is_initialized()):
+            return
+        if dist.get_world_size() == 1:
+            return
+        from torch.distributed.distributed_c10d import _get_default_store
+
+        self.hang_watchdog = HangWatchdog(_get_default_store(), dist.get_rank(), dist.get_world_size(), timeout)
+        self.hang_watchdog.start()
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
         """This rank's slice of the checkpoint's canonical weights (any TP size wrote it), after checking every

@@ -2,13 +2,19 @@
 
 Process start-up costs more than these tiny runs, so ``test_distributed.py`` launches this once:
 
-    accelerate launch --config_file accelerate_configs/cpu-4proc.yaml tests/training/distributed_cases.py OUT RECIPE.yaml [ARGS]
+    accelerate launch --config_file accelerate_configs/cpu-4proc.yaml tests/training/distributed_cases.py all OUT RECIPE.yaml [ARGS]
 
-and it writes under ``OUT``: ``ddp``, ``ddp-resumed`` (from ``ddp/checkpoint-3``), ``zero1``, ``zero2``,
-``zero2-resumed``, ``tp4-from-ddp`` (the DDP run's final model loaded at tp_size 4), ``ddp-lowrank``
+and it writes under ``OUT``: ``ddp``, ``ddp-resumed`` (from ``ddp/checkpoint-3``), ``tp4-resumed`` and
+``dp4-resumed`` (the same checkpoint resumed at tp 4 x dp 1 and tp 1 x dp 4, same global batch), ``zero1``,
+``zero2``, ``zero2-resumed``, ``tp4-from-ddp`` (the DDP run's final model loaded at tp_size 4), ``ddp-lowrank``
 (low-rank activation checkpointing), ``ddp-accumulation`` and ``zero2-accumulation`` (2 micro-batches of
-2 per step), ``streaming`` (an iterable training set) and ``data.json`` (every rank's training samples
-over one epoch). Each run is tp 2 x dp 2 unless named otherwise.
+2 per step), ``streaming`` (an iterable training set), ``data.json`` (every rank's training samples over one
+epoch) and ``errors.json`` (the messages of resumes that must fail: a ZeRO-2 checkpoint at another TP x DP, a
+DDP checkpoint under ZeRO-2). Each run is tp 2 x dp 2 unless named otherwise, and writes
+``<run>/trained_samples.json``: the rows of ``input_ids`` each rank trained, by step.
+
+``distributed_cases.py tp1-resume OUT ...`` (one process) resumes ``ddp/checkpoint-3`` at tp 1;
+``distributed_cases.py zero3 OUT ...`` (under the ZeRO-3 accelerate config) trains ``zero3`` and resumes it.
 
 DeepSpeed runs use ``--deepspeed CONFIG``; accelerate drops DeepSpeed under ``ACCELERATE_USE_CPU`` (set by
 the cpu-4proc config) and keeps ``ACCELERATE_USE_DEEPSPEED`` set after a DeepSpeed run, so each run here
@@ -30,6 +36,29 @@ import pretrain  # noqa: E402
 from boost_hf.training import BoostTrainer, build_datasets, build_model, build_tokenizer, parse_recipe  # noqa: E402
 
 USE_CPU = os.environ.get("ACCELERATE_USE_CPU", "false")
+TRAINED: list[dict] = []
+_training_step = BoostTrainer.training_step
+
+
+def _recording_training_step(self, model, inputs, num_items_in_batch=None):
+    state = self.parallel_state
+    TRAINED.append({"step": self.state.global_step + 1, "dp_rank": state.dp_rank, "tp_rank": state.tp_rank,
+                    "rows": inputs["input_ids"].tolist()})
+    return _training_step(self, model, inputs, num_items_in_batch)
+
+
+BoostTrainer.training_step = _recording_training_step
+
+
+def save_trained_samples(output_dir: Path) -> None:
+    """Every rank's trained rows (``TRAINED``), gathered into ``output_dir/trained_samples.json``."""
+    gathered = [TRAINED]
+    if dist.is_initialized():
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, TRAINED)
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        (output_dir / "trained_samples.json").write_text(json.dumps([entry for rank in gathered for entry in rank]))
+    TRAINED.clear()
 
 
 def train(argv: list[str], deepspeed_stage: int | None = None, out: Path | None = None) -> None:
@@ -45,7 +74,18 @@ def train(argv: list[str], deepspeed_stage: int | None = None, out: Path | None 
             "gradient_clipping": "auto",
         }))
         argv = argv + ["--deepspeed", str(config)]
+    TRAINED.clear()
     pretrain.main(argv)
+    save_trained_samples(Path(argv[argv.index("--output_dir") + 1]))
+
+
+def expect_failure(argv: list[str], deepspeed_stage: int | None, out: Path) -> dict:
+    """A run that must fail before training: its error type and message."""
+    try:
+        train(argv, deepspeed_stage, out)
+    except Exception as error:  # noqa: BLE001 (recorded and asserted by the test)
+        return {"type": type(error).__name__, "message": str(error)}
+    return {"type": None, "message": "no error"}
 
 
 def record_epoch(argv: list[str], out: Path) -> None:
@@ -66,18 +106,36 @@ def record_epoch(argv: list[str], out: Path) -> None:
         (out / "data.json").write_text(json.dumps({"ranks": gathered, "dataset": dataset_rows}))
 
 
-def main(out: str, *common: str) -> None:
+def main(mode: str, out: str, *common: str) -> None:
     out = Path(out)
     common = list(common)
     base = common + ["--save_strategy", "steps", "--save_steps", "3"]
+    ddp_checkpoint = ["--resume_from_checkpoint", str(out / "ddp" / "checkpoint-3")]
+    if mode == "tp1-resume":
+        train(common + ["--output_dir", str(out / "tp1-resumed"), "--tp_size", "1", "--per_device_train_batch_size", "8", *ddp_checkpoint])
+        return
+    if mode == "zero3":
+        train(base + ["--output_dir", str(out / "zero3")])
+        train(common + ["--output_dir", str(out / "zero3-resumed"), "--resume_from_checkpoint", str(out / "zero3" / "checkpoint-3")])
+        return
     train(base + ["--output_dir", str(out / "ddp")])
-    train(common + ["--output_dir", str(out / "ddp-resumed"), "--resume_from_checkpoint", str(out / "ddp" / "checkpoint-3")])
+    train(common + ["--output_dir", str(out / "ddp-resumed"), *ddp_checkpoint])
+    train(common + ["--output_dir", str(out / "tp4-resumed"), "--tp_size", "4", "--per_device_train_batch_size", "8", *ddp_checkpoint])
+    train(common + ["--output_dir", str(out / "dp4-resumed"), "--tp_size", "1", "--per_device_train_batch_size", "2", *ddp_checkpoint])
     train(common + ["--output_dir", str(out / "zero1")], deepspeed_stage=1, out=out)
     train(base + ["--output_dir", str(out / "zero2")], deepspeed_stage=2, out=out)
     train(
         common + ["--output_dir", str(out / "zero2-resumed"), "--resume_from_checkpoint", str(out / "zero2" / "checkpoint-3")],
         deepspeed_stage=2, out=out,
     )
+    errors = {
+        "zero2-at-tp1": expect_failure(
+            common + ["--output_dir", str(out / "zero2-at-tp1"), "--tp_size", "1", "--per_device_train_batch_size", "2",
+                      "--resume_from_checkpoint", str(out / "zero2" / "checkpoint-3")], 2, out),
+        "ddp-under-zero2": expect_failure(common + ["--output_dir", str(out / "ddp-under-zero2"), *ddp_checkpoint], 2, out),
+    }
+    if dist.get_rank() == 0:
+        (out / "errors.json").write_text(json.dumps(errors))
     train(common + ["--output_dir", str(out / "tp4-from-ddp"), "--tp_size", "4", "--init_from", str(out / "ddp" / "final"),
                     "--max_steps", "1"])
     train(common + ["--output_dir", str(out / "ddp-lowrank"), "--activation_checkpointing_mode", "lowrank"])

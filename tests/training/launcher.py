@@ -29,22 +29,47 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_command(args: list[str], env: dict[str, str], timeout: float) -> str:
-    """Run ``args`` in its own session from the repository root; kill the whole group on timeout."""
-    proc = subprocess.Popen(
+def start_command(args: list[str], env: dict[str, str]) -> subprocess.Popen:
+    """Start ``args`` in its own session (a process group to kill) from the repository root, output piped."""
+    return subprocess.Popen(
         [str(a) for a in args], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         start_new_session=True,
     )
+
+
+def kill_group(proc: subprocess.Popen) -> None:
     try:
-        output, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
-        raise AssertionError(f"{' '.join(map(str, args))} timed out after {timeout}s:\n{output[-6000:]}")
-    if proc.returncode != 0:
-        rank0 = "\n".join(line for line in output.splitlines() if line.startswith("[rank0]"))
-        raise AssertionError(f"{' '.join(map(str, args))} failed ({proc.returncode}):\n{rank0[-8000:] or output[-8000:]}")
-    return output
+    except ProcessLookupError:
+        pass
+
+
+def run_commands(commands: list[list[str]], env: dict[str, str], timeout: float) -> list[str]:
+    """Run ``commands`` at the same time (e.g. the nodes of one launch), each in its own session; kill every group
+    when one fails or on timeout."""
+    procs = [start_command(args, env) for args in commands]
+    outputs = []
+    try:
+        for args, proc in zip(commands, procs):
+            try:
+                output, _ = proc.communicate(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                kill_group(proc)
+                output, _ = proc.communicate()
+                raise AssertionError(f"{' '.join(map(str, args))} timed out after {timeout}s:\n{output[-6000:]}")
+            if proc.returncode != 0:
+                rank0 = "\n".join(line for line in output.splitlines() if line.startswith("[rank0]"))
+                raise AssertionError(f"{' '.join(map(str, args))} failed ({proc.returncode}):\n{rank0[-8000:] or output[-8000:]}")
+            outputs.append(output)
+    finally:
+        for proc in procs:
+            kill_group(proc)
+    return outputs
+
+
+def run_command(args: list[str], env: dict[str, str], timeout: float) -> str:
+    """Run ``args`` in its own session from the repository root; kill the whole group on timeout."""
+    return run_commands([args], env, timeout)[0]
 
 
 def python_command(*args) -> list[str]:
@@ -53,6 +78,16 @@ def python_command(*args) -> list[str]:
 
 def torchrun_command(nproc: int, *args) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *args]
+
+
+def torchrun_node_commands(nnodes: int, nproc: int, *args) -> list[str]:
+    """One ``torchrun`` per "node" of a multi-node launch on this machine (static rendezvous on 127.0.0.1)."""
+    port = free_port()
+    return [
+        [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}", f"--node-rank={rank}", f"--nproc-per-node={nproc}",
+         "--master-addr=127.0.0.1", f"--master-port={port}", *args]
+        for rank in range(nnodes)
+    ]
 
 
 def accelerate_command(config: str, *args) -> list[str]:

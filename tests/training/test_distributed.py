@@ -2,9 +2,10 @@
 what one process computes with the same global batch; resuming continues the same run; the data is sharded
 by data-parallel rank.
 
-Three launches (about 1.5-2 minutes on 2 cores): the single-process reference, one ``accelerate launch`` of
-``distributed_cases.py`` (DDP, ZeRO-1, ZeRO-2, resumes, tp 4, low-rank checkpointing, gradient accumulation, streaming, data) and one launch with the ZeRO-3
-accelerate config.
+Five launches (about 2.5 minutes on 2 cores): the single-process reference, one ``accelerate launch`` of
+``distributed_cases.py`` (DDP, ZeRO-1, ZeRO-2, resumes at the same and at other TP x DP sizes, resumes that must
+fail, tp 4, low-rank checkpointing, gradient accumulation, streaming, data), a one-process resume at tp 1, one
+launch with the ZeRO-3 accelerate config (train, resume) and two ``torchrun`` "nodes" of 2 processes each.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from .launcher import DEMO_RECIPE, TINY, accelerate_command, python_command, run_command
+from .launcher import DEMO_RECIPE, TINY, accelerate_command, python_command, run_command, run_commands, torchrun_node_commands
 
 RELATIVE_TOLERANCE = 1e-4
 
@@ -32,11 +33,11 @@ def runs(training_env, tmp_path_factory) -> Path:
                        "--output_dir", out / "single"),
         training_env, timeout=300,
     )
-    run_command(accelerate_command("cpu-4proc.yaml", "tests/training/distributed_cases.py", out, *distributed), training_env, timeout=900)
-    run_command(
-        accelerate_command("cpu-4proc-zero3.yaml", "recipes/pretrain.py", *distributed, "--output_dir", out / "zero3"),
-        training_env, timeout=300,
-    )
+    run_command(accelerate_command("cpu-4proc.yaml", "tests/training/distributed_cases.py", "all", out, *distributed), training_env, timeout=900)
+    run_command(python_command("tests/training/distributed_cases.py", "tp1-resume", out, *distributed), training_env, timeout=300)
+    run_command(accelerate_command("cpu-4proc-zero3.yaml", "tests/training/distributed_cases.py", "zero3", out, *distributed), training_env, timeout=300)
+    run_commands(torchrun_node_commands(2, 2, "recipes/pretrain.py", *distributed, "--output_dir", out / "multinode",
+                                        "--hang_timeout_s", "10"), training_env, timeout=300)
     return out
 
 
@@ -88,11 +89,57 @@ def test_tp2_dp2_matches_one_process(runs, run):
     assert all(entry["comm_tp_bytes_per_step"] > 0 and entry["comm_dp_grad_bytes_per_step"] > 0 for entry in logged)
 
 
-@pytest.mark.parametrize("run", ["ddp", "zero2"])
+@pytest.mark.parametrize("run", ["ddp", "zero2", "zero3"])
 def test_resume_continues_the_same_run(runs, run):
     resumed, original = losses(runs / f"{run}-resumed"), losses(runs / run)
     assert_same_losses(resumed, original, tolerance=1e-6)  # steps 1-3 restored from the checkpoint, 4-6 retrained
     assert_same_weights(runs / f"{run}-resumed" / "final", runs / run / "final", tolerance=1e-6)
+
+
+@pytest.mark.parametrize("run", ["tp4-resumed", "dp4-resumed", "tp1-resumed"])
+def test_resume_at_another_tp_dp_continues_the_same_run(runs, run):
+    """``ddp/checkpoint-3`` (tp 2 x dp 2) resumed at tp 4 x dp 1, tp 1 x dp 4 and tp 1 in one process: the optimizer
+    moments are resharded, so steps 4-6 are those of the uninterrupted run (a fresh AdamW would change them by
+    percents, not 1e-4: its first update has the size of the learning rate on every weight)."""
+    assert_same_losses(losses(runs / run), losses(runs / "ddp"))
+    assert_same_weights(runs / run / "final", runs / "ddp" / "final")
+
+
+def trained_rows(run: Path) -> dict[int, Counter]:
+    """The rows of input_ids a run trained, by step (counted once per TP group: TP rank 0 of each DP rank)."""
+    by_step: dict[int, Counter] = {}
+    for entry in json.loads((run / "trained_samples.json").read_text()):
+        if entry["tp_rank"] == 0:
+            by_step.setdefault(entry["step"], Counter()).update(tuple(row) for row in entry["rows"])
+    return by_step
+
+
+@pytest.mark.parametrize("run", ["ddp-resumed", "tp4-resumed", "dp4-resumed", "tp1-resumed"])
+def test_resume_at_another_dp_size_trains_every_sample_once(runs, run):
+    """Steps 1-3 of the tp 2 x dp 2 run, then steps 4-6 of the run resumed at another DP size (same global batch of 8):
+    48 samples, each of them once, and exactly those that the uninterrupted run trained at each step."""
+    before, after, uninterrupted = trained_rows(runs / "ddp"), trained_rows(runs / run), trained_rows(runs / "ddp")
+    assert sorted(after) == [4, 5, 6], "the resumed run retrained or skipped steps"
+    assert all(sum(after[step].values()) == 8 for step in after)
+    union = sum((before[step] for step in (1, 2, 3)), Counter()) + sum(after.values(), Counter())
+    assert sum(union.values()) == 48 and max(union.values()) == 1, "a sample was trained twice"
+    assert all(after[step] == uninterrupted[step] for step in after), "the resumed run trained other samples"
+
+
+def test_deepspeed_resume_at_another_layout_fails_clearly(runs):
+    errors = json.loads((runs / "errors.json").read_text())
+    zero2 = errors["zero2-at-tp1"]
+    assert zero2["type"] == "ResumeLayoutError"
+    assert "is a DeepSpeed checkpoint of tp_size=2 x dp=2, ZeRO-2, global batch 8 and this run is tp_size=1 x dp=4" in zero2["message"]
+    assert "cannot reshard ZeRO partitions" in zero2["message"] and "--init_from" in zero2["message"]
+    ddp = errors["ddp-under-zero2"]
+    assert ddp["type"] == "ResumeLayoutError" and "was saved without DeepSpeed" in ddp["message"]
+
+
+def test_two_torchrun_nodes_match_one_process(runs):
+    """Two ``torchrun`` "nodes" of 2 processes on 127.0.0.1 (static rendezvous), tp 2 x dp 2 across them."""
+    assert_same_losses(losses(runs / "multinode"), losses(runs / "single"))
+    assert_same_weights(runs / "multinode" / "final", runs / "single" / "final")
 
 
 def test_streaming_training_set_under_tp(runs):
@@ -107,7 +154,8 @@ def test_checkpoints_are_complete_and_atomic(runs):
     assert not [p for p in runs.rglob(".*.tmp-*")], "a staging folder was left behind"
     checkpoint = ddp / "checkpoint-3"
     for name in ("model.safetensors", "config.json", "tokenizer.json", "trainer_state.json", "scheduler.pt",
-                 "optimizer_tp00.pt", "optimizer_tp01.pt", "rng_state_0.pth", "rng_state_3.pth"):
+                 "optimizer_tp00.pt", "optimizer_tp01.pt", "rng_state_0.pth", "rng_state_3.pth",
+                 "training_layout.json"):
         assert (checkpoint / name).is_file(), name
     assert (runs / "zero2" / "checkpoint-3" / "global_step3").is_dir()
 

@@ -1,0 +1,144 @@
+"""No hangs: a frozen rank stops the whole run within a timeout, and workers die with their launcher.
+
+:class:`HangWatchdog` (one daemon thread per rank, started by ``BoostTrainer.train`` in a launched process group):
+every ``interval`` seconds each rank increments its counter ``boost_hf/watchdog/beat/<rank>`` in the process
+group's key-value store (the launcher's TCP store under ``torchrun``/``accelerate launch``, which outlives any
+worker) and reads every other rank's counter. A rank whose counter has not moved for ``timeout_s`` seconds, as
+measured by the reader's own clock (no clock is compared across hosts), is frozen or dead: a SIGSTOPped process,
+a machine that hangs, a process stuck without releasing the interpreter. The thread keeps beating while its main
+thread waits inside a collective (collectives release the interpreter lock), so the ranks that wait are never
+blamed. Every rank that sees it prints ::
+
+    boost-hf watchdog: rank 3 (pid 4242 on node-b) has not responded for 300 s ...
+
+and exits with :data:`HANG_EXIT_CODE`, after sending SIGKILL to the frozen process if it runs on the same host
+(else the launcher stops it: SIGTERM, then SIGKILL after 30 s). A rank that finishes or fails marks itself done and is not watched any more. The
+timeout is ``--hang_timeout_s`` (default 300 s; 0 disables). A rank that is alive but never reaches the next
+collective is stopped by the process group's own timeout (``--ddp_timeout``).
+
+:func:`exit_with_launcher`: each worker asks the kernel to SIGKILL it when its parent (the launcher) dies
+(``prctl(PR_SET_PDEATHSIG)``), and a thread checks ``os.getppid()`` every second as well (other platforms,
+or a parent that died before the call). ``kill -9`` of ``torchrun`` then leaves no orphan training on.
+"""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import json
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+
+HANG_EXIT_CODE = 75
+"""Exit status of a rank that stopped because another rank stopped responding."""
+PR_SET_PDEATHSIG = 1
+_PREFIX = "boost_hf/watchdog/"
+_launcher_watch_started = False
+
+
+def _die(message: str, code: int) -> None:
+    print(message, file=sys.stderr, flush=True)
+    os._exit(code)
+
+
+def exit_with_launcher() -> None:
+    """In a process started by a launcher (``torchrun``, ``accelerate launch``: ``LOCAL_RANK`` is set), die when
+    the launcher dies. Idempotent; does nothing in a process started by hand."""
+    global _launcher_watch_started
+    if _launcher_watch_started or "LOCAL_RANK" not in os.environ:
+        return
+    _launcher_watch_started = True
+    parent = os.getppid()
+    if parent == 1:
+        _die(f"boost-hf: the launcher of rank {os.environ.get('RANK', '?')} is already gone; exiting.", 1)
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        except (OSError, AttributeError):
+            pass
+
+    def watch() -> None:
+        while True:
+            if os.getppid() != parent:
+                _die(f"boost-hf: the launcher (pid {parent}) of rank {os.environ.get('RANK', '?')} died; exiting.", 1)
+            time.sleep(1.0)
+
+    threading.Thread(target=watch, name="boost-hf-launcher-watch", daemon=True).start()
+
+
+def _kill_local(owners) -> None:
+    """SIGKILL the frozen processes that run on this host: a stopped process would otherwise wait for the
+    launcher's SIGKILL (30 s after its SIGTERM)."""
+    for owner in owners:
+        if owner["host"] == socket.gethostname():
+            try:
+                os.kill(owner["pid"], signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+
+class HangWatchdog:
+    """Heartbeats of every rank through ``store``; exits this process when a peer has been silent ``timeout_s``."""
+
+    def __init__(self, store, rank: int, world_size: int, timeout_s: float, interval_s: float | None = None):
+        self.store, self.rank, self.world_size, self.timeout_s = store, rank, world_size, timeout_s
+        self.interval_s = interval_s if interval_s is not None else min(5.0, max(timeout_s / 10, 0.2))
+        self.step = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self.store.set(f"{_PREFIX}who/{self.rank}", json.dumps({"pid": os.getpid(), "host": socket.gethostname()}))
+        self.store.add(f"{_PREFIX}beat/{self.rank}", 1)
+        self._thread = threading.Thread(target=self._run, name="boost-hf-hang-watchdog", daemon=True)
+        self._thread.start()
+        atexit.register(self.stop)
+
+    def stop(self) -> None:
+        """Stop watching and mark this rank done (it may exit before its peers without being taken for frozen)."""
+        if self._thread is None or self._stop.is_set():
+            return
+        self._stop.set()
+        try:
+            self.store.add(f"{_PREFIX}done/{self.rank}", 1)
+        except Exception:  # the store may be gone at exit
+            pass
+
+    def _run(self) -> None:
+        peers = [r for r in range(self.world_size) if r != self.rank]
+        last = {r: (-1, time.monotonic()) for r in peers}
+        while not self._stop.wait(self.interval_s):
+            try:
+                self.store.add(f"{_PREFIX}beat/{self.rank}", 1)
+                now = time.monotonic()
+                silent = []
+                for r in peers:
+                    if self.store.add(f"{_PREFIX}done/{r}", 0):
+                        continue
+                    count = self.store.add(f"{_PREFIX}beat/{r}", 0)
+                    if count != last[r][0]:
+                        last[r] = (count, now)
+                    elif now - last[r][1] > self.timeout_s:
+                        silent.append(r)
+                if silent and not self._stop.is_set():
+                    owners = {r: json.loads(self.store.get(f"{_PREFIX}who/{r}")) for r in silent}
+                    who = ", ".join(f"rank {r} (pid {o['pid']} on {o['host']})" for r, o in owners.items())
+                    _kill_local(owners.values())
+                    _die(
+                        f"boost-hf watchdog: {who} has not responded for {self.timeout_s:g} s (frozen, stopped or its "
+                        f"machine hangs); rank {self.rank} stops at step {self.step} with exit status {HANG_EXIT_CODE}, "
+                        "and the launcher stops the others. Resume from the last checkpoint "
+                        "(--resume_from_checkpoint last); raise --hang_timeout_s if this rank was only slow.",
+                        HANG_EXIT_CODE,
+                    )
+            except Exception as error:  # the store is unreachable: the launcher is gone
+                if self._stop.is_set():
+                    return
+                _die(f"boost-hf watchdog: rank {self.rank} lost the launcher's store ({type(error).__name__}: {error}); exiting.", 1)
+
+
+__all__ = ["HANG_EXIT_CODE", "HangWatchdog", "exit_with_launcher"]

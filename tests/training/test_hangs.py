@@ -1,0 +1,132 @@
+"""No hangs: a frozen rank stops every process within ``--hang_timeout_s``, and ``kill -9`` of the launcher takes
+its workers with it. Each case launches ``torchrun`` with 2 CPU processes (tp 2) on a long run, waits for the first
+logged loss, injects the fault and gives the processes a hard deadline; ``finally`` kills whatever is left.
+(The multi-node launch is in ``test_distributed.py``.)"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import threading
+import time
+
+import pytest
+
+from boost_hf.training import BoostTrainingArguments
+from boost_hf.training.watchdog import HANG_EXIT_CODE
+
+from .launcher import DEMO_RECIPE, TINY, kill_group, start_command, torchrun_command
+
+HANG_TIMEOUT_S = 5
+STARTUP_DEADLINE_S = 180
+
+
+def long_run(training_env, output_dir) -> list[str]:
+    args = [*TINY, "--dataset", training_env["CORPUS"], "--tp_size", "2", "--per_device_train_batch_size", "8",
+            "--output_dir", output_dir, "--hang_timeout_s", str(HANG_TIMEOUT_S)]
+    args[args.index("--max_steps") + 1] = "100000"
+    return torchrun_command(2, "recipes/pretrain.py", DEMO_RECIPE, *args)
+
+
+def worker_ranks(launcher_pid: int) -> dict[int, int]:
+    """``{pid: RANK}`` of the launcher's child processes."""
+    workers = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                parent = int(f.read().rsplit(")", 1)[1].split()[1])
+            if parent != launcher_pid:
+                continue
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                env = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
+        except (OSError, IndexError, ValueError):
+            continue
+        if b"RANK" in env:
+            workers[int(entry)] = int(env[b"RANK"])
+    return workers
+
+
+def alive(pid: int) -> bool:
+    """The process exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+class Launch:
+    """A started launcher whose output is read in the background; ``wait_for`` a fragment of it."""
+
+    def __init__(self, args, env):
+        self.proc = start_command(args, env)
+        self.lines: list[str] = []
+        self.workers: dict[int, int] = {}
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.append(line)
+
+    @property
+    def output(self) -> str:
+        return "".join(self.lines)
+
+    def wait_for(self, fragment: str, deadline_s: float) -> None:
+        end = time.monotonic() + deadline_s
+        while fragment not in self.output:
+            if time.monotonic() > end or self.proc.poll() is not None:
+                raise AssertionError(f"no {fragment!r} in the output within {deadline_s}s:\n{self.output[-6000:]}")
+            time.sleep(0.2)
+        self.workers = worker_ranks(self.proc.pid)
+        assert sorted(self.workers.values()) == [0, 1], self.workers
+
+    def cleanup(self) -> None:
+        kill_group(self.proc)
+        for pid in self.workers:  # the workers run in sessions of their own
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.proc.wait(timeout=30)
+
+
+def test_frozen_rank_stops_every_process(training_env, tmp_path):
+    launch = Launch(long_run(training_env, tmp_path / "run"), training_env)
+    try:
+        launch.wait_for("'loss'", STARTUP_DEADLINE_S)
+        frozen = next(pid for pid, rank in launch.workers.items() if rank == 1)
+        os.kill(frozen, signal.SIGSTOP)
+        stopped = time.monotonic()
+        returncode = launch.proc.wait(timeout=HANG_TIMEOUT_S + 40)
+        elapsed = time.monotonic() - stopped
+        time.sleep(0.5)
+        assert returncode != 0
+        assert elapsed < HANG_TIMEOUT_S + 20, f"the run took {elapsed:.0f}s to stop"
+        message = f"boost-hf watchdog: rank 1 (pid {frozen} on {socket.gethostname()}) has not responded for {HANG_TIMEOUT_S} s"
+        assert message in launch.output, launch.output[-4000:]
+        assert "rank 0 stops at step" in launch.output and f"exit status {HANG_EXIT_CODE}" in launch.output
+        assert not [pid for pid in launch.workers if alive(pid)], "a worker is still running"
+    finally:
+        launch.cleanup()
+
+
+def test_killed_launcher_takes_its_workers_with_it(training_env, tmp_path):
+    launch = Launch(long_run(training_env, tmp_path / "run"), training_env)
+    try:
+        launch.wait_for("'loss'", STARTUP_DEADLINE_S)
+        os.kill(launch.proc.pid, signal.SIGKILL)  # the launcher only, as `kill -9 <torchrun pid>` does
+        end = time.monotonic() + 10
+        while [pid for pid in launch.workers if alive(pid)] and time.monotonic() < end:
+            time.sleep(0.1)
+        assert not [pid for pid in launch.workers if alive(pid)], "workers kept training after their launcher died"
+    finally:
+        launch.cleanup()
+
+
+def test_hang_timeout_is_validated(tmp_path):
+    with pytest.raises(ValueError, match=r"hang_timeout_s must be >= 0 \(0 disables the watchdog\), got -1"):
+        BoostTrainingArguments(output_dir=str(tmp_path), hang_timeout_s=-1)
