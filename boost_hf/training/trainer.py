@@ -10,7 +10,8 @@ Trainer hook                           boost-hf behaviour
 ``get_train_dataloader``               shard by DP rank: TP peers get the same micro-batch
                                        (:mod:`boost_hf.training.data`)
 ``get_eval_dataloader`` /              DP-sharded validation, exact token-weighted loss all-reduced over DP;
-``evaluation_loop``                    ``eval_perplexity = exp(eval_loss)``
+``evaluation_loop``                    ``eval_perplexity = exp(eval_loss)``, ``eval_bits_per_byte`` (with a
+                                       tokenizer), through the local ``evaluate`` metric (:mod:`boost_hf.evaluation`)
 ``get_tp_size``                        our TP size: global batch and loss scaling count DP ranks only
 ``_wrap_model``                        (tp > 1, no DeepSpeed) DDP over the DP group, never across TP ranks
 ``_prepare_for_training``              (DeepSpeed) ``deepspeed.initialize`` gets our groups as ``mpu``: ZeRO
@@ -21,7 +22,9 @@ Trainer hook                           boost-hf behaviour
                                        skipped non-finite steps
 ``compute_loss`` / ``_get_grad_norm``  non-finite loss or grad norm: stop or skip the step
                                        (:mod:`boost_hf.training.health`)
-``save_model`` / ``_save_checkpoint``  canonical checkpoint from every rank's shard; ``super()._save_checkpoint``
+``save_model`` / ``_save_checkpoint``  canonical checkpoint from every rank's shard, publishable (remote code,
+                                       ``use_cache``, tokenizer context and BOS, ``README.md`` model card:
+                                       :mod:`boost_hf.training.publish`); ``super()._save_checkpoint``
 ``_save_optimizer_and_scheduler``      inside a guard that writes the manifest and removes a failed save;
                                        optimizer state per TP rank (:mod:`boost_hf.training.checkpoint`)
 ``train``                              resume from the last *complete* checkpoint; refuse an earlier run's
@@ -37,7 +40,6 @@ Launch with ``accelerate launch`` (``world = dp x tp_size`` processes; TP ranks 
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 import uuid
 
@@ -65,11 +67,13 @@ from .checkpoint import (
 )
 from .data import EvalShard, shard_by_data_parallel_rank, streaming_loader
 from ..parallel.state import ParallelState
+from ..evaluation import metrics_from_sums, sums_of_batch
 from .deepspeed import ModelParallelUnit, configure_deepspeed, deepspeed_initialize_with_mpu, skip_shm_comm_if_requested
 from .grad_norm import clip_grad_norm_, global_grad_norm
 from .health import is_finite, nonfinite_error, poison_nonfinite_loss
 from .metrics import TrainingMetrics
 from .preflight import TokenIdCheckingCollator, check_dataset
+from .publish import inference_settings, model_card, publish_special_tokens, save_tokenizer
 
 
 class BoostTrainer(Trainer):
@@ -108,6 +112,9 @@ class BoostTrainer(Trainer):
                 if dataset is not None:
                     check_dataset(dataset, vocab_size, name, 1)
         self.run_id: str | None = None
+        self.trained_context: int | None = None  # sequence length of the training micro-batches (model card, tokenizer)
+        self.trained_with_bos = False  # whether any training micro-batch held the tokenizer's BOS id
+        self.card_metadata = {"license": "apache-2.0", "datasets": []}  # Hub metadata of the model card
         self.nonfinite_skipped_steps = 0
         super().__init__(model=model, args=args, **kwargs)
         state = self.parallel_state
@@ -199,17 +206,13 @@ class BoostTrainer(Trainer):
         deepspeed_engine = self.is_deepspeed_enabled and self.model_wrapped is not self.model
         model = self.model_wrapped if deepspeed_engine else self.model
         model.eval()
-        totals = torch.zeros(2, dtype=torch.float64, device=self.args.device)
+        totals = torch.zeros(3, dtype=torch.float64, device=self.args.device)  # [nll sum, tokens, bytes]
         with torch.no_grad():
             for batch in dataloader:
-                batch = self._prepare_inputs(batch)
-                count = (batch["labels"][..., 1:] != -100).sum()
-                loss_sum = model(**batch, num_items_in_batch=1).loss
-                totals += torch.stack([loss_sum.double(), count.double()])
+                totals += sums_of_batch(model, self._prepare_inputs(batch), self.processing_class)
         if self.parallel_state.dp_group is not None:
             dist.all_reduce(totals, group=self.parallel_state.dp_group)
-        loss = (totals[0] / totals[1].clamp(min=1)).item()
-        metrics = {f"{metric_key_prefix}_loss": loss, f"{metric_key_prefix}_perplexity": math.exp(min(loss, 50.0))}
+        metrics = metrics_from_sums(totals.cpu(), metric_key_prefix)
         return EvalLoopOutput(predictions=None, label_ids=None, metrics=metrics, num_samples=len(dataloader.dataset.dataset))
 
     # ------------------------------------------------------------------ steps, gradients, metrics
@@ -222,6 +225,9 @@ class BoostTrainer(Trainer):
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         self.metrics.count_micro_batch(inputs["input_ids"])
+        self.trained_context = inputs["input_ids"].shape[-1]
+        bos = getattr(self.processing_class, "bos_token_id", None)
+        self.trained_with_bos = self.trained_with_bos or (bos is not None and bool((inputs["input_ids"] == bos).any()))
         with self.metrics.comm:
             return super().training_step(model, inputs, num_items_in_batch)
 
@@ -266,12 +272,48 @@ class BoostTrainer(Trainer):
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """Write the canonical (unsharded) model, its config and the tokenizer. Collective: call on every rank."""
         output_dir = output_dir or self.args.output_dir
-        with full_parameters(self.model, self._zero_stage):
+        tokenizer = self.processing_class if hasattr(self.processing_class, "save_pretrained") else None
+        tokens = publish_special_tokens(self.model, tokenizer, self.trained_with_bos) if tokenizer is not None else contextlib.nullcontext()
+        with full_parameters(self.model, self._zero_stage), inference_settings(self.model), tokens:
             self.model.save_pretrained(output_dir, is_main_process=self.args.should_save)
         if self.args.should_save:
-            if self.processing_class is not None:
-                self.processing_class.save_pretrained(output_dir)
+            if tokenizer is not None:
+                save_tokenizer(tokenizer, output_dir, context=self.context_length(), used_bos=self.trained_with_bos)
+            self.write_model_card(output_dir)
             torch.save(self.args, os.path.join(output_dir, "training_args.bin"))
+
+    def context_length(self) -> int:
+        """The trained context: the micro-batches' sequence length (``max_position_embeddings`` before training)."""
+        return self.trained_context or self.model.config.max_position_embeddings
+
+    def write_model_card(self, output_dir: str) -> None:
+        """``<output_dir>/README.md``: the model card (:func:`~boost_hf.training.publish.model_card`) with this run's
+        layout, recipe and last held-out metrics. ``card_metadata`` sets its ``license`` and ``datasets``."""
+        state, args = self.parallel_state, self.args
+        layout = args.to_parallel_config(self.model.config) if hasattr(args, "to_parallel_config") else None
+        parallel = {"tp_size": state.tp_size, "dp_size": state.dp_size}
+        if layout is not None:
+            parallel.update(tp_style=layout.tp_style, rmsnorm=layout.rmsnorm, group_linears=layout.group_linears,
+                            activation_checkpointing=layout.activation_checkpointing)
+        parallel["deepspeed_zero_stage"] = self._zero_stage if self.is_deepspeed_enabled else None
+        global_batch = args.per_device_train_batch_size * state.dp_size * args.gradient_accumulation_steps
+        recipe = {"optimizer steps": self.state.global_step, "global batch (sequences)": global_batch,
+                  "sequence length": self.context_length(),
+                  "training tokens": self.state.global_step * global_batch * self.context_length(),
+                  "peak learning rate": args.learning_rate, "schedule": getattr(args.lr_scheduler_type, "value", args.lr_scheduler_type),
+                  "weight decay": args.weight_decay, "gradient clipping": args.max_grad_norm, "seed": args.seed}
+        evaluations = [log for log in self.state.log_history if "eval_perplexity" in log]
+        card = model_card(self.model.config, seq_len=self.context_length(), parallel=parallel, recipe=recipe,
+                          metrics=evaluations[-1] if evaluations else None, used_bos=self.trained_with_bos,
+                          **self.card_metadata)
+        with open(os.path.join(output_dir, "README.md"), "w") as f:
+            f.write(card)
+
+    def create_model_card(self, *args, **kwargs) -> None:
+        """Transformers' ``push_to_hub`` path writes the card here: boost-hf's card, into ``output_dir``."""
+        if self.is_world_process_zero():
+            os.makedirs(self.args.output_dir, exist_ok=True)
+            self.write_model_card(self.args.output_dir)
 
     def save_final_model(self, output_dir: str | None = None) -> str:
         """Save the model (canonical) + tokenizer + manifest atomically to ``<output_dir>/final``; return that path."""
