@@ -113,7 +113,7 @@ class BoostTrainer(Trainer):
                     check_dataset(dataset, vocab_size, name, 1)
         self.run_id: str | None = None
         self.trained_context: int | None = None  # sequence length of the training micro-batches (model card, tokenizer)
-        self.trained_with_bos = False  # whether any training micro-batch held the tokenizer's BOS id
+        self._bos_seen: torch.Tensor | bool = False  # whether a training micro-batch held the tokenizer's BOS id (no sync)
         self.card_metadata = {"license": "apache-2.0", "datasets": []}  # Hub metadata of the model card
         self.nonfinite_skipped_steps = 0
         super().__init__(model=model, args=args, **kwargs)
@@ -227,7 +227,8 @@ class BoostTrainer(Trainer):
         self.metrics.count_micro_batch(inputs["input_ids"])
         self.trained_context = inputs["input_ids"].shape[-1]
         bos = getattr(self.processing_class, "bos_token_id", None)
-        self.trained_with_bos = self.trained_with_bos or (bos is not None and bool((inputs["input_ids"] == bos).any()))
+        if bos is not None:
+            self._bos_seen = (inputs["input_ids"] == bos).any() | self._bos_seen
         with self.metrics.comm:
             return super().training_step(model, inputs, num_items_in_batch)
 
@@ -281,6 +282,12 @@ class BoostTrainer(Trainer):
                 save_tokenizer(tokenizer, output_dir, context=self.context_length(), used_bos=self.trained_with_bos)
             self.write_model_card(output_dir)
             torch.save(self.args, os.path.join(output_dir, "training_args.bin"))
+
+    @property
+    def trained_with_bos(self) -> bool:
+        """Whether training put the tokenizer's BOS anywhere in this rank's micro-batches (the writer's view decides
+        whether the published tokenizer declares a BOS)."""
+        return bool(self._bos_seen)
 
     def context_length(self) -> int:
         """The trained context: the micro-batches' sequence length (``max_position_embeddings`` before training)."""
