@@ -38,14 +38,17 @@ def target_bytes(tokenizer, labels: torch.Tensor) -> int:
     return total
 
 
-def sums_of_batch(model, batch: dict, tokenizer=None) -> torch.Tensor:
-    """``float64 [nll_sum, token_count, byte_count]`` of one batch (``byte_count`` 0 without a tokenizer).
-    The model returns the summed loss when told ``num_items_in_batch=1``."""
-    labels = batch["labels"]
+def batch_sums(nll: torch.Tensor, labels: torch.Tensor, tokenizer=None) -> torch.Tensor:
+    """``float64 [nll_sum, token_count, byte_count]`` of one batch from its summed loss ``nll`` and its ``labels``
+    (``byte_count`` 0 without a tokenizer)."""
     count = (labels[..., 1:] != -100).sum()
-    nll = model(**batch, num_items_in_batch=1).loss
     size = target_bytes(tokenizer, labels) if tokenizer is not None else 0
     return torch.stack([nll.detach().double(), count.double(), torch.tensor(float(size), dtype=torch.float64, device=nll.device)])
+
+
+def sums_of_batch(model, batch: dict, tokenizer=None) -> torch.Tensor:
+    """:func:`batch_sums` of ``model`` on ``batch`` (the model returns the summed loss when told ``num_items_in_batch=1``)."""
+    return batch_sums(model(**batch, num_items_in_batch=1).loss, batch["labels"], tokenizer)
 
 
 def metrics_from_sums(totals: torch.Tensor, prefix: str = "eval") -> dict[str, float]:
@@ -91,4 +94,4 @@ def evaluate_checkpoint(checkpoint: str, data: str, *, block_size: int | None = 
     return {**metrics_from_sums(totals, "eval"), "eval_tokens": int(totals[1]), "eval_bytes": int(totals[2]), "eval_blocks": len(blocks)}
 
 
-__all__ = ["METRIC_PATH", "load_metric", "target_bytes", "sums_of_batch", "metrics_from_sums", "evaluate_checkpoint"]
+__all__ = ["METRIC_PATH", "load_metric", "target_bytes", "batch_sums", "sums_of_batch", "metrics_from_sums", "evaluate_checkpoint"]

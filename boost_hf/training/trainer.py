@@ -43,12 +43,13 @@ import contextlib
 import os
 import uuid
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader
 from transformers import Trainer, default_data_collator
 from transformers.trainer import SCHEDULER_NAME
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, EvalLoopOutput
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, EvalLoopOutput, EvalPrediction
 
 from ..checkpoint_integrity import verify_checkpoint
 from ..parallel.weights_io import load_canonical_checkpoint, resolve_checkpoint_files
@@ -67,7 +68,7 @@ from .checkpoint import (
 )
 from .data import EvalShard, shard_by_data_parallel_rank, streaming_loader
 from ..parallel.state import ParallelState
-from ..evaluation import metrics_from_sums, sums_of_batch
+from ..evaluation import batch_sums, metrics_from_sums, sums_of_batch
 from .deepspeed import ModelParallelUnit, configure_deepspeed, deepspeed_initialize_with_mpu, skip_shm_comm_if_requested
 from .grad_norm import clip_grad_norm_, global_grad_norm
 from .health import is_finite, nonfinite_error, poison_nonfinite_loss
@@ -84,7 +85,10 @@ class BoostTrainer(Trainer):
     Without ``data_collator``, batches are stacked as they are (``default_data_collator``: packed blocks); every
     batch's token ids are checked against the model's vocabulary. Before anything else, every rank checks the
     datasets (at least one global batch of training blocks, a non-empty validation set, token ids in range).
-    ``compute_metrics`` is refused: evaluation computes the exact token-weighted loss and perplexity without
+    ``compute_metrics`` (with ``preprocess_logits_for_metrics``) is honoured: evaluation gathers each batch's
+    full-vocabulary logits (one all-gather over TP), hands them to ``preprocess_logits_for_metrics`` on each rank,
+    and calls ``compute_metrics`` on every rank with the predictions of all DP ranks; the loss, perplexity and bits
+    per byte stay the exact sums. Without ``compute_metrics`` no logits are gathered.
     gathering (vocabulary-sharded) logits.
     """
 
@@ -95,12 +99,6 @@ class BoostTrainer(Trainer):
             raise ValueError(
                 f"the model was built with tp_size={self.parallel_state.tp_size} but args.tp_size={tp_size}: "
                 "build it with args.to_parallel_config(config)."
-            )
-        if kwargs.get("compute_metrics") is not None or kwargs.get("preprocess_logits_for_metrics") is not None:
-            raise ValueError(
-                "BoostTrainer does not support compute_metrics / preprocess_logits_for_metrics: evaluation reports the "
-                "exact eval_loss and eval_perplexity without gathering logits (they are vocabulary-sharded under TP). "
-                "Compute other metrics in a TrainerCallback (on_evaluate) or with the model after training."
             )
         vocab_size = model.config.vocab_size
         kwargs["data_collator"] = TokenIdCheckingCollator(kwargs.get("data_collator") or default_data_collator, vocab_size)
@@ -198,22 +196,49 @@ class BoostTrainer(Trainer):
         )
 
     def evaluation_loop(self, dataloader, description, prediction_loss_only=None, ignore_keys=None, metric_key_prefix="eval"):
-        """Mean next-token loss over every target token of the evaluation set, and its perplexity.
+        """Mean next-token loss over every target token of the evaluation set, its perplexity and bits per byte,
+        then ``compute_metrics`` if given.
 
-        Each DP rank sums its tokens' losses (``num_items_in_batch=1`` makes the model return the sum);
-        one all-reduce of ``[sum, count]`` in the DP group (TP peers hold the same values).
+        Each DP rank sums its tokens' losses (``num_items_in_batch=1`` makes the model return the sum), tokens and
+        bytes; one all-reduce of ``[sum, tokens, bytes]`` in the DP group (TP peers hold the same values).
         """
         deepspeed_engine = self.is_deepspeed_enabled and self.model_wrapped is not self.model
         model = self.model_wrapped if deepspeed_engine else self.model
         model.eval()
         totals = torch.zeros(3, dtype=torch.float64, device=self.args.device)  # [nll sum, tokens, bytes]
+        wants_predictions = self.compute_metrics is not None
+        full_logits = {"return_logits": True} if hasattr(self.model, "plan") else {}  # TP: gather the vocabulary shards
+        predictions, label_ids = [], []
         with torch.no_grad():
             for batch in dataloader:
-                totals += sums_of_batch(model, self._prepare_inputs(batch), self.processing_class)
+                batch = self._prepare_inputs(batch)
+                if not wants_predictions:
+                    totals += sums_of_batch(model, batch, self.processing_class)
+                    continue
+                outputs = model(**batch, num_items_in_batch=1, **full_logits)
+                totals += batch_sums(outputs.loss, batch["labels"], self.processing_class)
+                logits = outputs.logits
+                if self.preprocess_logits_for_metrics is not None:
+                    logits = self.preprocess_logits_for_metrics(logits, batch["labels"])
+                predictions.append(logits.cpu())
+                label_ids.append(batch["labels"].cpu())
         if self.parallel_state.dp_group is not None:
             dist.all_reduce(totals, group=self.parallel_state.dp_group)
         metrics = metrics_from_sums(totals.cpu(), metric_key_prefix)
+        if wants_predictions:
+            metrics.update(self.user_metrics(predictions, label_ids, metric_key_prefix))
         return EvalLoopOutput(predictions=None, label_ids=None, metrics=metrics, num_samples=len(dataloader.dataset.dataset))
+
+    def user_metrics(self, predictions: list, label_ids: list, prefix: str) -> dict:
+        """``compute_metrics(EvalPrediction)`` on the predictions and labels of every DP rank (in DP-rank order,
+        gathered as objects over the DP group); keys get ``prefix``."""
+        local = (torch.cat(predictions).numpy(), torch.cat(label_ids).numpy())
+        if self.parallel_state.dp_group is not None:
+            shards = [None] * self.parallel_state.dp_size
+            dist.all_gather_object(shards, local, group=self.parallel_state.dp_group)
+            local = tuple(np.concatenate([shard[i] for shard in shards]) for i in range(2))
+        computed = self.compute_metrics(EvalPrediction(predictions=local[0], label_ids=local[1]))
+        return {key if key.startswith(f"{prefix}_") else f"{prefix}_{key}": value for key, value in computed.items()}
 
     # ------------------------------------------------------------------ steps, gradients, metrics
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
