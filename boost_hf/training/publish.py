@@ -58,20 +58,24 @@ def save_tokenizer(tokenizer, output_dir: str, *, context: int | None, used_bos:
     published.save_pretrained(output_dir)
 
 
+@contextlib.contextmanager
 def publish_special_tokens(model, tokenizer, used_bos: bool):
-    """Context: the config's and generation config's ``bos_token_id`` follow the published tokenizer (``None``
-    when training did not use the BOS); ``eos_token_id`` / ``pad_token_id`` are the tokenizer's."""
-    stack = contextlib.ExitStack()
+    """During the block: the config's and generation config's ``bos_token_id`` follow the published tokenizer
+    (``None`` when training did not use the BOS) and ``eos_token_id`` is the tokenizer's; restored afterwards."""
     targets = [model.config] + ([model.generation_config] if getattr(model, "generation_config", None) is not None else [])
     values = {"bos_token_id": tokenizer.bos_token_id if used_bos else None}
     if tokenizer.eos_token_id is not None:
         values["eos_token_id"] = tokenizer.eos_token_id
+    saved = [(target, {name: getattr(target, name, None) for name in values}) for target in targets]
     for target in targets:
-        saved = {name: getattr(target, name, None) for name in values}
         for name, value in values.items():
             setattr(target, name, value)
-        stack.callback(lambda target=target, saved=saved: [setattr(target, n, v) for n, v in saved.items()])
-    return stack
+    try:
+        yield
+    finally:
+        for target, old in saved:
+            for name, value in old.items():
+                setattr(target, name, value)
 
 
 def parameter_count(config) -> int:
@@ -100,12 +104,13 @@ def _format_count(n: float) -> str:
 
 def model_card(config, *, seq_len: int, license: str = "apache-2.0", datasets: list[str] | None = None,
                parallel: dict | None = None, recipe: dict | None = None, metrics: dict | None = None,
-               used_bos: bool = False, repo_hint: str = "OUTPUT_DIR/final") -> str:
+               used_bos: bool = False, repo_hint: str = "path/to/model") -> str:
     """The ``README.md`` of a saved model: Hub YAML metadata, then the card.
 
     ``parallel``: the layout it was trained with (``tp_size``, ``dp_size``, ``tp_style``, ...); ``recipe``:
     ``steps``, ``tokens``, ``global_batch``, ``learning_rate``, ...; ``metrics``: the last held-out
-    ``eval_perplexity`` / ``eval_bits_per_byte`` / ``eval_loss``.
+    ``eval_perplexity`` / ``eval_bits_per_byte`` / ``eval_loss``; ``repo_hint``: the folder or Hub repo id in
+    the loading examples.
     """
     bottleneck = config.bottleneck
     params, full_params = parameter_count(config), parameter_count(full_rank_config(config))
@@ -179,6 +184,7 @@ def model_card(config, *, seq_len: int, license: str = "apache-2.0", datasets: l
         "import boost_hf",
         "from transformers import AutoModelForCausalLM",
         f'model = AutoModelForCausalLM.from_pretrained("{repo_hint}")',
+        "# inside a launched process group (torchrun / accelerate launch), this rank's shard at tp_size 2:",
         f'model = boost_hf.BoostLlamaForCausalLM.from_pretrained("{repo_hint}", parallel_config=boost_hf.ParallelConfig(tp_size=2))',
         "```",
     ]

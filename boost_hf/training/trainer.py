@@ -231,8 +231,11 @@ class BoostTrainer(Trainer):
 
     def user_metrics(self, predictions: list, label_ids: list, prefix: str) -> dict:
         """``compute_metrics(EvalPrediction)`` on the predictions and labels of every DP rank (in DP-rank order,
-        gathered as objects over the DP group); keys get ``prefix``."""
-        local = (torch.cat(predictions).numpy(), torch.cat(label_ids).numpy())
+        gathered as objects over the DP group); keys get ``prefix``. The fully masked rows that pad the DP shards
+        to equal length (:class:`~boost_hf.training.data.EvalShard`) are dropped."""
+        labels = torch.cat(label_ids)
+        real = (labels != -100).flatten(1).any(-1)
+        local = (torch.cat(predictions)[real].numpy(), labels[real].numpy())
         if self.parallel_state.dp_group is not None:
             shards = [None] * self.parallel_state.dp_size
             dist.all_gather_object(shards, local, group=self.parallel_state.dp_group)
@@ -337,7 +340,7 @@ class BoostTrainer(Trainer):
         evaluations = [log for log in self.state.log_history if "eval_perplexity" in log]
         card = model_card(self.model.config, seq_len=self.context_length(), parallel=parallel, recipe=recipe,
                           metrics=evaluations[-1] if evaluations else None, used_bos=self.trained_with_bos,
-                          **self.card_metadata)
+                          repo_hint=args.hub_model_id or os.path.join(args.output_dir, "final"), **self.card_metadata)
         with open(os.path.join(output_dir, "README.md"), "w") as f:
             f.write(card)
 
