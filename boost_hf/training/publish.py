@@ -174,7 +174,7 @@ def model_card(config, *, seq_len: int, license: str = "apache-2.0", datasets: l
         "```python",
         "from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline",
         f'model = AutoModelForCausalLM.from_pretrained("{repo_hint}", trust_remote_code=True)',
-        f'tokenizer = AutoTokenizer.from_pretrained("{repo_hint}")',
+        f'tokenizer = AutoTokenizer.from_pretrained("{repo_hint}", trust_remote_code=True)  # reads config.json too',
         f'generate = pipeline("text-generation", model="{repo_hint}", trust_remote_code=True)',
         "```",
         "",

@@ -32,7 +32,7 @@ for name, folder in json.loads(sys.argv[1] if len(sys.argv) > 1 else FOLDERS).it
     entry = {"class_module": type(model).__module__, "config_class": type(AutoConfig.from_pretrained(folder, trust_remote_code=True)).__name__,
              "generated": generated.tolist(), "use_cache": model.generation_config.use_cache}
     if name == "final":
-        tokenizer = AutoTokenizer.from_pretrained(folder)
+        tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=True)
         generator = pipeline("text-generation", model=folder, trust_remote_code=True)
         entry["pipeline"] = generator("The river", max_new_tokens=5, do_sample=False)[0]["generated_text"]
         entry["tokenized"] = tokenizer("The river city").input_ids
