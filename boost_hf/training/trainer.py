@@ -89,7 +89,6 @@ class BoostTrainer(Trainer):
     full-vocabulary logits (one all-gather over TP), hands them to ``preprocess_logits_for_metrics`` on each rank,
     and calls ``compute_metrics`` on every rank with the predictions of all DP ranks; the loss, perplexity and bits
     per byte stay the exact sums. Without ``compute_metrics`` no logits are gathered.
-    gathering (vocabulary-sharded) logits.
     """
 
     def __init__(self, model=None, args=None, **kwargs):
