@@ -94,3 +94,12 @@ def test_push_to_hub_card_is_boost_hfs(trained_run, tmp_path):
     trainer.create_model_card()
     metadata, _ = card_of(trainer.args.output_dir)
     assert metadata["library_name"] == "transformers" and "boost-hf" in metadata["tags"]
+
+
+def test_checkpoints_are_published_the_same_way(trained_run, tmp_path):
+    """``Trainer._save_checkpoint`` writes the model through ``save_model``: remote code, card and settings too."""
+    trainer, _ = trained_run
+    trainer.save_model(str(tmp_path))
+    assert {"configuration_boost_llama.py", "modeling_boost_llama.py", "README.md", "tokenizer.json"} <= set(os.listdir(tmp_path))
+    assert json.load(open(tmp_path / "config.json"))["use_cache"] is True
+    assert AutoTokenizer.from_pretrained(tmp_path).model_max_length == BLOCK
