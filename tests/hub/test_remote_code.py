@@ -37,7 +37,9 @@ for name, folder in json.loads(sys.argv[1] if len(sys.argv) > 1 else FOLDERS).it
         entry["pipeline"] = generator("The river", max_new_tokens=5, do_sample=False)[0]["generated_text"]
         entry["tokenized"] = tokenizer("The river city").input_ids
     report[name] = entry
-report["forbidden_modules"] = sorted({m.split(".")[0] for m in sys.modules} & {"boost_hf", "deepspeed", "gensim", "peft", "datasets"})
+import importlib.util
+report["forbidden_modules"] = [m for m in ("boost_hf", "deepspeed", "gensim", "peft", "datasets") if m in sys.modules or importlib.util.find_spec(m)]
+report["versions"] = [torch.__version__, __import__("transformers").__version__]
 print("REPORT" + json.dumps(report))
 """
 
@@ -63,12 +65,16 @@ def test_remote_code_in_a_fresh_environment_without_boost_hf(tmp_path, trained_r
     _, final = trained_run
     folders = {"final": str(final), "full": str(saved_plain(tmp_path, None)), "lax": str(saved_plain(tmp_path, "lax", lax_gate="kronecker")),
                "svd": str(saved_plain(tmp_path, "svd"))}
-    python = isolated_env.create(tmp_path / "venv")
+    python, how = isolated_env.create(tmp_path / "venv")
+    print(f"isolated environment built by {how}")
     script = ISOLATED_SCRIPT.replace("INPUT_IDS", repr(INPUT_IDS)).replace("FOLDERS", repr(json.dumps(folders)))
     result = isolated_env.run(python, script, tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(result.stdout.split("REPORT", 1)[1])
-    assert report.pop("forbidden_modules") == []
+    assert report.pop("forbidden_modules") == []  # not installed there, so not imported
+    import transformers
+
+    assert report.pop("versions") == [torch.__version__, transformers.__version__]
     for name, folder in folders.items():
         entry = report[name]
         assert entry["class_module"].startswith("transformers_modules."), entry  # the shipped file, not boost_hf
