@@ -11,7 +11,7 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m pip install -q --upgrade pip
 	# torch first: the pinned version resolves to the local CPU wheel, never the CUDA build.
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -c constraints.txt -e ".[test,bench]"
+	$(PY) -m pip install -q -c constraints.txt -e ".[train,demo,test,bench]"
 	touch $(STAMP)
 
 install: $(STAMP)

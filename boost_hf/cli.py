@@ -4,6 +4,7 @@ Subcommands live in :data:`SUBCOMMANDS` (name -> help, argument builder, runner)
 
     boost-hf estimate --preset cola-7b --tp 4 --micro-batch 4 --seq 4096 --gpu a100 [--json]
     boost-hf demo [--num-processes 4] [--tp-size 2] [--max-steps N]
+    boost-hf eval CHECKPOINT --data FILE [--block-size N] [--json]
 """
 
 from __future__ import annotations
@@ -178,6 +179,29 @@ def _run_demo(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def _add_eval_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("checkpoint", help="a saved model folder with its tokenizer (e.g. outputs/demo/final)")
+    parser.add_argument("--data", required=True, help="local text/JSON/CSV/Parquet file, one document per row")
+    parser.add_argument("--block-size", type=int, help="tokens per block (default: the tokenizer's model_max_length)")
+    parser.add_argument("--batch-size", type=int, default=8, help="blocks per forward pass (default: 8)")
+    parser.add_argument("--text-column", default="text", help="column holding the documents (default: text)")
+    parser.add_argument("--max-blocks", type=int, help="evaluate at most this many blocks")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+
+def _run_eval(args: argparse.Namespace) -> int:
+    from . import evaluation  # importing boost_hf registers boost_llama with the Auto classes
+
+    metrics = evaluation.evaluate_checkpoint(args.checkpoint, args.data, block_size=args.block_size, batch_size=args.batch_size,
+                                             text_column=args.text_column, max_blocks=args.max_blocks)
+    if args.json:
+        print(json.dumps(metrics, indent=2))
+    else:
+        for name, value in metrics.items():
+            print(f"{name:20s} {value:.4f}" if isinstance(value, float) else f"{name:20s} {value}")
+    return 0
+
+
 # name -> (help, add_arguments(parser), run(args) -> exit code).
 SUBCOMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]] = {
     "estimate": (
@@ -189,6 +213,11 @@ SUBCOMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Cal
         "measure one layer's collectives per layout on local CPU processes and print them next to the formula",
         _add_comm_arguments,
         _run_comm,
+    ),
+    "eval": (
+        "held-out perplexity and bits per byte of a saved model on local text (the local `evaluate` metric)",
+        _add_eval_arguments,
+        _run_eval,
     ),
     "demo": (
         "pre-train the tiny CoLA demo with BTP x DP on local CPU processes: perplexity, a sample, outputs/demo/final",
@@ -211,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return SUBCOMMANDS[args.command][2](args)
-    except ValueError as error:
+    except (ValueError, FileNotFoundError) as error:
         parser.error(str(error))
 
 

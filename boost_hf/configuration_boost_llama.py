@@ -347,4 +347,7 @@ class BoostLlamaConfig(PretrainedConfig):
         return cls(**fields)
 
 
+# Every saved config ships this file and names it in ``auto_map`` (remote code: ``trust_remote_code=True``).
+BoostLlamaConfig.register_for_auto_class()
+
 __all__ = ["BoostLlamaConfig", "BOTTLENECKS", "LAX_GATES", "LAX_BASES", "PRESET_SIZES"]

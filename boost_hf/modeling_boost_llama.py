@@ -522,6 +522,11 @@ class BoostLlamaForCausalLM(BoostLlamaPreTrainedModel, GenerationMixin):
         )
 
 
+# Every saved model ships this file and its configuration and names them in ``auto_map``, so
+# ``AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)`` works without boost-hf.
+BoostLlamaModel.register_for_auto_class("AutoModel")
+BoostLlamaForCausalLM.register_for_auto_class("AutoModelForCausalLM")
+
 __all__ = [
     "BoostLlamaPreTrainedModel",
     "BoostLlamaModel",

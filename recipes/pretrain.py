@@ -5,14 +5,14 @@
 
 Logs validation perplexity before training and every ``eval_steps``, trains (``--resume_from_checkpoint
 PATH|last`` continues a run), evaluates again, prints a greedy sample and saves the model with its
-tokenizer to ``<output_dir>/final``.
+tokenizer, its remote code and model card (``README.md``) to ``<output_dir>/final``.
 """
 
 import sys
 
 from boost_hf.training import BoostTrainer, build_datasets, build_model, build_tokenizer, parse_recipe
 from boost_hf.training.preflight import check_model_and_data
-from boost_hf.training.recipe import build_config
+from boost_hf.training.recipe import build_config, card_datasets
 
 
 def main(argv: list[str]) -> None:
@@ -28,6 +28,7 @@ def main(argv: list[str]) -> None:
         eval_dataset=datasets["validation"],
         processing_class=tokenizer,
     )
+    trainer.card_metadata["datasets"] = card_datasets(data_args)  # the model card in <output_dir>/final
     resume = training_args.resume_from_checkpoint
     training_args.eval_on_start = training_args.eval_on_start or not resume  # logged at step 0
     trainer.train(resume_from_checkpoint=True if resume == "last" else resume)

@@ -3,6 +3,7 @@ processes)."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -35,3 +36,7 @@ def test_torchrun_example_runs(tmp_path):
     assert run.returncode == 0, run.stderr[-3000:]
     assert "forward collectives" in run.stdout
     assert (tmp_path / "ckpt-tp2" / "model.safetensors").is_file()
+    # a TP-saved checkpoint ships the single-device remote code too
+    config = json.loads((tmp_path / "ckpt-tp2" / "config.json").read_text())
+    assert config["auto_map"]["AutoModelForCausalLM"] == "modeling_boost_llama.BoostLlamaForCausalLM"
+    assert (tmp_path / "ckpt-tp2" / "modeling_boost_llama.py").is_file() and (tmp_path / "ckpt-tp2" / "configuration_boost_llama.py").is_file()

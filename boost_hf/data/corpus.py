@@ -22,7 +22,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from datasets import Dataset, DatasetDict
-from gensim.corpora.wikicorpus import extract_pages
 
 from .cache import atomic_write_text, cache_subdir
 from .splits import is_validation
@@ -57,7 +56,10 @@ class CorpusIntegrityError(RuntimeError):
 
 def wiki_sample_path() -> Path:
     """Return the path of the Wikipedia sample inside the installed gensim package."""
-    import gensim
+    try:
+        import gensim
+    except ImportError as error:
+        raise ImportError(f"the demo corpus ships with {REQUIRED_GENSIM}: pip install 'boost-hf[demo]'.") from error
 
     path = Path(gensim.__file__).resolve().parent / "test" / "test_data" / WIKI_SAMPLE_FILENAME
     if not path.is_file():
@@ -99,6 +101,8 @@ def iter_clean_articles(path: str | os.PathLike[str]) -> Iterator[dict[str, str]
     Non-article namespaces, redirects, disambiguation pages and articles shorter than
     :data:`MIN_ARTICLE_WORDS` words are skipped.
     """
+    from gensim.corpora.wikicorpus import extract_pages  # the demo extra (not needed to load or run models)
+
     with bz2.open(path, "rb") as handle:
         for title, raw, _page_id in extract_pages(handle, filter_namespaces=ARTICLE_NAMESPACES):
             if not raw or is_redirect(raw) or is_disambiguation(raw):

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import re
 
-from gensim.corpora.wikicorpus import filter_wiki
 
 DROPPED_SECTIONS: frozenset[str] = frozenset(
     {
@@ -102,6 +101,8 @@ def remove_tables(raw: str) -> str:
 
 def strip_markup(raw: str) -> str:
     """Remove comments, galleries and tables, then the rest of the markup with gensim's ``filter_wiki``."""
+    from gensim.corpora.wikicorpus import filter_wiki  # the demo extra (not needed to load or run models)
+
     raw = _COMMENT.sub("", raw)
     raw = _GALLERY.sub("", raw)
     return filter_wiki(remove_tables(raw))

@@ -149,6 +149,17 @@ def build_datasets(data_args: DataArguments, tokenizer, training_args: BoostTrai
     return datasets
 
 
+DEFAULT_CORPUS_HUB_NAME = "wikimedia/wikipedia"
+"""Hub name of the corpus the default Wikipedia sample comes from (the model card's ``datasets``)."""
+
+
+def card_datasets(data_args: DataArguments) -> list[str]:
+    """The model card's ``datasets``: the Hub dataset trained on (none for local files)."""
+    if data_args.dataset is None:
+        return [DEFAULT_CORPUS_HUB_NAME]
+    return [] if os.path.exists(data_args.dataset) else [data_args.dataset]
+
+
 def build_config(model_args, tokenizer) -> BoostLlamaConfig:
     """The model configuration: ``init_from``'s or the preset's, with the recipe's overrides and the
     tokenizer's vocabulary (padded to a multiple of :data:`VOCAB_MULTIPLE`) and special tokens."""
@@ -199,4 +210,5 @@ __all__ = [
     "build_config",
     "build_model",
     "check_checkpoint_folder",
+    "card_datasets",
 ]

@@ -10,7 +10,8 @@ Trainer hook                           boost-hf behaviour
 ``get_train_dataloader``               shard by DP rank: TP peers get the same micro-batch
                                        (:mod:`boost_hf.training.data`)
 ``get_eval_dataloader`` /              DP-sharded validation, exact token-weighted loss all-reduced over DP;
-``evaluation_loop``                    ``eval_perplexity = exp(eval_loss)``
+``evaluation_loop``                    ``eval_perplexity = exp(eval_loss)``, ``eval_bits_per_byte`` (with a
+                                       tokenizer), through the local ``evaluate`` metric (:mod:`boost_hf.evaluation`)
 ``create_accelerator_and_postprocess``  ``--torch_compile``: each decoder layer compiled in place
                                        (:mod:`boost_hf.training.compile`), not the whole model
 ``get_tp_size``                        our TP size: global batch and loss scaling count DP ranks only
@@ -23,7 +24,9 @@ Trainer hook                           boost-hf behaviour
                                        skipped non-finite steps
 ``compute_loss`` / ``_get_grad_norm``  non-finite loss or grad norm: stop or skip the step
                                        (:mod:`boost_hf.training.health`)
-``save_model`` / ``_save_checkpoint``  canonical checkpoint from every rank's shard; ``super()._save_checkpoint``
+``save_model`` / ``_save_checkpoint``  canonical checkpoint from every rank's shard, publishable (remote code,
+                                       ``use_cache``, tokenizer context and BOS, ``README.md`` model card:
+                                       :mod:`boost_hf.training.publish`); ``super()._save_checkpoint``
 ``_save_optimizer_and_scheduler``      inside a guard that writes the manifest and removes a failed save;
                                        optimizer state per TP rank and ``training_layout.json``
                                        (:mod:`boost_hf.training.checkpoint`, :mod:`boost_hf.training.resume`)
@@ -44,17 +47,17 @@ Launch with ``accelerate launch`` (``world = dp x tp_size`` processes; TP ranks 
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 import uuid
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader
 from accelerate.utils import DynamoBackend
 from transformers import Trainer, default_data_collator
 from transformers.trainer import SCHEDULER_NAME
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, EvalLoopOutput
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, EvalLoopOutput, EvalPrediction
 
 from ..checkpoint_integrity import verify_checkpoint
 from ..parallel.weights_io import load_canonical_checkpoint, resolve_checkpoint_files
@@ -74,6 +77,7 @@ from .checkpoint import (
 from .compile import compile_decoder_layers
 from .data import EvalShard, shard_by_data_parallel_rank, streaming_loader
 from ..parallel.state import ParallelState
+from ..evaluation import batch_sums, metrics_from_sums, sums_of_batch
 from .deepspeed import ModelParallelUnit, configure_deepspeed, deepspeed_initialize_with_mpu, skip_shm_comm_if_requested
 from .grad_norm import clip_grad_norm_, global_grad_norm
 from .health import is_finite, nonfinite_error, poison_nonfinite_loss
@@ -81,6 +85,7 @@ from .metrics import TrainingMetrics
 from .preflight import TokenIdCheckingCollator, check_dataset
 from .resume import check_resume_layout, load_optimizer_state, missing_file_error, training_layout, write_training_layout
 from .watchdog import HangWatchdog, exit_with_launcher
+from .publish import inference_settings, model_card, publish_special_tokens, save_tokenizer
 
 
 class BoostTrainer(Trainer):
@@ -91,8 +96,10 @@ class BoostTrainer(Trainer):
     Without ``data_collator``, batches are stacked as they are (``default_data_collator``: packed blocks); every
     batch's token ids are checked against the model's vocabulary. Before anything else, every rank checks the
     datasets (at least one global batch of training blocks, a non-empty validation set, token ids in range).
-    ``compute_metrics`` is refused: evaluation computes the exact token-weighted loss and perplexity without
-    gathering (vocabulary-sharded) logits.
+    ``compute_metrics`` (with ``preprocess_logits_for_metrics``) is honoured: evaluation gathers each batch's
+    full-vocabulary logits (one all-gather over TP), hands them to ``preprocess_logits_for_metrics`` on each rank,
+    and calls ``compute_metrics`` on every rank with the predictions of all DP ranks; the loss, perplexity and bits
+    per byte stay the exact sums. Without ``compute_metrics`` no logits are gathered.
     """
 
     def __init__(self, model=None, args=None, **kwargs):
@@ -103,12 +110,6 @@ class BoostTrainer(Trainer):
             raise ValueError(
                 f"the model was built with tp_size={self.parallel_state.tp_size} but args.tp_size={tp_size}: "
                 "build it with args.to_parallel_config(config)."
-            )
-        if kwargs.get("compute_metrics") is not None or kwargs.get("preprocess_logits_for_metrics") is not None:
-            raise ValueError(
-                "BoostTrainer does not support compute_metrics / preprocess_logits_for_metrics: evaluation reports the "
-                "exact eval_loss and eval_perplexity without gathering logits (they are vocabulary-sharded under TP). "
-                "Compute other metrics in a TrainerCallback (on_evaluate) or with the model after training."
             )
         vocab_size = model.config.vocab_size
         kwargs["data_collator"] = TokenIdCheckingCollator(kwargs.get("data_collator") or default_data_collator, vocab_size)
@@ -121,6 +122,9 @@ class BoostTrainer(Trainer):
                     check_dataset(dataset, vocab_size, name, 1)
         self.run_id: str | None = None
         self.hang_watchdog: HangWatchdog | None = None
+        self.trained_context: int | None = None  # sequence length of the training micro-batches (model card, tokenizer)
+        self._bos_seen: torch.Tensor | bool = False  # whether a training micro-batch held the tokenizer's BOS id (no sync)
+        self.card_metadata = {"license": "apache-2.0", "datasets": []}  # Hub metadata of the model card
         self.nonfinite_skipped_steps = 0
         super().__init__(model=model, args=args, **kwargs)
         state = self.parallel_state
@@ -208,26 +212,52 @@ class BoostTrainer(Trainer):
         )
 
     def evaluation_loop(self, dataloader, description, prediction_loss_only=None, ignore_keys=None, metric_key_prefix="eval"):
-        """Mean next-token loss over every target token of the evaluation set, and its perplexity.
+        """Mean next-token loss over every target token of the evaluation set, its perplexity and bits per byte,
+        then ``compute_metrics`` if given.
 
-        Each DP rank sums its tokens' losses (``num_items_in_batch=1`` makes the model return the sum);
-        one all-reduce of ``[sum, count]`` in the DP group (TP peers hold the same values).
+        Each DP rank sums its tokens' losses (``num_items_in_batch=1`` makes the model return the sum), tokens and
+        bytes; one all-reduce of ``[sum, tokens, bytes]`` in the DP group (TP peers hold the same values).
         """
         deepspeed_engine = self.is_deepspeed_enabled and self.model_wrapped is not self.model
         model = self.model_wrapped if deepspeed_engine else self.model
         model.eval()
-        totals = torch.zeros(2, dtype=torch.float64, device=self.args.device)
+        totals = torch.zeros(3, dtype=torch.float64, device=self.args.device)  # [nll sum, tokens, bytes]
+        wants_predictions = self.compute_metrics is not None
+        full_logits = {"return_logits": True} if hasattr(self.model, "plan") else {}  # TP: gather the vocabulary shards
+        predictions, label_ids = [], []
         with torch.no_grad():
             for batch in dataloader:
                 batch = self._prepare_inputs(batch)
-                count = (batch["labels"][..., 1:] != -100).sum()
-                loss_sum = model(**batch, num_items_in_batch=1).loss
-                totals += torch.stack([loss_sum.double(), count.double()])
+                if not wants_predictions:
+                    totals += sums_of_batch(model, batch, self.processing_class)
+                    continue
+                outputs = model(**batch, num_items_in_batch=1, **full_logits)
+                totals += batch_sums(outputs.loss, batch["labels"], self.processing_class)
+                logits = outputs.logits
+                if self.preprocess_logits_for_metrics is not None:
+                    logits = self.preprocess_logits_for_metrics(logits, batch["labels"])
+                predictions.append(logits.cpu())
+                label_ids.append(batch["labels"].cpu())
         if self.parallel_state.dp_group is not None:
             dist.all_reduce(totals, group=self.parallel_state.dp_group)
-        loss = (totals[0] / totals[1].clamp(min=1)).item()
-        metrics = {f"{metric_key_prefix}_loss": loss, f"{metric_key_prefix}_perplexity": math.exp(min(loss, 50.0))}
+        metrics = metrics_from_sums(totals.cpu(), metric_key_prefix)
+        if wants_predictions:
+            metrics.update(self.user_metrics(predictions, label_ids, metric_key_prefix))
         return EvalLoopOutput(predictions=None, label_ids=None, metrics=metrics, num_samples=len(dataloader.dataset.dataset))
+
+    def user_metrics(self, predictions: list, label_ids: list, prefix: str) -> dict:
+        """``compute_metrics(EvalPrediction)`` on the predictions and labels of every DP rank (in DP-rank order,
+        gathered as objects over the DP group); keys get ``prefix``. The fully masked rows that pad the DP shards
+        to equal length (:class:`~boost_hf.training.data.EvalShard`) are dropped."""
+        labels = torch.cat(label_ids)
+        real = (labels != -100).flatten(1).any(-1)
+        local = (torch.cat(predictions)[real].numpy(), labels[real].numpy())
+        if self.parallel_state.dp_group is not None:
+            shards = [None] * self.parallel_state.dp_size
+            dist.all_gather_object(shards, local, group=self.parallel_state.dp_group)
+            local = tuple(np.concatenate([shard[i] for shard in shards]) for i in range(2))
+        computed = self.compute_metrics(EvalPrediction(predictions=local[0], label_ids=local[1]))
+        return {key if key.startswith(f"{prefix}_") else f"{prefix}_{key}": value for key, value in computed.items()}
 
     # ------------------------------------------------------------------ steps, gradients, metrics
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
@@ -241,6 +271,10 @@ class BoostTrainer(Trainer):
         self.metrics.count_micro_batch(inputs["input_ids"])
         if self.hang_watchdog is not None:
             self.hang_watchdog.step = self.state.global_step + 1
+        self.trained_context = inputs["input_ids"].shape[-1]
+        bos = getattr(self.processing_class, "bos_token_id", None)
+        if bos is not None:
+            self._bos_seen = (inputs["input_ids"] == bos).any() | self._bos_seen
         with self.metrics.comm:
             return super().training_step(model, inputs, num_items_in_batch)
 
@@ -285,12 +319,54 @@ class BoostTrainer(Trainer):
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """Write the canonical (unsharded) model, its config and the tokenizer. Collective: call on every rank."""
         output_dir = output_dir or self.args.output_dir
-        with full_parameters(self.model, self._zero_stage):
+        tokenizer = self.processing_class if hasattr(self.processing_class, "save_pretrained") else None
+        tokens = publish_special_tokens(self.model, tokenizer, self.trained_with_bos) if tokenizer is not None else contextlib.nullcontext()
+        with full_parameters(self.model, self._zero_stage), inference_settings(self.model), tokens:
             self.model.save_pretrained(output_dir, is_main_process=self.args.should_save)
         if self.args.should_save:
-            if self.processing_class is not None:
-                self.processing_class.save_pretrained(output_dir)
+            if tokenizer is not None:
+                save_tokenizer(tokenizer, output_dir, context=self.context_length(), used_bos=self.trained_with_bos)
+            self.write_model_card(output_dir)
             torch.save(self.args, os.path.join(output_dir, "training_args.bin"))
+
+    @property
+    def trained_with_bos(self) -> bool:
+        """Whether training put the tokenizer's BOS anywhere in this rank's micro-batches (the writer's view decides
+        whether the published tokenizer declares a BOS)."""
+        return bool(self._bos_seen)
+
+    def context_length(self) -> int:
+        """The trained context: the micro-batches' sequence length (``max_position_embeddings`` before training)."""
+        return self.trained_context or self.model.config.max_position_embeddings
+
+    def write_model_card(self, output_dir: str) -> None:
+        """``<output_dir>/README.md``: the model card (:func:`~boost_hf.training.publish.model_card`) with this run's
+        layout, recipe and last held-out metrics. ``card_metadata`` sets its ``license`` and ``datasets``."""
+        state, args = self.parallel_state, self.args
+        layout = args.to_parallel_config(self.model.config) if hasattr(args, "to_parallel_config") else None
+        parallel = {"tp_size": state.tp_size, "dp_size": state.dp_size}
+        if layout is not None:
+            parallel.update(tp_style=layout.tp_style, rmsnorm=layout.rmsnorm, group_linears=layout.group_linears,
+                            activation_checkpointing=layout.activation_checkpointing)
+        parallel["deepspeed_zero_stage"] = self._zero_stage if self.is_deepspeed_enabled else None
+        global_batch = args.per_device_train_batch_size * state.dp_size * args.gradient_accumulation_steps
+        recipe = {"optimizer steps": self.state.global_step, "global batch (sequences)": global_batch,
+                  "sequence length": self.context_length(),
+                  "training tokens": self.state.global_step * global_batch * self.context_length(),
+                  "peak learning rate": args.learning_rate, "schedule": getattr(args.lr_scheduler_type, "value", args.lr_scheduler_type),
+                  "weight decay": args.weight_decay, "gradient clipping": args.max_grad_norm, "seed": args.seed}
+        evaluations = [log for log in self.state.log_history if "eval_perplexity" in log]
+        card = model_card(self.model.config, seq_len=self.context_length(), parallel=parallel, recipe=recipe,
+                          metrics=evaluations[-1] if evaluations else None, used_bos=self.trained_with_bos,
+                          repo_hint=args.hub_model_id or os.path.join(args.output_dir, "final"), **self.card_metadata)
+        with open(os.path.join(output_dir, "README.md"), "w") as f:
+            f.write(card)
+
+    def create_model_card(self, *args, **kwargs) -> None:
+        """Transformers' ``push_to_hub`` path writes the card here: boost-hf's card, into ``output_dir``."""
+        if self.is_world_process_zero():
+            os.makedirs(self.args.output_dir, exist_ok=True)
+            self.write_model_card(self.args.output_dir)
 
     def save_final_model(self, output_dir: str | None = None) -> str:
         """Save the model (canonical) + tokenizer + manifest atomically to ``<output_dir>/final``; return that path."""

@@ -88,15 +88,30 @@ def expect_failure(argv: list[str], deepspeed_stage: int | None, out: Path) -> d
     return {"type": None, "message": "no error"}
 
 
+def seen_by_compute_metrics(prediction) -> dict:
+    """What ``compute_metrics`` receives: every validation block once (labels), argmax over the full vocabulary."""
+    return {"label_rows": prediction.label_ids.tolist(), "max_prediction": int(prediction.predictions.max()),
+            "prediction_shape": list(prediction.predictions.shape)}
+
+
 def record_epoch(argv: list[str], out: Path) -> None:
-    """Every rank's training samples (rows of input_ids) over one epoch, gathered into ``out/data.json``."""
+    """Every rank's training samples (rows of input_ids) over one epoch, gathered into ``out/data.json``; and what
+    ``compute_metrics`` sees on every rank when evaluating the validation set (``out/compute_metrics.json``)."""
     model_args, data_args, training_args = parse_recipe(argv)
     tokenizer = build_tokenizer(data_args)
     datasets = build_datasets(data_args, tokenizer, training_args)
     trainer = BoostTrainer(
         model=build_model(model_args, training_args, tokenizer), args=training_args, train_dataset=datasets["train"],
-        processing_class=tokenizer,
+        eval_dataset=datasets["validation"], processing_class=tokenizer, compute_metrics=seen_by_compute_metrics,
+        preprocess_logits_for_metrics=lambda logits, labels: logits.argmax(-1),
     )
+    metrics = trainer.evaluate()
+    every_rank = [None] * dist.get_world_size()
+    dist.all_gather_object(every_rank, {key: metrics[f"eval_{key}"] for key in ("label_rows", "max_prediction", "prediction_shape")})
+    if dist.get_rank() == 0:
+        validation = [list(r) for r in datasets["validation"]["input_ids"]]
+        (out / "compute_metrics.json").write_text(json.dumps({"ranks": every_rank, "validation": validation,
+                                                              "vocab_size": trainer.model.config.vocab_size}))
     rows = [row for batch in trainer.get_train_dataloader() for row in batch["input_ids"].tolist()]
     state = trainer.parallel_state
     gathered = [None] * dist.get_world_size()

@@ -187,3 +187,12 @@ def test_epoch_is_sharded_by_data_parallel_rank(runs):
     available = Counter(tuple(row) for row in data["dataset"])
     assert all(seen[row] <= available[row] for row in seen), "a sample was seen twice within the epoch"
     assert sum(available.values()) - sum(seen.values()) < 2 * 4  # only the last incomplete global batch is dropped
+
+
+def test_compute_metrics_sees_every_validation_block_once(runs):
+    """tp 2 x dp 2: full-vocabulary logits (gathered over TP), predictions of both DP ranks, on every rank."""
+    data = json.loads((runs / "compute_metrics.json").read_text())
+    for seen in data["ranks"]:
+        assert Counter(map(tuple, seen["label_rows"])) == Counter(map(tuple, data["validation"]))
+        assert seen["prediction_shape"] == [len(data["validation"]), len(data["validation"][0])]
+        assert 0 <= seen["max_prediction"] < data["vocab_size"]

@@ -122,9 +122,33 @@ def test_token_ids_out_of_range_fail_before_training(tmp_path):
         streamed([{"input_ids": [1, -1], "labels": [1, -1]}])
 
 
-def test_compute_metrics_is_refused(tmp_path):
-    with pytest.raises(ValueError, match="does not support compute_metrics"):
-        BoostTrainer(model=tiny_model(), args=arguments(tmp_path), train_dataset=blocks(8), compute_metrics=lambda p: {})
+@pytest.mark.parametrize("parallel", [False, True], ids=["plain-model", "parallelized-tp1"])
+def test_compute_metrics_is_honoured(tmp_path, parallel):
+    """``compute_metrics`` sees every evaluation block's (preprocessed) logits and labels; the exact loss stays."""
+    seen = {}
+
+    def accuracy(prediction):
+        seen["shapes"] = (prediction.predictions.shape, prediction.label_ids.shape)
+        hits = prediction.predictions[:, :-1] == prediction.label_ids[:, 1:]
+        return {"accuracy": float(hits.mean())}
+
+    model = tiny_model()
+    if parallel:
+        from boost_hf import parallelize
+
+        model = parallelize(model, arguments(tmp_path).to_parallel_config(model.config))
+    evaluation = blocks(6)
+    t = BoostTrainer(model=model, args=arguments(tmp_path, per_device_eval_batch_size=4), train_dataset=blocks(8),
+                     eval_dataset=evaluation, compute_metrics=accuracy,
+                     preprocess_logits_for_metrics=lambda logits, labels: logits.argmax(-1))
+    metrics = t.evaluate()
+    ids = torch.tensor(evaluation["input_ids"])
+    with torch.no_grad():
+        logits = tiny_model()(ids).logits
+    expected = (logits.argmax(-1)[:, :-1] == ids[:, 1:]).float().mean().item()
+    assert seen["shapes"] == ((6, BLOCK), (6, BLOCK))
+    assert metrics["eval_accuracy"] == pytest.approx(expected)
+    assert metrics["eval_loss"] == pytest.approx(tiny_model()(ids, labels=ids).loss.item(), rel=1e-5)
 
 
 def test_model_must_fit_block_size_and_tokenizer():

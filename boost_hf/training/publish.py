@@ -1,0 +1,212 @@
+"""What makes a saved model folder publishable as it is (a Hub repo's content): settings for inference and the
+model card.
+
+* :func:`inference_settings`: ``use_cache=True`` in the saved config and generation config (training runs
+  without a KV cache; generation and pipelines should not);
+* :func:`save_tokenizer`: the tokenizer with ``model_max_length`` = the trained context, and without a BOS
+  declaration when training never put one in front of documents (documents are separated by EOS only, so
+  tools that prepend the declared BOS, e.g. lm-evaluation-harness, would score text the model never saw);
+* :func:`model_card`: ``README.md`` with the Hub's YAML metadata, the architecture, its cost against full rank,
+  the parallel layout and recipe it was trained with, held-out perplexity / bits per byte, and how to load it
+  with and without boost-hf.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+
+import yaml
+
+from ..perf.flops import forward_flops_per_token
+
+ARCHITECTURE_NAMES = {
+    None: "full-rank LLaMA",
+    "svd": "SVD-factorised LLaMA (y = B A x)",
+    "cola": "CoLA (y = B act(A x))",
+    "lax": "LaX (latent crossing between blocks)",
+}
+
+
+@contextlib.contextmanager
+def inference_settings(model):
+    """During the block: ``config.use_cache`` and ``generation_config.use_cache`` are ``True`` (the Trainer sets
+    ``config.use_cache = args.use_cache``, ``False``, for training); restored afterwards."""
+    config, generation = model.config, getattr(model, "generation_config", None)
+    saved = (config.use_cache, getattr(generation, "use_cache", None))
+    config.use_cache = True
+    if generation is not None:
+        generation.use_cache = True
+    try:
+        yield
+    finally:
+        config.use_cache = saved[0]
+        if generation is not None:
+            generation.use_cache = saved[1]
+
+
+def save_tokenizer(tokenizer, output_dir: str, *, context: int | None, used_bos: bool) -> None:
+    """Save a copy of ``tokenizer`` with ``model_max_length = context`` (when known) and, unless ``used_bos``,
+    no BOS token declared (its id stays in the vocabulary)."""
+    published = copy.deepcopy(tokenizer)
+    if context is not None:
+        published.model_max_length = context
+    if not used_bos and published.bos_token is not None:
+        published.bos_token = None
+        if hasattr(published, "add_bos_token"):
+            published.add_bos_token = False
+    published.save_pretrained(output_dir)
+
+
+@contextlib.contextmanager
+def publish_special_tokens(model, tokenizer, used_bos: bool):
+    """During the block: the config's and generation config's ``bos_token_id`` follow the published tokenizer
+    (``None`` when training did not use the BOS) and ``eos_token_id`` is the tokenizer's; restored afterwards."""
+    targets = [model.config] + ([model.generation_config] if getattr(model, "generation_config", None) is not None else [])
+    values = {"bos_token_id": tokenizer.bos_token_id if used_bos else None}
+    if tokenizer.eos_token_id is not None:
+        values["eos_token_id"] = tokenizer.eos_token_id
+    saved = [(target, {name: getattr(target, name, None) for name in values}) for target in targets]
+    for target in targets:
+        for name, value in values.items():
+            setattr(target, name, value)
+    try:
+        yield
+    finally:
+        for target, old in saved:
+            for name, value in old.items():
+                setattr(target, name, value)
+
+
+def parameter_count(config) -> int:
+    """Parameters of the model of ``config`` (counted on the meta device: no memory, no initialisation)."""
+    import torch
+
+    from ..modeling_boost_llama import BoostLlamaForCausalLM
+
+    with torch.device("meta"):
+        model = BoostLlamaForCausalLM(copy.deepcopy(config))
+    return sum(p.numel() for p in model.parameters())
+
+
+def full_rank_config(config):
+    full = copy.deepcopy(config)
+    full.bottleneck = None
+    return full
+
+
+def _format_count(n: float) -> str:
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.2f}{unit}"
+    return str(int(n))
+
+
+def model_card(config, *, seq_len: int, license: str = "apache-2.0", datasets: list[str] | None = None,
+               parallel: dict | None = None, recipe: dict | None = None, metrics: dict | None = None,
+               used_bos: bool = False, repo_hint: str = "path/to/model") -> str:
+    """The ``README.md`` of a saved model: Hub YAML metadata, then the card.
+
+    ``parallel``: the layout it was trained with (``tp_size``, ``dp_size``, ``tp_style``, ...); ``recipe``:
+    ``steps``, ``tokens``, ``global_batch``, ``learning_rate``, ...; ``metrics``: the last held-out
+    ``eval_perplexity`` / ``eval_bits_per_byte`` / ``eval_loss``; ``repo_hint``: the folder or Hub repo id in
+    the loading examples.
+    """
+    bottleneck = config.bottleneck
+    params, full_params = parameter_count(config), parameter_count(full_rank_config(config))
+    flops, full_flops = forward_flops_per_token(config, seq_len), forward_flops_per_token(full_rank_config(config), seq_len)
+    tags = ["boost-hf", "llama", "low-rank" if bottleneck else "full-rank", "text-generation", "custom_code"]
+    if bottleneck:
+        tags.insert(2, bottleneck)
+    metadata = {
+        "library_name": "transformers",
+        "license": license,
+        "pipeline_tag": "text-generation",
+        "tags": tags,
+        "datasets": list(datasets or []),
+        "model_type": config.model_type,
+        "base_model_architecture": "LlamaForCausalLM" if bottleneck is None else f"BoostLlamaForCausalLM ({bottleneck} bottleneck of LlamaForCausalLM)",
+    }
+    if not metadata["datasets"]:
+        del metadata["datasets"]
+    lines = ["---", yaml.safe_dump(metadata, sort_keys=False).strip(), "---", ""]
+    title = ARCHITECTURE_NAMES[bottleneck]
+    lines += [
+        f"# {title}, {_format_count(params)} parameters (boost-hf)",
+        "",
+        "Pre-trained with boost-hf (BOOST: bottleneck-aware tensor parallelism for low-rank LLaMA).",
+        "",
+        "## Architecture",
+        "",
+        "| | this model | full rank, same shape |",
+        "|---|---|---|",
+        f"| bottleneck | `{bottleneck}` | `None` |",
+        f"| rank | {config.rank if bottleneck else '-'} | - |",
+        f"| parameters | {params:,} | {full_params:,} |",
+        f"| forward FLOPs per token (context {seq_len}) | {flops:,} | {full_flops:,} |",
+        f"| FLOPs vs full rank | {flops / full_flops:.3f} | 1.000 |",
+        "",
+        f"{config.num_hidden_layers} layers, hidden size {config.hidden_size}, {config.num_attention_heads} heads "
+        f"({config.num_key_value_heads} key/value heads), intermediate size {config.intermediate_size}, vocabulary "
+        f"{config.vocab_size}, context {config.max_position_embeddings} positions (trained on {seq_len}).",
+    ]
+    if bottleneck:
+        details = [f"latent activation `{config.latent_activation}`", f"`only_lr_act={config.only_lr_act}`"]
+        if bottleneck == "lax":
+            details += [f"gate `{config.lax_gate}`", f"latent norm `{config.lax_latent_norm}`", f"base `{config.lax_base}`"]
+        lines += ["", "Every projection (q, k, v, o, gate, up, down) is `A (d_in -> r)`, `B (r -> d_out)`; " + ", ".join(details) + "."]
+    if parallel:
+        lines += ["", "## Training", "", "Parallel layout: " + ", ".join(f"{k} `{v}`" for k, v in parallel.items()) + "."]
+    if recipe:
+        lines += ["", "| recipe | |", "|---|---|", *(f"| {k} | {v} |" for k, v in recipe.items())]
+    if metrics:
+        shown = {k: v for k, v in metrics.items() if k.endswith(("perplexity", "bits_per_byte", "loss"))}
+        lines += ["", "## Held-out evaluation", "", "| metric | value |", "|---|---|",
+                  *(f"| {k} | {v:.4f} |" for k, v in shown.items())]
+        lines += ["", "Bits per byte: summed next-token NLL of every held-out target token (EOS included) over ln 2 x the "
+                      "UTF-8 bytes of their text (`boost_hf/evaluation`)."]
+    lines += [
+        "",
+        "## How to load",
+        "",
+        "Without boost-hf (only `torch` and `transformers`; the model code ships in this folder):",
+        "",
+        "```python",
+        "from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline",
+        f'model = AutoModelForCausalLM.from_pretrained("{repo_hint}", trust_remote_code=True)',
+        f'tokenizer = AutoTokenizer.from_pretrained("{repo_hint}", trust_remote_code=True)  # reads config.json too',
+        f'generate = pipeline("text-generation", model="{repo_hint}", trust_remote_code=True)',
+        "```",
+        "",
+        "With boost-hf (no remote code; any tensor-parallel size):",
+        "",
+        "```python",
+        "import boost_hf",
+        "from transformers import AutoModelForCausalLM",
+        f'model = AutoModelForCausalLM.from_pretrained("{repo_hint}")',
+        "# inside a launched process group (torchrun / accelerate launch), this rank's shard at tp_size 2:",
+        f'model = boost_hf.BoostLlamaForCausalLM.from_pretrained("{repo_hint}", parallel_config=boost_hf.ParallelConfig(tp_size=2))',
+        "```",
+    ]
+    if bottleneck is None:
+        lines += [
+            "",
+            "This is a full-rank model with exactly `LlamaForCausalLM`'s weights and names: it also loads as plain LLaMA,",
+            "",
+            "```python",
+            "from transformers import LlamaConfig, LlamaForCausalLM",
+            f'config = LlamaConfig.from_pretrained("{repo_hint}")  # the LLaMA fields of config.json',
+            f'model = LlamaForCausalLM.from_pretrained("{repo_hint}", config=config)',
+            "```",
+        ]
+    lines += [
+        "",
+        ("Tokenizer: documents were packed as `<s> text </s> <s> text </s> ...`" if used_bos else
+         "Tokenizer: documents were packed as `text </s> text </s> ...` (no BOS, so the tokenizer declares none)")
+        + f" in blocks of {seq_len} tokens; `model_max_length` is {seq_len}.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+__all__ = ["inference_settings", "save_tokenizer", "publish_special_tokens", "model_card", "parameter_count"]

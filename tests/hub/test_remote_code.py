@@ -1,0 +1,110 @@
+"""Done-when test of remote code: a checkpoint saved by boost-hf (the trainer's ``final/`` and plain
+``save_pretrained`` folders of every bottleneck) loads with ``trust_remote_code=True`` in a fresh virtual
+environment holding only torch + transformers + safetensors (see :mod:`tests.hub.isolated_env` for how it is
+built and why), gives the fp32 logits of boost-hf bit for bit, generates the same greedy tokens, runs in a
+``text-generation`` pipeline, and its tokenizer loads with ``AutoTokenizer``."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+import torch
+
+from boost_hf import BoostLlamaConfig, BoostLlamaForCausalLM
+
+from . import isolated_env
+
+INPUT_IDS = [[5, 17, 42, 99, 7, 64, 12, 250], [9, 8, 7, 6, 5, 4, 3, 200]]
+
+ISOLATED_SCRIPT = r"""
+import json, sys, torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, pipeline
+report = {}
+for name, folder in json.loads(sys.argv[1] if len(sys.argv) > 1 else FOLDERS).items():
+    model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True, dtype=torch.float32).eval()
+    ids = torch.tensor(INPUT_IDS)
+    with torch.no_grad():
+        logits = model(ids).logits
+    torch.save(logits, f"{name}.logits.pt")
+    generated = model.generate(ids[:1], max_new_tokens=6, do_sample=False)
+    entry = {"class_module": type(model).__module__, "config_class": type(AutoConfig.from_pretrained(folder, trust_remote_code=True)).__name__,
+             "generated": generated.tolist(), "use_cache": model.generation_config.use_cache}
+    if name == "final":
+        tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=True)
+        generator = pipeline("text-generation", model=folder, trust_remote_code=True)
+        entry["pipeline"] = generator("The river", max_new_tokens=5, do_sample=False)[0]["generated_text"]
+        entry["tokenized"] = tokenizer("The river city").input_ids
+    report[name] = entry
+import importlib.util
+report["forbidden_modules"] = [m for m in ("boost_hf", "deepspeed", "gensim", "peft", "datasets") if m in sys.modules or importlib.util.find_spec(m)]
+report["versions"] = [torch.__version__, __import__("transformers").__version__]
+print("REPORT" + json.dumps(report))
+"""
+
+
+def saved_plain(tmp_path, bottleneck, **fields):
+    torch.manual_seed(3)
+    config = BoostLlamaConfig(vocab_size=320, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                              num_key_value_heads=2, max_position_embeddings=64, bottleneck=bottleneck, rank=8, **fields)
+    folder = tmp_path / f"plain-{bottleneck}"
+    BoostLlamaForCausalLM(config).save_pretrained(folder)
+    return folder
+
+
+def boost_hf_outputs(folder):
+    model = BoostLlamaForCausalLM.from_pretrained(folder).eval()
+    ids = torch.tensor(INPUT_IDS)
+    with torch.no_grad():
+        logits = model(ids).logits
+    return logits, model.generate(ids[:1], max_new_tokens=6, do_sample=False).tolist()
+
+
+def test_remote_code_in_a_fresh_environment_without_boost_hf(tmp_path, trained_run):
+    _, final = trained_run
+    folders = {"final": str(final), "full": str(saved_plain(tmp_path, None)), "lax": str(saved_plain(tmp_path, "lax", lax_gate="kronecker")),
+               "svd": str(saved_plain(tmp_path, "svd"))}
+    python, how = isolated_env.create(tmp_path / "venv")
+    print(f"isolated environment built by {how}")
+    script = ISOLATED_SCRIPT.replace("INPUT_IDS", repr(INPUT_IDS)).replace("FOLDERS", repr(json.dumps(folders)))
+    result = isolated_env.run(python, script, tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout.split("REPORT", 1)[1])
+    assert report.pop("forbidden_modules") == []  # not installed there, so not imported
+    import transformers
+
+    assert report.pop("versions") == [torch.__version__, transformers.__version__]
+    for name, folder in folders.items():
+        entry = report[name]
+        assert entry["class_module"].startswith("transformers_modules."), entry  # the shipped file, not boost_hf
+        assert entry["config_class"] == "BoostLlamaConfig"
+        logits, generated = boost_hf_outputs(folder)
+        remote = torch.load(tmp_path / f"{name}.logits.pt")
+        assert remote.dtype == torch.float32 and torch.equal(remote, logits), name
+        assert entry["generated"] == generated, name
+    assert report["final"]["use_cache"] is True
+    assert report["final"]["pipeline"].startswith("The river") and len(report["final"]["pipeline"]) > len("The river")
+    tokenizer = trained_run[0].processing_class
+    assert report["final"]["tokenized"] == tokenizer("The river city").input_ids
+
+
+def test_full_rank_checkpoint_loads_as_plain_llama(tmp_path):
+    """What the model card of a ``bottleneck=None`` model says: ``LlamaConfig`` + ``LlamaForCausalLM``."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    folder = saved_plain(tmp_path, None)
+    config = LlamaConfig.from_pretrained(folder)
+    llama = LlamaForCausalLM.from_pretrained(folder, config=config).eval()
+    ids = torch.tensor(INPUT_IDS)
+    with torch.no_grad():
+        assert torch.equal(llama(ids).logits, boost_hf_outputs(folder)[0])
+
+
+def test_saved_files_are_registered_without_asking(tmp_path):
+    folder = saved_plain(tmp_path, "cola")
+    config = json.loads((folder / "config.json").read_text())
+    assert config["auto_map"] == {"AutoConfig": "configuration_boost_llama.BoostLlamaConfig",
+                                  "AutoModelForCausalLM": "modeling_boost_llama.BoostLlamaForCausalLM"}
+    assert (folder / "modeling_boost_llama.py").read_text() == (sys.modules[BoostLlamaForCausalLM.__module__].__file__ and
+                                                                 open(sys.modules[BoostLlamaForCausalLM.__module__].__file__).read())
