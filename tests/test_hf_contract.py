@@ -86,11 +86,13 @@ def test_forward_hooks_fire_on_every_projection_attention_and_mlp(bottleneck, pa
     assert set(calls) == expected
 
 
-def test_gradient_checkpointing_through_the_hf_api(bottleneck):
+@pytest.mark.parametrize("kwargs", [None, {"use_reentrant": False}, {"use_reentrant": True}], ids=["default", "non-reentrant", "reentrant"])
+def test_gradient_checkpointing_through_the_hf_api(bottleneck, kwargs):
+    """Same loss and gradients (LaX's crossed latents included, re-entrant or not) as without checkpointing."""
     plain, checkpointed = build(bottleneck).train(), build(bottleneck).train()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
-        checkpointed.gradient_checkpointing_enable()
+        checkpointed.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     assert checkpointed.is_gradient_checkpointing
     x = ids()
     losses = []
@@ -150,13 +152,20 @@ def test_static_cache_generation_equals_dynamic(bottleneck):
     assert torch.equal(dynamic, static) and torch.equal(dynamic, no_cache)
 
 
-def test_lax_rejects_reentrant_checkpointing():
-    model = build("lax").train()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
-    with pytest.raises(ValueError, match="use_reentrant"):
-        model(ids(), labels=ids())
+def test_checkpointed_layers_recompute_and_drop_the_cache(bottleneck):
+    """Each decoder layer runs through the checkpoint function (and is recomputed in backward); a cache
+    asked for during checkpointed training is dropped rather than filled twice."""
+    model = build(bottleneck).train()
+    model.activation_checkpointing_enable()
+    calls = []
+    for layer in model.model.layers:
+        checkpoint = layer._gradient_checkpointing_func
+        layer._gradient_checkpointing_func = lambda fn, *args, _c=checkpoint: calls.append(fn) or _c(fn, *args)
+    out = model(ids(), labels=ids(), use_cache=True)
+    assert len(calls) == len(model.model.layers)
+    assert out.past_key_values is None or out.past_key_values.get_seq_length() == 0
+    out.loss.backward()
+    assert all(p.grad is not None for p in model.parameters())
 
 
 def test_remote_code_files_import_nothing_from_boost_hf(tmp_path):
