@@ -514,9 +514,18 @@ class BoostLlamaForCausalLM(BoostLlamaPreTrainedModel, GenerationMixin):
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *model_args, parallel_config=None, **kwargs):
         """``PreTrainedModel.from_pretrained``; with a boost-hf ``parallel_config``, this rank's shard of the
-        given tensor-parallel layout, reading only this rank's slices of the checkpoint."""
+        given tensor-parallel layout, reading only this rank's slices of the checkpoint.
+
+        A checkpoint (folder or Hub id) must match the model exactly: missing, unexpected or wrongly-shaped
+        weights raise, unless ``output_loading_info=True`` (the report is returned instead) or
+        ``ignore_mismatched_sizes=True`` (sizes only). ``from_pretrained(None, config=..., state_dict=...)``
+        reads no checkpoint and behaves as in transformers (missing weights are initialised)."""
         if parallel_config is not None:
             return parallel_config.load_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs)
+        if pretrained_model_name_or_path is None:
+            # No checkpoint to check (weights from ``state_dict=`` and ``config=`` only): exactly transformers'
+            # behaviour, missing weights initialised and reported with ``output_loading_info``.
+            return super().from_pretrained(None, *model_args, **kwargs)
         # Unlike a plain transformers load, a checkpoint of another architecture (missing, unexpected or
         # wrongly-shaped weights) is an error, unless the caller asks for the loading report or to ignore sizes.
         wants_report = kwargs.pop("output_loading_info", False)

@@ -114,6 +114,29 @@ def test_from_pretrained_accepts_transformers_arguments(bottleneck, tmp_path):
     assert torch.equal(auto(ids()).logits, model(ids()).logits)
 
 
+def test_from_pretrained_without_a_checkpoint_initialises_what_the_state_dict_lacks(bottleneck, tmp_path):
+    """``from_pretrained(None, config=..., state_dict=...)`` reads no checkpoint: as in transformers, missing
+    weights are initialised (the same values as the constructor's under the same seed) and reported; a
+    checkpoint folder with missing weights still raises."""
+    config = tiny(bottleneck)
+    torch.manual_seed(0)
+    built = BoostLlamaForCausalLM(config)
+    torch.manual_seed(0)
+    loaded, info = BoostLlamaForCausalLM.from_pretrained(None, config=config, state_dict={}, output_loading_info=True)
+    assert set(info["missing_keys"]) == set(built.state_dict())
+    assert not any(p.device.type == "meta" for p in loaded.parameters())
+    for name, value in built.state_dict().items():
+        assert torch.equal(value, loaded.state_dict()[name]), name
+    full = {name: torch.randn_like(value) for name, value in built.state_dict().items()}
+    given = BoostLlamaForCausalLM.from_pretrained(None, config=config, state_dict=full)
+    assert all(torch.equal(full[name], value) for name, value in given.state_dict().items())
+
+    partial = {name: value for name, value in built.state_dict().items() if ".layers.1." not in name}
+    built.save_pretrained(tmp_path, state_dict=partial)
+    with pytest.raises(ValueError, match=r"architecture.*missing \['model\.layers\.1\."):
+        BoostLlamaForCausalLM.from_pretrained(tmp_path)
+
+
 def test_from_pretrained_under_tensor_parallelism_names_arguments_it_cannot_apply(tmp_path):
     build("cola").save_pretrained(tmp_path)
     lowrank = ParallelConfig(activation_checkpointing="lowrank")
