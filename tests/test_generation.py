@@ -124,3 +124,31 @@ def test_compiled_static_cache_generation_equals_eager(bottleneck):
     compiled = model.generate(x, max_new_tokens=NEW, do_sample=False, cache_implementation="static", compile_config=config)
     assert hasattr(model, "_compiled_call")
     assert torch.equal(compiled, eager)
+
+
+def _word_tokenizer():
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<unk>": 1, **{f"w{i}": i for i in range(2, 96)}}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", unk_token="<unk>")
+
+
+def test_pipelines_load_a_saved_model_by_path(bottleneck, tmp_path):
+    """``pipeline("text-generation")`` and ``pipeline("feature-extraction")`` on a saved folder (through the
+    Auto classes) continue and embed as the model does."""
+    from transformers import pipeline
+
+    model, tokenizer = build(bottleneck, attn="sdpa"), _word_tokenizer()
+    model.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    text = "w5 w17 w33 w8"
+    generator = pipeline("text-generation", model=str(tmp_path), device="cpu")
+    generated = generator(text, max_new_tokens=NEW, do_sample=False, return_full_text=False)[0]["generated_text"]
+    x = tokenizer(text, return_tensors="pt").input_ids
+    expected = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=NEW, do_sample=False)[0, x.shape[1]:]
+    assert generated.split() == tokenizer.convert_ids_to_tokens(expected.tolist())
+    features = pipeline("feature-extraction", model=str(tmp_path), device="cpu")(text, return_tensors=True)
+    torch.testing.assert_close(features[0], model.model(x).last_hidden_state[0])
