@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 from collections.abc import Callable
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -29,13 +30,16 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, slice_logits_to_keep
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb, eager_attention_forward
-from transformers.utils import can_return_tuple
+from transformers.utils import can_return_tuple, logging
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
 from .configuration_boost_llama import BoostLlamaConfig
 
+logger = logging.get_logger(__name__)
+
 LATENT_NORM_EPS = 1e-5
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 class BoostLlamaRMSNorm(nn.Module):
@@ -252,7 +256,12 @@ class BoostLlamaAttention(nn.Module):
 
 class BoostLlamaDecoderLayer(GradientCheckpointingLayer):
     """Pre-norm decoder block. Returns ``(hidden_states, lax_latents)``; ``lax_latents`` (LaX only, else
-    ``None``) are this block's latents, crossed into the next block."""
+    ``None``) are this block's latents, crossed into the next block.
+
+    Under gradient checkpointing (``gradient_checkpointing_enable``) the block is checkpointed with the LaX
+    latents as positional tensors in and out (:meth:`block`), so both re-entrant and non-re-entrant
+    checkpointing carry their gradients between blocks.
+    """
 
     def __init__(self, config: BoostLlamaConfig, layer_idx: int):
         super().__init__()
@@ -274,7 +283,43 @@ class BoostLlamaDecoderLayer(GradientCheckpointingLayer):
         lax_latents: dict[str, torch.Tensor] | None = None,
         **kwargs,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor] | None]:
-        crossing = LatentCrossing(lax_latents) if self.crosses_latents else None
+        checkpointing = self.gradient_checkpointing and self.training
+        if checkpointing and (use_cache or past_key_values is not None):
+            logger.warning_once("Caching is incompatible with gradient checkpointing: setting `use_cache=False`.")
+            use_cache, past_key_values = False, None  # the recomputation would append to the cache twice
+        names = tuple(lax_latents or ())
+        block = partial(
+            self.block,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=past_key_values,
+            use_cache=use_cache,
+            position_embeddings=position_embeddings,
+            latent_names=names,
+            **kwargs,
+        )
+        previous = tuple(lax_latents[name] for name in names)
+        if checkpointing:
+            hidden_states, *crossed = self._gradient_checkpointing_func(block, hidden_states, *previous)
+        else:
+            hidden_states, *crossed = block(hidden_states, *previous)
+        return hidden_states, (dict(zip(PROJECTIONS, crossed)) if self.crosses_latents else None)
+
+    def block(
+        self,
+        hidden_states: torch.Tensor,
+        *previous: torch.Tensor,
+        latent_names: tuple[str, ...] = (),
+        attention_mask: torch.Tensor | None = None,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        past_key_values: Cache | None = None,
+        **kwargs,
+    ) -> tuple[torch.Tensor, ...]:
+        """The block on positional tensors: ``(hidden_states, *previous latents) -> (hidden_states, *latents)``,
+        the latents (LaX only) named by ``latent_names`` on the way in and in :data:`PROJECTIONS` order out."""
+        kwargs.pop("position_ids", None)
+        kwargs.pop("use_cache", None)
+        crossing = LatentCrossing(dict(zip(latent_names, previous))) if self.crosses_latents else None
         residual = hidden_states
         hidden_states = self.input_layernorm(hidden_states)
         hidden_states, _ = self.self_attn(
@@ -290,7 +335,13 @@ class BoostLlamaDecoderLayer(GradientCheckpointingLayer):
         residual = hidden_states
         hidden_states = self.post_attention_layernorm(hidden_states)
         hidden_states = residual + self.mlp(hidden_states, crossing=crossing)
-        return hidden_states, (crossing.current if crossing is not None else None)
+        return (hidden_states, *(crossing.current[name] for name in PROJECTIONS)) if crossing is not None else (hidden_states,)
+
+
+# GradientCheckpointingLayer wraps ``forward`` to checkpoint it with keyword arguments bound, which re-entrant
+# checkpointing cannot differentiate through; this layer checkpoints its own positional ``block`` instead.
+# (Subclasses, e.g. the tensor-parallel layer that ``parallelize`` adopts, are wrapped as usual.)
+BoostLlamaDecoderLayer.forward = BoostLlamaDecoderLayer.forward.__wrapped__
 
 
 def name_seed(seed: int, name: str) -> int:
@@ -422,17 +473,20 @@ class BoostLlamaModel(BoostLlamaPreTrainedModel):
         return BaseModelOutputWithPast(last_hidden_state=hidden_states, past_key_values=past_key_values)
 
     def _check_latent_checkpointing(self) -> None:
-        """LaX hands each layer's latents to the next one as keyword tensors: re-entrant checkpointing
-        would silently drop their gradients, so it is refused."""
+        """LaX hands each layer's latents to the next one as keyword tensors: a layer checkpointed by
+        transformers' wrapper (e.g. the tensor-parallel one) with re-entrant checkpointing would silently drop
+        their gradients, so that is refused. (The single-device layer checkpoints positional tensors.)"""
         if self.config.bottleneck != "lax" or not self.training:
             return
         for layer in self.layers:
+            if type(layer).forward is BoostLlamaDecoderLayer.forward or not layer.gradient_checkpointing:
+                continue
             function = getattr(layer, "_gradient_checkpointing_func", None)
-            if layer.gradient_checkpointing and getattr(function, "keywords", {}).get("use_reentrant"):
+            if isinstance(function, partial) and function.keywords.get("use_reentrant"):
                 raise ValueError(
-                    "LaX models cannot use gradient checkpointing with use_reentrant=True (the latents crossed "
-                    "between layers would get no gradient): call gradient_checkpointing_enable() without "
-                    "gradient_checkpointing_kwargs, or with {'use_reentrant': False}."
+                    "LaX models cannot use gradient checkpointing with use_reentrant=True under tensor parallelism "
+                    "(the latents crossed between layers would get no gradient): call gradient_checkpointing_enable() "
+                    "without gradient_checkpointing_kwargs, or with {'use_reentrant': False}."
                 )
 
 
@@ -460,9 +514,18 @@ class BoostLlamaForCausalLM(BoostLlamaPreTrainedModel, GenerationMixin):
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *model_args, parallel_config=None, **kwargs):
         """``PreTrainedModel.from_pretrained``; with a boost-hf ``parallel_config``, this rank's shard of the
-        given tensor-parallel layout, reading only this rank's slices of the checkpoint."""
+        given tensor-parallel layout, reading only this rank's slices of the checkpoint.
+
+        A checkpoint (folder or Hub id) must match the model exactly: missing, unexpected or wrongly-shaped
+        weights raise, unless ``output_loading_info=True`` (the report is returned instead) or
+        ``ignore_mismatched_sizes=True`` (sizes only). ``from_pretrained(None, config=..., state_dict=...)``
+        reads no checkpoint and behaves as in transformers (missing weights are initialised)."""
         if parallel_config is not None:
             return parallel_config.load_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs)
+        if pretrained_model_name_or_path is None:
+            # No checkpoint to check (weights from ``state_dict=`` and ``config=`` only): exactly transformers'
+            # behaviour, missing weights initialised and reported with ``output_loading_info``.
+            return super().from_pretrained(None, *model_args, **kwargs)
         # Unlike a plain transformers load, a checkpoint of another architecture (missing, unexpected or
         # wrongly-shaped weights) is an error, unless the caller asks for the loading report or to ignore sizes.
         wants_report = kwargs.pop("output_loading_info", False)

@@ -86,11 +86,13 @@ def test_forward_hooks_fire_on_every_projection_attention_and_mlp(bottleneck, pa
     assert set(calls) == expected
 
 
-def test_gradient_checkpointing_through_the_hf_api(bottleneck):
+@pytest.mark.parametrize("kwargs", [None, {"use_reentrant": False}, {"use_reentrant": True}], ids=["default", "non-reentrant", "reentrant"])
+def test_gradient_checkpointing_through_the_hf_api(bottleneck, kwargs):
+    """Same loss and gradients (LaX's crossed latents included, re-entrant or not) as without checkpointing."""
     plain, checkpointed = build(bottleneck).train(), build(bottleneck).train()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
-        checkpointed.gradient_checkpointing_enable()
+        checkpointed.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     assert checkpointed.is_gradient_checkpointing
     x = ids()
     losses = []
@@ -110,6 +112,29 @@ def test_from_pretrained_accepts_transformers_arguments(bottleneck, tmp_path):
     assert not info["unexpected_keys"]
     auto = AutoModelForCausalLM.from_pretrained(tmp_path, adapter_kwargs={}, low_cpu_mem_usage=True, dtype=torch.float32)
     assert torch.equal(auto(ids()).logits, model(ids()).logits)
+
+
+def test_from_pretrained_without_a_checkpoint_initialises_what_the_state_dict_lacks(bottleneck, tmp_path):
+    """``from_pretrained(None, config=..., state_dict=...)`` reads no checkpoint: as in transformers, missing
+    weights are initialised (the same values as the constructor's under the same seed) and reported; a
+    checkpoint folder with missing weights still raises."""
+    config = tiny(bottleneck)
+    torch.manual_seed(0)
+    built = BoostLlamaForCausalLM(config)
+    torch.manual_seed(0)
+    loaded, info = BoostLlamaForCausalLM.from_pretrained(None, config=config, state_dict={}, output_loading_info=True)
+    assert set(info["missing_keys"]) == set(built.state_dict())
+    assert not any(p.device.type == "meta" for p in loaded.parameters())
+    for name, value in built.state_dict().items():
+        assert torch.equal(value, loaded.state_dict()[name]), name
+    full = {name: torch.randn_like(value) for name, value in built.state_dict().items()}
+    given = BoostLlamaForCausalLM.from_pretrained(None, config=config, state_dict=full)
+    assert all(torch.equal(full[name], value) for name, value in given.state_dict().items())
+
+    partial = {name: value for name, value in built.state_dict().items() if ".layers.1." not in name}
+    built.save_pretrained(tmp_path, state_dict=partial)
+    with pytest.raises(ValueError, match=r"architecture.*missing \['model\.layers\.1\."):
+        BoostLlamaForCausalLM.from_pretrained(tmp_path)
 
 
 def test_from_pretrained_under_tensor_parallelism_names_arguments_it_cannot_apply(tmp_path):
@@ -150,13 +175,20 @@ def test_static_cache_generation_equals_dynamic(bottleneck):
     assert torch.equal(dynamic, static) and torch.equal(dynamic, no_cache)
 
 
-def test_lax_rejects_reentrant_checkpointing():
-    model = build("lax").train()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
-    with pytest.raises(ValueError, match="use_reentrant"):
-        model(ids(), labels=ids())
+def test_checkpointed_layers_recompute_and_drop_the_cache(bottleneck):
+    """Each decoder layer runs through the checkpoint function (and is recomputed in backward); a cache
+    asked for during checkpointed training is dropped rather than filled twice."""
+    model = build(bottleneck).train()
+    model.activation_checkpointing_enable()
+    calls = []
+    for layer in model.model.layers:
+        checkpoint = layer._gradient_checkpointing_func
+        layer._gradient_checkpointing_func = lambda fn, *args, _c=checkpoint: calls.append(fn) or _c(fn, *args)
+    out = model(ids(), labels=ids(), use_cache=True)
+    assert len(calls) == len(model.model.layers)
+    assert out.past_key_values is None or out.past_key_values.get_seq_length() == 0
+    out.loss.backward()
+    assert all(p.grad is not None for p in model.parameters())
 
 
 def test_remote_code_files_import_nothing_from_boost_hf(tmp_path):
