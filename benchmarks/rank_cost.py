@@ -89,7 +89,7 @@ def counted_section(args, names: list[str]) -> tuple[list[str], dict]:
         f"{args.layers[1] - args.layers[0]}, counted under `FakeTensorMode` and a fake process group "
         f"(`boost_hf.perf.rank_cost.count_rank_layer`); activation checkpointing: {args.checkpointing}. "
         "GEMM = mm/addmm/bmm/baddbmm (2mkn); attention = the fused SDPA kernels (score and weighted-sum GEMMs, "
-        "backward 2x forward; boost-hf passes an explicit causal mask, so the full score matrix); non-GEMM = "
+        "backward 2x forward; without padding SDPA runs its causal kernel: half the score matrix); non-GEMM = "
         "bytes read + written and number of every other aten op (views, metadata and bare allocations excluded; "
         "collectives excluded: they are the next column, from `CommCounter`, forward / backward).",
         "",
