@@ -25,7 +25,8 @@ import torch
 from torch import nn
 
 from ..communication import NO_COMMUNICATION, Communication, PassCommunication
-from ..decoder_layer import Latents, Tensors
+from ..decoder_layer import Latents, ParallelAttention, ParallelDecoderLayer, ParallelMLP, Tensors
+from ..modules import adopt
 
 GROUPS: dict[str, tuple[str, ...]] = {
     "qkv": ("q_proj", "k_proj", "v_proj"),
@@ -129,7 +130,23 @@ class Layout:
 
     # ------------------------------------------------------------------ runtime
     def parallelize_layer(self, layer: nn.Module, plan) -> None:
-        """Turn one single-device decoder layer into this rank's shard, in place (parameter names kept)."""
+        """Turn one single-device decoder layer into this rank's shard, in place (parameter names kept):
+        every projection through :meth:`parallelize_projection`, every group's communication from
+        :meth:`projection_group`; the attention, MLP and layer then run as the parallel modules."""
+        for owner, mixin, group_names in ((layer.self_attn, ParallelAttention, ("qkv", "o")), (layer.mlp, ParallelMLP, ("gate_up", "down"))):
+            for group_name in group_names:
+                for name in GROUPS[group_name]:
+                    self.parallelize_projection(getattr(owner, name), group_name, plan)
+                setattr(owner, group_name, self.projection_group(layer, owner, group_name, plan))
+            adopt(owner, mixin)
+        adopt(layer, ParallelDecoderLayer, checkpointing=self.parallel.activation_checkpointing)
+
+    def parallelize_projection(self, projection: nn.Module, group_name: str, plan) -> None:
+        """Shard one projection of group ``group_name`` in place and adopt its parallel module class."""
+        raise NotImplementedError
+
+    def projection_group(self, layer: nn.Module, owner: nn.Module, group_name: str, plan) -> ProjectionGroup:
+        """The communication of group ``group_name`` of ``owner`` (the attention or the MLP of ``layer``)."""
         raise NotImplementedError
 
     def embedding_split(self) -> int | None:

@@ -17,7 +17,6 @@ import torch
 import torch.nn.functional as F
 
 from ..communication import Communication, PassCommunication, all_gather, all_reduce
-from ..decoder_layer import ParallelAttention, ParallelDecoderLayer, ParallelMLP
 from ..modules import adopt, shard_parameter, shard_repr
 from ..norms import RMSNORM_MODES, online_rms_norm_inverse
 from ..primitives import copy_to_tp, reduce_from_tp
@@ -112,28 +111,26 @@ class BottleneckAwareLayout(Layout):
         return 1
 
     def parallelize_layer(self, layer, plan) -> None:
-        config = layer.self_attn.config
         # at tp_size=1 the residual is whole: the block norms stay the single-device norm
         rmsnorm = self.parallel.rmsnorm if plan.tp_size > 1 else None
         for norm in (layer.input_layernorm, layer.post_attention_layernorm):
             shard_parameter(norm, "weight", 0, plan)
             if rmsnorm is not None:
-                adopt(norm, RMSNORM_MODES[rmsnorm], group=plan.group, hidden_size=config.hidden_size)
-        for owner, mixin, groups in ((layer.self_attn, ParallelAttention, ("qkv", "o")), (layer.mlp, ParallelMLP, ("gate_up", "down"))):
-            for group_name in groups:
-                for name in GROUPS[group_name]:
-                    projection = getattr(owner, name)
-                    shard_parameter(projection, "A", 1, plan)
-                    shard_parameter(projection, "B", 0, plan)
-                    adopt(projection, BottleneckAwareProjection)
-                group = BottleneckAwareGroup(
-                    owner, GROUPS[group_name], group=plan.group, grouped=self.parallel.group_linears,
-                    statistics=group_name in READS_NORM and rmsnorm == "online",
-                    hidden_size=config.hidden_size, eps=config.rms_norm_eps,
-                )
-                setattr(owner, group_name, group)
-            adopt(owner, mixin)
-        adopt(layer, ParallelDecoderLayer, checkpointing=self.parallel.activation_checkpointing)
+                adopt(norm, RMSNORM_MODES[rmsnorm], group=plan.group, hidden_size=layer.self_attn.config.hidden_size)
+        super().parallelize_layer(layer, plan)
+
+    def parallelize_projection(self, projection, group_name, plan) -> None:
+        shard_parameter(projection, "A", 1, plan)
+        shard_parameter(projection, "B", 0, plan)
+        adopt(projection, BottleneckAwareProjection)
+
+    def projection_group(self, layer, owner, group_name, plan):
+        config = layer.self_attn.config
+        online = plan.tp_size > 1 and self.parallel.rmsnorm == "online"
+        return BottleneckAwareGroup(
+            owner, GROUPS[group_name], group=plan.group, grouped=self.parallel.group_linears,
+            statistics=group_name in READS_NORM and online, hidden_size=config.hidden_size, eps=config.rms_norm_eps,
+        )
 
     def layer_communication(self, config, tokens):
         n, r = tokens, config.rank

@@ -16,7 +16,6 @@ import torch
 import torch.nn.functional as F
 
 from ..communication import PassCommunication, all_reduce
-from ..decoder_layer import ParallelAttention, ParallelDecoderLayer, ParallelMLP
 from ..modules import adopt, shard_parameter, shard_repr
 from ..primitives import copy_to_tp, reduce_from_tp
 from .base import GROUPS, Gemm, Layout, ProjectionGroup, ResidualWidths
@@ -79,17 +78,15 @@ class MegatronLayout(Layout):
             )
         super().check(config)
 
-    def parallelize_layer(self, layer, plan) -> None:
-        for owner, mixin in ((layer.self_attn, ParallelAttention), (layer.mlp, ParallelMLP)):
-            for group_name in ("qkv", "o") if mixin is ParallelAttention else ("gate_up", "down"):
-                column = group_name in COLUMN_GROUPS
-                for name in GROUPS[group_name]:
-                    projection = getattr(owner, name)
-                    shard_parameter(projection, "weight", 0 if column else 1, plan)
-                    adopt(projection, ColumnParallel if column else RowParallel, group=plan.group)
-                setattr(owner, group_name, DenseGroup(owner, GROUPS[group_name], group=plan.group, grouped=self.parallel.group_linears, column=column))
-            adopt(owner, mixin)
-        adopt(layer, ParallelDecoderLayer, checkpointing=self.parallel.activation_checkpointing)
+    def parallelize_projection(self, projection, group_name, plan) -> None:
+        column = group_name in COLUMN_GROUPS
+        shard_parameter(projection, "weight", 0 if column else 1, plan)
+        adopt(projection, ColumnParallel if column else RowParallel, group=plan.group)
+
+    def projection_group(self, layer, owner, group_name, plan):
+        return DenseGroup(
+            owner, GROUPS[group_name], group=plan.group, grouped=self.parallel.group_linears, column=group_name in COLUMN_GROUPS
+        )
 
     def layer_communication(self, config, tokens):
         n, d = tokens, config.hidden_size

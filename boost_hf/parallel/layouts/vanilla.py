@@ -18,7 +18,6 @@ import torch
 import torch.nn.functional as F
 
 from ..communication import Communication, PassCommunication, all_gather, all_reduce
-from ..decoder_layer import ParallelAttention, ParallelDecoderLayer, ParallelMLP
 from ..modules import adopt, shard_parameter, shard_repr
 from ..primitives import copy_to_tp, gather_from_tp, reduce_from_tp, split_to_tp
 from .base import GROUPS, Gemm, Layout, ProjectionGroup, ResidualWidths, apply_latent_functions, low_rank_a_gemms, split_latents
@@ -88,22 +87,16 @@ class VanillaLayout(Layout):
             )
         super().check(config)
 
-    def parallelize_layer(self, layer, plan) -> None:
-        lax = layer.crosses_latents
-        for owner, mixin, groups in ((layer.self_attn, ParallelAttention, ("qkv", "o")), (layer.mlp, ParallelMLP, ("gate_up", "down"))):
-            for group_name in groups:
-                for name in GROUPS[group_name]:
-                    projection = getattr(owner, name)
-                    shard_parameter(projection, "A", 0, plan)
-                    shard_parameter(projection, "B", 1, plan)
-                    adopt(projection, VanillaProjection, group=plan.group)
-                group = ReplicatedLowRankGroup(
-                    owner, GROUPS[group_name], group=plan.group, grouped=self.parallel.group_linears,
-                    gather_latent=lax, tp_size=plan.tp_size,
-                )
-                setattr(owner, group_name, group)
-            adopt(owner, mixin)
-        adopt(layer, ParallelDecoderLayer, checkpointing=self.parallel.activation_checkpointing)
+    def parallelize_projection(self, projection, group_name, plan) -> None:
+        shard_parameter(projection, "A", 0, plan)
+        shard_parameter(projection, "B", 1, plan)
+        adopt(projection, VanillaProjection, group=plan.group)
+
+    def projection_group(self, layer, owner, group_name, plan):
+        return ReplicatedLowRankGroup(
+            owner, GROUPS[group_name], group=plan.group, grouped=self.parallel.group_linears,
+            gather_latent=layer.crosses_latents, tp_size=plan.tp_size,
+        )
 
     def layer_communication(self, config, tokens):
         n, d, dq, dkv, f, r = tokens, config.hidden_size, config.q_dim, config.kv_dim, config.intermediate_size, config.rank
