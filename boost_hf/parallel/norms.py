@@ -3,10 +3,11 @@
 RMSNorm needs ``sum_j x_j^2`` over all ``d`` features; under BTP each rank holds ``d/p`` of them.
 
 * :class:`OnlineRMSNorm` — the **online RMSNorm**. The per-shard scale cancels through the next
-  row-parallel GEMM, ``A_i (g_i x_i / rms) = A_i (g_i x_i) / rms``, so the norm's local half is one
-  element-wise pass: it returns ``(g_i * x_i, sum(x_i^2))``; the projection group appends the sum as
-  one extra column of its partial A output, ONE all-reduce carries both, and
-  :func:`online_rms_norm_inverse` turns the reduced sum into ``1 / rms`` for the reduced latents. Exact.
+  row-parallel GEMM, ``A_i (g_i x_i / rms) = (A_i g_i) x_i / rms``, so the norm does no work of its own:
+  it hands its input and ``gamma`` (:class:`OnlineNormInput`) to the projection group, whose fused down
+  projection (:mod:`boost_hf.parallel.fused`) folds ``gamma`` into the A's, writes ``sum(x_i^2)`` as one
+  more column of the partial A output (ONE all-reduce carries both) and scales the reduced latents by
+  ``1 / rms``. Exact.
 * :class:`SyncRMSNorm` — all-reduce the ``[..., 1]`` partial sums of squares first (one extra
   latency-bound collective of N scalars, all-reduced again in backward), then normalise. Exact.
 * :class:`LocalRMSNorm` — APPROXIMATE: normalises each shard by its own statistics only (a group norm
@@ -16,15 +17,20 @@ RMSNorm needs ``sum_j x_j^2`` over all ``d`` features; under BTP each rank holds
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from .modules import shard_repr
 from .primitives import all_reduce_sum, gather_from_tp
 
 
-def online_rms_norm_inverse(sum_of_squares: torch.Tensor, hidden_size: int, eps: float) -> torch.Tensor:
-    """``1 / sqrt(S / d + eps)`` (fp32, ``[..., 1]``) from the all-reduced sum of squares ``S``."""
-    return torch.rsqrt(sum_of_squares.to(torch.float32) / hidden_size + eps)
+class OnlineNormInput(NamedTuple):
+    """What the online norm hands the next projection group: its input ``hidden: [..., d/p]`` and
+    ``weight`` (``gamma: [d/p]``); the group applies both (and the statistics) in its fused A GEMM."""
+
+    hidden: torch.Tensor
+    weight: torch.Tensor
 
 
 class ShardedRMSNorm:
@@ -38,10 +44,10 @@ class ShardedRMSNorm:
 
 
 class OnlineRMSNorm(ShardedRMSNorm):
-    """``x: [..., d/p] -> (weight * x [..., d/p], sum(x^2) [..., 1] fp32)``; no communication."""
+    """``x: [..., d/p] -> OnlineNormInput(x, weight)``; no work and no communication here."""
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.weight * x, x.to(torch.float32).pow(2).sum(-1, keepdim=True)
+    def forward(self, x: torch.Tensor) -> OnlineNormInput:
+        return OnlineNormInput(x, self.weight)
 
 
 class SyncRMSNorm(ShardedRMSNorm):
@@ -69,4 +75,4 @@ class GatheredRMSNorm:
 
 RMSNORM_MODES = {"online": OnlineRMSNorm, "sync": SyncRMSNorm, "local": LocalRMSNorm}
 
-__all__ = ["online_rms_norm_inverse", "OnlineRMSNorm", "SyncRMSNorm", "LocalRMSNorm", "GatheredRMSNorm", "RMSNORM_MODES"]
+__all__ = ["OnlineNormInput", "OnlineRMSNorm", "SyncRMSNorm", "LocalRMSNorm", "GatheredRMSNorm", "RMSNORM_MODES"]

@@ -7,7 +7,7 @@ so a real-size model is counted in seconds on any machine.
 What is counted, per op reaching the dispatcher (``nn.functional.linear`` and ``torch.matmul`` are
 decomposed before it, so they arrive as the ops below):
 
-* GEMMs (``mm``, ``addmm``, ``bmm``, ``baddbmm``): ``2 m k n`` FLOPs per (batched) product;
+* GEMMs (``mm``, ``addmm``, ``bmm``, ``baddbmm`` and their in-place forms): ``2 m k n`` FLOPs per (batched) product;
   nothing else (their operand bytes are not counted).
 * Fused attention (the ``scaled_dot_product_attention`` kernels: CPU flash, CUDA flash / efficient /
   cuDNN, forward and backward): the score and weighted-sum GEMMs, ``4 B H Sq Sk D`` forward (equal
@@ -16,8 +16,8 @@ decomposed before it, so they arrive as the ops below):
   recomputation of the scores is not counted.
 * Every other aten op: one op (a kernel launch in eager mode) and the bytes of all its tensor inputs and
   outputs (a lower bound on the memory traffic of an unfused kernel; an in-place op counts the tensor it
-  writes as input and output). Ops that move no data are skipped: views and aliases (``op.is_view``),
-  metadata queries and allocations without initialisation (:data:`FREE_OPS`).
+  writes as input and output, an ``out=`` op only as output). Ops that move no data are skipped: views
+  and aliases (``op.is_view``), metadata queries and allocations without initialisation (:data:`FREE_OPS`).
 * Collectives (``c10d`` ops) are not counted here: :class:`boost_hf.parallel.comm_counter.CommCounter`
   counts them from boost-hf's primitives.
 """
@@ -29,7 +29,7 @@ from collections import Counter
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-GEMM_OPS = ("mm", "addmm", "bmm", "baddbmm")
+GEMM_OPS = ("mm", "addmm", "addmm_", "bmm", "baddbmm", "baddbmm_")
 ATTENTION_FORWARD_OPS = (
     "_scaled_dot_product_flash_attention_for_cpu",
     "_scaled_dot_product_flash_attention",
@@ -56,7 +56,7 @@ def tensor_bytes(value) -> int:
 
 def gemm_flops(name: str, args) -> int:
     """``2 m k n`` (times the batch for ``bmm`` / ``baddbmm``) of one GEMM op's operands."""
-    a, b = (args[1], args[2]) if name in ("addmm", "baddbmm") else (args[0], args[1])
+    a, b = (args[1], args[2]) if name in ("addmm", "addmm_", "baddbmm", "baddbmm_") else (args[0], args[1])
     return 2 * a.numel() * b.shape[-1]
 
 
@@ -112,7 +112,9 @@ class OpCounter(TorchDispatchMode):
         elif name in ATTENTION_FORWARD_OPS or name in ATTENTION_BACKWARD_OPS:
             self.attention_flops += attention_flops(func, args, kwargs, backward=name in ATTENTION_BACKWARD_OPS)
         else:
-            self.bytes_by_op[name] += tensor_bytes(list(args)) + tensor_bytes(list(kwargs.values())) + tensor_bytes(out)
+            written = {a.name for a in func._schema.arguments if a.is_out}  # ``out=`` tensors: written, not read
+            read = tensor_bytes(list(args)) + tensor_bytes([v for k, v in kwargs.items() if k not in written])
+            self.bytes_by_op[name] += read + tensor_bytes(out)
             self.ops_by_op[name] += 1
         return out
 

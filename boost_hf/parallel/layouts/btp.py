@@ -18,7 +18,8 @@ import torch.nn.functional as F
 
 from ..communication import Communication, PassCommunication, all_gather, all_reduce
 from ..modules import adopt, shard_parameter, shard_repr
-from ..norms import RMSNORM_MODES, online_rms_norm_inverse
+from ..fused import STATISTICS_WIDTH, down_projection, latent_linear, scale_latents, split_latent
+from ..norms import RMSNORM_MODES
 from ..primitives import copy_to_tp, reduce_from_tp
 from .base import GROUPS, READS_NORM, Gemm, Layout, ProjectionGroup, ResidualWidths, apply_latent_functions, low_rank_a_gemms, split_latents
 
@@ -28,7 +29,7 @@ class BottleneckAwareProjection:
     Module call: the replicated latent ``[B, S, r]`` -> this rank's output ``[B, S, d_out/p]``."""
 
     def forward(self, latent: torch.Tensor) -> torch.Tensor:
-        return F.linear(latent, self.B)
+        return latent_linear(latent, self.B)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, A {shard_repr(self.A)}, B {shard_repr(self.B)}"
@@ -44,24 +45,22 @@ class HiddenShardedEmbedding:
 
 class BottleneckAwareGroup(ProjectionGroup):
     """``down``: this rank's partial A output ``[..., k r]`` from its ``[..., d_in/p]`` input (one GEMM on
-    the concatenated A's when grouped), plus one column of norm statistics with the online norm;
-    ``reduce``: all-reduce it; ``project``: scale by the global ``1/rms`` (online), latent functions,
-    copy into the TP region (one collective in backward when grouped) and each B."""
+    the A's written into one buffer when grouped); with the online norm ``gamma`` is folded into the A's
+    and the buffer gains the norm statistics (:mod:`boost_hf.parallel.fused`); ``reduce``: all-reduce it
+    in place; ``project``: scale by the global ``1/rms`` (online), latent functions, copy into the TP
+    region (one collective in backward when grouped) and each B."""
 
     def __init__(self, owner, names, *, group, grouped, statistics: bool, hidden_size: int, eps: float):
         super().__init__(owner, names, group=group, grouped=grouped)
         self.statistics, self.hidden_size, self.eps = statistics, hidden_size, eps
 
     def down(self, x):
-        h, sum_of_squares = x if self.statistics else (x, None)
         factors = [p.A for p in self.projections]
-        if self.grouped and len(factors) > 1:
-            partials = [F.linear(h, torch.cat(factors))]
-        else:
-            partials = [F.linear(h, a) for a in factors]
         if self.statistics:
-            partials[0] = torch.cat([partials[0], sum_of_squares.to(partials[0].dtype)], dim=-1)
-        return tuple(partials)
+            return down_projection(x.hidden, factors, gamma=x.weight, statistics=True, grouped=self.grouped)
+        if len(factors) == 1:
+            return (F.linear(x, factors[0]),)
+        return down_projection(x, factors, grouped=self.grouped)
 
     def reduce(self, partials):
         return tuple(reduce_from_tp(partial, self.group) for partial in partials)
@@ -69,20 +68,18 @@ class BottleneckAwareGroup(ProjectionGroup):
     def project(self, z, previous=None):
         z = list(z)
         if self.statistics:
-            inverse_rms = online_rms_norm_inverse(z[0][..., -1:], self.hidden_size, self.eps)
-            z[0] = z[0][..., :-1]
-            z = [(zi.to(torch.float32) * inverse_rms).to(zi.dtype) for zi in z]
+            z = scale_latents(z, self.hidden_size, self.eps)
         projections = self.projections
         k = len(projections)
         crosses = any(hasattr(p, "crossed_latent") for p in projections)
         if len(z) == 1 and not crosses:
             # every projection has the same element-wise latent function: apply it once, copy once
-            fed = split_latents(copy_to_tp(projections[0].latent(z[0]), self.group), k)
+            fed = split_latent(copy_to_tp(projections[0].latent(z[0]), self.group), k)
             return [projection(latent) for projection, latent in zip(projections, fed)], {}
         zs = split_latents(z[0], k) if len(z) == 1 else z
         latents, crossed = apply_latent_functions(projections, self.names, zs, previous)
         if self.grouped and k > 1:
-            fed = split_latents(copy_to_tp(torch.cat(latents, dim=-1), self.group), k)
+            fed = split_latent(copy_to_tp(torch.cat(latents, dim=-1), self.group), k)
         else:
             fed = [copy_to_tp(latent, self.group) for latent in latents]
         return [projection(latent) for projection, latent in zip(projections, fed)], crossed
@@ -139,8 +136,9 @@ class BottleneckAwareLayout(Layout):
         calls = 4 if self.parallel.group_linears else 7
         forward, backward = all_reduce(calls, 7 * n * r), all_reduce(calls, 7 * n * r)
         if self.parallel.rmsnorm == "online":
-            # the N partial sums of squares of each of the 2 norms ride in the next A's all-reduce
-            forward = forward + all_reduce(0, 2 * n)
+            # the N partial sums of squares of each of the 2 norms ride in the next A's all-reduce (in
+            # STATISTICS_WIDTH columns: one used, the rest keep the GEMM output rows 16-byte aligned)
+            forward = forward + all_reduce(0, 2 * n * STATISTICS_WIDTH)
         elif self.parallel.rmsnorm == "sync":
             # one separate all-reduce of N statistics per norm, whose backward is an all-reduce too
             forward, backward = forward + all_reduce(2, 2 * n), backward + all_reduce(2, 2 * n)
@@ -158,7 +156,7 @@ class BottleneckAwareLayout(Layout):
         return PassCommunication(all_gather(1, n * d), all_reduce(1, n * d))
 
     def saved_latent_elements(self, config, tokens):
-        return 7 * tokens * config.rank + (2 * tokens if self.parallel.rmsnorm == "online" else 0)
+        return 7 * tokens * config.rank + (2 * tokens * STATISTICS_WIDTH if self.parallel.rmsnorm == "online" else 0)
 
     def local_gemms(self, config, tokens):
         p, n, r = self.parallel.tp_size, tokens, config.rank

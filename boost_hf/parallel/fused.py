@@ -1,0 +1,296 @@
+"""The BTP hot path as two autograd Functions with hand-written backward: few kernels, no needless copies.
+
+Under BTP a projection group reading a normalised residual runs (BOOST.md section 3, online RMSNorm)::
+
+    x: [..., d/p] (this rank's residual shard)    gamma: [d/p]    A_i: [r_i, d/p]
+    down:    buffer = [ x @ (A_1 * gamma)^T | ... | x @ (A_k * gamma)^T | sum(x^2) | pad ]   [..., k r + W]
+    reduce:  all-reduce(buffer) over the TP group (one collective, in place)                  (the layout's)
+    scale:   latents = buffer[..., :k r] * rsqrt(S / d + eps),  S = buffer[..., k r]         [..., k r]
+
+which equals ``A_i (gamma * x / rms(x))`` exactly: the per-shard ``1/rms`` factors cancel through the
+row-parallel GEMM, so each rank needs only its own sum of squares, which rides in the A all-reduce as one
+more column. ``gamma`` is folded into the (weight-sized) GEMM operand, never multiplied into activations.
+The statistics take :data:`STATISTICS_WIDTH` columns (one used, the rest keep every row of the GEMM output
+16-byte aligned for the GPU's GEMM kernels); the unused columns are never read.
+
+:func:`down_projection` and :func:`scale_latents` are the eager kernels (GEMMs written straight into the
+communication buffer, one pass over ``x`` for its cast and one for its statistics, the latent scale
+computed in fp32 and stored in the compute dtype, backward writing each gradient once). Under
+``torch.compile`` they fall back to the same arithmetic written as plain ops, which inductor fuses.
+Arithmetic runs in the autocast dtype when autocast is on (statistics and ``1/rms`` in fp32), else in the
+input's dtype. No communication here.
+"""
+
+from __future__ import annotations
+
+import torch
+
+#: columns holding one row's statistics in the down buffer (1 used; 8 keeps rows 16-byte aligned)
+STATISTICS_WIDTH = 8
+
+
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype GEMMs run in: autocast's for ``x``'s device when autocast is on, else ``x``'s."""
+    if torch.is_autocast_enabled(x.device.type):
+        return torch.get_autocast_dtype(x.device.type)
+    return x.dtype
+
+
+def _statistics_dtype(x: torch.Tensor) -> torch.dtype:
+    """fp32, or ``x``'s dtype where that is wider (fp64 in gradient checks)."""
+    return torch.promote_types(x.dtype, torch.float32)
+
+
+def _gemm_weight(factors, gamma, dtype) -> torch.Tensor:
+    """``cat(factors) * gamma`` as one ``[sum r_i, d_in]`` tensor of ``dtype``, each element rounded once."""
+    if gamma is None and len(factors) == 1 and factors[0].dtype == dtype:
+        return factors[0]
+    weight = factors[0].new_empty((sum(a.shape[0] for a in factors), factors[0].shape[1]), dtype=dtype)
+    if gamma is None:
+        return torch.cat(factors, out=weight)
+    row = 0
+    for a in factors:
+        torch.mul(a, gamma, out=weight[row:row + a.shape[0]])
+        row += a.shape[0]
+    return weight
+
+
+class _DownProjection(torch.autograd.Function):
+    """``(x, gamma | None, statistics, grouped, *factors) -> buffers``; see :func:`down_projection`."""
+
+    @staticmethod
+    def forward(ctx, x, gamma, statistics, grouped, *factors):
+        dtype, lead, d_in = compute_dtype(x), x.shape[:-1], x.shape[-1]
+        with torch.autocast(x.device.type, enabled=False):
+            x2 = x.reshape(-1, d_in)
+            xc = x2 if x2.dtype == dtype else x2.to(dtype)
+            weight = _gemm_weight(factors, gamma, dtype)
+            widths = [sum(a.shape[0] for a in factors)] if grouped else [a.shape[0] for a in factors]
+            buffers, row = [], 0
+            for i, width in enumerate(widths):
+                extra = STATISTICS_WIDTH if statistics and i == 0 else 0
+                buffer = xc.new_empty((*lead, width + extra))  # returned as is: no view of a local
+                rows = buffer.view(-1, width + extra)
+                torch.mm(xc, weight[row:row + width].t(), out=rows[:, :width] if extra else rows)
+                buffers.append(buffer)
+                row += width
+            if statistics:
+                # of the GEMM's input as it is read (cast to the compute dtype), summed in fp32
+                norm = torch.linalg.vector_norm(xc, dim=-1, keepdim=True, dtype=_statistics_dtype(xc))
+                torch.mul(norm, norm, out=buffers[0].view(-1, buffers[0].shape[-1])[:, widths[0]:widths[0] + 1])
+        ctx.save_for_backward(xc, weight, gamma, *factors)
+        ctx.widths, ctx.statistics, ctx.input_shape, ctx.input_dtype = widths, statistics, x.shape, x.dtype
+        return tuple(buffers)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        xc, weight, gamma, *factors = ctx.saved_tensors
+        widths = ctx.widths
+        with torch.autocast(xc.device.type, enabled=False):
+            grad_x = grad_weight = None
+            if ctx.needs_input_grad[0] or gamma is not None or any(ctx.needs_input_grad[4:]):
+                grad_weight = weight.new_empty(weight.shape)
+            row = 0
+            for width, grad in zip(widths, grads):
+                grad_h = grad.reshape(-1, grad.shape[-1])[:, :width]
+                w = weight[row:row + width]
+                if ctx.needs_input_grad[0]:
+                    grad_x = torch.mm(grad_h, w) if grad_x is None else grad_x.addmm_(grad_h, w)
+                if grad_weight is not None:
+                    torch.mm(grad_h.t(), xc, out=grad_weight[row:row + width])
+                row += width
+            if ctx.needs_input_grad[0] and ctx.statistics:
+                # d S / d x = 2 x, with dL/dS in the statistics column
+                grad_s = grads[0].reshape(-1, grads[0].shape[-1])[:, widths[0]:widths[0] + 1]
+                grad_s = grad_s.to(torch.promote_types(ctx.input_dtype, grad_s.dtype))  # [N, 1]: x's gradient in x's dtype
+                grad_x = torch.addcmul(grad_x, xc, grad_s, value=2.0)
+            if grad_x is not None:
+                grad_x = grad_x.view(ctx.input_shape)
+            grad_gamma = grad_factors = None
+            if grad_weight is not None:
+                if gamma is None:
+                    grad_factors = grad_weight.to(factors[0].dtype)
+                else:
+                    grad_factors = torch.mul(grad_weight, gamma)
+                    if ctx.needs_input_grad[1]:
+                        # dL/dgamma_c = sum_j dL/dW_jc * A_jc over every factor's rows
+                        products, row = torch.empty_like(grad_factors), 0
+                        for a in factors:
+                            torch.mul(grad_weight[row:row + a.shape[0]], a, out=products[row:row + a.shape[0]])
+                            row += a.shape[0]
+                        grad_gamma = products.sum(0)
+                grad_factors = grad_factors.split([a.shape[0] for a in factors])
+        return (grad_x, grad_gamma, None, None, *(grad_factors or [None] * len(factors)))
+
+
+def _down_reference(x, gamma, statistics, grouped, factors):
+    """:func:`down_projection` as plain differentiable ops (for ``torch.compile``)."""
+    weights = [a if gamma is None else a * gamma for a in factors]
+    parts = [torch.nn.functional.linear(x, torch.cat(weights))] if grouped else [torch.nn.functional.linear(x, w) for w in weights]
+    if statistics:
+        s = x.to(_statistics_dtype(x)).pow(2).sum(-1, keepdim=True).to(parts[0].dtype)
+        parts[0] = torch.cat([parts[0], s, s.new_zeros((*s.shape[:-1], STATISTICS_WIDTH - 1))], dim=-1)
+    return tuple(parts)
+
+
+def down_projection(x: torch.Tensor, factors, *, gamma: torch.Tensor | None = None, statistics: bool = False,
+                    grouped: bool = True) -> tuple[torch.Tensor, ...]:
+    """This rank's partial A outputs, ready to be all-reduced.
+
+    ``x: [..., d_in]``; ``factors``: ``A_i: [r_i, d_in]``; ``gamma: [d_in]`` folded into the weights
+    (``A_i * gamma``). ``grouped``: one buffer ``[..., sum r_i]`` from one GEMM, else one ``[..., r_i]`` per
+    factor. ``statistics``: the first buffer gains :data:`STATISTICS_WIDTH` columns, column ``sum r_i`` (or
+    ``r_1``) holding ``sum(x^2)`` of each row. Buffers are in the compute dtype; no communication."""
+    factors = tuple(factors)
+    if torch.compiler.is_compiling():
+        return _down_reference(x, gamma, statistics, grouped, factors)
+    return _DownProjection.apply(x, gamma, statistics, grouped, *factors)
+
+
+class _ScaleLatents(torch.autograd.Function):
+    """``(hidden_size, eps, *reduced buffers) -> latents``; see :func:`scale_latents`."""
+
+    @staticmethod
+    def forward(ctx, hidden_size, eps, *buffers):
+        width0 = buffers[0].shape[-1] - STATISTICS_WIDTH
+        with torch.autocast(buffers[0].device.type, enabled=False):
+            inverse_rms = torch.rsqrt(buffers[0][..., width0:width0 + 1].to(_statistics_dtype(buffers[0])) / hidden_size + eps)
+            latents = []
+            for i, buffer in enumerate(buffers):
+                z = buffer[..., :width0] if i == 0 else buffer
+                latents.append(torch.mul(z, inverse_rms, out=torch.empty_like(z, memory_format=torch.contiguous_format)))
+        ctx.save_for_backward(inverse_rms, *buffers)
+        ctx.hidden_size, ctx.width0 = hidden_size, width0
+        return tuple(latents)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        inverse_rms, *buffers = ctx.saved_tensors
+        width0 = ctx.width0
+        with torch.autocast(inverse_rms.device.type, enabled=False):
+            grad_buffers, dot = [], None
+            for i, (buffer, grad) in enumerate(zip(buffers, grads)):
+                z = buffer[..., :width0] if i == 0 else buffer
+                grad_buffer = torch.empty_like(buffer)
+                torch.mul(grad, inverse_rms, out=grad_buffer[..., :width0] if i == 0 else grad_buffer)
+                part = torch.sum(grad * z, dim=-1, keepdim=True, dtype=inverse_rms.dtype)
+                dot = part if dot is None else dot.add_(part)
+                grad_buffers.append(grad_buffer)
+            # latent = z * (S/d + eps)^(-1/2):  dL/dS = sum_j dL/dlatent_j z_j * (-1/(2d)) (S/d + eps)^(-3/2)
+            torch.mul(dot, inverse_rms.pow(3).mul_(-0.5 / ctx.hidden_size), out=grad_buffers[0][..., width0:width0 + 1])
+        return (None, None, *grad_buffers)
+
+
+def _scale_reference(hidden_size, eps, buffers):
+    width0 = buffers[0].shape[-1] - STATISTICS_WIDTH
+    inverse_rms = torch.rsqrt(buffers[0][..., width0:width0 + 1].to(_statistics_dtype(buffers[0])) / hidden_size + eps)
+    zs = [buffers[0][..., :width0], *buffers[1:]]
+    return tuple((z.to(inverse_rms.dtype) * inverse_rms).to(z.dtype) for z in zs)
+
+
+def scale_latents(buffers, hidden_size: int, eps: float) -> tuple[torch.Tensor, ...]:
+    """The reduced latents of :func:`down_projection` (``statistics=True``) times ``rsqrt(S/d + eps)``:
+    ``buffers[0]: [..., w_1 + STATISTICS_WIDTH]`` (``S`` in column ``w_1``), the others ``[..., w_i]`` ->
+    latents ``[..., w_i]`` (contiguous, the buffers' dtype; the scale in fp32)."""
+    buffers = tuple(buffers)
+    if torch.compiler.is_compiling():
+        return _scale_reference(hidden_size, eps, buffers)
+    return _ScaleLatents.apply(hidden_size, eps, *buffers)
+
+
+class _GradientSlots:
+    """One buffer shaped like a grouped latent ``[..., sum w_i]``, allocated in backward, into whose column
+    ranges the B GEMMs reading the latent's slices write their input gradients (so no ``cat`` gathers them)."""
+
+    def __init__(self, latent: torch.Tensor, widths: list[int]):
+        self.latent, self.widths, self.buffer = latent, widths, None
+
+    def slot(self, i: int) -> torch.Tensor:
+        if self.buffer is None:
+            self.buffer = torch.empty_like(self.latent, memory_format=torch.contiguous_format)
+        start = sum(self.widths[:i])
+        return self.buffer[..., start:start + self.widths[i]]
+
+    def holds(self, grads) -> bool:
+        """Whether ``grads`` are exactly this buffer's slots (nothing replaced or added them on the way)."""
+        return self.buffer is not None and all(
+            g is not None and g._base is self.buffer and g.storage_offset() == s.storage_offset()
+            and g.stride() == s.stride() and g.shape == s.shape
+            for g, s in ((g, self.slot(i)) for i, g in enumerate(grads))
+        )
+
+
+class _SplitLatent(torch.autograd.Function):
+    """``latent [..., sum w_i] -> views [..., w_i]``; backward returns the slot buffer the consumers filled,
+    or concatenates the gradients when they are anything else."""
+
+    @staticmethod
+    def forward(ctx, latent, widths, slots):
+        ctx.slots = slots
+        return tuple(latent.split(widths, dim=-1))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        if ctx.slots.holds(grads):
+            return ctx.slots.buffer, None, None
+        return torch.cat(grads, dim=-1), None, None
+
+
+def split_latent(latent: torch.Tensor, count: int) -> tuple[torch.Tensor, ...]:
+    """``count`` equal slices (views) of ``latent``'s last dim, one per projection of a group. Fed to
+    :func:`latent_linear`, their gradients are written into one buffer in place (no ``cat`` in backward)."""
+    if count == 1:
+        return (latent,)
+    if torch.compiler.is_compiling():
+        return latent.chunk(count, dim=-1)
+    widths = [latent.shape[-1] // count] * count
+    slots = _GradientSlots(latent, widths)
+    parts = _SplitLatent.apply(latent, widths, slots)
+    for i, part in enumerate(parts):
+        part._gradient_slot = (slots, i)
+    return parts
+
+
+class _LatentLinear(torch.autograd.Function):
+    """``latent [..., r] @ weight.T`` in the compute dtype; backward writes the latent's gradient into its
+    gradient slot (see :func:`split_latent`) when it has one."""
+
+    @staticmethod
+    def forward(ctx, latent, weight, slot):
+        dtype = compute_dtype(latent)
+        with torch.autocast(latent.device.type, enabled=False):
+            w = weight if weight.dtype == dtype else weight.to(dtype)
+            x = latent if latent.dtype == dtype else latent.to(dtype)
+            out = torch.nn.functional.linear(x, w)
+        ctx.save_for_backward(x, w)
+        ctx.slot, ctx.weight_dtype, ctx.latent_dtype = slot, weight.dtype, latent.dtype
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, w = ctx.saved_tensors
+        with torch.autocast(x.device.type, enabled=False):
+            grad = grad if grad.dtype == w.dtype else grad.to(w.dtype)
+            g2 = grad.reshape(-1, grad.shape[-1])
+            grad_latent = grad_weight = None
+            if ctx.needs_input_grad[0]:
+                if ctx.slot is not None and ctx.latent_dtype == w.dtype:
+                    slots, i = ctx.slot
+                    grad_latent = slots.slot(i)
+                    torch.mm(g2, w, out=grad_latent.view(-1, w.shape[1]))
+                else:
+                    grad_latent = torch.mm(g2, w).view(*grad.shape[:-1], w.shape[1])
+            if ctx.needs_input_grad[1]:
+                grad_weight = torch.mm(g2.t(), x.reshape(-1, x.shape[-1]))
+                grad_weight = grad_weight if grad_weight.dtype == ctx.weight_dtype else grad_weight.to(ctx.weight_dtype)
+        return grad_latent, grad_weight, None
+
+
+def latent_linear(latent: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``F.linear(latent, weight)`` (a B GEMM) under autocast; see :func:`split_latent`."""
+    if torch.compiler.is_compiling():
+        return torch.nn.functional.linear(latent, weight)
+    return _LatentLinear.apply(latent, weight, getattr(latent, "_gradient_slot", None))
+
+
+__all__ = ["STATISTICS_WIDTH", "compute_dtype", "down_projection", "scale_latents", "split_latent", "latent_linear"]

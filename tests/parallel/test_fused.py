@@ -1,0 +1,104 @@
+"""The fused BTP hot path (:mod:`boost_hf.parallel.fused`): exact gradients (fp64 gradcheck), equal to the
+plain-op reference it replaces (fp32 and bf16 autocast), and gradient slots that never change a result."""
+
+import pytest
+import torch
+
+from boost_hf.parallel.fused import (
+    STATISTICS_WIDTH,
+    _down_reference,
+    _scale_reference,
+    down_projection,
+    latent_linear,
+    scale_latents,
+    split_latent,
+)
+
+HIDDEN, EPS = 16, 1e-6
+
+
+def _inputs(dtype, d_in=12, rank=4, count=3):
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, d_in, dtype=dtype, requires_grad=True)
+    gamma = (1 + 0.1 * torch.randn(d_in, dtype=dtype)).requires_grad_()
+    factors = [torch.randn(rank, d_in, dtype=dtype, requires_grad=True) for _ in range(count)]
+    return x, gamma, factors
+
+
+def _normed(x, gamma, *factors, grouped):
+    return scale_latents(down_projection(x, factors, gamma=gamma, statistics=True, grouped=grouped), HIDDEN, EPS)
+
+
+def _normed_reference(x, gamma, *factors, grouped):
+    return _scale_reference(HIDDEN, EPS, _down_reference(x, gamma, True, grouped, factors))
+
+
+@pytest.mark.parametrize("grouped", [True, False])
+def test_online_norm_projection_gradients_are_exact(grouped):
+    x, gamma, factors = _inputs(torch.float64)
+    assert torch.autograd.gradcheck(lambda *t: _normed(*t, grouped=grouped), (x, gamma, *factors))
+
+
+@pytest.mark.parametrize("grouped", [True, False])
+def test_plain_down_projection_gradients_are_exact(grouped):
+    x, _, factors = _inputs(torch.float64)
+    assert torch.autograd.gradcheck(lambda x, *f: down_projection(x, f, grouped=grouped), (x, *factors))
+
+
+def test_online_norm_projection_is_rmsnorm_then_a():
+    """``scale(reduce(down(x)))`` on one rank is ``A (gamma * x / rms(x))``: what the single-device model computes."""
+    x, gamma, factors = _inputs(torch.float64, d_in=HIDDEN)
+    (latents,) = _normed(x, gamma, *factors, grouped=True)
+    normed = gamma * x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + EPS)
+    torch.testing.assert_close(latents, normed @ torch.cat(factors).T, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_fused_equals_reference(autocast):
+    x, gamma, factors = _inputs(torch.float32)
+    leaves = [x, gamma, *factors]
+    twins = [t.detach().clone().requires_grad_() for t in leaves]
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        fused = _normed(*leaves, grouped=True)[0]
+        reference = _normed_reference(*twins, grouped=True)[0]
+    assert fused.dtype == reference.dtype == (torch.bfloat16 if autocast else torch.float32)
+    grad = torch.randn_like(fused)
+    fused.backward(grad)
+    reference.backward(grad)
+    # bf16: one rounding of the output either way, gradients through bf16 GEMMs
+    tol = dict(rtol=2e-2, atol=2e-2) if autocast else dict(rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(fused.float(), reference.float(), **tol)
+    for a, b in zip(leaves, twins):
+        torch.testing.assert_close(a.grad, b.grad, **tol)
+
+
+def test_statistics_ride_in_aligned_columns():
+    x, gamma, factors = _inputs(torch.float32)
+    (buffer,) = down_projection(x, factors, gamma=gamma, statistics=True)
+    width = sum(a.shape[0] for a in factors)
+    assert buffer.shape == (*x.shape[:-1], width + STATISTICS_WIDTH)
+    assert (buffer.shape[-1] * buffer.element_size()) % 16 == 0
+    torch.testing.assert_close(buffer[..., width], x.detach().pow(2).sum(-1))
+
+
+def test_split_latent_gradients_written_in_place_and_exact():
+    torch.manual_seed(0)
+    latent = torch.randn(2, 3, 12, dtype=torch.float64, requires_grad=True)
+    weights = [torch.randn(5, 4, dtype=torch.float64, requires_grad=True) for _ in range(3)]
+
+    def outputs(latent, *weights):
+        return tuple(latent_linear(part, w) for part, w in zip(split_latent(latent * 1.0, 3), weights))
+
+    assert torch.autograd.gradcheck(outputs, (latent, *weights))
+
+
+def test_split_latent_falls_back_when_a_hook_replaces_a_gradient():
+    torch.manual_seed(0)
+    latent = torch.randn(2, 3, 12, requires_grad=True)
+    weights = [torch.randn(5, 4) for _ in range(3)]
+    parts = split_latent(latent * 1.0, 3)
+    parts[1].register_hook(lambda g: 2 * g)
+    sum(latent_linear(p, w).sum() for p, w in zip(parts, weights)).backward()
+    expected = torch.cat([torch.ones(2, 3, 5) @ w for w in weights], dim=-1)
+    expected[..., 4:8] *= 2
+    torch.testing.assert_close(latent.grad, expected)
