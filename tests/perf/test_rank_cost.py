@@ -97,6 +97,14 @@ def test_non_gemm_traffic_not_above_recorded(counted, name):
     assert total["non_gemm_bytes"] == sum(op["bytes"] for op in total["non_gemm_by_op"].values())
 
 
+@pytest.mark.parametrize("better, worse", [("btp", "btp-sync"), ("btp", "btp-ungrouped")])
+def test_boost_optimizations_do_not_cost_more_than_they_save(counted, better, worse):
+    """The online norm moves no more bytes and launches no more ops than the sync norm (which also pays two
+    more collectives); grouping no more than running each projection alone (which pays three more)."""
+    assert counted[better]["total"]["non_gemm_bytes"] <= counted[worse]["total"]["non_gemm_bytes"]
+    assert counted[better]["total"]["non_gemm_ops"] <= counted[worse]["total"]["non_gemm_ops"]
+
+
 def test_per_layer_cost_does_not_depend_on_the_layers_differenced(counted):
     other = count_rank_layer(*_case("btp"), BATCH, SEQ, layers=(2, 3))
     assert other["total"] == counted["btp"]["total"]
