@@ -19,7 +19,8 @@ checkpointing: each step's inputs are only the residual and reduced r-dim latent
 For the full-rank Megatron layout "A" is the input copy and "B" the whole weight. The attention, the
 MLP and every projection are *called as modules* (``self.self_attn(...)``, ``q_proj(latent)``), so
 hooks registered on them fire; under TP a projection's module call is the part after its group's
-collective (B and any trailing collective).
+collective (B and any trailing collective). RoPE runs in the compute dtype on the ``[B, S, heads,
+head_dim]`` layout the projections produce (:mod:`boost_hf.parallel.rotary`).
 """
 
 from __future__ import annotations
@@ -28,9 +29,10 @@ from functools import partial
 
 import torch
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, eager_attention_forward
+from transformers.models.llama.modeling_llama import eager_attention_forward
 
 from .recompute import run_step
+from .rotary import apply_rotary
 
 Tensors = tuple[torch.Tensor, ...]
 Latents = dict[str, torch.Tensor]  # LaX: {projection name: [B, S, r] latent}
@@ -57,10 +59,9 @@ class ParallelAttention:
     ):
         (query, key, value), crossed = self.qkv.project(z, previous)
         input_shape = query.shape[:-1]
-        hidden_shape = (*input_shape, -1, self.head_dim)
-        query, key, value = (t.view(hidden_shape).transpose(1, 2) for t in (query, key, value))
-        cos, sin = position_embeddings
-        query, key = apply_rotary_pos_emb(query, key, cos, sin)
+        hidden_shape = (*input_shape, -1, self.head_dim)  # [B, S, local heads, head_dim]
+        query, key = apply_rotary(query.view(hidden_shape), key.view(hidden_shape), *position_embeddings)
+        query, key, value = query.transpose(1, 2), key.transpose(1, 2), value.view(hidden_shape).transpose(1, 2)
         if past_key_values is not None:
             key, value = past_key_values.update(key, value, self.layer_idx)
         attention = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_attention_forward)

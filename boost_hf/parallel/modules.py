@@ -35,6 +35,12 @@ def adopt(module: nn.Module, mixin: type, **attributes) -> nn.Module:
     return module
 
 
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype ``x`` is computed in: the autocast dtype of its device when autocast is on there, else its own."""
+    device = x.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+
+
 def shard_parameter(module: nn.Module, name: str, dim: int | None, plan) -> nn.Parameter:
     """Replace ``module.<name>`` by this rank's contiguous slice along ``dim`` (``None``: replicated).
 
@@ -91,4 +97,4 @@ class VocabParallelHead:
         return f"{super().extra_repr()}, {shard_repr(self.weight)}"
 
 
-__all__ = ["adopt", "parallel_class", "shard_parameter", "shard_repr", "VocabParallelEmbedding", "VocabParallelHead"]
+__all__ = ["adopt", "compute_dtype", "parallel_class", "shard_parameter", "shard_repr", "VocabParallelEmbedding", "VocabParallelHead"]

@@ -26,6 +26,7 @@ from .layouts import LAYOUTS, Layout
 from .modules import VocabParallelEmbedding, VocabParallelHead, adopt, parallel_class, shard_parameter
 from .norms import GatheredRMSNorm
 from .primitives import split_to_tp
+from .rotary import ComputeDtypeRotaryEmbedding
 from .sharding import shard_spec_of
 from .state import ParallelState, check_world, get_parallel_state
 from .layouts.btp import HiddenShardedEmbedding
@@ -95,6 +96,7 @@ def parallelize(model: nn.Module, parallel: ParallelConfig, *, initialize: bool 
     if not (plan.tp_size == 1 and parallel.activation_checkpointing == "none"):
         for layer in base.layers:
             layout.parallelize_layer(layer, plan)
+        adopt(base.rotary_emb, ComputeDtypeRotaryEmbedding)  # the tables the parallel attention rotates with
     if plan.residual_sharded:
         adopt(base.norm, GatheredRMSNorm, group=plan.group)
     tied = config.tie_word_embeddings
