@@ -25,15 +25,10 @@ from __future__ import annotations
 
 import torch
 
+from .modules import compute_dtype
+
 #: columns holding one row's statistics in the down buffer (1 used; 8 keeps rows 16-byte aligned)
 STATISTICS_WIDTH = 8
-
-
-def compute_dtype(x: torch.Tensor) -> torch.dtype:
-    """The dtype GEMMs run in: autocast's for ``x``'s device when autocast is on, else ``x``'s."""
-    if torch.is_autocast_enabled(x.device.type):
-        return torch.get_autocast_dtype(x.device.type)
-    return x.dtype
 
 
 def _statistics_dtype(x: torch.Tensor) -> torch.dtype:
@@ -293,4 +288,4 @@ def latent_linear(latent: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return _LatentLinear.apply(latent, weight, getattr(latent, "_gradient_slot", None))
 
 
-__all__ = ["STATISTICS_WIDTH", "compute_dtype", "down_projection", "scale_latents", "split_latent", "latent_linear"]
+__all__ = ["STATISTICS_WIDTH", "down_projection", "scale_latents", "split_latent", "latent_linear"]
