@@ -11,6 +11,8 @@ backward + AdamW, eager and with ``--compile``): milliseconds per layer, variant
     python benchmarks/rank_cost.py --device cuda --compile   # measured at the counted shape on the GPU too
     python benchmarks/rank_cost.py --size 13b --tp 2 --seq 2048 --variants btp btp-sync --no-measure
     python benchmarks/rank_cost.py --quick             # 60m TP2, a few steps (smoke test)
+    python benchmarks/rank_cost.py --device cuda --compile --json h100.json   # then:
+    boost-hf estimate --preset cola-7b --tp 4 --micro-batch 2 --seq 4096 --measured h100.json --gpu h100
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from common import base_parser, parse, save_figure, table, write_result
 
 from boost_hf import BoostLlamaConfig, ParallelConfig
 from boost_hf.perf.comm_formula import layer_communication
+from boost_hf.perf.measured import MeasuredLayer, MeasuredRun
 from boost_hf.perf.rank_cost import count_rank_layer, device_name, fake_process_group, measure_rank_layers
 
 # name -> (preset family: "llama" or the low-rank family of --low-rank, ParallelConfig fields)
@@ -139,6 +142,17 @@ def measured_section(args, names: list[str]) -> tuple[list[str], dict]:
     return lines, runs
 
 
+def measured_run(args, runs: dict) -> MeasuredRun:
+    """The measured times as :class:`boost_hf.perf.measured.MeasuredRun` (what ``boost-hf estimate --measured`` reads)."""
+    m, layers = args.measure, []
+    for name in runs["eager"]:
+        preset, _, parallel = variant_case(name, m["size"], args.low_rank, args.tp, args.checkpointing, **m["overrides"])
+        ms = {mode: runs[mode][name].get("ms_per_layer") for mode in runs}
+        layers.append(MeasuredLayer(preset, parallel.tp_style, parallel.rmsnorm, parallel.group_linears,
+                                    eager_ms=ms.get("eager"), compiled_ms=ms.get("compiled")))
+    return MeasuredRun(f"{device_name(args.device)} ({args.device})", args.tp, m["batch"], m["seq"], args.checkpointing, tuple(layers))
+
+
 def plot(counted: dict, runs: dict, args, out) -> str:
     import matplotlib
 
@@ -187,6 +201,7 @@ def main() -> None:
     parser.add_argument("--no-measure", action="store_true", help="count only")
     parser.add_argument("--warmup", type=int, default=2, help="warm-up rounds of the measured run (default: 2)")
     parser.add_argument("--reps", type=int, default=None, help="timed rounds (default: 10 on cuda, 20 on cpu)")
+    parser.add_argument("--json", metavar="PATH", help="also write the measured layer times for `boost-hf estimate --measured PATH`")
     args, started = parse(parser)
     if args.quick:
         args.size, args.tp, args.batch, args.seq = "60m", 2, 1, 128
@@ -206,6 +221,9 @@ def main() -> None:
         if not args.no_measure:
             measured, runs = measured_section(args, args.variants)
             lines += measured
+            if args.json:
+                measured_run(args, runs).save(args.json)
+                print(f"wrote {args.json}")
     lines.append(plot(counted, runs, args, args.out))
     write_result(args.out, "rank_cost", "One tensor-parallel rank's decoder-layer cost", lines, quick=args.quick, started=started)
 

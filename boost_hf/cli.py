@@ -52,6 +52,12 @@ def _add_estimate_arguments(parser: argparse.ArgumentParser) -> None:
     eff.add_argument("--attention-efficiency", type=float, help="fraction of peak of flash attention")
     eff.add_argument("--memory-efficiency", type=float, help="fraction of HBM bandwidth of elementwise kernels")
 
+    measured = parser.add_argument_group("measured compute (one GPU predicts a TP node)")
+    measured.add_argument("--measured", metavar="PATH",
+                          help="per-layer times of one rank measured by `benchmarks/rank_cost.py --json PATH` replace the "
+                               "modelled compute; communication stays modelled for the chosen GPU/interconnect")
+    measured.add_argument("--measured-mode", choices=("eager", "compiled"), default="eager",
+                          help="which measured time to use (default: eager)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
@@ -111,6 +117,22 @@ def _estimate_table(est, preset: str, model_config) -> str:
     return "\n".join(lines)
 
 
+def _measured_layer_times(args: argparse.Namespace, workload, layouts) -> tuple[dict[str, float], str]:
+    """layout -> measured seconds per layer, from ``--measured`` (megatron's preset is the full-rank LLaMA)."""
+    from .perf.measured import MeasuredRun, measured_layer_seconds
+
+    run = MeasuredRun.load(args.measured)
+    family, size = args.preset.split("-", 1)
+    presets = {"megatron": f"llama-{size}"}
+    presets["vanilla"] = presets["btp"] = args.preset if family != "llama" else f"cola-{size}"
+    times = {
+        layout: measured_layer_seconds(run, presets[layout], workload.parallel(layout), workload.micro_batch,
+                                       workload.seq_len, args.measured_mode)
+        for layout in layouts
+    }
+    return times, run.device
+
+
 def _run_estimate(args: argparse.Namespace) -> int:
     from .configuration_boost_llama import BoostLlamaConfig
     from .perf.estimator import CALIBRATED_EFFICIENCY, LAYOUTS, Workload, estimate
@@ -143,13 +165,21 @@ def _run_estimate(args: argparse.Namespace) -> int:
     }
     efficiency = replace(CALIBRATED_EFFICIENCY, **{k: v for k, v in overrides.items() if v is not None})
     layouts = tuple(layout for layout in LAYOUTS if layout in args.layouts)
-    est = estimate(config, workload, hardware, efficiency, layouts=layouts)
+    measured, device = None, None
+    if args.measured:
+        measured, device = _measured_layer_times(args, workload, layouts)
+    est = estimate(config, workload, hardware, efficiency, layouts=layouts, measured_layer_s=measured)
     if args.json:
         out = est.to_dict()
         out["assumptions"]["preset"] = args.preset
+        if measured:
+            out["assumptions"]["measured"] = {"path": args.measured, "device": device, "mode": args.measured_mode}
         print(json.dumps(out, indent=2))
     else:
         print(_estimate_table(est, args.preset, config))
+        if measured:
+            print(f"  compute per layer measured ({args.measured_mode}) on {device}, from {args.measured}; "
+                  "communication, LM head and the other parameters' optimizer step modelled")
     return 0
 
 

@@ -249,7 +249,7 @@ class Workload:
         )
 
 
-COMPONENTS = ("gemm", "attention", "memory", "tp_comm", "pp_comm", "optimizer")
+COMPONENTS = ("gemm", "attention", "memory", "measured", "tp_comm", "pp_comm", "optimizer")
 
 
 def _add(*times: dict[str, float], scale: float = 1.0) -> dict[str, float]:
@@ -332,6 +332,11 @@ def _comm_time(comm: Communication, workload: Workload, hardware: Hardware) -> f
     return comm.calls * hardware.latency_us * 1e-6 + traffic / (hardware.collective_gbps(workload.tp) * 1e9)
 
 
+def _with_layers(config, layers: int) -> int:
+    """Parameters of ``config`` with ``layers`` decoder layers."""
+    return parameter_count(type(config).from_dict({**config.to_dict(), "num_hidden_layers": layers}))
+
+
 def _describe(config) -> str:
     kind = "full rank" if config.bottleneck is None else f"{config.bottleneck} r={config.rank}"
     return f"{kind}, L={config.num_hidden_layers}, d={config.hidden_size}, f={config.intermediate_size}"
@@ -343,8 +348,15 @@ def estimate_layout(
     workload: Workload,
     hardware: Hardware,
     efficiency: KernelEfficiency = CALIBRATED_EFFICIENCY,
+    measured_layer_s: float | None = None,
 ) -> LayoutEstimate:
-    """Predict one layout running ``config`` (full rank for megatron, low rank for vanilla and btp)."""
+    """Predict one layout running ``config`` (full rank for megatron, low rank for vanilla and btp).
+
+    ``measured_layer_s``: one rank's measured decoder layer (forward + backward + its AdamW step, with any
+    recomputation; :mod:`boost_hf.perf.measured`) replaces the modelled GEMM, attention, element-wise and
+    recomputation time of every layer (split 1:2 between forward and backward for the per-pass columns)
+    and the optimizer time of the layers' parameters; communication, the LM head and the pipeline stay
+    modelled."""
     parallel = workload.parallel(layout)
     parallel.check_model(config)
     if workload.pp > config.num_hidden_layers:
@@ -365,6 +377,9 @@ def estimate_layout(
 
     def layer_times(crossing: bool) -> tuple[dict[str, float], dict[str, float]]:
         """Forward and backward time of one layer (with or without its LaX crossing)."""
+        if measured_layer_s is not None:
+            return (_add({"measured": measured_layer_s / 3}, comm_time),
+                    _add({"measured": 2 * measured_layer_s / 3}, comm_time_bwd))
         gemms = layer_gemms(config, parallel, n, crossing=crossing)
         compute = {
             "gemm": gemm_time(gemms),
@@ -414,7 +429,10 @@ def estimate_layout(
     totals = [sum(stage.values()) for stage in stages]
     slowest = stages[totals.index(max(totals))]
     m = workload.num_micro_batches
-    optimizer = {"optimizer": parameter_count(config) / (p * pp) * ADAMW_BYTES_PER_PARAM / hbm}
+    optimized = parameter_count(config)
+    if measured_layer_s is not None:  # the measured layer time includes its parameters' AdamW step
+        optimized -= layers * (_with_layers(config, 2) - _with_layers(config, 1))
+    optimizer = {"optimizer": optimized / (p * pp) * ADAMW_BYTES_PER_PARAM / hbm}
     breakdown = _add(*stages, _add(slowest, scale=m - 1), optimizer)  # 1F1B critical path
     step = sum(breakdown.values())
 
@@ -451,9 +469,11 @@ def estimate(
     hardware: Hardware | str = "a100",
     efficiency: KernelEfficiency = CALIBRATED_EFFICIENCY,
     layouts: tuple[str, ...] = LAYOUTS,
+    measured_layer_s: dict[str, float] | None = None,
 ) -> Estimate:
     """Predict ``layouts`` for the model size of ``config``: megatron runs its full-rank counterpart,
-    vanilla and btp its low-rank counterpart (see :func:`full_rank_counterpart`)."""
+    vanilla and btp its low-rank counterpart (see :func:`full_rank_counterpart`). ``measured_layer_s``:
+    layout -> measured seconds per layer of one rank (see :func:`estimate_layout`)."""
     if isinstance(hardware, str):
         hardware = get_hardware(hardware)
     unknown = set(layouts) - set(LAYOUTS)
@@ -461,13 +481,19 @@ def estimate(
         raise ValueError(f"Unknown layout(s) {sorted(unknown)}: use {', '.join(LAYOUTS)}.")
     models = {"megatron": full_rank_counterpart(config)}
     models["vanilla"] = models["btp"] = low_rank_counterpart(config)
-    results = {layout: estimate_layout(models[layout], layout, workload, hardware, efficiency) for layout in layouts}
+    measured_layer_s = measured_layer_s or {}
+    results = {
+        layout: estimate_layout(models[layout], layout, workload, hardware, efficiency, measured_layer_s.get(layout))
+        for layout in layouts
+    }
     notes = [
         "per rank; one data-parallel replica of tp x pp GPUs (no data-parallel traffic)",
         "megatron runs the full-rank model of the same size; vanilla and btp the low-rank model",
         "1F1B pipeline: iteration = sum(stage times) + (m - 1) * max(stage time) + optimizer step",
         "no overlap of compute and communication",
     ]
+    if measured_layer_s:
+        notes.append(f"measured layer time (compute, with recomputation and the layers' AdamW) for: {', '.join(measured_layer_s)}")
     if workload.activation_checkpointing == "lowrank" and "megatron" in layouts:
         notes.append("megatron has no low-rank checkpointing: it uses full-layer checkpointing")
     return Estimate(results, workload, hardware, efficiency, tuple(notes))
