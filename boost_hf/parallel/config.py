@@ -28,8 +28,9 @@ class ParallelConfig:
             ``"local"`` (APPROXIMATE: normalises each d/p shard by its own statistics, a group norm that
             changes the model with tp_size; never the default).
         group_linears: low-rank layouts run the A's that share an input (A_qkv, A_gate_up) as one GEMM
-            with one collective (and, under BTP, copy the latents their B's read in one collective).
-            Megatron runs each projection as its own GEMM either way. Checkpoint names are unchanged.
+            with one collective (and, under BTP, copy the latents their B's read in one collective);
+            Megatron runs q/k/v and gate/up as one GEMM each (one collective either way). Checkpoint names
+            are unchanged.
         activation_checkpointing: ``"none"``; ``"full"`` (recompute each decoder layer, re-running its
             forward collectives); ``"lowrank"`` (save only r-dim latents and the residual; under BTP the
             recomputation issues no collective).

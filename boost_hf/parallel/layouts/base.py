@@ -181,6 +181,27 @@ class Layout:
         raise NotImplementedError
 
 
+class _ConcatenatedWeight(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, dtype, *weights):
+        ctx.rows, ctx.dtype = [w.shape[0] for w in weights], weights[0].dtype
+        out = torch.empty((sum(ctx.rows), *weights[0].shape[1:]), dtype=dtype, device=weights[0].device)
+        return torch.cat(weights, out=out)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return None, *grad.to(ctx.dtype).split(ctx.rows)
+
+
+def concatenated_weight(weights: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    """The weights of a grouped GEMM, ``[out_i, in]`` each, as one ``[sum out_i, in]`` tensor in ``dtype`` (the
+    compute dtype), written in one op: the cast autocast would make of each weight, no fp32 copy. Backward:
+    one cast of the gradient, split into views, one per weight."""
+    if torch.compiler.is_compiling():
+        return torch.cat(weights).to(dtype)
+    return _ConcatenatedWeight.apply(dtype, *weights)
+
+
 def split_latents(z: torch.Tensor, count: int) -> tuple[torch.Tensor, ...]:
     """``count`` equal slices of the last dim (views, no copy)."""
     return z.chunk(count, dim=-1) if count > 1 else (z,)
@@ -212,4 +233,4 @@ def low_rank_a_gemms(config, n: int, r_local: int, local: dict[str, int], groupe
     return [Gemm(f"{name}.A", n, local[width], r_local, "A") for name, width in inputs.items()]
 
 
-__all__ = ["Layout", "ProjectionGroup", "Gemm", "ResidualWidths", "GROUPS", "READS_NORM", "split_latents", "apply_latent_functions", "low_rank_a_gemms"]
+__all__ = ["Layout", "ProjectionGroup", "Gemm", "ResidualWidths", "GROUPS", "READS_NORM", "concatenated_weight", "split_latents", "apply_latent_functions", "low_rank_a_gemms"]

@@ -5,9 +5,13 @@ q, k, v, gate, up are column-parallel (``W: [d_out/p, d_in]``), o and down row-p
 ``heads/p`` heads; the embedding and LM head are split along the vocabulary.
 
 Per layer: forward all-reduce after o_proj and down_proj (2 calls, ``N (d + d)``); backward all-reduce
-of the input gradient shared by q/k/v and by gate/up (2 calls, ``2 N d``; the input is copied into
-the tensor-parallel region once per group). ``group_linears`` changes nothing here: each projection is
-its own module and GEMM.
+of the input gradient shared by q/k/v and by gate/up (2 calls, ``2 N d``; the input is cast to the compute
+dtype and copied into the tensor-parallel region once per group, so the gradient is all-reduced in the
+compute dtype, as in Megatron-LM). With ``group_linears`` (the default), as in Megatron-LM, q/k/v and
+gate/up each run as one GEMM on their weights concatenated in the compute dtype
+(:func:`~boost_hf.parallel.layouts.base.concatenated_weight`); each projection is still called as a module
+on its columns of the output, so its hooks fire. A projection replaced by another module, or with
+forward pre-hooks (which may change its input or gather its weight), runs its own GEMM instead.
 """
 
 from __future__ import annotations
@@ -16,19 +20,20 @@ import torch
 import torch.nn.functional as F
 
 from ..communication import PassCommunication, all_reduce
-from ..modules import adopt, shard_parameter, shard_repr
+from ..modules import adopt, compute_dtype, shard_parameter, shard_repr
 from ..primitives import copy_to_tp, reduce_from_tp
-from .base import GROUPS, Gemm, Layout, ProjectionGroup, ResidualWidths
+from .base import GROUPS, Gemm, Layout, ProjectionGroup, ResidualWidths, concatenated_weight
 
 COLUMN_GROUPS = ("qkv", "gate_up")
 
 
 class ColumnParallel:
     """``nn.Linear`` split along its output: ``[B, S, d_in]`` (already in the TP region) ->
-    ``[B, S, d_out/p]``. No communication (the group copies the shared input once)."""
+    ``[B, S, d_out/p]``. No communication (the group copies the shared input once). ``fused``: this
+    projection's columns of its group's fused GEMM on ``x``, already computed; the call returns them."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
+    def forward(self, x: torch.Tensor, fused: torch.Tensor | None = None) -> torch.Tensor:
+        return F.linear(x, self.weight) if fused is None else fused
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, {shard_repr(self.weight)}"
@@ -47,18 +52,29 @@ class RowParallel:
 
 
 class DenseGroup(ProjectionGroup):
-    """Column groups copy their shared input into the TP region once; row groups pass it on."""
+    """Column groups cast their shared input to the compute dtype and copy it into the TP region once, then
+    (grouped) run one GEMM for all their projections; row groups pass their input on to their one projection."""
 
     def __init__(self, owner, names, *, group, grouped, column: bool):
         super().__init__(owner, names, group=group, grouped=grouped)
         self.column = column
 
     def down(self, x):
-        return (copy_to_tp(x, self.group),) if self.column else (x,)
+        return (copy_to_tp(x.to(compute_dtype(x)), self.group),) if self.column else (x,)
 
     def project(self, z, previous=None):
         (h,) = z
-        return [projection(h) for projection in self.projections], {}
+        projections = self.projections
+        if not self.grouped or len(projections) == 1 or not all(_fusable(projection) for projection in projections):
+            return [projection(h) for projection in projections], {}
+        weight = concatenated_weight([projection.weight for projection in projections], compute_dtype(h))
+        fused = F.linear(h, weight).split([projection.weight.shape[0] for projection in projections], dim=-1)
+        return [projection(h, fused=out) for projection, out in zip(projections, fused)], {}
+
+
+def _fusable(projection) -> bool:
+    """``projection`` is still this layout's column-parallel module and nothing acts before its forward."""
+    return isinstance(projection, ColumnParallel) and not projection._forward_pre_hooks
 
 
 class MegatronLayout(Layout):
@@ -105,15 +121,12 @@ class MegatronLayout(Layout):
     def local_gemms(self, config, tokens):
         p, n = self.parallel.tp_size, tokens
         d, dq, dkv, f = config.hidden_size, config.q_dim, config.kv_dim, config.intermediate_size
-        return [
-            Gemm("q_proj", n, d, dq // p, "dense"),
-            Gemm("k_proj", n, d, dkv // p, "dense"),
-            Gemm("v_proj", n, d, dkv // p, "dense"),
-            Gemm("o_proj", n, dq // p, d, "dense"),
-            Gemm("gate_proj", n, d, f // p, "dense"),
-            Gemm("up_proj", n, d, f // p, "dense"),
-            Gemm("down_proj", n, f // p, d, "dense"),
-        ]
+        if self.parallel.group_linears:
+            column = [Gemm("qkv_proj", n, d, (dq + 2 * dkv) // p, "dense"), Gemm("gate_up_proj", n, d, 2 * f // p, "dense")]
+        else:
+            column = [Gemm(name, n, d, width // p, "dense") for name, width in
+                      (("q_proj", dq), ("k_proj", dkv), ("v_proj", dkv), ("gate_proj", f), ("up_proj", f))]
+        return column + [Gemm("o_proj", n, dq // p, d, "dense"), Gemm("down_proj", n, f // p, d, "dense")]
 
     def widths(self, config):
         p = self.parallel.tp_size
