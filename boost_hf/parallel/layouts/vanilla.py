@@ -18,9 +18,11 @@ import torch
 import torch.nn.functional as F
 
 from ..communication import Communication, PassCommunication, all_gather, all_reduce
-from ..modules import adopt, shard_parameter, shard_repr
+from ..modules import adopt, compute_dtype, shard_parameter, shard_repr
 from ..primitives import copy_to_tp, gather_from_tp, reduce_from_tp, split_to_tp
-from .base import GROUPS, Gemm, Layout, ProjectionGroup, ResidualWidths, apply_latent_functions, low_rank_a_gemms, split_latents
+from .base import (
+    GROUPS, Gemm, Layout, ProjectionGroup, ResidualWidths, apply_latent_functions, concatenated_weight, low_rank_a_gemms, split_latents,
+)
 
 
 class VanillaProjection:
@@ -37,9 +39,11 @@ class VanillaProjection:
 
 
 class ReplicatedLowRankGroup(ProjectionGroup):
-    """``down``: copy the replicated input into the TP region and apply the A's (grouped: once, and one
-    GEMM on the concatenated A's; ungrouped: once per projection); ``reduce``: LaX only, all-gather the latents to full r;
-    ``project``: latent functions, then each projection (B and its all-reduce)."""
+    """``down``: cast the replicated input to the compute dtype, copy it into the TP region and apply the
+    A's (grouped: once, and one GEMM on the A's concatenated in the compute dtype; ungrouped: once per
+    projection); ``reduce``: LaX only, all-gather the latents to full r;
+    ``project``: latent functions (once on a grouped latent without LaX), then each projection (B and its
+    all-reduce)."""
 
     def __init__(self, owner, names, *, group, grouped, gather_latent: bool, tp_size: int):
         super().__init__(owner, names, group=group, grouped=grouped)
@@ -47,8 +51,9 @@ class ReplicatedLowRankGroup(ProjectionGroup):
 
     def down(self, x):
         factors = [p.A for p in self.projections]
+        x = x.to(compute_dtype(x))  # once per group, before the copy: input gradients are all-reduced in it
         if self.grouped and len(factors) > 1:
-            return (F.linear(copy_to_tp(x, self.group), torch.cat(factors)),)
+            return (F.linear(copy_to_tp(x, self.group), concatenated_weight(factors, x.dtype)),)
         return tuple(F.linear(copy_to_tp(x, self.group), a) for a in factors)  # one input-gradient all-reduce each
 
     def reduce(self, partials):
@@ -64,6 +69,10 @@ class ReplicatedLowRankGroup(ProjectionGroup):
 
     def project(self, z, previous=None):
         projections = self.projections
+        if len(z) == 1 and not any(hasattr(p, "crossed_latent") for p in projections):
+            # one grouped latent and one element-wise latent function for every projection: apply it once
+            latents = split_latents(projections[0].latent(z[0]), len(projections))
+            return [projection(latent) for projection, latent in zip(projections, latents)], {}
         zs = split_latents(z[0], len(projections)) if len(z) == 1 else z
         latents, crossed = apply_latent_functions(projections, self.names, zs, previous)
         if self.gather_latent:
