@@ -7,8 +7,8 @@ attention casts them back. Here (as in Megatron-LM, which casts the tables to th
 * :class:`ComputeDtypeRotaryEmbedding`, adopted by the model's ``rotary_emb``, returns the tables in the
   autocast dtype, once per model forward;
 * :func:`apply_rotary` rotates queries and keys in the ``[B, S, heads, head_dim]`` layout the projections
-  produce (no transpose copy), in 3 element-wise ops per tensor forward and 3 backward (none when q and k
-  are adjacent views of one fused GEMM output: 3 ops for both forward). Its outputs are fresh
+  produce (no transpose copy), in 3 element-wise ops per tensor forward and 3 backward (forward: 3 for both
+  when q and k are adjacent views of one fused GEMM output, as under Megatron). Its outputs are fresh
   ``[B, S, heads, head_dim]`` tensors whose gradients come back in the same layout, so the views
   ``[B, S, heads * head_dim] -> [B, S, heads, head_dim]`` need no copy in backward.
 
