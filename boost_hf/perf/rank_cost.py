@@ -31,6 +31,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..parallel.comm_counter import CommCounter
+from ..parallel.state import reset_parallel_states
 from .op_counter import OpCounter
 
 DEFAULT_LAYERS = (1, 3)
@@ -65,12 +66,14 @@ def _require_fake_process_group(tp_size: int) -> None:
 @contextmanager
 def fake_process_group(world_size: int):
     """Open a fake process group of ``world_size`` ranks (this process is rank 0; collectives do nothing)
-    and close it on exit. Every ``tp_size`` counted or measured inside must divide ``world_size``."""
+    and close it on exit, with the process groups cached on it. Every ``tp_size`` counted or measured inside
+    must divide ``world_size``."""
     _open_fake_process_group(world_size)
     try:
         yield
     finally:
         dist.destroy_process_group()
+        reset_parallel_states()
 
 
 # ---------------------------------------------------------------------------------------------- models
