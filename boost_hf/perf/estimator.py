@@ -68,7 +68,7 @@ case       megatron (paper)   vanilla (paper)    btp (paper)        btp/megatron
 13B TP4x2  2.12 (2.07)        2.54 (2.42)        1.25 (1.30)        -6.2 %         -8.4 %
 =========  =================  =================  =================  =============  =============
 
-Since then BTP's layer has changed (the online norm's statistics take 8 columns); the same constants now
+Since the fit the modelled layers changed (earlier rounds' refactors); the same constants now
 give btp 0.77 / 0.71 / 1.21 s at 3B / 7B / 13B, ratio errors -7.0 / -11.1 / -8.9 % (btp/megatron) and
 -3.2 / +5.0 / -11.0 % (btp/vanilla). The 1B row was not fitted (at TP1 vanilla and btp are the same computation; the paper's 5 % gap is
 implementation overhead). ``tests/perf/test_estimator.py`` checks the six fitted ratios stay within
