@@ -193,47 +193,6 @@ def scale_latents(buffers, hidden_size: int, eps: float) -> tuple[torch.Tensor, 
     return _ScaleLatents.apply(hidden_size, eps, *buffers)
 
 
-class _RMSNorm(torch.autograd.Function):
-    """``weight * x * rsqrt(mean(x^2) + eps)`` written in the compute dtype; see :func:`rms_norm`."""
-
-    @staticmethod
-    def forward(ctx, x, weight, eps):
-        dtype, d = compute_dtype(x), x.shape[-1]
-        with torch.autocast(x.device.type, enabled=False):
-            stats = _statistics_dtype(x)
-            inverse_rms = torch.linalg.vector_norm(x, dim=-1, keepdim=True, dtype=stats)
-            inverse_rms.square_().div_(d).add_(eps).rsqrt_()
-            normed = torch.mul(x, inverse_rms)  # fp32 [..., d]
-            out = torch.mul(normed, weight, out=torch.empty_like(x, dtype=dtype))
-        ctx.save_for_backward(x, weight, inverse_rms)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        x, weight, inverse_rms = ctx.saved_tensors
-        d = x.shape[-1]
-        with torch.autocast(x.device.type, enabled=False):
-            grad_normed = torch.mul(grad, weight)  # dL/dxhat, fp32
-            grad_weight = None
-            if ctx.needs_input_grad[1]:
-                grad_weight = torch.mul(grad, x).mul_(inverse_rms).sum(dim=tuple(range(x.dim() - 1)))
-            # dx = inv * (g_hat - x * inv^2 * mean(g_hat * x))
-            dot = torch.sum(grad_normed * x, dim=-1, keepdim=True)
-            coefficient = dot.mul_(inverse_rms.pow(2)).div_(-d)
-            grad_x = torch.addcmul(grad_normed, x, coefficient).mul_(inverse_rms)
-        return grad_x.to(x.dtype), grad_weight, None
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm over the last dim with its statistics in fp32, its output in the compute dtype (the cast the
-    next GEMM needs, done as the norm writes), and a hand-written backward. Equal to ``BoostLlamaRMSNorm``
-    (fp32). For the full-width block norms of the megatron and vanilla layouts."""
-    if torch.compiler.is_compiling():
-        variance = x.to(torch.float32).pow(2).mean(-1, keepdim=True)
-        return weight * (x.to(torch.float32) * torch.rsqrt(variance + eps)).to(x.dtype)
-    return _RMSNorm.apply(x, weight, eps)
-
-
 class _GradientSlots:
     """One buffer shaped like a grouped latent ``[..., sum w_i]``, allocated in backward, into whose column
     ranges the B GEMMs reading the latent's slices write their input gradients (so no ``cat`` gathers them)."""
@@ -329,4 +288,4 @@ def latent_linear(latent: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return _LatentLinear.apply(latent, weight, getattr(latent, "_gradient_slot", None))
 
 
-__all__ = ["STATISTICS_WIDTH", "rms_norm", "down_projection", "scale_latents", "split_latent", "latent_linear"]
+__all__ = ["STATISTICS_WIDTH", "down_projection", "scale_latents", "split_latent", "latent_linear"]

@@ -21,7 +21,6 @@ from typing import NamedTuple
 
 import torch
 
-from .fused import rms_norm
 from .modules import shard_repr
 from .primitives import all_reduce_sum, gather_from_tp
 
@@ -61,14 +60,6 @@ class SyncRMSNorm(ShardedRMSNorm):
         return self.weight * (xf * torch.rsqrt(total / self.hidden_size + self.variance_epsilon)).to(x.dtype)
 
 
-class FusedRMSNorm:
-    """The block norm of a replicated (full-width) residual: :func:`boost_hf.parallel.fused.rms_norm`, the
-    same function in fewer kernels, output in the compute dtype; no communication."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.variance_epsilon)
-
-
 class LocalRMSNorm(ShardedRMSNorm):
     """APPROXIMATE: the ordinary RMSNorm of the ``[..., d/p]`` shard by its own statistics."""
 
@@ -84,4 +75,4 @@ class GatheredRMSNorm:
 
 RMSNORM_MODES = {"online": OnlineRMSNorm, "sync": SyncRMSNorm, "local": LocalRMSNorm}
 
-__all__ = ["OnlineNormInput", "FusedRMSNorm", "OnlineRMSNorm", "SyncRMSNorm", "LocalRMSNorm", "GatheredRMSNorm", "RMSNORM_MODES"]
+__all__ = ["OnlineNormInput", "OnlineRMSNorm", "SyncRMSNorm", "LocalRMSNorm", "GatheredRMSNorm", "RMSNORM_MODES"]

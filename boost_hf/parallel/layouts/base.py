@@ -27,7 +27,6 @@ from torch import nn
 from ..communication import NO_COMMUNICATION, Communication, PassCommunication
 from ..decoder_layer import Latents, ParallelAttention, ParallelDecoderLayer, ParallelMLP, Tensors
 from ..modules import adopt
-from ..norms import FusedRMSNorm
 
 GROUPS: dict[str, tuple[str, ...]] = {
     "qkv": ("q_proj", "k_proj", "v_proj"),
@@ -134,9 +133,6 @@ class Layout:
         """Turn one single-device decoder layer into this rank's shard, in place (parameter names kept):
         every projection through :meth:`parallelize_projection`, every group's communication from
         :meth:`projection_group`; the attention, MLP and layer then run as the parallel modules."""
-        if not self.residual_sharded:
-            for norm in (layer.input_layernorm, layer.post_attention_layernorm):
-                adopt(norm, FusedRMSNorm)
         for owner, mixin, group_names in ((layer.self_attn, ParallelAttention, ("qkv", "o")), (layer.mlp, ParallelMLP, ("gate_up", "down"))):
             for group_name in group_names:
                 for name in GROUPS[group_name]:
