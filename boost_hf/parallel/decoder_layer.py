@@ -33,6 +33,7 @@ from transformers.models.llama.modeling_llama import eager_attention_forward
 
 from .recompute import run_step
 from .rotary import apply_rotary
+from .shared_storage import SharedStorageOwner
 
 Tensors = tuple[torch.Tensor, ...]
 Latents = dict[str, torch.Tensor]  # LaX: {projection name: [B, S, r] latent}
@@ -42,7 +43,7 @@ def _merge(*parts: Latents | None) -> Latents:
     return {name: latent for part in parts if part for name, latent in part.items()}
 
 
-class ParallelAttention:
+class ParallelAttention(SharedStorageOwner):
     """Attention on this rank's heads between the ``qkv`` and ``o`` collectives:
     ``z`` (reduced qkv latents) -> ``(o partial, attention weights, crossed LaX latents)``."""
 
@@ -75,7 +76,7 @@ class ParallelAttention:
         return self.o.down(out), weights, crossed
 
 
-class ParallelMLP:
+class ParallelMLP(SharedStorageOwner):
     """Gated MLP between the ``gate_up`` and ``down`` collectives:
     ``z`` (reduced gate/up latents) -> ``(down partial, crossed LaX latents)``."""
 

@@ -1,11 +1,11 @@
-"""The BTP hot path as two autograd Functions with hand-written backward: few kernels, no needless copies.
+"""The tensor-parallel hot path as autograd Functions with hand-written backward: few kernels, no needless copies.
 
 Under BTP a projection group reading a normalised residual runs (BOOST.md section 3, online RMSNorm)::
 
-    x: [..., d/p] (this rank's residual shard)    gamma: [d/p]    A_i: [r_i, d/p]
-    down:    buffer = [ x @ (A_1 * gamma)^T | ... | x @ (A_k * gamma)^T | sum(x^2) | pad ]   [..., k r + W]
-    reduce:  all-reduce(buffer) over the TP group (one collective, in place)                  (the layout's)
-    scale:   latents = buffer[..., :k r] * rsqrt(S / d + eps),  S = buffer[..., k r]         [..., k r]
+    x: [..., d/p] (this rank's residual shard)    gamma: [d/p]    A = [A_1; ...; A_k]: [k r, d/p]
+    down:    buffer = [ x @ (A * gamma)^T | sum(x^2) | pad ]                              [..., k r + W]
+    reduce:  all-reduce(buffer) over the TP group (one collective, in place)             (the layout's)
+    scale:   latents = buffer[..., :k r] * rsqrt(S / d + eps),  S = buffer[..., k r]    [..., k r]
 
 which equals ``A_i (gamma * x / rms(x))`` exactly: the per-shard ``1/rms`` factors cancel through the
 row-parallel GEMM, so each rank needs only its own sum of squares, which rides in the A all-reduce as one
@@ -13,12 +13,20 @@ more column. ``gamma`` is folded into the (weight-sized) GEMM operand, never mul
 The statistics take :data:`STATISTICS_WIDTH` columns (one used, the rest keep every row of the GEMM output
 16-byte aligned for the GPU's GEMM kernels); the unused columns are never read.
 
+The weights a group reads together are row blocks of one buffer (:mod:`boost_hf.parallel.shared_storage`):
+``A = [A_1; ...; A_k]`` is a view, so forming the GEMM operand is one op (the cast to the compute dtype, with
+``gamma`` folded in) or none at all (fp32 without ``gamma``), and the weight gradient is one buffer split into
+each parameter's gradient. :func:`stacked_weight` is that operand for any grouped GEMM (Megatron's q/k/v,
+vanilla's A's); :func:`weight_views` gives the B's of a group one cast together, their gradients written by
+:func:`latent_linear` into rows of one buffer and cast back in one op. Where the parameters are not stored
+together (see that module) the same functions concatenate instead: same values, one copy more.
+
 :func:`down_projection` and :func:`scale_latents` are the eager kernels (GEMMs written straight into the
 communication buffer, one pass over ``x`` for its cast and one for its statistics, the latent scale
 computed in fp32 and stored in the compute dtype, backward writing each gradient once). Under
-``torch.compile`` they fall back to the same arithmetic written as plain ops, which inductor fuses.
-Arithmetic runs in the autocast dtype when autocast is on (statistics and ``1/rms`` in fp32), else in the
-input's dtype. No communication here.
+``torch.compile`` every function here falls back to the same arithmetic written as plain ops, which inductor
+fuses. Arithmetic runs in the autocast dtype when autocast is on (statistics and ``1/rms`` in fp32), else in
+the input's dtype. No communication here.
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ from __future__ import annotations
 import torch
 
 from .modules import compute_dtype
+from .shared_storage import joined_rows
 
 #: columns holding one row's statistics in the down buffer (1 used; 8 keeps rows 16-byte aligned)
 STATISTICS_WIDTH = 8
@@ -36,18 +45,32 @@ def _statistics_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.promote_types(x.dtype, torch.float32)
 
 
-def _gemm_weight(factors, gamma, dtype) -> torch.Tensor:
-    """``cat(factors) * gamma`` as one ``[sum r_i, d_in]`` tensor of ``dtype``, each element rounded once."""
-    if gamma is None and len(factors) == 1 and factors[0].dtype == dtype:
-        return factors[0]
-    weight = factors[0].new_empty((sum(a.shape[0] for a in factors), factors[0].shape[1]), dtype=dtype)
+def _stack(weights, dtype: torch.dtype, gamma: torch.Tensor | None = None) -> torch.Tensor:
+    """``[W_1; ...; W_k] * gamma`` (``[sum rows_i, cols]``) in ``dtype``, each element rounded once: a view of
+    the parameters' shared storage when nothing is to be computed, else one op (two or more where the weights
+    are not stored together). No autograd."""
+    joined = joined_rows(weights)
+    if joined is not None:
+        if gamma is None:
+            return joined if joined.dtype == dtype else joined.to(dtype)
+        return torch.mul(joined, gamma, out=joined.new_empty(joined.shape, dtype=dtype))
+    out = weights[0].new_empty((sum(w.shape[0] for w in weights), *weights[0].shape[1:]), dtype=dtype)
     if gamma is None:
-        return torch.cat(factors, out=weight)
-    row = 0
-    for a in factors:
-        torch.mul(a, gamma, out=weight[row:row + a.shape[0]])
-        row += a.shape[0]
-    return weight
+        return torch.cat(weights, out=out)
+    for w, rows in zip(weights, out.split([w.shape[0] for w in weights])):
+        torch.mul(w, gamma, out=rows)
+    return out
+
+
+def _row_products(grad: torch.Tensor, weights) -> torch.Tensor:
+    """``grad * [W_1; ...; W_k]`` (``grad: [sum rows_i, cols]``), one op where the weights are stored together."""
+    joined = joined_rows(weights)
+    if joined is not None:
+        return torch.mul(grad, joined)
+    products = torch.empty_like(grad, dtype=torch.promote_types(grad.dtype, weights[0].dtype))
+    for w, rows, out in zip(weights, grad.split([w.shape[0] for w in weights]), products.split([w.shape[0] for w in weights])):
+        torch.mul(rows, w, out=out)
+    return products
 
 
 class _DownProjection(torch.autograd.Function):
@@ -59,7 +82,7 @@ class _DownProjection(torch.autograd.Function):
         with torch.autocast(x.device.type, enabled=False):
             x2 = x.reshape(-1, d_in)
             xc = x2 if x2.dtype == dtype else x2.to(dtype)
-            weight = _gemm_weight(factors, gamma, dtype)
+            weight = _stack(factors, dtype, gamma)
             widths = [sum(a.shape[0] for a in factors)] if grouped else [a.shape[0] for a in factors]
             buffers, row = [], 0
             for i, width in enumerate(widths):
@@ -109,11 +132,7 @@ class _DownProjection(torch.autograd.Function):
                     grad_factors = torch.mul(grad_weight, gamma)
                     if ctx.needs_input_grad[1]:
                         # dL/dgamma_c = sum_j dL/dW_jc * A_jc over every factor's rows
-                        products, row = torch.empty_like(grad_factors), 0
-                        for a in factors:
-                            torch.mul(grad_weight[row:row + a.shape[0]], a, out=products[row:row + a.shape[0]])
-                            row += a.shape[0]
-                        grad_gamma = products.sum(0)
+                        grad_gamma = _row_products(grad_weight, factors).sum(0)
                 grad_factors = grad_factors.split([a.shape[0] for a in factors])
         return (grad_x, grad_gamma, None, None, *(grad_factors or [None] * len(factors)))
 
@@ -194,17 +213,19 @@ def scale_latents(buffers, hidden_size: int, eps: float) -> tuple[torch.Tensor, 
 
 
 class _GradientSlots:
-    """One buffer shaped like a grouped latent ``[..., sum w_i]``, allocated in backward, into whose column
-    ranges the B GEMMs reading the latent's slices write their input gradients (so no ``cat`` gathers them)."""
+    """One gradient buffer, allocated in backward, into whose blocks along ``dim`` the GEMMs reading the
+    blocks of one tensor write their gradients, so that no ``cat`` gathers them: the column ranges of a
+    grouped latent ``[..., sum w_i]`` (the B GEMMs' input gradients) or the row blocks of a group's stacked
+    weights ``[sum rows_i, r]`` (the B GEMMs' weight gradients)."""
 
-    def __init__(self, latent: torch.Tensor, widths: list[int]):
-        self.latent, self.widths, self.buffer = latent, widths, None
+    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, sizes: list[int], dim: int):
+        self.shape, self.dtype, self.device = tuple(shape), dtype, device
+        self.sizes, self.dim, self.buffer = sizes, dim % len(shape), None
 
     def slot(self, i: int) -> torch.Tensor:
         if self.buffer is None:
-            self.buffer = torch.empty_like(self.latent, memory_format=torch.contiguous_format)
-        start = sum(self.widths[:i])
-        return self.buffer[..., start:start + self.widths[i]]
+            self.buffer = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+        return self.buffer.narrow(self.dim, sum(self.sizes[:i]), self.sizes[i])
 
     def holds(self, grads) -> bool:
         """Whether ``grads`` are exactly this buffer's slots (nothing replaced or added them on the way)."""
@@ -213,6 +234,20 @@ class _GradientSlots:
             and g.stride() == s.stride() and g.shape == s.shape
             for g, s in ((g, self.slot(i)) for i, g in enumerate(grads))
         )
+
+    def gathered(self, grads) -> torch.Tensor:
+        """The whole gradient: the buffer the consumers filled, or the ``cat`` of whatever reached here."""
+        if self.holds(grads):
+            return self.buffer
+        parts = [torch.zeros(s.shape, dtype=self.dtype, device=self.device) if g is None else g
+                 for g, s in ((g, self.slot(i)) for i, g in enumerate(grads))]
+        return torch.cat(parts, dim=self.dim)
+
+
+def _tag_slots(parts, slots: _GradientSlots):
+    for i, part in enumerate(parts):
+        part._gradient_slot = (slots, i)
+    return parts
 
 
 class _SplitLatent(torch.autograd.Function):
@@ -226,9 +261,7 @@ class _SplitLatent(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        if ctx.slots.holds(grads):
-            return ctx.slots.buffer, None, None
-        return torch.cat(grads, dim=-1), None, None
+        return ctx.slots.gathered(grads), None, None
 
 
 def split_latent(latent: torch.Tensor, count: int) -> tuple[torch.Tensor, ...]:
@@ -239,53 +272,106 @@ def split_latent(latent: torch.Tensor, count: int) -> tuple[torch.Tensor, ...]:
     if torch.compiler.is_compiling():
         return latent.chunk(count, dim=-1)
     widths = [latent.shape[-1] // count] * count
-    slots = _GradientSlots(latent, widths)
-    parts = _SplitLatent.apply(latent, widths, slots)
-    for i, part in enumerate(parts):
-        part._gradient_slot = (slots, i)
-    return parts
+    slots = _GradientSlots(latent.shape, latent.dtype, latent.device, widths, -1)
+    return _tag_slots(_SplitLatent.apply(latent, widths, slots), slots)
+
+
+class _StackedWeight(torch.autograd.Function):
+    """``(dtype, *weights) -> [W_1; ...; W_k]`` in ``dtype``; see :func:`stacked_weight`."""
+
+    @staticmethod
+    def forward(ctx, dtype, *weights):
+        ctx.rows, ctx.dtype = [w.shape[0] for w in weights], weights[0].dtype
+        return _stack(weights, dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return None, *grad.to(ctx.dtype).split(ctx.rows)
+
+
+def stacked_weight(weights, dtype: torch.dtype) -> torch.Tensor:
+    """The weights of a grouped GEMM, ``[rows_i, cols]`` each, as one ``[sum rows_i, cols]`` tensor in ``dtype``
+    (the compute dtype): the parameters' shared storage itself, or its cast in one op (the cast autocast would
+    make of each weight). Backward: one cast of the gradient, split into views, one per weight."""
+    if torch.compiler.is_compiling():
+        return torch.cat(list(weights)).to(dtype)
+    return _StackedWeight.apply(dtype, *weights)
+
+
+class _WeightViews(torch.autograd.Function):
+    """``(dtype, slots, *weights) -> views [rows_i, cols]`` of ``[W_1; ...; W_k]`` in ``dtype``; backward casts
+    the slot buffer the GEMMs filled (or the ``cat`` of the gradients) back once and splits it."""
+
+    @staticmethod
+    def forward(ctx, dtype, slots, *weights):
+        ctx.rows, ctx.dtype, ctx.slots = [w.shape[0] for w in weights], weights[0].dtype, slots
+        return tuple(_stack(weights, dtype).split(ctx.rows))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return None, None, *ctx.slots.gathered(grads).to(ctx.dtype).split(ctx.rows)
+
+
+def weight_views(weights, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    """The weights of a group's separate GEMMs (the B's, ``[rows_i, r]`` each) in ``dtype``, cast together in
+    one op (none in fp32 when they are stored together). Fed to :func:`latent_linear`, their gradients are
+    written into the rows of one buffer and cast back in one op."""
+    weights = tuple(weights)
+    if torch.compiler.is_compiling():
+        return tuple(w.to(dtype) for w in weights)
+    rows = [w.shape[0] for w in weights]
+    slots = _GradientSlots((sum(rows), *weights[0].shape[1:]), dtype, weights[0].device, rows, 0)
+    return _tag_slots(_WeightViews.apply(dtype, slots, *weights), slots)
 
 
 class _LatentLinear(torch.autograd.Function):
-    """``latent [..., r] @ weight.T`` in the compute dtype; backward writes the latent's gradient into its
-    gradient slot (see :func:`split_latent`) when it has one."""
+    """``latent [..., r] @ weight.T`` in the compute dtype; backward writes the latent's and the weight's
+    gradients into their gradient slots (see :func:`split_latent`, :func:`weight_views`) when they have them."""
 
     @staticmethod
-    def forward(ctx, latent, weight, slot):
+    def forward(ctx, latent, weight, latent_slot, weight_slot):
         dtype = compute_dtype(latent)
         with torch.autocast(latent.device.type, enabled=False):
             w = weight if weight.dtype == dtype else weight.to(dtype)
             x = latent if latent.dtype == dtype else latent.to(dtype)
             out = torch.nn.functional.linear(x, w)
         ctx.save_for_backward(x, w)
-        ctx.slot, ctx.weight_dtype, ctx.latent_dtype = slot, weight.dtype, latent.dtype
+        ctx.slots, ctx.weight_dtype, ctx.latent_dtype = (latent_slot, weight_slot), weight.dtype, latent.dtype
         return out
 
     @staticmethod
     def backward(ctx, grad):
         x, w = ctx.saved_tensors
+        latent_slot, weight_slot = ctx.slots
         with torch.autocast(x.device.type, enabled=False):
             grad = grad if grad.dtype == w.dtype else grad.to(w.dtype)
             g2 = grad.reshape(-1, grad.shape[-1])
             grad_latent = grad_weight = None
             if ctx.needs_input_grad[0]:
-                if ctx.slot is not None and ctx.latent_dtype == w.dtype:
-                    slots, i = ctx.slot
+                if latent_slot is not None and ctx.latent_dtype == w.dtype:
+                    slots, i = latent_slot
                     grad_latent = slots.slot(i)
                     torch.mm(g2, w, out=grad_latent.view(-1, w.shape[1]))
                 else:
                     grad_latent = torch.mm(g2, w).view(*grad.shape[:-1], w.shape[1])
             if ctx.needs_input_grad[1]:
-                grad_weight = torch.mm(g2.t(), x.reshape(-1, x.shape[-1]))
-                grad_weight = grad_weight if grad_weight.dtype == ctx.weight_dtype else grad_weight.to(ctx.weight_dtype)
-        return grad_latent, grad_weight, None
+                x2 = x.reshape(-1, x.shape[-1])
+                if weight_slot is not None and ctx.weight_dtype == w.dtype:
+                    slots, i = weight_slot
+                    grad_weight = torch.mm(g2.t(), x2, out=slots.slot(i))
+                else:
+                    grad_weight = torch.mm(g2.t(), x2)
+                    grad_weight = grad_weight if grad_weight.dtype == ctx.weight_dtype else grad_weight.to(ctx.weight_dtype)
+        return grad_latent, grad_weight, None, None
 
 
 def latent_linear(latent: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``F.linear(latent, weight)`` (a B GEMM) under autocast; see :func:`split_latent`."""
+    """``F.linear(latent, weight)`` (a B GEMM) under autocast; see :func:`split_latent` and :func:`weight_views`."""
     if torch.compiler.is_compiling():
         return torch.nn.functional.linear(latent, weight)
-    return _LatentLinear.apply(latent, weight, getattr(latent, "_gradient_slot", None))
+    return _LatentLinear.apply(latent, weight, getattr(latent, "_gradient_slot", None), getattr(weight, "_gradient_slot", None))
 
 
-__all__ = ["STATISTICS_WIDTH", "down_projection", "scale_latents", "split_latent", "latent_linear"]
+__all__ = [
+    "STATISTICS_WIDTH", "down_projection", "scale_latents", "split_latent", "stacked_weight", "weight_views", "latent_linear",
+]

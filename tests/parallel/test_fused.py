@@ -1,5 +1,6 @@
-"""The fused BTP hot path (:mod:`boost_hf.parallel.fused`): exact gradients (fp64 gradcheck), equal to the
-plain-op reference it replaces (fp32 and bf16 autocast), and gradient slots that never change a result."""
+"""The fused hot path (:mod:`boost_hf.parallel.fused`): exact gradients (fp64 gradcheck), equal to the
+plain-op reference it replaces (fp32 and bf16 autocast), gradient slots that never change a result, and
+weights read as one tensor whether they are stored together or apart."""
 
 import pytest
 import torch
@@ -12,7 +13,10 @@ from boost_hf.parallel.fused import (
     latent_linear,
     scale_latents,
     split_latent,
+    stacked_weight,
+    weight_views,
 )
+from boost_hf.parallel.shared_storage import joined_rows, share_storage
 
 HIDDEN, EPS = 16, 1e-6
 
@@ -102,3 +106,66 @@ def test_split_latent_falls_back_when_a_hook_replaces_a_gradient():
     expected = torch.cat([torch.ones(2, 3, 5) @ w for w in weights], dim=-1)
     expected[..., 4:8] *= 2
     torch.testing.assert_close(latent.grad, expected)
+
+
+# ------------------------------------------------------------------------- weights stored together
+def _stored(count=3, rows=(5, 3, 3), cols=4, dtype=torch.float64, together=True):
+    torch.manual_seed(1)
+    params = [torch.nn.Parameter(torch.randn(r, cols, dtype=dtype)) for r in rows[:count]]
+    if together:
+        share_storage(params)
+    return params
+
+
+@pytest.mark.parametrize("together", [True, False])
+def test_weight_views_gradients_are_exact(together):
+    """B GEMMs of a group on one cast of their weights, gradients written into one buffer: exact either way."""
+    torch.manual_seed(0)
+    latent = torch.randn(2, 3, 12, dtype=torch.float64, requires_grad=True)
+    weights = _stored(rows=(5, 3, 3), together=together)
+
+    def outputs(latent, *weights):
+        parts = split_latent(latent * 1.0, 3)
+        return tuple(latent_linear(part, w) for part, w in zip(parts, weight_views(weights, torch.float64)))
+
+    assert torch.autograd.gradcheck(outputs, (latent, *weights))
+
+
+def test_weight_views_gradients_land_in_one_buffer():
+    latent = torch.randn(2, 3, 12, requires_grad=True)
+    weights = _stored(rows=(5, 3, 3), dtype=torch.float32)
+    views = weight_views(weights, torch.float32)
+    assert all(v.data_ptr() == w.data_ptr() for v, w in zip(views, weights))  # fp32, stored together: no copy
+    sum(latent_linear(part, w).sum() for part, w in zip(split_latent(latent * 1.0, 3), views)).backward()
+    assert joined_rows([w.grad for w in weights]) is not None
+
+
+def test_weight_views_fall_back_when_a_hook_replaces_a_gradient():
+    latent = torch.randn(2, 3, 12)
+    weights = _stored(rows=(5, 3, 3), dtype=torch.float32)
+    views = weight_views(weights, torch.float32)
+    views[2].register_hook(lambda g: 3 * g)
+    sum(latent_linear(part, w).sum() for part, w in zip(latent.chunk(3, dim=-1), views)).backward()
+    for i, (w, part) in enumerate(zip(weights, latent.chunk(3, dim=-1))):
+        expected = torch.ones(*part.shape[:-1], w.shape[0]).reshape(-1, w.shape[0]).t() @ part.reshape(-1, 4)
+        torch.testing.assert_close(w.grad, expected * (3 if i == 2 else 1))
+
+
+@pytest.mark.parametrize("together", [True, False])
+def test_stacked_weight_is_the_parameters_themselves_or_their_concatenation(together):
+    weights = _stored(rows=(5, 3, 3), dtype=torch.float32, together=together)
+    stacked = stacked_weight(weights, torch.float32)
+    assert torch.equal(stacked, torch.cat(weights))
+    assert (stacked.data_ptr() == weights[0].data_ptr()) == together  # fp32 and stored together: no copy
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert stacked_weight(weights, torch.bfloat16).dtype == torch.bfloat16
+    weights64 = _stored(rows=(5, 3, 3), together=together)
+    x = torch.randn(4, 11, dtype=torch.float64)
+    assert torch.autograd.gradcheck(lambda *w: stacked_weight(w, torch.float64) @ x, tuple(weights64))
+
+
+@pytest.mark.parametrize("together", [True, False])
+def test_online_norm_projection_exact_with_factors_stored_apart_or_together(together):
+    x, gamma, _ = _inputs(torch.float64)
+    factors = _stored(rows=(4, 4, 4), cols=12, together=together)
+    assert torch.autograd.gradcheck(lambda *t: _normed(*t, grouped=True), (x, gamma, *factors))

@@ -26,7 +26,8 @@ from torch import nn
 
 from ..communication import NO_COMMUNICATION, Communication, PassCommunication
 from ..decoder_layer import Latents, ParallelAttention, ParallelDecoderLayer, ParallelMLP, Tensors
-from ..modules import adopt
+from ..fused import weight_views
+from ..modules import adopt, compute_dtype
 
 GROUPS: dict[str, tuple[str, ...]] = {
     "qkv": ("q_proj", "k_proj", "v_proj"),
@@ -76,6 +77,23 @@ class ProjectionGroup:
     def projections(self) -> list[nn.Module]:
         return [getattr(self.owner, name) for name in self.names]
 
+    def runs_together(self, projections: list[nn.Module], cls: type) -> bool:
+        """Whether the group may run ``projections`` as one GEMM, or hand them one cast of their weights:
+        grouped, and every projection still this layout's ``cls`` with nothing acting before its forward
+        (a forward pre-hook may change its input or gather its weight, e.g. DeepSpeed ZeRO-3)."""
+        return self.grouped and len(projections) > 1 and all(
+            isinstance(projection, cls) and not projection._forward_pre_hooks for projection in projections
+        )
+
+    def call_projections(self, projections: list[nn.Module], latents, cls: type) -> list[torch.Tensor]:
+        """Each low-rank projection called as a module on its latent (B and any trailing collective); when the
+        group runs together (:meth:`runs_together`), with its ``B`` from one cast of the group's B's
+        (:func:`~boost_hf.parallel.fused.weight_views`) passed as ``weight``."""
+        if self.runs_together(projections, cls):
+            weights = weight_views([projection.B for projection in projections], compute_dtype(latents[0]))
+            return [projection(latent, weight=w) for projection, latent, w in zip(projections, latents, weights)]
+        return [projection(latent) for projection, latent in zip(projections, latents)]
+
     def down(self, x) -> Tensors:
         raise NotImplementedError
 
@@ -96,6 +114,9 @@ class Layout:
     heads_split: ClassVar[bool] = True
     #: the config dimensions the layout splits over ranks
     split_dimensions: ClassVar[tuple[str, ...]] = ()
+    #: parameters of a grouped projection group's projections stored as one tensor (row blocks of one
+    #: buffer, :mod:`boost_hf.parallel.shared_storage`), which the group's GEMM reads without a copy
+    stored_together: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, parallel):
         self.parallel = parallel
@@ -134,11 +155,16 @@ class Layout:
         every projection through :meth:`parallelize_projection`, every group's communication from
         :meth:`projection_group`; the attention, MLP and layer then run as the parallel modules."""
         for owner, mixin, group_names in ((layer.self_attn, ParallelAttention, ("qkv", "o")), (layer.mlp, ParallelMLP, ("gate_up", "down"))):
+            stored_together = []
             for group_name in group_names:
                 for name in GROUPS[group_name]:
                     self.parallelize_projection(getattr(owner, name), group_name, plan)
-                setattr(owner, group_name, self.projection_group(layer, owner, group_name, plan))
-            adopt(owner, mixin)
+                group = self.projection_group(layer, owner, group_name, plan)
+                setattr(owner, group_name, group)
+                if group.grouped and len(group.names) > 1:
+                    stored_together += [(group.names, name) for name in self.stored_together]
+            adopt(owner, mixin, shared_storage=tuple(stored_together))
+            owner.share_storage()
         adopt(layer, ParallelDecoderLayer, checkpointing=self.parallel.activation_checkpointing)
 
     def parallelize_projection(self, projection: nn.Module, group_name: str, plan) -> None:
@@ -181,27 +207,6 @@ class Layout:
         raise NotImplementedError
 
 
-class _ConcatenatedWeight(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, dtype, *weights):
-        ctx.rows, ctx.dtype = [w.shape[0] for w in weights], weights[0].dtype
-        out = torch.empty((sum(ctx.rows), *weights[0].shape[1:]), dtype=dtype, device=weights[0].device)
-        return torch.cat(weights, out=out)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return None, *grad.to(ctx.dtype).split(ctx.rows)
-
-
-def concatenated_weight(weights: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
-    """The weights of a grouped GEMM, ``[out_i, in]`` each, as one ``[sum out_i, in]`` tensor in ``dtype`` (the
-    compute dtype), written in one op: the cast autocast would make of each weight, no fp32 copy. Backward:
-    one cast of the gradient, split into views, one per weight."""
-    if torch.compiler.is_compiling():
-        return torch.cat(weights).to(dtype)
-    return _ConcatenatedWeight.apply(dtype, *weights)
-
-
 def split_latents(z: torch.Tensor, count: int) -> tuple[torch.Tensor, ...]:
     """``count`` equal slices of the last dim (views, no copy)."""
     return z.chunk(count, dim=-1) if count > 1 else (z,)
@@ -233,4 +238,4 @@ def low_rank_a_gemms(config, n: int, r_local: int, local: dict[str, int], groupe
     return [Gemm(f"{name}.A", n, local[width], r_local, "A") for name, width in inputs.items()]
 
 
-__all__ = ["Layout", "ProjectionGroup", "Gemm", "ResidualWidths", "GROUPS", "READS_NORM", "concatenated_weight", "split_latents", "apply_latent_functions", "low_rank_a_gemms"]
+__all__ = ["Layout", "ProjectionGroup", "Gemm", "ResidualWidths", "GROUPS", "READS_NORM", "split_latents", "apply_latent_functions", "low_rank_a_gemms"]

@@ -26,10 +26,11 @@ from .base import GROUPS, READS_NORM, Gemm, Layout, ProjectionGroup, ResidualWid
 
 class BottleneckAwareProjection:
     """Bottleneck projection with ``A: [r, d_in/p]`` (applied by its group) and ``B: [d_out/p, r]``.
-    Module call: the replicated latent ``[B, S, r]`` -> this rank's output ``[B, S, d_out/p]``."""
+    Module call: the replicated latent ``[B, S, r]`` -> this rank's output ``[B, S, d_out/p]``; ``weight``:
+    ``B`` as its group already cast it (see :meth:`ProjectionGroup.call_projections`)."""
 
-    def forward(self, latent: torch.Tensor) -> torch.Tensor:
-        return latent_linear(latent, self.B)
+    def forward(self, latent: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
+        return latent_linear(latent, self.B if weight is None else weight)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, A {shard_repr(self.A)}, B {shard_repr(self.B)}"
@@ -45,7 +46,7 @@ class HiddenShardedEmbedding:
 
 class BottleneckAwareGroup(ProjectionGroup):
     """``down``: this rank's partial A output ``[..., k r]`` from its ``[..., d_in/p]`` input (one GEMM on
-    the A's written into one buffer when grouped); with the online norm ``gamma`` is folded into the A's
+    the A's, stored as one tensor, written into one buffer when grouped); with the online norm ``gamma`` is folded into the A's
     and the buffer gains the norm statistics (:mod:`boost_hf.parallel.fused`); ``reduce``: all-reduce it
     in place; ``project``: scale by the global ``1/rms`` (online), latent functions, copy into the TP
     region (one collective in backward when grouped) and each B."""
@@ -75,20 +76,21 @@ class BottleneckAwareGroup(ProjectionGroup):
         if len(z) == 1 and not crosses:
             # every projection has the same element-wise latent function: apply it once, copy once
             fed = split_latent(copy_to_tp(projections[0].latent(z[0]), self.group), k)
-            return [projection(latent) for projection, latent in zip(projections, fed)], {}
+            return self.call_projections(projections, fed, BottleneckAwareProjection), {}
         zs = split_latents(z[0], k) if len(z) == 1 else z
         latents, crossed = apply_latent_functions(projections, self.names, zs, previous)
         if self.grouped and k > 1:
             fed = split_latent(copy_to_tp(torch.cat(latents, dim=-1), self.group), k)
         else:
             fed = [copy_to_tp(latent, self.group) for latent in latents]
-        return [projection(latent) for projection, latent in zip(projections, fed)], crossed
+        return self.call_projections(projections, fed, BottleneckAwareProjection), crossed
 
 
 class BottleneckAwareLayout(Layout):
     name = "btp"
     residual_sharded = True
     split_dimensions = ("hidden_size", "intermediate_size")
+    stored_together = ("A", "B")
 
     def check(self, config) -> None:
         p = self.parallel.tp_size

@@ -8,10 +8,11 @@ Per layer: forward all-reduce after o_proj and down_proj (2 calls, ``N (d + d)``
 of the input gradient shared by q/k/v and by gate/up (2 calls, ``2 N d``; the input is cast to the compute
 dtype and copied into the tensor-parallel region once per group, so the gradient is all-reduced in the
 compute dtype, as in Megatron-LM). With ``group_linears`` (the default), as in Megatron-LM, q/k/v and
-gate/up each run as one GEMM on their weights concatenated in the compute dtype
-(:func:`~boost_hf.parallel.layouts.base.concatenated_weight`); each projection is still called as a module
-on its columns of the output, so its hooks fire. A projection replaced by another module, or with
-forward pre-hooks (which may change its input or gather its weight), runs its own GEMM instead.
+gate/up each run as one GEMM on their weights, which are stored as row blocks of one tensor
+(:mod:`~boost_hf.parallel.shared_storage`) and cast to the compute dtype in one op
+(:func:`~boost_hf.parallel.fused.stacked_weight`); each projection is still called as a module on its
+columns of the output, so its hooks fire. A projection replaced by another module, or with forward
+pre-hooks (which may change its input or gather its weight), runs its own GEMM instead.
 """
 
 from __future__ import annotations
@@ -20,9 +21,10 @@ import torch
 import torch.nn.functional as F
 
 from ..communication import PassCommunication, all_reduce
+from ..fused import stacked_weight
 from ..modules import adopt, compute_dtype, shard_parameter, shard_repr
 from ..primitives import copy_to_tp, reduce_from_tp
-from .base import GROUPS, Gemm, Layout, ProjectionGroup, ResidualWidths, concatenated_weight
+from .base import GROUPS, Gemm, Layout, ProjectionGroup, ResidualWidths
 
 COLUMN_GROUPS = ("qkv", "gate_up")
 
@@ -65,21 +67,17 @@ class DenseGroup(ProjectionGroup):
     def project(self, z, previous=None):
         (h,) = z
         projections = self.projections
-        if not self.grouped or len(projections) == 1 or not all(_fusable(projection) for projection in projections):
+        if not self.runs_together(projections, ColumnParallel):
             return [projection(h) for projection in projections], {}
-        weight = concatenated_weight([projection.weight for projection in projections], compute_dtype(h))
+        weight = stacked_weight([projection.weight for projection in projections], compute_dtype(h))
         fused = F.linear(h, weight).split([projection.weight.shape[0] for projection in projections], dim=-1)
         return [projection(h, fused=out) for projection, out in zip(projections, fused)], {}
-
-
-def _fusable(projection) -> bool:
-    """``projection`` is still this layout's column-parallel module and nothing acts before its forward."""
-    return isinstance(projection, ColumnParallel) and not projection._forward_pre_hooks
 
 
 class MegatronLayout(Layout):
     name = "megatron"
     split_dimensions = ("hidden_size", "intermediate_size")
+    stored_together = ("weight",)
 
     def check(self, config) -> None:
         if config.bottleneck is not None:

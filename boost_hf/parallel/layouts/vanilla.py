@@ -18,21 +18,21 @@ import torch
 import torch.nn.functional as F
 
 from ..communication import Communication, PassCommunication, all_gather, all_reduce
+from ..fused import latent_linear, split_latent, stacked_weight
 from ..modules import adopt, compute_dtype, shard_parameter, shard_repr
 from ..primitives import copy_to_tp, gather_from_tp, reduce_from_tp, split_to_tp
-from .base import (
-    GROUPS, Gemm, Layout, ProjectionGroup, ResidualWidths, apply_latent_functions, concatenated_weight, low_rank_a_gemms, split_latents,
-)
+from .base import GROUPS, Gemm, Layout, ProjectionGroup, ResidualWidths, apply_latent_functions, low_rank_a_gemms, split_latents
 
 
 class VanillaProjection:
     """Bottleneck projection with ``A: [r/p, d_in]``, ``B: [d_out, r/p]``. Module call: this rank's
-    latent ``[B, S, r/p]`` -> ``B`` -> all-reduce -> ``[B, S, d_out]``."""
+    latent ``[B, S, r/p]`` -> ``B`` -> all-reduce -> ``[B, S, d_out]``; ``weight``: ``B`` as its group
+    already cast it (see :meth:`ProjectionGroup.call_projections`)."""
 
     group = None
 
-    def forward(self, latent: torch.Tensor) -> torch.Tensor:
-        return reduce_from_tp(F.linear(latent, self.B), self.group)
+    def forward(self, latent: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
+        return reduce_from_tp(latent_linear(latent, self.B if weight is None else weight), self.group)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, A {shard_repr(self.A)}, B {shard_repr(self.B)}"
@@ -40,7 +40,7 @@ class VanillaProjection:
 
 class ReplicatedLowRankGroup(ProjectionGroup):
     """``down``: cast the replicated input to the compute dtype, copy it into the TP region and apply the
-    A's (grouped: once, and one GEMM on the A's concatenated in the compute dtype; ungrouped: once per
+    A's (grouped: once, and one GEMM on the A's, stored as one tensor and cast in one op; ungrouped: once per
     projection); ``reduce``: LaX only, all-gather the latents to full r;
     ``project``: latent functions (once on a grouped latent without LaX), then each projection (B and its
     all-reduce)."""
@@ -53,7 +53,7 @@ class ReplicatedLowRankGroup(ProjectionGroup):
         factors = [p.A for p in self.projections]
         x = x.to(compute_dtype(x))  # once per group, before the copy: input gradients are all-reduced in it
         if self.grouped and len(factors) > 1:
-            return (F.linear(copy_to_tp(x, self.group), concatenated_weight(factors, x.dtype)),)
+            return (F.linear(copy_to_tp(x, self.group), stacked_weight(factors, x.dtype)),)
         return tuple(F.linear(copy_to_tp(x, self.group), a) for a in factors)  # one input-gradient all-reduce each
 
     def reduce(self, partials):
@@ -71,8 +71,8 @@ class ReplicatedLowRankGroup(ProjectionGroup):
         projections = self.projections
         if len(z) == 1 and not any(hasattr(p, "crossed_latent") for p in projections):
             # one grouped latent and one element-wise latent function for every projection: apply it once
-            latents = split_latents(projections[0].latent(z[0]), len(projections))
-            return [projection(latent) for projection, latent in zip(projections, latents)], {}
+            latents = split_latent(projections[0].latent(z[0]), len(projections))
+            return self.call_projections(projections, latents, VanillaProjection), {}
         zs = split_latents(z[0], len(projections)) if len(z) == 1 else z
         latents, crossed = apply_latent_functions(projections, self.names, zs, previous)
         if self.gather_latent:
@@ -87,6 +87,7 @@ class VanillaLayout(Layout):
     name = "vanilla"
     heads_split = False
     split_dimensions = ("rank",)
+    stored_together = ("A", "B")
 
     def check(self, config) -> None:
         if config.bottleneck is None and self.parallel.tp_size > 1:
