@@ -13,6 +13,9 @@ RMSNorm needs ``sum_j x_j^2`` over all ``d`` features; under BTP each rank holds
 * :class:`LocalRMSNorm` — APPROXIMATE: normalises each shard by its own statistics only (a group norm
   with ``p`` groups; the model changes with ``tp_size``). Offered for comparison, never the default.
 * :class:`GatheredRMSNorm` — the final norm under BTP: all-gather the residual to full ``d``, then norm.
+* :class:`FusedRMSNorm` — the norms of a whole (replicated) residual stream (Megatron, vanilla, the final norm):
+  the same function as the single-device norm in one kernel forward and two backward
+  (:mod:`boost_hf.parallel.rmsnorm_op`) when the residual and ``gamma`` are fp32 (autocast training).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import torch
 
 from .modules import shard_repr
 from .primitives import all_reduce_sum, gather_from_tp
+from .rmsnorm_op import rms_norm
 
 
 class OnlineNormInput(NamedTuple):
@@ -64,7 +68,17 @@ class LocalRMSNorm(ShardedRMSNorm):
     """APPROXIMATE: the ordinary RMSNorm of the ``[..., d/p]`` shard by its own statistics."""
 
 
-class GatheredRMSNorm:
+class FusedRMSNorm:
+    """``BoostLlamaRMSNorm`` of a full-width ``x: [..., d]`` run by the fused RMSNorm ops when ``x`` and
+    ``weight`` are fp32 (there the arithmetic is the same); otherwise the module's own forward. No communication."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == self.weight.dtype == torch.float32:
+            return rms_norm(x, self.weight, self.variance_epsilon)
+        return super().forward(x)
+
+
+class GatheredRMSNorm(FusedRMSNorm):
     """``x: [..., d/p]`` -> all-gather -> RMSNorm over the full ``[..., d]`` (replicated ``weight``)."""
 
     group = None
@@ -75,4 +89,4 @@ class GatheredRMSNorm:
 
 RMSNORM_MODES = {"online": OnlineRMSNorm, "sync": SyncRMSNorm, "local": LocalRMSNorm}
 
-__all__ = ["OnlineNormInput", "OnlineRMSNorm", "SyncRMSNorm", "LocalRMSNorm", "GatheredRMSNorm", "RMSNORM_MODES"]
+__all__ = ["OnlineNormInput", "FusedRMSNorm", "OnlineRMSNorm", "SyncRMSNorm", "LocalRMSNorm", "GatheredRMSNorm", "RMSNORM_MODES"]

@@ -24,7 +24,7 @@ from .config import ParallelConfig
 from .cross_entropy import vocab_parallel_causal_lm_loss
 from .layouts import LAYOUTS, Layout
 from .modules import VocabParallelEmbedding, VocabParallelHead, adopt, parallel_class, shard_parameter
-from .norms import GatheredRMSNorm
+from .norms import FusedRMSNorm, GatheredRMSNorm
 from .primitives import split_to_tp
 from .rotary import ComputeDtypeRotaryEmbedding
 from .sharding import shard_spec_of
@@ -97,8 +97,7 @@ def parallelize(model: nn.Module, parallel: ParallelConfig, *, initialize: bool 
         for layer in base.layers:
             layout.parallelize_layer(layer, plan)
         adopt(base.rotary_emb, ComputeDtypeRotaryEmbedding)  # the tables the parallel attention rotates with
-    if plan.residual_sharded:
-        adopt(base.norm, GatheredRMSNorm, group=plan.group)
+        adopt(base.norm, GatheredRMSNorm if plan.residual_sharded else FusedRMSNorm, group=plan.group)
     tied = config.tie_word_embeddings
     if tied:
         model.lm_head.weight = base.embed_tokens.weight

@@ -28,6 +28,7 @@ from ..communication import NO_COMMUNICATION, Communication, PassCommunication
 from ..decoder_layer import Latents, ParallelAttention, ParallelDecoderLayer, ParallelMLP, Tensors
 from ..fused import weight_views
 from ..modules import adopt, compute_dtype
+from ..norms import FusedRMSNorm
 
 GROUPS: dict[str, tuple[str, ...]] = {
     "qkv": ("q_proj", "k_proj", "v_proj"),
@@ -153,7 +154,11 @@ class Layout:
     def parallelize_layer(self, layer: nn.Module, plan) -> None:
         """Turn one single-device decoder layer into this rank's shard, in place (parameter names kept):
         every projection through :meth:`parallelize_projection`, every group's communication from
-        :meth:`projection_group`; the attention, MLP and layer then run as the parallel modules."""
+        :meth:`projection_group`; the attention, MLP and layer then run as the parallel modules. The block
+        norms of a whole (unsharded) residual run fused (:class:`~boost_hf.parallel.norms.FusedRMSNorm`)."""
+        if not plan.residual_sharded:
+            for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+                adopt(norm, FusedRMSNorm)
         for owner, mixin, group_names in ((layer.self_attn, ParallelAttention, ("qkv", "o")), (layer.mlp, ParallelMLP, ("gate_up", "down"))):
             stored_together = []
             for group_name in group_names:
