@@ -233,8 +233,8 @@ def ratio(a: float, b: float) -> str:
 
 
 def training_step(model, optimizer, input_ids) -> None:
-    """Forward with labels, backward, AdamW step, gradients dropped."""
-    model(input_ids, labels=input_ids).loss.backward()
+    """Forward with labels (no KV cache, as the Trainer trains), backward, AdamW step, gradients dropped."""
+    model(input_ids, labels=input_ids, use_cache=False).loss.backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
 

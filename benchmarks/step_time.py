@@ -74,7 +74,7 @@ def profile_step(model, optimizer, input_ids) -> dict:
 
     with CollectiveTimer() as collectives, profile(activities=[ProfilerActivity.CPU]) as prof:
         t = time.perf_counter()
-        loss = model(input_ids, labels=input_ids).loss
+        loss = model(input_ids, labels=input_ids, use_cache=False).loss
         loss.backward()
         with record_function("optimizer step"):
             optimizer.step()

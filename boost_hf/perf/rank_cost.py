@@ -6,14 +6,18 @@ exactly its own compute. A layer's cost is the difference between two models of 
 with ``L1`` and ``L2`` decoder layers, divided by ``L2 - L1``: embedding, LM head and loss cancel
 (``L1 >= 1`` also cancels the first block, which differs under LaX).
 
+A training step is what ``transformers.Trainer`` runs: forward with labels and no KV cache
+(``TrainingArguments.use_cache`` is ``False``), backward, optimizer.
+
 * :func:`count_rank_layer` counts forward + backward under ``FakeTensorMode`` with bf16 autocast: GEMM
   and attention FLOPs, non-GEMM bytes and ops per aten op (:class:`~boost_hf.perf.op_counter.OpCounter`),
   and collectives (:class:`~boost_hf.parallel.comm_counter.CommCounter`). Fake tensors have no storage,
   so real 7B shapes run on a laptop. The model is built on the ``meta`` device (outside fake mode: setting
   up the process-group mesh reads real values) and its parameters and buffers are then replaced by fake
-  tensors of the same shapes, keeping the Python attributes (sharding metadata) of each parameter.
+  tensors of the same shapes, keeping the Python attributes (sharding metadata) of each parameter and which
+  parameters share one storage (:mod:`boost_hf.parallel.shared_storage`).
 * :func:`measure_rank_layer` / :func:`measure_rank_layers` time real training steps (forward, backward,
-  AdamW) on the local device, eager or ``torch.compile``-d, variants interleaved, medians.
+  AdamW) on the local device, eager or with ``torch.compile``-d decoder layers, variants interleaved, medians.
 
 Both need a fake process group whose world size every ``tp_size`` divides: :func:`fake_process_group`
 opens one (:func:`count_rank_layer` opens one of ``tp_size`` ranks if none is open).
@@ -24,14 +28,17 @@ from __future__ import annotations
 import statistics
 import time
 from contextlib import contextmanager
+from unittest import mock
 from typing import Mapping
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from ..parallel.comm_counter import CommCounter
 from ..parallel.state import reset_parallel_states
+from ..training.compile import compile_decoder_layers
 from .op_counter import OpCounter
 
 DEFAULT_LAYERS = (1, 3)
@@ -97,6 +104,7 @@ def build_fake_model(config, parallel, fake_mode) -> nn.Module:
     with torch.device("meta"):
         model = _build(config, parallel)
     fakes: dict[int, torch.Tensor] = {}  # tied tensors stay tied
+    storages: dict[StorageWeakRef, torch.Tensor] = {}  # parameters stored together stay together
     with fake_mode:
         for module in model.modules():
             for table in (module._parameters, module._buffers):
@@ -104,7 +112,11 @@ def build_fake_model(config, parallel, fake_mode) -> nn.Module:
                     if tensor is None:
                         continue
                     if id(tensor) not in fakes:
-                        fake = torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device="cpu")
+                        key = StorageWeakRef(tensor.untyped_storage())
+                        if key not in storages:
+                            elements = tensor.untyped_storage().nbytes() // tensor.element_size()
+                            storages[key] = torch.empty(elements, dtype=tensor.dtype, device="cpu")
+                        fake = storages[key].as_strided(tensor.shape, tensor.stride(), tensor.storage_offset())
                         if isinstance(tensor, nn.Parameter):
                             fake = nn.Parameter(fake, requires_grad=tensor.requires_grad)
                         fake.__dict__.update(tensor.__dict__)
@@ -114,6 +126,18 @@ def build_fake_model(config, parallel, fake_mode) -> nn.Module:
 
 
 # ---------------------------------------------------------------------------------------------- counting
+@contextmanager
+def _rows_are_unpacked():
+    """Without an attention mask or a cache, ``transformers`` looks for packed sequences in ``position_ids``
+    (a data-dependent test); on fake tensors it cannot look, assumes packing and builds an explicit
+    ``[B, 1, S, S]`` mask, so SDPA would run its masked kernel. The counted batch holds one sequence per row:
+    answer as real tensors do (no packing: the causal kernel, no mask)."""
+    from transformers import masking_utils
+
+    with mock.patch.object(masking_utils, "find_packed_sequence_indices", lambda position_ids: None):
+        yield
+
+
 def _count_model(config, parallel, micro_batch: int, seq: int, autocast_dtype) -> dict[str, dict[str, int]]:
     """Flat counts ``{"forward" | "backward": {key: value}}`` of one training step of a whole model."""
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -121,11 +145,11 @@ def _count_model(config, parallel, micro_batch: int, seq: int, autocast_dtype) -
     passes = {}
     fake_mode = FakeTensorMode()
     model = build_fake_model(config, parallel, fake_mode)
-    with fake_mode:
+    with fake_mode, _rows_are_unpacked():
         input_ids = torch.zeros(micro_batch, seq, dtype=torch.long)
         with OpCounter() as ops, CommCounter() as comm:
             with torch.autocast("cpu", dtype=autocast_dtype, enabled=autocast_dtype is not None):
-                loss = model(input_ids, labels=input_ids).loss
+                loss = model(input_ids, labels=input_ids, use_cache=False).loss
         passes["forward"] = _flat(ops, comm)
         with OpCounter() as ops, CommCounter() as comm:
             loss.backward()
@@ -233,11 +257,12 @@ def _step_fn(model, device: str, micro_batch: int, seq: int, autocast_dtype, com
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=device_type == "cuda")
     input_ids = torch.randint(0, model.config.vocab_size, (micro_batch, seq), device=device,
                               generator=torch.Generator(device).manual_seed(0))
-    forward = torch.compile(model) if compile else model
+    if compile:
+        compile_decoder_layers(model)  # what BoostTrainer --torch_compile does
 
     def step() -> None:
         with torch.autocast(device_type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
-            loss = forward(input_ids, labels=input_ids).loss
+            loss = model(input_ids, labels=input_ids, use_cache=False).loss
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -263,8 +288,9 @@ def measure_rank_layers(
     For each variant two models (``L1`` and ``L2`` layers, real weights on ``device``) take training steps
     (forward with labels under autocast, backward, AdamW) round-robin with every other variant's, the
     starting model rotating each round; after ``warmup`` rounds, each of ``reps`` rounds gives
-    ``(t(L2) - t(L1)) / (L2 - L1)``. ``compile``: each model is ``torch.compile``-d (``warmup`` must be at
-    least 1 to compile outside the timed rounds).
+    ``(t(L2) - t(L1)) / (L2 - L1)``. ``compile``: each model's decoder layers are compiled in place, as
+    ``BoostTrainer --torch_compile`` does (:func:`~boost_hf.training.compile.compile_decoder_layers`;
+    ``warmup`` must be at least 1 to compile outside the timed rounds).
 
     Returns per variant ``{"ms_per_layer", "ms_per_layer_min", "ms_per_layer_max", "step_ms": {L: median}}``,
     or ``{"error": "compile failed: ..."}`` / ``{"error": "failed: ..."}`` where a model could not run.
