@@ -29,8 +29,9 @@ class ParallelConfig:
             changes the model with tp_size; never the default).
         group_linears: low-rank layouts run the A's that share an input (A_qkv, A_gate_up) as one GEMM
             with one collective (and, under BTP, copy the latents their B's read in one collective);
-            Megatron runs q/k/v and gate/up as one GEMM each (one collective either way). Checkpoint names
-            are unchanged.
+            Megatron runs q/k/v and gate/up as one GEMM each (one collective either way). The parameters a
+            group reads together are stored as row blocks of one buffer (no copy per step); checkpoint names
+            and parameters are unchanged.
         activation_checkpointing: ``"none"``; ``"full"`` (recompute each decoder layer, re-running its
             forward collectives); ``"lowrank"`` (save only r-dim latents and the residual; under BTP the
             recomputation issues no collective).
