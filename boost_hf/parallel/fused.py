@@ -276,16 +276,25 @@ def split_latent(latent: torch.Tensor, count: int) -> tuple[torch.Tensor, ...]:
     return _tag_slots(_SplitLatent.apply(latent, widths, slots), slots)
 
 
+def _unchanged(ctx) -> None:
+    """Unpack the weights saved in forward: autograd raises if any was modified in place since. Where the
+    stacked weight is the parameters' own storage (no cast), the GEMM that saved it tracks only the first
+    parameter's version; this checks every one of them, as a per-weight GEMM would."""
+    ctx.saved_tensors
+
+
 class _StackedWeight(torch.autograd.Function):
     """``(dtype, *weights) -> [W_1; ...; W_k]`` in ``dtype``; see :func:`stacked_weight`."""
 
     @staticmethod
     def forward(ctx, dtype, *weights):
         ctx.rows, ctx.dtype = [w.shape[0] for w in weights], weights[0].dtype
+        ctx.save_for_backward(*weights)  # only to check their versions: see _unchanged
         return _stack(weights, dtype)
 
     @staticmethod
     def backward(ctx, grad):
+        _unchanged(ctx)
         return None, *grad.to(ctx.dtype).split(ctx.rows)
 
 
@@ -305,10 +314,12 @@ class _WeightViews(torch.autograd.Function):
     @staticmethod
     def forward(ctx, dtype, slots, *weights):
         ctx.rows, ctx.dtype, ctx.slots = [w.shape[0] for w in weights], weights[0].dtype, slots
+        ctx.save_for_backward(*weights)  # only to check their versions: see _unchanged
         return tuple(_stack(weights, dtype).split(ctx.rows))
 
     @staticmethod
     def backward(ctx, *grads):
+        _unchanged(ctx)
         return None, None, *ctx.slots.gathered(grads).to(ctx.dtype).split(ctx.rows)
 
 

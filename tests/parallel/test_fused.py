@@ -169,3 +169,19 @@ def test_online_norm_projection_exact_with_factors_stored_apart_or_together(toge
     x, gamma, _ = _inputs(torch.float64)
     factors = _stored(rows=(4, 4, 4), cols=12, together=together)
     assert torch.autograd.gradcheck(lambda *t: _normed(*t, grouped=True), (x, gamma, *factors))
+
+
+@pytest.mark.parametrize("views", [False, True])
+def test_weight_modified_in_place_before_backward_is_an_error(views):
+    """The stacked fp32 weight is the parameters' storage: changing any of them between forward and backward
+    raises, as it would for a GEMM on each weight."""
+    weights = _stored(rows=(5, 3, 3), dtype=torch.float32)
+    latent = torch.randn(2, 3, 12)
+    if views:
+        out = sum(latent_linear(p, w).sum() for p, w in zip(latent.chunk(3, -1), weight_views(weights, torch.float32)))
+    else:
+        out = (torch.randn(7, 4) @ stacked_weight(weights, torch.float32).t()).sum()
+    with torch.no_grad():
+        weights[2].mul_(2)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.backward()
