@@ -236,11 +236,13 @@ class _GradientSlots:
         )
 
     def gathered(self, grads) -> torch.Tensor:
-        """The whole gradient: the buffer the consumers filled, or the ``cat`` of whatever reached here."""
+        """The whole gradient: the buffer the consumers filled, or the ``cat`` of whatever reached here
+        (zeros for a block that got no gradient)."""
         if self.holds(grads):
             return self.buffer
-        parts = [torch.zeros(s.shape, dtype=self.dtype, device=self.device) if g is None else g
-                 for g, s in ((g, self.slot(i)) for i, g in enumerate(grads))]
+        parts = [g if g is not None else torch.zeros(
+            (*self.shape[:self.dim], size, *self.shape[self.dim + 1:]), dtype=self.dtype, device=self.device
+        ) for g, size in zip(grads, self.sizes)]
         return torch.cat(parts, dim=self.dim)
 
 

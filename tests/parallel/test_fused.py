@@ -185,3 +185,12 @@ def test_weight_modified_in_place_before_backward_is_an_error(views):
         weights[2].mul_(2)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         out.backward()
+
+
+def test_split_latent_slice_without_gradient_gets_zeros():
+    latent = torch.randn(2, 3, 12, requires_grad=True)
+    weights = [torch.randn(5, 4) for _ in range(3)]
+    parts = split_latent(latent * 1.0, 3)
+    (latent_linear(parts[0], weights[0]).sum() + (parts[2] * 2).sum()).backward()  # parts[1] unused
+    expected = torch.cat([torch.ones(2, 3, 5) @ weights[0], torch.zeros(2, 3, 4), torch.full((2, 3, 4), 2.0)], dim=-1)
+    torch.testing.assert_close(latent.grad, expected)
