@@ -1,12 +1,15 @@
 """Single-GPU training throughput and MFU: CoLA vs full rank at 1B-size layers, bf16 autocast, SDPA.
 
 Runs only where CUDA is available; elsewhere it says so and exits 0 without writing results (never a
-test or CI dependency). Both models are built on the GPU (fp32 master weights, bf16 autocast, fused
-AdamW), timed interleaved (median after warm-up, ``torch.cuda.synchronize`` closing each step), and
+test or CI dependency). Both models are built on the CPU and moved to the GPU (fp32 master weights, bf16
+autocast, fused AdamW, no KV cache as the Trainer trains; ``--compile``: every decoder layer compiled in
+place, as ``BoostTrainer --torch_compile``), timed interleaved (median after warm-up,
+``torch.cuda.synchronize`` closing each step), and
 MFU = tokens/s x :func:`boost_hf.perf.flops.training_flops_per_token` / the GPU's dense bf16 peak
 (from :mod:`boost_hf.perf.hardware` by device name, or ``--peak-tflops``).
 
     python benchmarks/gpu_throughput.py                 # 24-layer llama-1b vs cola-1b, batch 4 x seq 1024
+    python benchmarks/gpu_throughput.py --compile       # the same with compiled decoder layers (gpu_throughput_compiled.md)
     python benchmarks/gpu_throughput.py --quick         # 2 layers, seq 256
     python benchmarks/gpu_throughput.py --device cpu --quick --out /tmp/x   # code-path check only
 """
@@ -34,9 +37,10 @@ def device_peak_tflops(device_name: str) -> float | None:
     return None
 
 
-def measure(presets, layers: int, batch: int, seq: int, warmup: int, reps: int, device: str) -> dict:
+def measure(presets, layers: int, batch: int, seq: int, warmup: int, reps: int, device: str, compile: bool = False) -> dict:
     from boost_hf import BoostLlamaConfig, BoostLlamaForCausalLM
     from boost_hf.perf.flops import training_flops_per_token
+    from boost_hf.training.compile import compile_decoder_layers
 
     dev = torch.device(device)
     cuda = dev.type == "cuda"
@@ -46,6 +50,8 @@ def measure(presets, layers: int, batch: int, seq: int, warmup: int, reps: int, 
         config._attn_implementation = "sdpa"
         torch.manual_seed(0)
         model = BoostLlamaForCausalLM(config).to(dev).train()
+        if compile:
+            compile_decoder_layers(model)  # what BoostTrainer --torch_compile does
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=cuda)
         models[preset] = (model, optimizer)
         flops[preset] = training_flops_per_token(config, seq)
@@ -54,7 +60,7 @@ def measure(presets, layers: int, batch: int, seq: int, warmup: int, reps: int, 
 
     def step(model, optimizer):
         with torch.autocast(dev.type, dtype=torch.bfloat16):
-            loss = model(ids, labels=ids).loss
+            loss = model(ids, labels=ids, use_cache=False).loss  # as the Trainer trains: no KV cache
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -80,6 +86,7 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--peak-tflops", type=float, default=None, help="dense bf16 peak of the device (default: by device name)")
+    parser.add_argument("--compile", action="store_true", help="compile each decoder layer in place (as BoostTrainer --torch_compile)")
     args, started = parse(parser)
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         print("gpu_throughput: CUDA is not available on this machine; nothing measured, no results written.")
@@ -91,7 +98,7 @@ def main() -> int:
     cuda = args.device.startswith("cuda")
     device_name = torch.cuda.get_device_name() if cuda else f"CPU ({args.device}; code-path check, not a GPU result)"
     peak = args.peak_tflops or (device_peak_tflops(device_name) if cuda else None)
-    res = measure(PRESETS, args.layers, args.batch, args.seq, args.warmup, args.reps, args.device)
+    res = measure(PRESETS, args.layers, args.batch, args.seq, args.warmup, args.reps, args.device, compile=args.compile)
     tokens = args.batch * args.seq
     rows, tps = [], {}
     for preset in PRESETS:
@@ -108,7 +115,8 @@ def main() -> int:
     body = [
         f"- device: **{device_name}**{cuda_version}; dense bf16 peak used for MFU: {f'{peak:.0f} TFLOP/s' if peak else 'unknown'}",
         f"- models: {', '.join(PRESETS)} with {args.layers} layers; micro-batch {args.batch} x seq {args.seq} = {tokens} tokens; "
-        f"bf16 autocast, fp32 master weights, {'fused ' if cuda else ''}AdamW, SDPA attention; median of {args.reps} interleaved steps "
+        f"bf16 autocast, fp32 master weights, {'fused ' if cuda else ''}AdamW, SDPA attention, no KV cache; "
+        f"{'decoder layers compiled in place (torch.compile); ' if args.compile else 'eager; '}median of {args.reps} interleaved steps "
         f"after {args.warmup} warm-up",
         "- MFU counts model FLOPs only (`training_flops_per_token`: 3 x forward, causal attention, LM head), not recomputation",
         "",
@@ -118,7 +126,7 @@ def main() -> int:
         f"(paper, 1B on A100 at TP1: 0.85 s / 0.59 s = 1.44x per iteration; BOOST.md section 6).",
         "",
     ]
-    stem = "gpu_throughput" if cuda else "gpu_throughput_cpu_check"
+    stem = ("gpu_throughput" if cuda else "gpu_throughput_cpu_check") + ("_compiled" if args.compile else "")
     write_result(args.out, stem, "Single-GPU throughput and MFU: CoLA vs full rank (1B-size layers)", body, quick=args.quick, started=started)
     return 0
 

@@ -304,8 +304,8 @@ def measure_rank_layers(
             try:
                 for n in layers:
                     torch.manual_seed(0)
-                    with torch.device(device):
-                        model = _build(_layer_config(config, n, seq), parallel)
+                    # drawn on the CPU (each weight from its own CPU generator), then moved: shared storage follows
+                    model = _build(_layer_config(config, n, seq), parallel).to(device)
                     steps[name, n] = _step_fn(model, device, micro_batch, seq, autocast_dtype, compile)
                     for _ in range(warmup):
                         steps[name, n]()
