@@ -173,25 +173,28 @@ class _ScaleLatents(torch.autograd.Function):
             for i, buffer in enumerate(buffers):
                 z = buffer[..., :width0] if i == 0 else buffer
                 latents.append(torch.mul(z, inverse_rms, out=torch.empty_like(z, memory_format=torch.contiguous_format)))
-        ctx.save_for_backward(inverse_rms, *buffers)
-        ctx.hidden_size, ctx.width0 = hidden_size, width0
+        # the latents, not the buffers: whatever reads a latent next (the latent function, a B GEMM) saves it
+        # anyway, so backward keeps no second [N, k r] tensor per group
+        ctx.save_for_backward(inverse_rms, *latents)
+        ctx.hidden_size = hidden_size
         return tuple(latents)
 
     @staticmethod
     def backward(ctx, *grads):
-        inverse_rms, *buffers = ctx.saved_tensors
-        width0 = ctx.width0
+        inverse_rms, *latents = ctx.saved_tensors
+        width0 = latents[0].shape[-1]
         with torch.autocast(inverse_rms.device.type, enabled=False):
             grad_buffers, dot = [], None
-            for i, (buffer, grad) in enumerate(zip(buffers, grads)):
-                z = buffer[..., :width0] if i == 0 else buffer
-                grad_buffer = torch.empty_like(buffer)
+            for i, (latent, grad) in enumerate(zip(latents, grads)):
+                extra = STATISTICS_WIDTH if i == 0 else 0
+                grad_buffer = latent.new_empty((*latent.shape[:-1], latent.shape[-1] + extra))
                 torch.mul(grad, inverse_rms, out=grad_buffer[..., :width0] if i == 0 else grad_buffer)
-                part = torch.sum(grad * z, dim=-1, keepdim=True, dtype=inverse_rms.dtype)
+                part = torch.sum(grad * latent, dim=-1, keepdim=True, dtype=inverse_rms.dtype)
                 dot = part if dot is None else dot.add_(part)
                 grad_buffers.append(grad_buffer)
-            # latent = z * (S/d + eps)^(-1/2):  dL/dS = sum_j dL/dlatent_j z_j * (-1/(2d)) (S/d + eps)^(-3/2)
-            torch.mul(dot, inverse_rms.pow(3).mul_(-0.5 / ctx.hidden_size), out=grad_buffers[0][..., width0:width0 + 1])
+            # latent = z s with s = (S/d + eps)^(-1/2):  dL/dS = sum_j dL/dlatent_j z_j (-1/(2d)) s^3
+            #                                                  = sum_j dL/dlatent_j latent_j (-1/(2d)) s^2
+            torch.mul(dot, inverse_rms.pow(2).mul_(-0.5 / ctx.hidden_size), out=grad_buffers[0][..., width0:width0 + 1])
         return (None, None, *grad_buffers)
 
 
