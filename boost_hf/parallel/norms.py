@@ -70,10 +70,11 @@ class LocalRMSNorm(ShardedRMSNorm):
 
 class FusedRMSNorm:
     """``BoostLlamaRMSNorm`` of a full-width ``x: [..., d]`` run by the fused RMSNorm ops when ``x`` and
-    ``weight`` are fp32 (there the arithmetic is the same); otherwise the module's own forward. No communication."""
+    ``weight`` are fp32 (there the arithmetic is the same); otherwise, and under ``torch.compile`` (inductor
+    fuses the plain ops with their neighbours), the module's own forward. No communication."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == self.weight.dtype == torch.float32:
+        if x.dtype == self.weight.dtype == torch.float32 and not torch.compiler.is_compiling():
             return rms_norm(x, self.weight, self.variance_epsilon)
         return super().forward(x)
 

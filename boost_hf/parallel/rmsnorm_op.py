@@ -16,8 +16,8 @@ op                                          reads -> writes
 ==========================================  ====================================================
 
 Used by the block norms of the layouts whose residual stream is whole on every rank (Megatron, vanilla):
-:class:`boost_hf.parallel.norms.FusedRMSNorm`. Under ``torch.compile`` :func:`rms_norm` is plain ops, which
-inductor fuses with their neighbours. No communication.
+:class:`boost_hf.parallel.norms.FusedRMSNorm` (which runs the plain module under ``torch.compile``, where
+inductor fuses it with its neighbours). No communication.
 """
 
 from __future__ import annotations
@@ -105,9 +105,6 @@ _rms_norm.register_autograd(_backward, setup_context=_setup_context)
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     """``x * rsqrt(mean(x^2, -1) + eps) * weight`` (``LlamaRMSNorm`` for ``x`` and ``weight`` of one dtype)."""
-    if torch.compiler.is_compiling():
-        variance = x.to(torch.float32).pow(2).mean(-1, keepdim=True)
-        return weight * (x.to(torch.float32) * torch.rsqrt(variance + eps)).to(x.dtype)
     return _rms_norm(x, weight, eps)[0]
 
 

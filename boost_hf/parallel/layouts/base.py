@@ -78,11 +78,16 @@ class ProjectionGroup:
     def projections(self) -> list[nn.Module]:
         return [getattr(self.owner, name) for name in self.names]
 
+    @property
+    def several_grouped(self) -> bool:
+        """Grouping is on and the group has more than one projection (q/k/v, gate/up)."""
+        return self.grouped and len(self.names) > 1
+
     def runs_together(self, projections: list[nn.Module], cls: type) -> bool:
         """Whether the group may run ``projections`` as one GEMM, or hand them one cast of their weights:
         grouped, and every projection still this layout's ``cls`` with nothing acting before its forward
         (a forward pre-hook may change its input or gather its weight, e.g. DeepSpeed ZeRO-3)."""
-        return self.grouped and len(projections) > 1 and all(
+        return self.several_grouped and all(
             isinstance(projection, cls) and not projection._forward_pre_hooks for projection in projections
         )
 
@@ -166,7 +171,7 @@ class Layout:
                     self.parallelize_projection(getattr(owner, name), group_name, plan)
                 group = self.projection_group(layer, owner, group_name, plan)
                 setattr(owner, group_name, group)
-                if group.grouped and len(group.names) > 1:
+                if group.several_grouped:
                     stored_together += [(group.names, name) for name in self.stored_together]
             adopt(owner, mixin, shared_storage=tuple(stored_together))
             owner.share_storage()

@@ -79,7 +79,7 @@ class BottleneckAwareGroup(ProjectionGroup):
             return self.call_projections(projections, fed, BottleneckAwareProjection), {}
         zs = split_latents(z[0], k) if len(z) == 1 else z
         latents, crossed = apply_latent_functions(projections, self.names, zs, previous)
-        if self.grouped and k > 1:
+        if self.several_grouped:
             fed = split_latent(copy_to_tp(torch.cat(latents, dim=-1), self.group), k)
         else:
             fed = [copy_to_tp(latent, self.group) for latent in latents]

@@ -52,7 +52,7 @@ class ReplicatedLowRankGroup(ProjectionGroup):
     def down(self, x):
         factors = [p.A for p in self.projections]
         x = x.to(compute_dtype(x))  # once per group, before the copy: input gradients are all-reduced in it
-        if self.grouped and len(factors) > 1:
+        if self.several_grouped:
             return (F.linear(copy_to_tp(x, self.group), stacked_weight(factors, x.dtype)),)
         return tuple(F.linear(copy_to_tp(x, self.group), a) for a in factors)  # one input-gradient all-reduce each
 
@@ -76,7 +76,7 @@ class ReplicatedLowRankGroup(ProjectionGroup):
         zs = split_latents(z[0], len(projections)) if len(z) == 1 else z
         latents, crossed = apply_latent_functions(projections, self.names, zs, previous)
         if self.gather_latent:
-            if self.grouped and len(latents) > 1:
+            if self.several_grouped:
                 latents = list(split_to_tp(torch.stack(latents), -1, self.group).unbind(0))
             else:
                 latents = [split_to_tp(latent, -1, self.group) for latent in latents]
