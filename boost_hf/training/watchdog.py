@@ -37,7 +37,11 @@ HANG_EXIT_CODE = 75
 """Exit status of a rank that stopped because another rank stopped responding."""
 PR_SET_PDEATHSIG = 1
 _PREFIX = "boost_hf/watchdog/"
+_STORE_CALL_GRACE_S = 30.0
+"""How long :meth:`HangWatchdog.stop` waits, beyond one interval, for the thread's store calls to return."""
 _launcher_watch_started = False
+_running: "HangWatchdog | None" = None
+"""The watchdog running in this process (one per process: a later one replaces it)."""
 
 
 def _die(message: str, code: int) -> None:
@@ -92,21 +96,38 @@ class HangWatchdog:
         self._thread: threading.Thread | None = None
 
     def start(self) -> None:
+        """Start beating and watching. A watchdog already running in this process (an earlier ``Trainer.train``)
+        is stopped first, without marking the rank done: this one goes on beating the same counter."""
+        global _running
+        if _running is not None:
+            _running.stop(mark_done=False)
         self.store.set(f"{_PREFIX}who/{self.rank}", json.dumps({"pid": os.getpid(), "host": socket.gethostname()}))
         self.store.add(f"{_PREFIX}beat/{self.rank}", 1)
         self._thread = threading.Thread(target=self._run, name="boost-hf-hang-watchdog", daemon=True)
         self._thread.start()
+        _running = self
         atexit.register(self.stop)
 
-    def stop(self) -> None:
-        """Stop watching and mark this rank done (it may exit before its peers without being taken for frozen)."""
+    def stop(self, mark_done: bool = True) -> None:
+        """Stop watching, wait for the thread to leave the store, and mark this rank done (it may exit before its
+        peers without being taken for frozen).
+
+        The wait matters at exit: a daemon thread still inside a store call (which releases the interpreter lock in
+        C++) when the interpreter shuts down is ended by ``pthread_exit`` as it takes the lock back, and the forced
+        unwind through pybind11's lock guard aborts the process ("terminate called without an active exception"),
+        turning a finished run into a failed one."""
+        global _running
         if self._thread is None or self._stop.is_set():
             return
         self._stop.set()
-        try:
-            self.store.add(f"{_PREFIX}done/{self.rank}", 1)
-        except Exception:  # the store may be gone at exit
-            pass
+        self._thread.join(timeout=self.interval_s + _STORE_CALL_GRACE_S)
+        if _running is self:
+            _running = None
+        if mark_done:
+            try:
+                self.store.add(f"{_PREFIX}done/{self.rank}", 1)
+            except Exception:  # the store may be gone at exit
+                pass
 
     def _run(self) -> None:
         peers = [r for r in range(self.world_size) if r != self.rank]

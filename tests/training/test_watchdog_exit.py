@@ -1,0 +1,82 @@
+"""A process exits cleanly with its hang watchdog running.
+
+The watchdog thread spends its time in calls to the launcher's store, which release the interpreter lock in C++.
+A daemon thread still inside such a call when the interpreter shuts down is ended by ``pthread_exit`` as it takes
+the lock back; the forced unwind through pybind11's lock guard calls ``std::terminate``: the run that had just
+finished and saved its model dies with SIGABRT ("terminate called without an active exception") and the launcher
+reports it failed. :meth:`HangWatchdog.stop` (at exit) therefore waits for the thread to leave the store.
+
+Each case runs in a fresh interpreter with a real ``TCPStore`` whose ``add`` is made slow (it first waits on a key
+nobody sets), so that the thread is inside a store call when the main thread returns.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+from .launcher import REPO, free_port
+
+SLOW_STORE = """
+import datetime, sys, time
+import torch.distributed as dist
+from boost_hf.training.watchdog import HangWatchdog
+
+class SlowStore:
+    '''A TCPStore whose add first waits 0.5 s inside C++ (interpreter lock released).'''
+    def __init__(self, port):
+        self.inner = dist.TCPStore("127.0.0.1", port, 1, True)
+        self.adds = 0
+    def set(self, key, value):
+        self.inner.set(key, value)
+    def get(self, key):
+        return self.inner.get(key)
+    def add(self, key, amount):
+        self.adds += 1
+        if self.adds > 1:
+            try:
+                self.inner.wait(["never-set"], datetime.timedelta(seconds=0.5))
+            except Exception:
+                pass
+        return self.inner.add(key, amount)
+
+store = SlowStore(int(sys.argv[1]))
+"""
+
+
+def run_script(body: str) -> subprocess.CompletedProcess:
+    script = SLOW_STORE + textwrap.dedent(body)
+    return subprocess.run([sys.executable, "-c", script, str(free_port())], cwd=REPO, capture_output=True, text=True,
+                          timeout=60)
+
+
+def test_exit_while_the_watchdog_is_inside_a_store_call_is_clean():
+    result = run_script("""
+        watchdog = HangWatchdog(store, rank=0, world_size=2, timeout_s=300, interval_s=0.01)
+        watchdog.start()
+        time.sleep(0.2)  # the thread is now waiting inside store.add
+        print("main returns", flush=True)
+    """)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "terminate called" not in result.stderr
+    assert "main returns" in result.stdout
+
+
+def test_a_second_watchdog_in_one_process_replaces_the_first_and_the_rank_stays_watched():
+    result = run_script("""
+        first = HangWatchdog(store, rank=0, world_size=2, timeout_s=300, interval_s=0.01)
+        first.start()
+        time.sleep(0.1)
+        second = HangWatchdog(store, rank=0, world_size=2, timeout_s=300, interval_s=0.01)
+        second.start()  # e.g. a second Trainer.train in the same process
+        assert not first._thread.is_alive(), "the first watchdog still runs"
+        assert second._thread.is_alive()
+        assert store.inner.add("boost_hf/watchdog/done/0", 0) == 0, "rank 0 was marked done while still training"
+        second.stop()
+        assert not second._thread.is_alive()
+        assert store.inner.add("boost_hf/watchdog/done/0", 0) == 1
+        print("ok", flush=True)
+    """)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "ok" in result.stdout
