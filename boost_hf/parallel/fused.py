@@ -68,8 +68,9 @@ def _row_products(grad: torch.Tensor, weights) -> torch.Tensor:
     if joined is not None:
         return torch.mul(grad, joined)
     products = torch.empty_like(grad, dtype=torch.promote_types(grad.dtype, weights[0].dtype))
-    for w, rows, out in zip(weights, grad.split([w.shape[0] for w in weights]), products.split([w.shape[0] for w in weights])):
-        torch.mul(rows, w, out=out)
+    rows = [w.shape[0] for w in weights]
+    for w, grad_rows, out in zip(weights, grad.split(rows), products.split(rows)):
+        torch.mul(grad_rows, w, out=out)
     return products
 
 

@@ -97,7 +97,10 @@ def parallelize(model: nn.Module, parallel: ParallelConfig, *, initialize: bool 
         for layer in base.layers:
             layout.parallelize_layer(layer, plan)
         adopt(base.rotary_emb, ComputeDtypeRotaryEmbedding)  # the tables the parallel attention rotates with
-        adopt(base.norm, GatheredRMSNorm if plan.residual_sharded else FusedRMSNorm, group=plan.group)
+        if plan.residual_sharded:
+            adopt(base.norm, GatheredRMSNorm, group=plan.group)
+        else:
+            adopt(base.norm, FusedRMSNorm)
     tied = config.tie_word_embeddings
     if tied:
         model.lm_head.weight = base.embed_tokens.weight
