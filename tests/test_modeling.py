@@ -177,6 +177,43 @@ def test_projection_latent_by_hand(make_config, variant_name):
         torch.testing.assert_close(q0(x), expected.T, rtol=0, atol=1e-6)
 
 
+BIASES = dict(attention_bias=True, mlp_bias=True)
+
+
+@pytest.mark.parametrize("variant_name", ["cola", "svd", "lax-dense", "lax-kronecker"])
+def test_bottleneck_biases_are_added_after_b(make_config, variant_name):
+    """``attention_bias`` / ``mlp_bias`` on a bottleneck model: ``y = B h + b`` (as CoLA), initialised
+    ``U(-out^(-1/2), out^(-1/2))`` (CoLA) and matching the reference in logits, loss and gradients."""
+    config = make_config(variant_name, **BIASES)
+    boost = build(config)
+    bias = boost.model.layers[1].mlp.gate_proj.bias
+    assert bias.shape == (config.intermediate_size,) and 0 < bias.abs().max() <= config.intermediate_size**-0.5
+    reference = reference_model(config)
+    reference.load_state_dict(boost.state_dict(), strict=True)
+    input_ids, attention_mask = batch(config)
+    ours = boost(input_ids, attention_mask=attention_mask, labels=input_ids, use_cache=False)
+    theirs = reference(input_ids, attention_mask=attention_mask, labels=input_ids, use_cache=False)
+    assert (ours.logits - theirs.logits).abs().max() <= 1e-5
+    ours.loss.backward()
+    theirs.loss.backward()
+    reference_grads = grads(reference)
+    for name, grad in grads(boost).items():
+        torch.testing.assert_close(grad, reference_grads[name], rtol=1e-5, atol=1e-6, msg=name)
+    with torch.no_grad():  # the biases are used: zeroing them changes the logits
+        plain = build(config)
+        for name, param in plain.named_parameters():
+            if name.endswith("_proj.bias"):
+                param.zero_()
+        assert (plain(input_ids).logits - boost.eval()(input_ids).logits).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("variant_name", ["full", "cola", "lax-dense"])
+def test_biases_under_every_grouping_and_checkpointing(make_config, variant_name):
+    config = make_config(variant_name, **BIASES)
+    layouts = LAYOUTS if config.is_low_rank else [layout for layout in LAYOUTS if layout[1] != "lowrank"]
+    assert_layouts_agree(config, layouts)
+
+
 def test_cola_only_lr_act_changes_only_the_mlp(make_config):
     plain, swiglu = build(make_config("cola")), build(make_config("cola", only_lr_act=False))
     assert plain.model.layers[0].mlp.act_fn is None and swiglu.model.layers[0].mlp.act_fn is not None

@@ -148,6 +148,18 @@ def all_cases(world_size: int) -> list[dict]:
         for style in ("btp", "vanilla"):
             cases.append({"model": {"bottleneck": "lax", "lax_gate": gate, "lax_base": "svd"}, "parallel": {"tp_style": style}})
     cases.append({"model": {"bottleneck": "cola", "only_lr_act": False}, "parallel": {"tp_style": "btp"}})
+    # biases after B (bottleneck) or of the dense projections (full rank), sharded with the output or added
+    # once after the all-reduce
+    biases = {"attention_bias": True, "mlp_bias": True}
+    cases += [
+        {"model": {"bottleneck": None, **biases}, "parallel": {"tp_style": "megatron"}},
+        {"model": {"bottleneck": None, **biases}, "parallel": {"tp_style": "megatron", "group_linears": False, "activation_checkpointing": "full"}},
+        {"model": {"bottleneck": "cola", **biases}, "parallel": {"tp_style": "btp"}},
+        {"model": {"bottleneck": "lax", "lax_gate": "dense", **biases}, "parallel": {"tp_style": "btp", "rmsnorm": "sync", "activation_checkpointing": "lowrank"}},
+        {"model": {"bottleneck": "svd", **biases}, "parallel": {"tp_style": "btp", "group_linears": False}},
+        {"model": {"bottleneck": "cola", **biases}, "parallel": {"tp_style": "vanilla"}},
+        {"model": {"bottleneck": "lax", "lax_gate": "dense", **biases}, "parallel": {"tp_style": "vanilla", "activation_checkpointing": "lowrank"}},
+    ]
     return cases
 
 
