@@ -46,6 +46,36 @@ PRESET_SIZES: dict[str, tuple[int, int, int, int, int]] = {
 }
 PRESET_ARCHS: dict[str, str | None] = {"llama": None, "svd": "svd", "cola": "cola", "lax": "lax"}
 
+AUTHORS_COLA_MODEL_TYPE = "cola"
+"""``model_type`` of a ``config.json`` written by the CoLA authors' code (``alvin-zyl/CoLA``)."""
+AUTHORS_COLA_DROPPED = ("model_type", "architectures", "auto_map", "lr_act_type", "pretraining_tp", "max_sequence_length", "rope_scaling")
+
+
+def from_authors_cola(config_dict: dict[str, Any]) -> dict[str, Any]:
+    """The fields of a ``config.json`` written by the CoLA authors' code as ours.
+
+    Their ``ColaConfig`` is a ``LlamaConfig`` plus ``rank`` (default ``hidden_size // 4``), ``only_lr_act``
+    (default true) and ``lr_act_type``. Their projections apply ``hidden_act`` to the latent whatever
+    ``lr_act_type`` says, so ``lr_act = hidden_act``; ``max_sequence_length`` and ``lr_act_type`` are unused by
+    their model and dropped; ``pad_token_id`` (0 in their configs: a zero, frozen embedding row) and the biases
+    after ``B`` (``attention_bias`` / ``mlp_bias``) mean the same here. Raises ``ValueError`` for what their
+    model cannot run (``pretraining_tp > 1``, key/value heads other than the query heads: their k and v
+    projections are ``heads * head_dim`` wide) or what is not converted (``rope_scaling``).
+    """
+    if config_dict.get("pretraining_tp", 1) != 1:
+        raise ValueError(f"pretraining_tp={config_dict['pretraining_tp']}: the CoLA authors' model only runs with 1.")
+    if config_dict.get("rope_scaling") is not None:
+        raise ValueError(f"rope_scaling={config_dict['rope_scaling']!r} in a CoLA authors' config.json is not converted: remove it or convert by hand.")
+    heads = config_dict.get("num_attention_heads", 32)
+    if config_dict.get("num_key_value_heads") not in (None, heads):
+        raise ValueError(
+            f"num_key_value_heads={config_dict['num_key_value_heads']} differs from num_attention_heads={heads}: the CoLA "
+            "authors' k_proj and v_proj are num_attention_heads * head_dim wide, so such a checkpoint has no GQA to convert."
+        )
+    ours = {key: value for key, value in config_dict.items() if key not in AUTHORS_COLA_DROPPED}
+    ours.update(bottleneck="cola", lr_act=config_dict.get("hidden_act", "silu"))
+    return ours
+
 
 
 # ---------------------------------------------------------------------- field checks
@@ -336,9 +366,21 @@ class BoostLlamaConfig(PretrainedConfig):
                     )
 
     @classmethod
+    def get_config_dict(cls, pretrained_model_name_or_path, **kwargs) -> tuple[dict[str, Any], dict[str, Any]]:
+        """``PretrainedConfig.get_config_dict``, with a CoLA authors' ``config.json`` read as ours
+        (:func:`from_authors_cola`)."""
+        config_dict, kwargs = super().get_config_dict(pretrained_model_name_or_path, **kwargs)
+        if config_dict.get("model_type") == AUTHORS_COLA_MODEL_TYPE:
+            config_dict = from_authors_cola(config_dict)
+        return config_dict, kwargs
+
+    @classmethod
     def from_dict(cls, config_dict: dict[str, Any], **kwargs) -> "BoostLlamaConfig":
-        """``PretrainedConfig.from_dict``; a saved LaX configuration without ``lax_version`` predates the
-        authors' definition and is refused (see :data:`LAX_VERSION`)."""
+        """``PretrainedConfig.from_dict``; a CoLA authors' configuration is read as ours
+        (:func:`from_authors_cola`); a saved LaX configuration without ``lax_version`` predates the authors'
+        definition and is refused (see :data:`LAX_VERSION`)."""
+        if config_dict.get("model_type") == AUTHORS_COLA_MODEL_TYPE:
+            config_dict = from_authors_cola(config_dict)
         if config_dict.get("bottleneck") == "lax" and "lax_version" not in config_dict:
             config_dict = {**config_dict, "lax_version": 1}
         return super().from_dict(config_dict, **kwargs)
@@ -380,4 +422,4 @@ class BoostLlamaConfig(PretrainedConfig):
 # Every saved config ships this file and names it in ``auto_map`` (remote code: ``trust_remote_code=True``).
 BoostLlamaConfig.register_for_auto_class()
 
-__all__ = ["BoostLlamaConfig", "BOTTLENECKS", "LAX_GATES", "LAX_BASES", "LAX_VERSION", "PRESET_SIZES"]
+__all__ = ["BoostLlamaConfig", "BOTTLENECKS", "LAX_GATES", "LAX_BASES", "LAX_VERSION", "PRESET_SIZES", "AUTHORS_COLA_MODEL_TYPE", "from_authors_cola"]

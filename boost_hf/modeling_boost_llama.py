@@ -21,10 +21,12 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import GenerationMixin, PreTrainedModel
+from transformers import GenerationMixin, PretrainedConfig, PreTrainedModel
 from transformers import initialization as init
 from transformers.activations import ACT2FN
 from transformers.cache_utils import Cache, DynamicCache
+from transformers.conversion_mapping import get_checkpoint_conversion_mapping, register_checkpoint_conversion_mapping
+from transformers.core_model_loading import Transpose, WeightConverter
 from transformers.masking_utils import create_causal_mask
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
@@ -34,7 +36,7 @@ from transformers.utils import can_return_tuple, logging
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
-from .configuration_boost_llama import BoostLlamaConfig
+from .configuration_boost_llama import AUTHORS_COLA_MODEL_TYPE, BoostLlamaConfig
 
 logger = logging.get_logger(__name__)
 
@@ -517,6 +519,41 @@ class BoostLlamaModel(BoostLlamaPreTrainedModel):
                 )
 
 
+HUB_KWARGS = ("cache_dir", "revision", "token", "local_files_only", "force_download", "subfolder", "proxies")
+
+
+def is_authors_cola_checkpoint(pretrained_model_name_or_path, kwargs: dict) -> bool:
+    """Whether the checkpoint's ``config.json`` was written by the CoLA authors' code (``model_type: "cola"``)."""
+    hub = {name: kwargs[name] for name in HUB_KWARGS if name in kwargs}
+    try:
+        config_dict, _ = PretrainedConfig.get_config_dict(pretrained_model_name_or_path, **hub)
+    except OSError:
+        return False  # no config to read: the ordinary load reports it
+    return config_dict.get("model_type") == AUTHORS_COLA_MODEL_TYPE
+
+
+def authors_cola_weight_conversions() -> list[WeightConverter]:
+    """transformers' checkpoint conversions from the CoLA authors' parameters: ``*.cola_a [in, r]`` -> ``A``
+    (transposed), ``*.cola_b [r, out]`` -> ``B`` (transposed); every other name (embedding, norms, biases after
+    ``B``, LM head) is already ours."""
+    return [
+        WeightConverter(source_patterns="cola_a", target_patterns="A", operations=[Transpose(0, 1)]),
+        WeightConverter(source_patterns="cola_b", target_patterns="B", operations=[Transpose(0, 1)]),
+    ]
+
+
+@contextlib.contextmanager
+def converting_authors_cola(class_name: str):
+    """Within: ``from_pretrained`` of ``class_name`` applies :func:`authors_cola_weight_conversions` (registered
+    with transformers' conversion mapping for that class only while loading, then restored)."""
+    previous = get_checkpoint_conversion_mapping(class_name)
+    register_checkpoint_conversion_mapping(class_name, authors_cola_weight_conversions(), overwrite=True)
+    try:
+        yield
+    finally:
+        register_checkpoint_conversion_mapping(class_name, previous or [], overwrite=True)
+
+
 class BoostLlamaForCausalLM(BoostLlamaPreTrainedModel, GenerationMixin):
     """Causal LM: base model -> LM head ``[B, S, V]`` -> next-token cross-entropy.
 
@@ -546,9 +583,34 @@ class BoostLlamaForCausalLM(BoostLlamaPreTrainedModel, GenerationMixin):
         A checkpoint (folder or Hub id) must match the model exactly: missing, unexpected or wrongly-shaped
         weights raise, unless ``output_loading_info=True`` (the report is returned instead) or
         ``ignore_mismatched_sizes=True`` (sizes only). ``from_pretrained(None, config=..., state_dict=...)``
-        reads no checkpoint and behaves as in transformers (missing weights are initialised)."""
+        reads no checkpoint and behaves as in transformers (missing weights are initialised).
+
+        A checkpoint written by the CoLA authors' code (``model_type: "cola"``) is converted while it loads
+        (:meth:`from_authors_cola`)."""
+        if pretrained_model_name_or_path is not None and is_authors_cola_checkpoint(pretrained_model_name_or_path, kwargs):
+            return cls.from_authors_cola(pretrained_model_name_or_path, *model_args, parallel_config=parallel_config, **kwargs)
         if parallel_config is not None:
             return parallel_config.load_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs)
+        return cls._from_pretrained_checked(pretrained_model_name_or_path, *model_args, **kwargs)
+
+    @classmethod
+    def from_authors_cola(cls, pretrained_model_name_or_path, *model_args, parallel_config=None, **kwargs):
+        """A checkpoint written by the CoLA authors' code (``alvin-zyl/CoLA``), loaded as it is: its
+        ``config.json`` read as ours (``BoostLlamaConfig.get_config_dict``), its ``*.cola_a`` / ``*.cola_b``
+        transposed into ``A`` / ``B`` by transformers' checkpoint conversion (:func:`authors_cola_weight_conversions`).
+        The model saves in the canonical format. With a ``parallel_config`` the whole checkpoint is converted on
+        each rank, then sliced into this rank's shard (no collective but the layout's checks)."""
+        with converting_authors_cola(cls.__name__):
+            loaded = cls._from_pretrained_checked(pretrained_model_name_or_path, *model_args, **kwargs)
+        model = loaded[0] if isinstance(loaded, tuple) else loaded
+        model._weight_conversions = []  # converted once: save_pretrained writes our names, not the authors'
+        if parallel_config is not None:
+            parallel_config.parallelize(model)
+        return loaded
+
+    @classmethod
+    def _from_pretrained_checked(cls, pretrained_model_name_or_path, *model_args, **kwargs):
+        """``PreTrainedModel.from_pretrained`` that raises on any mismatch between checkpoint and model."""
         if pretrained_model_name_or_path is None:
             # No checkpoint to check (weights from ``state_dict=`` and ``config=`` only): exactly transformers'
             # behaviour, missing weights initialised and reported with ``output_loading_info``.
@@ -569,10 +631,18 @@ class BoostLlamaForCausalLM(BoostLlamaPreTrainedModel, GenerationMixin):
             "shape mismatch": [f"{name}: checkpoint {tuple(saved)} vs model {tuple(ours)}" for name, saved, ours in mismatched],
         }
         if any(problems.values()):
+            earlier_lax = any(name.endswith(".gate_bias") for name in problems["missing"]) or any(
+                ".layers.0." in name and ".latent_norm." in name for name in problems["unexpected"]
+            )
             raise ValueError(
                 "checkpoint does not match this model's architecture (was it saved from another bottleneck, rank "
                 "or size? load it with its own config.json): "
                 + "; ".join(f"{kind} {names[:5]}{'...' if len(names) > 5 else ''}" for kind, names in problems.items() if names)
+                + (
+                    ". These are LaX weights of boost-hf's earlier LaX (a latent LayerNorm in block 0, a dense gate "
+                    "without bias), which computes another function than the LaX authors' definition used now."
+                    if earlier_lax else ""
+                )
             )
         return model
 
