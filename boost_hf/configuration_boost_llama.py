@@ -7,8 +7,12 @@ Every one of the 7 projections of a decoder block (q, k, v, o, gate, up, down) i
 =========  ==============================================================================
 svd        ``y = B (A x)``
 cola       ``y = B act(A x)``                                   (CoLA)
-lax        ``h = A x + G h_prev; h = LayerNorm_r(h); y = B act(h)``  (LaX latent crossing)
+lax        block 0: ``h = act(A x)``; block l > 0: ``h = act(LayerNorm_r(A x + G h_prev))``;
+           ``y = B h``; ``h_prev`` is the previous block's ``h`` of the same projection
+           (LaX latent crossing, as its authors' ``TensorizedLinear``)
 =========  ==============================================================================
+
+With ``attention_bias`` / ``mlp_bias`` a bottleneck projection adds its bias after ``B`` (as CoLA does).
 
 All validation lives in :meth:`BoostLlamaConfig.validate`, called on construction.
 """
@@ -25,6 +29,10 @@ from transformers.activations import ACT2FN
 BOTTLENECKS = (None, "svd", "cola", "lax")
 LAX_GATES = ("dense", "kronecker", "identity")
 LAX_BASES = ("cola", "svd")
+LAX_VERSION = 2
+"""The LaX definition this code computes: 2 = the authors' (block 0 plain, the latent fed to ``B`` handed on,
+latent LayerNorm eps 1e-6, dense gate with a bias). 1 = boost-hf's earlier LaX (a latent LayerNorm in block 0,
+the pre-norm sum handed on, eps 1e-5, no gate bias), another function: refused."""
 
 # name -> (layers, hidden, heads, intermediate, rank): CoLA's table (60m..7b) and BOOST's (3b, 13b).
 PRESET_SIZES: dict[str, tuple[int, int, int, int, int]] = {
@@ -37,6 +45,36 @@ PRESET_SIZES: dict[str, tuple[int, int, int, int, int]] = {
     "13b": (40, 5120, 40, 13824, 1280),
 }
 PRESET_ARCHS: dict[str, str | None] = {"llama": None, "svd": "svd", "cola": "cola", "lax": "lax"}
+
+AUTHORS_COLA_MODEL_TYPE = "cola"
+"""``model_type`` of a ``config.json`` written by the CoLA authors' code (``alvin-zyl/CoLA``)."""
+AUTHORS_COLA_DROPPED = ("model_type", "architectures", "auto_map", "lr_act_type", "pretraining_tp", "max_sequence_length", "rope_scaling")
+
+
+def from_authors_cola(config_dict: dict[str, Any]) -> dict[str, Any]:
+    """The fields of a ``config.json`` written by the CoLA authors' code as ours.
+
+    Their ``ColaConfig`` is a ``LlamaConfig`` plus ``rank`` (default ``hidden_size // 4``), ``only_lr_act``
+    (default true) and ``lr_act_type``. Their projections apply ``hidden_act`` to the latent whatever
+    ``lr_act_type`` says, so ``lr_act = hidden_act``; ``max_sequence_length`` and ``lr_act_type`` are unused by
+    their model and dropped; ``pad_token_id`` (0 in their configs: a zero, frozen embedding row) and the biases
+    after ``B`` (``attention_bias`` / ``mlp_bias``) mean the same here. Raises ``ValueError`` for what their
+    model cannot run (``pretraining_tp > 1``, key/value heads other than the query heads: their k and v
+    projections are ``heads * head_dim`` wide) or what is not converted (``rope_scaling``).
+    """
+    if config_dict.get("pretraining_tp", 1) != 1:
+        raise ValueError(f"pretraining_tp={config_dict['pretraining_tp']}: the CoLA authors' model only runs with 1.")
+    if config_dict.get("rope_scaling") is not None:
+        raise ValueError(f"rope_scaling={config_dict['rope_scaling']!r} in a CoLA authors' config.json is not converted: remove it or convert by hand.")
+    heads = config_dict.get("num_attention_heads", 32)
+    if config_dict.get("num_key_value_heads") not in (None, heads):
+        raise ValueError(
+            f"num_key_value_heads={config_dict['num_key_value_heads']} differs from num_attention_heads={heads}: the CoLA "
+            "authors' k_proj and v_proj are num_attention_heads * head_dim wide, so such a checkpoint has no GQA to convert."
+        )
+    ours = {key: value for key, value in config_dict.items() if key not in AUTHORS_COLA_DROPPED}
+    ours.update(bottleneck="cola", lr_act=config_dict.get("hidden_act", "silu"))
+    return ours
 
 
 
@@ -51,7 +89,7 @@ INT_FIELDS_AT_LEAST_1 = (
     "head_dim",
     "max_position_embeddings",
 )
-OPTIONAL_INT_FIELDS = {"rank": None, "lax_kronecker_factor": 1}  # name -> minimum (rank's range: validate())
+OPTIONAL_INT_FIELDS = {"rank": None, "lax_kronecker_factor": 1, "lax_version": None}  # name -> minimum (rank's range: validate())
 BOOL_FIELDS = ("use_cache", "tie_word_embeddings", "attention_bias", "mlp_bias", "only_lr_act", "lax_latent_norm")
 ACTIVATION_FIELDS = ("hidden_act", "lr_act")
 TOKEN_ID_FIELDS = ("pad_token_id", "bos_token_id", "eos_token_id")
@@ -135,12 +173,16 @@ class BoostLlamaConfig(PretrainedConfig):
             (``down(gate(x) * up(x))``). CoLA's 60M/130M reference configs set it to ``False``.
         lr_act: activation applied to the r-dim latent (cola, and lax on a cola base); any
             ``transformers.activations.ACT2FN`` name. Default ``"silu"``.
-        lax_gate: LaX crossing gate ``G`` (r x r): ``"dense"``, ``"kronecker"`` (``G = L kron R`` with
-            two factors of sizes ``a`` and ``r / a``, see ``lax_kronecker_factor``) or ``"identity"`` (no parameters, ``h + h_prev``).
-        lax_latent_norm: LaX: LayerNorm over the r-dim latent after the crossing.
+        lax_gate: LaX crossing gate ``G`` (r x r): ``"kronecker"`` (default, as in every configuration the LaX
+            authors published: ``G = L kron R`` with two factors of sizes ``a`` and ``r / a``, see
+            ``lax_kronecker_factor``), ``"dense"`` (``r x r`` weight and a bias) or ``"identity"`` (no parameters).
+        lax_latent_norm: LaX: LayerNorm (eps 1e-6) over the r-dim latent after the crossing (blocks after the
+            first; the authors always apply it).
         lax_base: ``"cola"`` (activation on the latent) or ``"svd"`` (no activation).
         lax_kronecker_factor: left factor size of the Kronecker gate; must divide ``rank``. Default: the
-            largest divisor of ``rank`` not above ``sqrt(rank)``.
+            largest divisor of ``rank`` not above ``sqrt(rank)`` (the authors' most balanced pair).
+        lax_version: the LaX definition (see :data:`LAX_VERSION`); only the current one is accepted. A saved
+            LaX ``config.json`` without it was written by the earlier definition and is refused on load.
         initializer_range: std of the dense weights (embedding, LM head, full-rank projections).
     """
 
@@ -174,10 +216,11 @@ class BoostLlamaConfig(PretrainedConfig):
         rank: int | None = None,
         only_lr_act: bool = True,
         lr_act: str = "silu",
-        lax_gate: str = "dense",
+        lax_gate: str = "kronecker",
         lax_latent_norm: bool = True,
         lax_base: str = "cola",
         lax_kronecker_factor: int | None = None,
+        lax_version: int = LAX_VERSION,
         **kwargs,
     ):
         self.vocab_size = vocab_size
@@ -206,6 +249,7 @@ class BoostLlamaConfig(PretrainedConfig):
         self.lax_latent_norm = lax_latent_norm
         self.lax_base = lax_base
         self.lax_kronecker_factor = lax_kronecker_factor
+        self.lax_version = lax_version
         self.validate()  # before transformers' own checks, so every mistake gets our ValueError
         super().__init__(
             pad_token_id=pad_token_id,
@@ -307,11 +351,39 @@ class BoostLlamaConfig(PretrainedConfig):
                 raise ValueError(f"Unknown lax_gate {self.lax_gate!r}: use one of {LAX_GATES}.")
             if self.lax_base not in LAX_BASES:
                 raise ValueError(f"Unknown lax_base {self.lax_base!r}: use one of {LAX_BASES}.")
+            if self.lax_version != LAX_VERSION:
+                raise ValueError(
+                    f"lax_version {self.lax_version!r}: this LaX checkpoint was written by boost-hf's earlier LaX, which "
+                    "computes another function than the LaX authors' (it LayerNorms the latent in block 0, hands the "
+                    "pre-norm sum A x + G c_prev to the next block instead of the latent fed to B, uses eps 1e-5 and a "
+                    f"dense gate without bias). Only lax_version={LAX_VERSION} (the authors' definition) is supported: "
+                    "retrain the model, or load it with the boost-hf release that wrote it."
+                )
             if self.lax_gate == "kronecker" and self.lax_kronecker_factor is not None:
                 if self.lax_kronecker_factor < 1 or self.rank % self.lax_kronecker_factor != 0:
                     raise ValueError(
                         f"lax_kronecker_factor ({self.lax_kronecker_factor}) must divide rank ({self.rank})."
                     )
+
+    @classmethod
+    def get_config_dict(cls, pretrained_model_name_or_path, **kwargs) -> tuple[dict[str, Any], dict[str, Any]]:
+        """``PretrainedConfig.get_config_dict``, with a CoLA authors' ``config.json`` read as ours
+        (:func:`from_authors_cola`)."""
+        config_dict, kwargs = super().get_config_dict(pretrained_model_name_or_path, **kwargs)
+        if config_dict.get("model_type") == AUTHORS_COLA_MODEL_TYPE:
+            config_dict = from_authors_cola(config_dict)
+        return config_dict, kwargs
+
+    @classmethod
+    def from_dict(cls, config_dict: dict[str, Any], **kwargs) -> "BoostLlamaConfig":
+        """``PretrainedConfig.from_dict``; a CoLA authors' configuration is read as ours
+        (:func:`from_authors_cola`); a saved LaX configuration without ``lax_version`` predates the authors'
+        definition and is refused (see :data:`LAX_VERSION`)."""
+        if config_dict.get("model_type") == AUTHORS_COLA_MODEL_TYPE:
+            config_dict = from_authors_cola(config_dict)
+        if config_dict.get("bottleneck") == "lax" and "lax_version" not in config_dict:
+            config_dict = {**config_dict, "lax_version": 1}
+        return super().from_dict(config_dict, **kwargs)
 
     # ------------------------------------------------------------------ presets
     @classmethod
@@ -350,4 +422,4 @@ class BoostLlamaConfig(PretrainedConfig):
 # Every saved config ships this file and names it in ``auto_map`` (remote code: ``trust_remote_code=True``).
 BoostLlamaConfig.register_for_auto_class()
 
-__all__ = ["BoostLlamaConfig", "BOTTLENECKS", "LAX_GATES", "LAX_BASES", "PRESET_SIZES"]
+__all__ = ["BoostLlamaConfig", "BOTTLENECKS", "LAX_GATES", "LAX_BASES", "LAX_VERSION", "PRESET_SIZES", "AUTHORS_COLA_MODEL_TYPE", "from_authors_cola"]

@@ -21,10 +21,12 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import GenerationMixin, PreTrainedModel
+from transformers import GenerationMixin, PretrainedConfig, PreTrainedModel
 from transformers import initialization as init
 from transformers.activations import ACT2FN
 from transformers.cache_utils import Cache, DynamicCache
+from transformers.conversion_mapping import get_checkpoint_conversion_mapping, register_checkpoint_conversion_mapping
+from transformers.core_model_loading import Transpose, WeightConverter
 from transformers.masking_utils import create_causal_mask
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
@@ -34,11 +36,11 @@ from transformers.utils import can_return_tuple, logging
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
-from .configuration_boost_llama import BoostLlamaConfig
+from .configuration_boost_llama import AUTHORS_COLA_MODEL_TYPE, BoostLlamaConfig
 
 logger = logging.get_logger(__name__)
 
-LATENT_NORM_EPS = 1e-5
+LATENT_NORM_EPS = 1e-6  # the LaX authors' latent LayerNorm
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -66,16 +68,18 @@ class BoostLlamaRotaryEmbedding(LlamaRotaryEmbedding):
 
 
 class BoostLlamaLowRankLinear(nn.Module):
-    """Bottleneck projection ``y = B act(A x)`` (svd: no ``act``; cola: ``act`` on the r-dim latent).
+    """Bottleneck projection ``y = B act(A x) (+ bias)`` (svd: no ``act``; cola: ``act`` on the r-dim latent).
 
-    ``A: [r, in_features]``, ``B: [out_features, r]``; ``x: [..., in_features] -> y: [..., out_features]``.
+    ``A: [r, in_features]``, ``B: [out_features, r]``, ``bias: [out_features]`` (added after ``B``, as CoLA does,
+    when the configuration asks for it); ``x: [..., in_features] -> y: [..., out_features]``.
     """
 
-    def __init__(self, in_features: int, out_features: int, rank: int, latent_activation: str | None):
+    def __init__(self, in_features: int, out_features: int, rank: int, latent_activation: str | None, bias: bool = False):
         super().__init__()
         self.in_features, self.out_features, self.rank = in_features, out_features, rank
         self.A = nn.Parameter(torch.empty(rank, in_features))
         self.B = nn.Parameter(torch.empty(out_features, rank))
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self.latent_activation = latent_activation
         self.act_fn = ACT2FN[latent_activation] if latent_activation else None
 
@@ -83,19 +87,29 @@ class BoostLlamaLowRankLinear(nn.Module):
         """The function between the factors, on ``z = A x: [..., r]``."""
         return self.act_fn(z) if self.act_fn is not None else z
 
+    def up(self, h: torch.Tensor) -> torch.Tensor:
+        """``B h (+ bias)`` for the latent ``h: [..., r]`` fed to ``B``."""
+        return F.linear(h, self.B, self.bias)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(self.latent(F.linear(x, self.A)), self.B)
+        return self.up(self.latent(F.linear(x, self.A)))
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, rank={self.rank}, latent_activation={self.latent_activation}"
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, rank={self.rank}, "
+            f"latent_activation={self.latent_activation}, bias={self.bias is not None}"
+        )
 
 
 class BoostLlamaLaxLinear(BoostLlamaLowRankLinear):
-    """LaX bottleneck projection: the latent crosses in the same projection's latent of the previous block.
+    """LaX bottleneck projection (the authors' ``TensorizedLinear``, 2-core case): the latent crosses in the
+    latent that the same projection of the previous block fed to its ``B``.
 
-    ``c = A x + G c_prev`` (``G``: ``"dense"`` ``[r, r]``, ``"kronecker"`` ``L (x) R`` or ``"identity"``; no
-    crossing in block 0), then ``y = B act(LayerNorm_r(c))``. ``forward(x, c_prev) -> (y, c)``: ``c`` is
-    handed to the same projection of the next block.
+    Block 0 (``crossing=None``): ``h = act(A x)``. Block ``l > 0``: ``h = act(LayerNorm_r(A x + G h_prev))``
+    (``G``: ``"dense"`` ``gate h + gate_bias`` with ``gate: [r, r]``, ``gate_bias: [r]``; ``"kronecker"``
+    ``(L (x) R) h`` with ``gate_left: [a, a]``, ``gate_right: [b, b]``, ``a b = r``; ``"identity"`` ``h``). Then
+    ``y = B h``. ``forward(x, h_prev) -> (y, h)``: ``h``, the latent fed to ``B`` (after norm and activation),
+    is handed to the same projection of the next block.
     """
 
     def __init__(
@@ -104,42 +118,50 @@ class BoostLlamaLaxLinear(BoostLlamaLowRankLinear):
         out_features: int,
         rank: int,
         latent_activation: str | None,
+        bias: bool = False,
         *,
         crossing: str | None,
         kronecker_factors: tuple[int, int],
         latent_norm: bool,
     ):
-        super().__init__(in_features, out_features, rank, latent_activation)
+        super().__init__(in_features, out_features, rank, latent_activation, bias)
         self.crossing = crossing
         if crossing == "dense":
             self.gate = nn.Parameter(torch.empty(rank, rank))
+            self.gate_bias = nn.Parameter(torch.empty(rank))
         elif crossing == "kronecker":
             a, b = kronecker_factors
             self.gate_left = nn.Parameter(torch.empty(a, a))
             self.gate_right = nn.Parameter(torch.empty(b, b))
-        self.latent_norm = nn.LayerNorm(rank, eps=LATENT_NORM_EPS) if latent_norm else None
+        # the authors' first block has neither a crossing nor the latent LayerNorm
+        self.latent_norm = nn.LayerNorm(rank, eps=LATENT_NORM_EPS) if latent_norm and crossing is not None else None
 
     def cross(self, previous: torch.Tensor) -> torch.Tensor:
-        """``G c_prev`` for ``c_prev: [..., r]``."""
+        """``G h_prev`` for ``h_prev: [..., r]``."""
         if self.crossing == "identity":
             return previous
         if self.crossing == "dense":
-            return F.linear(previous, self.gate)
+            return F.linear(previous, self.gate, self.gate_bias)
         a, b = self.gate_left.shape[0], self.gate_right.shape[0]
         grid = previous.reshape(*previous.shape[:-1], a, b)
         # kron(L, R) vec(H) = vec(L H R^T) for a row-major H of shape [a, b]
         return (self.gate_left @ grid @ self.gate_right.T).reshape(previous.shape)
 
     def crossed_latent(self, z: torch.Tensor, previous: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(act(norm(c)), c)`` with ``c = z + G c_prev`` (``c = z`` in block 0)."""
-        if self.crossing is not None and previous is not None:
+        """``(h, h)``: the latent fed to ``B``, which is also the one handed on, from ``z = A x: [..., r]``:
+        ``act(norm(z + G h_prev))``, or ``act(z)`` in block 0."""
+        if self.crossing is not None:
+            if previous is None:
+                raise ValueError("a LaX projection after block 0 needs the previous block's latent (h_prev)")
             z = z + self.cross(previous)
-        fed = self.latent_norm(z) if self.latent_norm is not None else z
-        return self.latent(fed), z
+        if self.latent_norm is not None:
+            z = self.latent_norm(z)
+        h = self.latent(z)
+        return h, h
 
     def forward(self, x: torch.Tensor, previous: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         fed, carried = self.crossed_latent(F.linear(x, self.A), previous)
-        return F.linear(fed, self.B), carried
+        return self.up(fed), carried
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, crossing={self.crossing}"
@@ -148,8 +170,8 @@ class BoostLlamaLaxLinear(BoostLlamaLowRankLinear):
 def make_projection(config: BoostLlamaConfig, name: str, layer_idx: int) -> nn.Module:
     """Projection ``name`` (``q_proj`` ... ``down_proj``) of block ``layer_idx``: ``nn.Linear`` at full rank."""
     in_features, out_features = config.projection_shapes()[name]
+    bias = config.attention_bias if name in ("q_proj", "k_proj", "v_proj", "o_proj") else config.mlp_bias
     if config.bottleneck is None:
-        bias = config.attention_bias if name in ("q_proj", "k_proj", "v_proj", "o_proj") else config.mlp_bias
         return nn.Linear(in_features, out_features, bias=bias)
     if config.bottleneck == "lax":
         return BoostLlamaLaxLinear(
@@ -157,11 +179,12 @@ def make_projection(config: BoostLlamaConfig, name: str, layer_idx: int) -> nn.M
             out_features,
             config.rank,
             config.latent_activation,
+            bias,
             crossing=config.lax_gate if layer_idx > 0 else None,
             kronecker_factors=config.kronecker_factors,
             latent_norm=config.lax_latent_norm,
         )
-    return BoostLlamaLowRankLinear(in_features, out_features, config.rank, config.latent_activation)
+    return BoostLlamaLowRankLinear(in_features, out_features, config.rank, config.latent_activation, bias)
 
 
 class LatentCrossing:
@@ -368,18 +391,24 @@ class BoostLlamaPreTrainedModel(PreTrainedModel):
         """The initial value of parameter ``name`` of ``module`` at its full ``shape`` (``None``: not ours).
 
         Dense weights ``N(0, initializer_range^2)``; bottleneck factors ``N(0, s^2)`` with
-        ``s = r^(-1/4) (in + out)^(-1/4)`` (CoLA); LaX gates ``N(0, 0.02^2)`` (a Kronecker gate's factors
-        ``N(0, 0.02)`` each); norm weights 1 and biases 0.
+        ``s = r^(-1/4) (in + out)^(-1/4)`` and the bias after ``B`` ``U(-out^(-1/2), out^(-1/2))`` (CoLA); LaX
+        gates as their authors initialise them: the dense gate ``N(0, 0.02^2)`` with a zero bias (timm's
+        ``nn.Linear`` init), each Kronecker factor ``[n, n]`` Kaiming-uniform ``U(-sqrt(6/n), sqrt(6/n))``; norm
+        weights 1 and other biases 0.
         """
         if isinstance(module, BoostLlamaLowRankLinear) and name in ("A", "B"):
             std = (module.rank**-0.25) * ((module.in_features + module.out_features) ** -0.25)
+        elif isinstance(module, BoostLlamaLowRankLinear) and name == "bias":
+            bound = module.out_features**-0.5
+            return torch.empty(shape).uniform_(-bound, bound, generator=generator)
         elif isinstance(module, BoostLlamaLaxLinear) and name == "gate":
             std = 0.02
         elif isinstance(module, BoostLlamaLaxLinear) and name in ("gate_left", "gate_right"):
-            std = 0.02**0.5  # entries of kron(L, R) then have std 0.02 like the dense gate
+            bound = (6.0 / shape[1]) ** 0.5  # torch.nn.init.kaiming_uniform_ with its defaults (fan_in, a=0)
+            return torch.empty(shape).uniform_(-bound, bound, generator=generator)
         elif isinstance(module, (nn.Linear, nn.Embedding)) and name == "weight":
             std = self.config.initializer_range
-        elif name == "bias":
+        elif name in ("bias", "gate_bias"):
             return torch.zeros(shape)
         elif isinstance(module, (BoostLlamaRMSNorm, nn.LayerNorm)) and name == "weight":
             return torch.ones(shape)
@@ -490,6 +519,41 @@ class BoostLlamaModel(BoostLlamaPreTrainedModel):
                 )
 
 
+HUB_KWARGS = ("cache_dir", "revision", "token", "local_files_only", "force_download", "subfolder", "proxies")
+
+
+def is_authors_cola_checkpoint(pretrained_model_name_or_path, kwargs: dict) -> bool:
+    """Whether the checkpoint's ``config.json`` was written by the CoLA authors' code (``model_type: "cola"``)."""
+    hub = {name: kwargs[name] for name in HUB_KWARGS if name in kwargs}
+    try:
+        config_dict, _ = PretrainedConfig.get_config_dict(pretrained_model_name_or_path, **hub)
+    except OSError:
+        return False  # no config to read: the ordinary load reports it
+    return config_dict.get("model_type") == AUTHORS_COLA_MODEL_TYPE
+
+
+def authors_cola_weight_conversions() -> list[WeightConverter]:
+    """transformers' checkpoint conversions from the CoLA authors' parameters: ``*.cola_a [in, r]`` -> ``A``
+    (transposed), ``*.cola_b [r, out]`` -> ``B`` (transposed); every other name (embedding, norms, biases after
+    ``B``, LM head) is already ours."""
+    return [
+        WeightConverter(source_patterns="cola_a", target_patterns="A", operations=[Transpose(0, 1)]),
+        WeightConverter(source_patterns="cola_b", target_patterns="B", operations=[Transpose(0, 1)]),
+    ]
+
+
+@contextlib.contextmanager
+def converting_authors_cola(class_name: str):
+    """Within: ``from_pretrained`` of ``class_name`` applies :func:`authors_cola_weight_conversions` (registered
+    with transformers' conversion mapping for that class only while loading, then restored)."""
+    previous = get_checkpoint_conversion_mapping(class_name)
+    register_checkpoint_conversion_mapping(class_name, authors_cola_weight_conversions(), overwrite=True)
+    try:
+        yield
+    finally:
+        register_checkpoint_conversion_mapping(class_name, previous or [], overwrite=True)
+
+
 class BoostLlamaForCausalLM(BoostLlamaPreTrainedModel, GenerationMixin):
     """Causal LM: base model -> LM head ``[B, S, V]`` -> next-token cross-entropy.
 
@@ -519,9 +583,34 @@ class BoostLlamaForCausalLM(BoostLlamaPreTrainedModel, GenerationMixin):
         A checkpoint (folder or Hub id) must match the model exactly: missing, unexpected or wrongly-shaped
         weights raise, unless ``output_loading_info=True`` (the report is returned instead) or
         ``ignore_mismatched_sizes=True`` (sizes only). ``from_pretrained(None, config=..., state_dict=...)``
-        reads no checkpoint and behaves as in transformers (missing weights are initialised)."""
+        reads no checkpoint and behaves as in transformers (missing weights are initialised).
+
+        A checkpoint written by the CoLA authors' code (``model_type: "cola"``) is converted while it loads
+        (:meth:`from_authors_cola`)."""
+        if pretrained_model_name_or_path is not None and is_authors_cola_checkpoint(pretrained_model_name_or_path, kwargs):
+            return cls.from_authors_cola(pretrained_model_name_or_path, *model_args, parallel_config=parallel_config, **kwargs)
         if parallel_config is not None:
             return parallel_config.load_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs)
+        return cls._from_pretrained_checked(pretrained_model_name_or_path, *model_args, **kwargs)
+
+    @classmethod
+    def from_authors_cola(cls, pretrained_model_name_or_path, *model_args, parallel_config=None, **kwargs):
+        """A checkpoint written by the CoLA authors' code (``alvin-zyl/CoLA``), loaded as it is: its
+        ``config.json`` read as ours (``BoostLlamaConfig.get_config_dict``), its ``*.cola_a`` / ``*.cola_b``
+        transposed into ``A`` / ``B`` by transformers' checkpoint conversion (:func:`authors_cola_weight_conversions`).
+        The model saves in the canonical format. With a ``parallel_config`` the whole checkpoint is converted on
+        each rank, then sliced into this rank's shard (no collective but the layout's checks)."""
+        with converting_authors_cola(cls.__name__):
+            loaded = cls._from_pretrained_checked(pretrained_model_name_or_path, *model_args, **kwargs)
+        model = loaded[0] if isinstance(loaded, tuple) else loaded
+        model._weight_conversions = []  # converted once: save_pretrained writes our names, not the authors'
+        if parallel_config is not None:
+            parallel_config.parallelize(model)
+        return loaded
+
+    @classmethod
+    def _from_pretrained_checked(cls, pretrained_model_name_or_path, *model_args, **kwargs):
+        """``PreTrainedModel.from_pretrained`` that raises on any mismatch between checkpoint and model."""
         if pretrained_model_name_or_path is None:
             # No checkpoint to check (weights from ``state_dict=`` and ``config=`` only): exactly transformers'
             # behaviour, missing weights initialised and reported with ``output_loading_info``.
@@ -542,10 +631,18 @@ class BoostLlamaForCausalLM(BoostLlamaPreTrainedModel, GenerationMixin):
             "shape mismatch": [f"{name}: checkpoint {tuple(saved)} vs model {tuple(ours)}" for name, saved, ours in mismatched],
         }
         if any(problems.values()):
+            earlier_lax = any(name.endswith(".gate_bias") for name in problems["missing"]) or any(
+                ".layers.0." in name and ".latent_norm." in name for name in problems["unexpected"]
+            )
             raise ValueError(
                 "checkpoint does not match this model's architecture (was it saved from another bottleneck, rank "
                 "or size? load it with its own config.json): "
                 + "; ".join(f"{kind} {names[:5]}{'...' if len(names) > 5 else ''}" for kind, names in problems.items() if names)
+                + (
+                    ". These are LaX weights of boost-hf's earlier LaX (a latent LayerNorm in block 0, a dense gate "
+                    "without bias), which computes another function than the LaX authors' definition used now."
+                    if earlier_lax else ""
+                )
             )
         return model
 

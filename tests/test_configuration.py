@@ -84,7 +84,7 @@ def test_defaults():
     assert config.num_key_value_heads == 8
     assert config.head_dim == 32
     assert config.only_lr_act is True and config.lr_act == "silu"
-    assert (config.lax_gate, config.lax_latent_norm, config.lax_base) == ("dense", True, "cola")
+    assert (config.lax_gate, config.lax_latent_norm, config.lax_base, config.lax_version) == ("kronecker", True, "cola", 2)
     assert config.model_type == "boost_llama"
 
 

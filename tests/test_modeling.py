@@ -84,23 +84,27 @@ def test_full_rank_state_dict_names_are_llamas(make_config):
 
 # ---------------------------------------------------------------------------------- low rank == reference
 class ReferenceBottleneck(nn.Module):
-    """One projection, written from BOOST.md section 1: ``h = A x (+ G h_prev); h = LayerNorm_r(h); y = B act(h)``.
+    """One projection, written from the authors' definitions (BOOST.md section 1).
 
-    ``h_prev`` is the pre-norm latent that ``previous`` (the same projection of the previous block) stored.
+    svd / cola: ``y = B act(A x) (+ b)``. LaX (its authors' ``TensorizedLinear``): block 0 ``h = act(A x)``;
+    block ``l > 0`` ``h = act(LayerNorm_r(A x + G h_prev))`` (LayerNorm eps 1e-6; ``G h`` is ``W h + c`` for the
+    dense gate, ``kron(L, R) h`` or ``h``); ``y = B h (+ b)``; ``h_prev`` is the ``h`` that ``previous`` (the
+    same projection of the previous block) fed to its ``B``.
     """
 
-    def __init__(self, config: BoostLlamaConfig, d_in: int, d_out: int, previous: "ReferenceBottleneck | None"):
+    def __init__(self, config: BoostLlamaConfig, d_in: int, d_out: int, previous: "ReferenceBottleneck | None", bias: bool = False):
         super().__init__()
         r, lax = config.rank, config.bottleneck == "lax"
         self.A = nn.Parameter(torch.empty(r, d_in))
         self.B = nn.Parameter(torch.empty(d_out, r))
+        self.bias = nn.Parameter(torch.empty(d_out)) if bias else None
         self.crossing = config.lax_gate if lax and previous is not None else None
         if self.crossing == "dense":
-            self.gate = nn.Parameter(torch.empty(r, r))
+            self.gate, self.gate_bias = nn.Parameter(torch.empty(r, r)), nn.Parameter(torch.empty(r))
         elif self.crossing == "kronecker":
             a, b = config.kronecker_factors
             self.gate_left, self.gate_right = nn.Parameter(torch.empty(a, a)), nn.Parameter(torch.empty(b, b))
-        self.latent_norm = nn.LayerNorm(r) if lax and config.lax_latent_norm else None
+        self.latent_norm = nn.LayerNorm(r, eps=1e-6) if self.crossing is not None and config.lax_latent_norm else None
         self.act = ACT2FN[config.latent_activation] if config.latent_activation else nn.Identity()
         self._previous = [previous]  # not a submodule
         self.latent: torch.Tensor | None = None
@@ -113,13 +117,16 @@ class ReferenceBottleneck(nn.Module):
         return torch.eye(self.A.shape[0])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x @ self.A.T
+        z = x @ self.A.T
         if self.crossing is not None:
-            h = h + self._previous[0].latent @ self.gate_matrix().T
-        self.latent = h
+            z = z + self._previous[0].latent @ self.gate_matrix().T
+            if self.crossing == "dense":
+                z = z + self.gate_bias
         if self.latent_norm is not None:
-            h = self.latent_norm(h)
-        return self.act(h) @ self.B.T
+            z = self.latent_norm(z)
+        self.latent = h = self.act(z)
+        y = h @ self.B.T
+        return y if self.bias is None else y + self.bias
 
 
 def reference_model(config: BoostLlamaConfig) -> LlamaForCausalLM:
@@ -131,7 +138,8 @@ def reference_model(config: BoostLlamaConfig) -> LlamaForCausalLM:
     for layer in model.model.layers:
         for part, names in PROJECTIONS.items():
             for name in names:
-                module = ReferenceBottleneck(config, *shapes[name], previous[name])
+                bias = config.attention_bias if part == "self_attn" else config.mlp_bias
+                module = ReferenceBottleneck(config, *shapes[name], previous[name], bias)
                 setattr(getattr(layer, part), name, module)
                 previous[name] = module
         if config.mlp_activation is None:
@@ -158,28 +166,52 @@ def test_low_rank_matches_reference(make_config, low_rank_variant, group_linears
         torch.testing.assert_close(grad, reference_grads[name], rtol=1e-5, atol=1e-6, msg=name)
 
 
-@pytest.mark.parametrize("variant_name", ["cola", "lax-dense", "svd"])
+@pytest.mark.parametrize("variant_name", ["cola", "svd"])
 def test_projection_latent_by_hand(make_config, variant_name):
-    """One projection: ``B act(A x)`` (cola: SiLU, svd: none); LaX block 1: ``act(LN(A x + G h_prev))``."""
+    """One projection: ``B act(A x)`` (cola: SiLU, svd: none)."""
     config = make_config(variant_name)
-    model = build(config)
-    x, h_prev = torch.randn(5, config.hidden_size), torch.randn(5, config.rank)
-    q0, q1 = model.model.layers[0].self_attn.q_proj, model.model.layers[1].self_attn.q_proj
+    q0 = build(config).model.layers[0].self_attn.q_proj
+    x = torch.randn(5, config.hidden_size)
     with torch.no_grad():
-        y = q0(x)[0] if variant_name == "lax-dense" else q0(x)
-        if variant_name == "cola":
-            expected = q0.B @ F.silu(q0.A @ x.T)
-        elif variant_name == "svd":
-            expected = q0.B @ (q0.A @ x.T)
-        else:
-            expected = q0.B @ F.silu(F.layer_norm((q0.A @ x.T).T, (config.rank,))).T
-        torch.testing.assert_close(y, expected.T, rtol=0, atol=1e-6)
-        if variant_name == "lax-dense":
-            latent, carry = q1.crossed_latent(F.linear(x, q1.A), h_prev)
-            crossed = x @ q1.A.T + h_prev @ q1.gate.T
-            torch.testing.assert_close(carry, crossed, rtol=0, atol=1e-6)
-            expected = F.silu(F.layer_norm(crossed, (config.rank,), q1.latent_norm.weight, q1.latent_norm.bias, 1e-5))
-            torch.testing.assert_close(latent, expected, rtol=0, atol=1e-6)
+        expected = q0.B @ (F.silu(q0.A @ x.T) if variant_name == "cola" else q0.A @ x.T)
+        torch.testing.assert_close(q0(x), expected.T, rtol=0, atol=1e-6)
+
+
+BIASES = dict(attention_bias=True, mlp_bias=True)
+
+
+@pytest.mark.parametrize("variant_name", ["cola", "svd", "lax-dense", "lax-kronecker"])
+def test_bottleneck_biases_are_added_after_b(make_config, variant_name):
+    """``attention_bias`` / ``mlp_bias`` on a bottleneck model: ``y = B h + b`` (as CoLA), initialised
+    ``U(-out^(-1/2), out^(-1/2))`` (CoLA) and matching the reference in logits, loss and gradients."""
+    config = make_config(variant_name, **BIASES)
+    boost = build(config)
+    bias = boost.model.layers[1].mlp.gate_proj.bias
+    assert bias.shape == (config.intermediate_size,) and 0 < bias.abs().max() <= config.intermediate_size**-0.5
+    reference = reference_model(config)
+    reference.load_state_dict(boost.state_dict(), strict=True)
+    input_ids, attention_mask = batch(config)
+    ours = boost(input_ids, attention_mask=attention_mask, labels=input_ids, use_cache=False)
+    theirs = reference(input_ids, attention_mask=attention_mask, labels=input_ids, use_cache=False)
+    assert (ours.logits - theirs.logits).abs().max() <= 1e-5
+    ours.loss.backward()
+    theirs.loss.backward()
+    reference_grads = grads(reference)
+    for name, grad in grads(boost).items():
+        torch.testing.assert_close(grad, reference_grads[name], rtol=1e-5, atol=1e-6, msg=name)
+    with torch.no_grad():  # the biases are used: zeroing them changes the logits
+        plain = build(config)
+        for name, param in plain.named_parameters():
+            if name.endswith("_proj.bias"):
+                param.zero_()
+        assert (plain(input_ids).logits - boost.eval()(input_ids).logits).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("variant_name", ["full", "cola", "lax-dense"])
+def test_biases_under_every_grouping_and_checkpointing(make_config, variant_name):
+    config = make_config(variant_name, **BIASES)
+    layouts = LAYOUTS if config.is_low_rank else [layout for layout in LAYOUTS if layout[1] != "lowrank"]
+    assert_layouts_agree(config, layouts)
 
 
 def test_cola_only_lr_act_changes_only_the_mlp(make_config):
@@ -222,10 +254,10 @@ def expected_names(config: BoostLlamaConfig) -> dict[str, tuple[int, ...]]:
                 names[f"{prefix}.A"], names[f"{prefix}.B"] = (r, d_in), (d_out, r)
                 if config.bottleneck != "lax":
                     continue
-                if config.lax_latent_norm:
+                if i > 0 and config.lax_latent_norm:  # the authors' block 0 has no latent norm
                     names[f"{prefix}.latent_norm.weight"] = names[f"{prefix}.latent_norm.bias"] = (r,)
                 if i > 0 and config.lax_gate == "dense":
-                    names[f"{prefix}.gate"] = (r, r)
+                    names[f"{prefix}.gate"], names[f"{prefix}.gate_bias"] = (r, r), (r,)
                 if i > 0 and config.lax_gate == "kronecker":
                     a, b = config.kronecker_factors
                     names[f"{prefix}.gate_left"], names[f"{prefix}.gate_right"] = (a, a), (b, b)
@@ -245,9 +277,10 @@ def test_canonical_names_spot_checks(make_config):
     lax = dict(build(make_config("lax-dense")).named_parameters())
     for name in ("model.layers.0.self_attn.q_proj.A", "model.layers.0.self_attn.q_proj.B",
                  "model.layers.0.mlp.down_proj.A", "model.layers.1.self_attn.q_proj.gate",
-                 "model.layers.1.mlp.down_proj.gate", "model.layers.0.mlp.up_proj.latent_norm.weight"):
+                 "model.layers.1.mlp.down_proj.gate", "model.layers.1.mlp.down_proj.gate_bias",
+                 "model.layers.1.mlp.up_proj.latent_norm.weight"):
         assert name in lax, name
-    assert not any(name.startswith("model.layers.0.") and name.endswith(".gate") for name in lax)
+    assert not any(name.startswith("model.layers.0.") and name.endswith((".gate", ".gate_bias", "latent_norm.weight")) for name in lax)
     kron = dict(build(make_config("lax-kronecker")).named_parameters())
     assert tuple(kron["model.layers.1.self_attn.k_proj.gate_left"].shape) == (2, 2)
     assert tuple(kron["model.layers.1.self_attn.k_proj.gate_right"].shape) == (4, 4)
@@ -384,8 +417,15 @@ def test_init_distributions():
     for name in ("model.embed_tokens.weight", "lm_head.weight", "model.layers.1.self_attn.q_proj.gate"):
         assert abs(params[name].std().item() / 0.02 - 1) < 0.05, name
     assert torch.equal(params["model.layers.0.input_layernorm.weight"], torch.ones(256))
-    assert torch.equal(params["model.layers.0.mlp.up_proj.latent_norm.weight"], torch.ones(64))
-    assert torch.equal(params["model.layers.0.mlp.up_proj.latent_norm.bias"], torch.zeros(64))
+    assert torch.equal(params["model.layers.1.mlp.up_proj.latent_norm.weight"], torch.ones(64))
+    assert torch.equal(params["model.layers.1.mlp.up_proj.latent_norm.bias"], torch.zeros(64))
+    assert torch.equal(params["model.layers.1.mlp.up_proj.gate_bias"], torch.zeros(64))  # timm's nn.Linear init
+    kron = dict(build(BoostLlamaConfig(**{**config.to_dict(), "lax_gate": "kronecker"})).named_parameters())
+    for name in ("gate_left", "gate_right"):  # kaiming_uniform_ with its defaults: U(-sqrt(6/n), sqrt(6/n))
+        factor = torch.cat([kron[f"model.layers.1.{part}.{p}.{name}"].flatten() for part, ps in PROJECTIONS.items() for p in ps])
+        bound = (6 / kron[f"model.layers.1.mlp.up_proj.{name}"].shape[1]) ** 0.5
+        assert factor.abs().max() <= bound and factor.abs().max() > 0.9 * bound, name
+        assert abs(factor.std().item() / (bound / 3**0.5) - 1) < 0.2, name
     full = dict(build(BoostLlamaConfig(**{**config.to_dict(), "bottleneck": None})).named_parameters())
     assert abs(full["model.layers.0.mlp.up_proj.weight"].std().item() / 0.02 - 1) < 0.05
 

@@ -41,6 +41,11 @@ def compute_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
 
 
+def add_bias(y: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``y + bias`` in ``y``'s dtype (the compute dtype under autocast, as ``F.linear``'s bias); ``y`` if no bias."""
+    return y if bias is None else y + bias.to(y.dtype)
+
+
 def shard_parameter(module: nn.Module, name: str, dim: int | None, plan) -> nn.Parameter:
     """Replace ``module.<name>`` by this rank's contiguous slice along ``dim`` (``None``: replicated).
 
@@ -97,4 +102,4 @@ class VocabParallelHead:
         return f"{super().extra_repr()}, {shard_repr(self.weight)}"
 
 
-__all__ = ["adopt", "compute_dtype", "parallel_class", "shard_parameter", "shard_repr", "VocabParallelEmbedding", "VocabParallelHead"]
+__all__ = ["add_bias", "adopt", "compute_dtype", "parallel_class", "shard_parameter", "shard_repr", "VocabParallelEmbedding", "VocabParallelHead"]

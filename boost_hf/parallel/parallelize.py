@@ -81,9 +81,11 @@ def parallelize(model: nn.Module, parallel: ParallelConfig, *, initialize: bool 
 
     Raises ``ValueError`` on every rank, before any collective, when the layout cannot hold the model or
     ``tp_size`` does not fit the launched world. ``initialize``: draw the weights of a meta-device
-    model (otherwise leave them for a checkpoint loader); a materialised model is always sliced.
+    model (otherwise leave them for a checkpoint loader); a materialised model is always sliced, its
+    values kept (e.g. a model ``from_pretrained`` loaded on one device).
     """
     config = model.config
+    built_on_meta = any(param.is_meta for param in model.parameters())
     check_world(parallel.tp_size)
     layout = layout_for(config, parallel)
     plan = TensorParallelPlan(parallel, layout, get_parallel_state(parallel.tp_size))
@@ -119,7 +121,7 @@ def parallelize(model: nn.Module, parallel: ParallelConfig, *, initialize: bool 
         _keep_class_identity(mixin, type(module))
         adopt(module, mixin, plan=plan)
     model.loss_function = functools.partial(vocab_parallel_causal_lm_loss, group=plan.group)
-    if initialize:
+    if initialize and built_on_meta:
         initialize_shards(model, seed)
     return model
 

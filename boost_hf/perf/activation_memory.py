@@ -2,8 +2,10 @@
 
 Low-rank checkpointing (BOOST.md section 5) keeps only the inputs of the layer's five steps
 (:mod:`boost_hf.parallel.decoder_layer`): the residual entering the layer and after attention, plus
-the reduced latents of the four projection groups (as the layout holds them) and LaX's carried
-latents of the previous block. ``full`` keeps the layer's inputs only. The tests measure the same
+the reduced latents of the four projection groups (as the layout holds them) and LaX's handed-on
+latents of the previous block (for each of the 7 projections the latent ``h`` that block fed to its ``B``,
+after crossing, LayerNorm and activation; ``[N, r]``, full r and replicated under every layout). Block 0
+reads none. ``full`` keeps the layer's inputs only (the residual and, from block 1, the 7 handed-on latents). The tests measure the same
 quantity with :class:`SavedTensorsProbe` and compare it with :func:`saved_elements_per_layer`.
 """
 

@@ -140,14 +140,26 @@ def all_cases(world_size: int) -> list[dict]:
         for group_linears in (True, False):
             for checkpointing in ("none", "full", "lowrank"):
                 common = {"group_linears": group_linears, "activation_checkpointing": checkpointing}
-                model = {"bottleneck": bottleneck}
+                model = {"bottleneck": bottleneck, **({"lax_gate": "kronecker"} if bottleneck == "lax" else {})}
                 cases.append({"model": model, "parallel": {"tp_style": "vanilla", **common}})
                 for rmsnorm in ("online", "sync"):
                     cases.append({"model": model, "parallel": {"tp_style": "btp", "rmsnorm": rmsnorm, **common}})
-    for gate in ("kronecker", "identity"):
+    for gate in ("dense", "identity"):  # the dense gate carries a bias
         for style in ("btp", "vanilla"):
             cases.append({"model": {"bottleneck": "lax", "lax_gate": gate, "lax_base": "svd"}, "parallel": {"tp_style": style}})
     cases.append({"model": {"bottleneck": "cola", "only_lr_act": False}, "parallel": {"tp_style": "btp"}})
+    # biases after B (bottleneck) or of the dense projections (full rank), sharded with the output or added
+    # once after the all-reduce
+    biases = {"attention_bias": True, "mlp_bias": True}
+    cases += [
+        {"model": {"bottleneck": None, **biases}, "parallel": {"tp_style": "megatron"}},
+        {"model": {"bottleneck": None, **biases}, "parallel": {"tp_style": "megatron", "group_linears": False, "activation_checkpointing": "full"}},
+        {"model": {"bottleneck": "cola", **biases}, "parallel": {"tp_style": "btp"}},
+        {"model": {"bottleneck": "lax", "lax_gate": "dense", **biases}, "parallel": {"tp_style": "btp", "rmsnorm": "sync", "activation_checkpointing": "lowrank"}},
+        {"model": {"bottleneck": "svd", **biases}, "parallel": {"tp_style": "btp", "group_linears": False}},
+        {"model": {"bottleneck": "cola", **biases}, "parallel": {"tp_style": "vanilla"}},
+        {"model": {"bottleneck": "lax", "lax_gate": "dense", **biases}, "parallel": {"tp_style": "vanilla", "activation_checkpointing": "lowrank"}},
+    ]
     return cases
 
 

@@ -149,11 +149,6 @@ class Layout:
                     f"{name} ({value}) is not divisible by tp_size ({p}), which tp_style={self.name!r} "
                     "splits: choose a tp_size that divides it."
                 )
-        if getattr(config, "attention_bias", False) or getattr(config, "mlp_bias", False):
-            raise ValueError(
-                "attention_bias/mlp_bias are not supported under tensor parallelism (tp_size > 1): "
-                "set them to False or use tp_size=1."
-            )
 
     # ------------------------------------------------------------------ runtime
     def parallelize_layer(self, layer: nn.Module, plan) -> None:

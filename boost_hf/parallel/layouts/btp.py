@@ -9,6 +9,11 @@ Per layer: all-reduce of each A's partial ``N x r`` output, ``7 N r`` in 4 calls
 (ungrouped), mirrored in backward at the input gradients of the B's. RMSNorm statistics: ``online``
 adds ``2N`` elements to the forward calls; ``sync`` adds 2 calls and ``2N`` elements forward and
 backward; ``local`` nothing. Low-rank checkpointing recomputes no collective with the online norm.
+
+LaX: each rank computes the crossing ``h = act(LayerNorm_r(z + G h_prev))`` on the replicated reduced latent
+``z`` and the replicated ``h_prev``, so ``h`` (fed to this rank's ``B`` shard and handed to the next block) is
+replicated too: no communication. Its gradient is the next block's (replicated) plus the B input gradients,
+all-reduced by the copy into the TP region as for any latent. A bias after ``B`` is split with ``B``'s output.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from ..communication import Communication, PassCommunication, all_gather, all_reduce
-from ..modules import adopt, shard_parameter, shard_repr
+from ..modules import add_bias, adopt, shard_parameter, shard_repr
 from ..fused import STATISTICS_WIDTH, down_projection, latent_linear, scale_latents, split_latent
 from ..norms import RMSNORM_MODES
 from ..primitives import copy_to_tp, reduce_from_tp
@@ -25,12 +30,13 @@ from .base import GROUPS, READS_NORM, Gemm, Layout, ProjectionGroup, ResidualWid
 
 
 class BottleneckAwareProjection:
-    """Bottleneck projection with ``A: [r, d_in/p]`` (applied by its group) and ``B: [d_out/p, r]``.
+    """Bottleneck projection with ``A: [r, d_in/p]`` (applied by its group), ``B: [d_out/p, r]`` and, when the
+    configuration asks for one, the bias after ``B`` split with ``B``'s output (``[d_out/p]``).
     Module call: the replicated latent ``[B, S, r]`` -> this rank's output ``[B, S, d_out/p]``; ``weight``:
-    ``B`` as its group already cast it (see :meth:`ProjectionGroup.call_projections`)."""
+    ``B`` as its group already cast it (see :meth:`ProjectionGroup.call_projections`). No communication."""
 
     def forward(self, latent: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
-        return latent_linear(latent, self.B if weight is None else weight)
+        return add_bias(latent_linear(latent, self.B if weight is None else weight), self.bias)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, A {shard_repr(self.A)}, B {shard_repr(self.B)}"
@@ -121,6 +127,8 @@ class BottleneckAwareLayout(Layout):
     def parallelize_projection(self, projection, group_name, plan) -> None:
         shard_parameter(projection, "A", 1, plan)
         shard_parameter(projection, "B", 0, plan)
+        if projection.bias is not None:
+            shard_parameter(projection, "bias", 0, plan)
         adopt(projection, BottleneckAwareProjection)
 
     def projection_group(self, layer, owner, group_name, plan):

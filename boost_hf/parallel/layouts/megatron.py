@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from ..communication import PassCommunication, all_reduce
 from ..fused import stacked_weight
-from ..modules import adopt, compute_dtype, shard_parameter, shard_repr
+from ..modules import add_bias, adopt, compute_dtype, shard_parameter, shard_repr
 from ..primitives import copy_to_tp, reduce_from_tp
 from .base import GROUPS, Gemm, Layout, ProjectionGroup, ResidualWidths
 
@@ -30,24 +30,25 @@ COLUMN_GROUPS = ("qkv", "gate_up")
 
 
 class ColumnParallel:
-    """``nn.Linear`` split along its output: ``[B, S, d_in]`` (already in the TP region) ->
+    """``nn.Linear`` split along its output (weight and bias): ``[B, S, d_in]`` (already in the TP region) ->
     ``[B, S, d_out/p]``. No communication (the group copies the shared input once). ``fused``: this
-    projection's columns of its group's fused GEMM on ``x``, already computed; the call returns them."""
+    projection's columns of its group's fused GEMM on ``x``, already computed; the call adds the bias."""
 
     def forward(self, x: torch.Tensor, fused: torch.Tensor | None = None) -> torch.Tensor:
-        return F.linear(x, self.weight) if fused is None else fused
+        return F.linear(x, self.weight, self.bias) if fused is None else add_bias(fused, self.bias)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, {shard_repr(self.weight)}"
 
 
 class RowParallel:
-    """``nn.Linear`` split along its input: ``[B, S, d_in/p]`` -> all-reduce -> ``[B, S, d_out]``."""
+    """``nn.Linear`` split along its input: ``[B, S, d_in/p]`` -> all-reduce -> ``+ bias`` (replicated, added
+    once after the all-reduce) -> ``[B, S, d_out]``."""
 
     group = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return reduce_from_tp(F.linear(x, self.weight), self.group)
+        return add_bias(reduce_from_tp(F.linear(x, self.weight), self.group), self.bias)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, {shard_repr(self.weight)}"
@@ -95,6 +96,8 @@ class MegatronLayout(Layout):
     def parallelize_projection(self, projection, group_name, plan) -> None:
         column = group_name in COLUMN_GROUPS
         shard_parameter(projection, "weight", 0 if column else 1, plan)
+        if projection.bias is not None and column:
+            shard_parameter(projection, "bias", 0, plan)
         adopt(projection, ColumnParallel if column else RowParallel, group=plan.group)
 
     def projection_group(self, layer, owner, group_name, plan):

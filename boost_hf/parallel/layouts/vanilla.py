@@ -4,7 +4,8 @@ Each bottleneck pair is a Megatron MLP: ``A`` column-parallel along the rank (``
 row-parallel (``[d_out, r/p]``) followed by a full-width all-reduce of its output. The residual stream
 is replicated and full width, and the norms, RoPE, attention (every head) and the MLP product run
 redundantly on every rank. LaX's crossing and latent LayerNorm need the full r-dim latent: it is
-all-gathered after A and each rank takes its ``r/p`` slice again before B.
+all-gathered after A and each rank takes its ``r/p`` slice again before B. Block 0 has neither, but the latent
+it hands on must be whole for block 1's crossing, so it gathers too (every layer gathers the same).
 
 Per layer: forward all-reduce of each B's full-width output, 7 calls, ``N (dq + 2 dkv + d + 2f + d)``;
 backward all-reduce at the inputs of the A's: grouped 4 calls ``N (d + dq + d + f)``, ungrouped 7 calls
@@ -19,20 +20,21 @@ import torch.nn.functional as F
 
 from ..communication import Communication, PassCommunication, all_gather, all_reduce
 from ..fused import latent_linear, split_latent, stacked_weight
-from ..modules import adopt, compute_dtype, shard_parameter, shard_repr
+from ..modules import add_bias, adopt, compute_dtype, shard_parameter, shard_repr
 from ..primitives import copy_to_tp, gather_from_tp, reduce_from_tp, split_to_tp
 from .base import GROUPS, Gemm, Layout, ProjectionGroup, ResidualWidths, apply_latent_functions, low_rank_a_gemms, split_latents
 
 
 class VanillaProjection:
-    """Bottleneck projection with ``A: [r/p, d_in]``, ``B: [d_out, r/p]``. Module call: this rank's
-    latent ``[B, S, r/p]`` -> ``B`` -> all-reduce -> ``[B, S, d_out]``; ``weight``: ``B`` as its group
-    already cast it (see :meth:`ProjectionGroup.call_projections`)."""
+    """Bottleneck projection with ``A: [r/p, d_in]``, ``B: [d_out, r/p]`` and the replicated bias after ``B``
+    (``[d_out]``, when the configuration asks for one). Module call: this rank's latent ``[B, S, r/p]`` -> ``B``
+    -> all-reduce -> ``+ bias`` (once, after the all-reduce) -> ``[B, S, d_out]``; ``weight``: ``B`` as its
+    group already cast it (see :meth:`ProjectionGroup.call_projections`)."""
 
     group = None
 
     def forward(self, latent: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
-        return reduce_from_tp(latent_linear(latent, self.B if weight is None else weight), self.group)
+        return add_bias(reduce_from_tp(latent_linear(latent, self.B if weight is None else weight), self.group), self.bias)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, A {shard_repr(self.A)}, B {shard_repr(self.B)}"
