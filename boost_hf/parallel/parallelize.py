@@ -80,10 +80,17 @@ def parallelize(model: nn.Module, parallel: ParallelConfig, *, initialize: bool 
     """Shard ``model`` (a ``BoostLlamaForCausalLM``) in place for this rank of ``parallel``'s layout.
 
     Raises ``ValueError`` on every rank, before any collective, when the layout cannot hold the model or
-    ``tp_size`` does not fit the launched world. ``initialize``: draw the weights of a meta-device
-    model (otherwise leave them for a checkpoint loader); a materialised model is always sliced.
+    ``tp_size`` does not fit the launched world. A materialised model (e.g. one loaded by
+    ``from_pretrained``) keeps its values: each parameter becomes its slice. A model built on the meta device
+    is drawn from the shared seed when ``initialize`` (otherwise left uninitialised for a checkpoint loader).
     """
     config = model.config
+    on_meta = [name for name, param in model.named_parameters() if param.is_meta]
+    if on_meta and len(on_meta) != len(list(model.parameters())):
+        raise ValueError(
+            f"parallelize needs a model built entirely on the meta device or entirely materialised; {on_meta[:3]} are on "
+            "the meta device and others are not: build it with BoostLlamaForCausalLM(config, parallel_config=...) or load it."
+        )
     check_world(parallel.tp_size)
     layout = layout_for(config, parallel)
     plan = TensorParallelPlan(parallel, layout, get_parallel_state(parallel.tp_size))
@@ -119,7 +126,7 @@ def parallelize(model: nn.Module, parallel: ParallelConfig, *, initialize: bool 
         _keep_class_identity(mixin, type(module))
         adopt(module, mixin, plan=plan)
     model.loss_function = functools.partial(vocab_parallel_causal_lm_loss, group=plan.group)
-    if initialize:
+    if initialize and on_meta:
         initialize_shards(model, seed)
     return model
 
