@@ -12,8 +12,10 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch
+import torch.distributed as dist
 from transformers import TrainingArguments
 
 from ..parallel.config import ParallelConfig
@@ -64,7 +66,9 @@ class BoostTrainingArguments(TrainingArguments):
             run in ``output_dir`` (transformers 5 dropped this Trainer flag; without it such a run is refused).
 
     Without CUDA, ``use_cpu`` is set (and ``ddp_backend="gloo"`` when launched on several processes), so
-    ``accelerate launch`` runs on CPU processes with or without DeepSpeed.
+    ``accelerate launch`` runs on CPU processes with or without DeepSpeed. ``ddp_timeout`` bounds every collective
+    on CPU as on GPU (transformers passes it to the process group on GPU only; boost-hf's TP and DP groups take it
+    from the default group, :func:`~boost_hf.parallel.state.new_group_with_timeout`).
     """
 
     tp_size: int = field(default=1, metadata={"help": "Ranks per tensor-parallel group (the world is dp x tp_size)."})
@@ -122,6 +126,17 @@ class BoostTrainingArguments(TrainingArguments):
         if self.peak_tflops <= 0:
             raise ValueError(f"peak_tflops must be > 0, got {self.peak_tflops}.")
         self.to_parallel_config()  # validate the layout fields now, not after the model is built
+
+    @cached_property
+    def _setup_devices(self) -> torch.device:
+        """transformers initialises the process group with ``ddp_timeout`` on GPU but, with ``use_cpu``, without it
+        (gloo's 30-minute default). Launched on CPU, the group is initialised here first, through accelerate as
+        transformers would, with the timeout; transformers then finds it initialised."""
+        if self.use_cpu and int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
+            from accelerate import PartialState
+
+            PartialState(cpu=True, backend=self.ddp_backend, timeout=self.ddp_timeout_delta)
+        return TrainingArguments._setup_devices.func(self)
 
     def to_parallel_config(self, model_config=None) -> ParallelConfig:
         """The :class:`ParallelConfig` of these arguments; ``tp_style="auto"`` resolves with ``model_config``

@@ -33,7 +33,8 @@ Trainer hook                           boost-hf behaviour
 ``train``                              resume from the last *complete* checkpoint, refused at a layout it cannot
                                        resume exactly (another global batch; DeepSpeed at another tp x dp);
                                        refuse an earlier run's ``output_dir`` unless ``overwrite_output_dir``;
-                                       lock ``output_dir``; start the hang watchdog
+                                       lock ``output_dir``; start the hang watchdog; a collective that
+                                       times out (``--ddp_timeout``) is named, also in ``evaluate``
                                        (:mod:`boost_hf.training.watchdog`)
 ``_load_from_checkpoint`` /            resume: manifest and architecture verified, then this rank's slice of
 ``_load_optimizer_and_scheduler``      the canonical weights and of the optimizer state (resharded when saved
@@ -84,7 +85,7 @@ from .health import is_finite, nonfinite_error, poison_nonfinite_loss
 from .metrics import TrainingMetrics
 from .preflight import TokenIdCheckingCollator, check_dataset
 from .resume import check_resume_layout, load_optimizer_state, missing_file_error, training_layout, write_training_layout
-from .watchdog import HangWatchdog, exit_with_launcher
+from .watchdog import HangWatchdog, exit_with_launcher, naming_collective_timeouts
 from .publish import inference_settings, model_card, publish_special_tokens, save_tokenizer
 
 
@@ -422,7 +423,13 @@ class BoostTrainer(Trainer):
         self.start_hang_watchdog()
         if not resume_from_checkpoint and self.args.should_save and os.path.isdir(run_dir):
             remove_earlier_run(run_dir)  # only reached with overwrite_output_dir (or nothing to remove)
-        return super().train(resume_from_checkpoint=resume_from_checkpoint or None, **kwargs)
+        with naming_collective_timeouts(lambda: self.state.global_step + 1):
+            return super().train(resume_from_checkpoint=resume_from_checkpoint or None, **kwargs)
+
+    def evaluate(self, *args, **kwargs):
+        """``Trainer.evaluate``; a collective that times out is named (:func:`~boost_hf.training.watchdog.naming_collective_timeouts`)."""
+        with naming_collective_timeouts(lambda: self.state.global_step):
+            return super().evaluate(*args, **kwargs)
 
     def training_layout(self) -> dict:
         """This run's TP x DP sizes, ZeRO stage, global batch and optimizer parameters (:mod:`boost_hf.training.resume`)."""
