@@ -60,6 +60,8 @@ class BoostTrainingArguments(TrainingArguments):
         sample_prompt / sample_max_new_tokens: the greedy sample printed at the end of training.
         nonfinite: what a non-finite loss or gradient norm does: ``"stop"`` (default, an error naming the step)
             or ``"skip_step"`` (the update is not applied; counted in the logs). See :mod:`boost_hf.training.health`.
+        nonfinite_max_consecutive_skips: under ``skip_step``, this many skipped steps in a row (default 10) stop the run
+            with the ``NonFiniteError`` (0: never).
         hang_timeout_s: seconds after which a rank that stopped responding (frozen, SIGSTOPped, its machine hung) stops
             the run with an error naming it (default 300; 0: no watchdog). See :mod:`boost_hf.training.watchdog`.
         overwrite_output_dir: let a new (not resumed) run replace the checkpoints and final model of an earlier
@@ -86,6 +88,9 @@ class BoostTrainingArguments(TrainingArguments):
     sample_prompt: str = field(default="The history of", metadata={"help": "Prompt of the sample generated after training."})
     sample_max_new_tokens: int = field(default=40, metadata={"help": "Tokens generated for the final sample (0: none)."})
     nonfinite: str = field(default="stop", metadata={"help": "On a non-finite loss or grad norm: stop (error) or skip_step."})
+    nonfinite_max_consecutive_skips: int = field(
+        default=10, metadata={"help": "With --nonfinite skip_step, stop (NonFiniteError) after this many skipped steps in a row (0: never)."}
+    )
     hang_timeout_s: float = field(
         default=300.0, metadata={"help": "Stop the run when a rank has not responded for this many seconds (0: never)."}
     )
@@ -121,6 +126,13 @@ class BoostTrainingArguments(TrainingArguments):
             self.peak_tflops = default_peak_tflops()
         if self.nonfinite not in NONFINITE_POLICIES:
             raise ValueError(f"nonfinite must be one of {', '.join(NONFINITE_POLICIES)}, got {self.nonfinite!r}.")
+        if self.nonfinite_max_consecutive_skips < 0:
+            raise ValueError(f"nonfinite_max_consecutive_skips must be >= 0 (0: never stop), got {self.nonfinite_max_consecutive_skips}.")
+        if self.max_steps < -1 or (self.max_steps <= 0 and self.num_train_epochs <= 0):
+            raise ValueError(
+                f"this run would train no step (max_steps={self.max_steps}, num_train_epochs={self.num_train_epochs}): set "
+                "--max_steps to a positive number of optimizer steps, or --max_steps -1 and --num_train_epochs > 0."
+            )
         if self.hang_timeout_s < 0:
             raise ValueError(f"hang_timeout_s must be >= 0 (0 disables the watchdog), got {self.hang_timeout_s}.")
         if self.peak_tflops <= 0:

@@ -127,6 +127,8 @@ class BoostTrainer(Trainer):
         self._bos_seen: torch.Tensor | bool = False  # whether a training micro-batch held the tokenizer's BOS id (no sync)
         self.card_metadata = {"license": "apache-2.0", "datasets": []}  # Hub metadata of the model card
         self.nonfinite_skipped_steps = 0
+        self.nonfinite_consecutive_skips = 0
+        self._nonfinite_loss_logged: torch.Tensor | bool = False  # a non-finite micro-batch loss since the last log
         super().__init__(model=model, args=args, **kwargs)
         state = self.parallel_state
         self.metrics = TrainingMetrics(
@@ -277,7 +279,9 @@ class BoostTrainer(Trainer):
         if bos is not None:
             self._bos_seen = (inputs["input_ids"] == bos).any() | self._bos_seen
         with self.metrics.comm:
-            return super().training_step(model, inputs, num_items_in_batch)
+            loss = super().training_step(model, inputs, num_items_in_batch)
+        self._nonfinite_loss_logged = ~torch.isfinite(loss) | self._nonfinite_loss_logged  # no sync
+        return loss
 
     def _clip_grad_norm(self, model):
         if self.is_deepspeed_enabled:
@@ -297,6 +301,14 @@ class BoostTrainer(Trainer):
                 raise nonfinite_error(self.state.global_step + 1, grad_norm, checkpoints[-1] if checkpoints else None)
             self.optimizer.zero_grad(set_to_none=True)  # torch optimizers skip parameters without a gradient
             self.nonfinite_skipped_steps += 1
+            self.nonfinite_consecutive_skips += 1
+            limit = getattr(self.args, "nonfinite_max_consecutive_skips", 0)
+            if limit and self.nonfinite_consecutive_skips >= limit:
+                checkpoints = completed_checkpoints(self.args.output_dir)
+                raise nonfinite_error(self.state.global_step + 1, grad_norm, checkpoints[-1] if checkpoints else None,
+                                      consecutive_skips=self.nonfinite_consecutive_skips)
+        else:
+            self.nonfinite_consecutive_skips = 0
         return grad_norm
 
     def _track_num_input_tokens(self, inputs) -> None:
@@ -314,6 +326,9 @@ class BoostTrainer(Trainer):
         if "loss" in logs:
             logs.update(self.metrics.pop_logs())
             logs["nonfinite_skipped_steps"] = self.nonfinite_skipped_steps
+            if bool(self._nonfinite_loss_logged):  # the Trainer averages non-finite losses away (logging_nan_inf_filter)
+                logs["loss"] = float("nan")
+            self._nonfinite_loss_logged = False
         super().log(logs, start_time)
 
     # ------------------------------------------------------------------ saving and resuming

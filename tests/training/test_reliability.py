@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 import json
+import math
 import os
 import subprocess
 
@@ -98,12 +99,34 @@ def test_nonfinite_skip_step_leaves_the_weights_and_counts(tmp_path, nan_loss_at
     assert [log["nonfinite_skipped_steps"] for log in logs] == [0, 1, 1, 1]
 
 
+def test_skip_step_stops_after_consecutive_skips_and_logs_nan(tmp_path, nan_loss_at):
+    nan_loss_at({2, 4, 5, 6})
+    t = trainer(tmp_path, nonfinite="skip_step", nonfinite_max_consecutive_skips=3, max_steps=8, save_steps=3)
+    message = (r"non-finite loss or gradient norm \(nan\) at step 6: 3 steps in a row skipped by --nonfinite skip_step "
+               r"\(--nonfinite_max_consecutive_skips 3\), the run has diverged: training stopped .*checkpoint-3")
+    with pytest.raises(NonFiniteError, match=message):
+        t.train()
+    losses = {log["step"]: log["loss"] for log in t.state.log_history if "loss" in log}
+    assert sorted(losses) == [1, 2, 3, 4, 5]
+    assert [math.isnan(losses[step]) for step in sorted(losses)] == [False, True, False, True, True]
+    assert sorted(os.listdir(tmp_path)) == [".boost_hf.lock", "checkpoint-3"]  # no final, nothing after the skips
+
+
 def test_nonfinite_policy_is_validated(tmp_path):
     with pytest.raises(ValueError, match="nonfinite must be one of stop, skip_step, got 'ignore'"):
         arguments(tmp_path, nonfinite="ignore")
 
 
 # ---------------------------------------------------------------------------- data and arguments
+@pytest.mark.parametrize("steps", [dict(max_steps=-5, num_train_epochs=0), dict(max_steps=0, num_train_epochs=0)])
+def test_a_run_that_would_train_no_step_is_refused(tmp_path, steps):
+    with pytest.raises(ValueError, match=rf"this run would train no step \(max_steps={steps['max_steps']}, num_train_epochs=0\): set "
+                                         "--max_steps to a positive number"):
+        arguments(tmp_path, **steps)
+    with pytest.raises(ValueError, match="nonfinite_max_consecutive_skips must be >= 0"):
+        arguments(tmp_path, nonfinite_max_consecutive_skips=-1)
+
+
 def test_fewer_blocks_than_one_global_batch(tmp_path):
     with pytest.raises(ValueError, match="the training set has 3 blocks, fewer than 8 .one global batch"):
         trainer(tmp_path, train=blocks(3), per_device_train_batch_size=8)
