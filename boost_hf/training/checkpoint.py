@@ -15,9 +15,13 @@ A checkpoint folder ``checkpoint-<step>`` holds
   size and SHA-256 of every file and the model's architecture record. A folder without it is incomplete;
   resuming verifies it.
 
-If a save fails (disk full, I/O error) the partial folder is removed, a folder of the same name that existed
-before is put back, and :class:`CheckpointWriteError` says what happened (and how much space is left).
-:func:`atomic_directory` (the ``final`` model) writes into a staging folder unique to the run and renames it.
+Every checkpoint and the ``final`` model are written by :func:`atomic_directory`: into a staging folder unique to
+the run (``.checkpoint-<step>.tmp-<run id>``), then its manifest, then one rename to the final name; the trainer
+rotates old checkpoints out (``--save_total_limit``) only after that. A folder named ``checkpoint-<step>`` is
+therefore always complete, and a complete checkpoint exists at every moment. If a save fails (disk full, I/O
+error) the staging folder is removed, the earlier folders are untouched, and :class:`CheckpointWriteError` says
+what happened (and how much space is left). Staging folders left by a killed run are removed when the next run
+takes the output folder's lock (:func:`remove_stale_staging`).
 :class:`OutputDirLock` keeps a second run out of an ``output_dir`` in use.
 """
 
@@ -118,23 +122,16 @@ def atomic_directory(target: str, *, is_writer: bool, run_id: str, config=None):
     _barrier()
 
 
-@contextlib.contextmanager
-def checkpoint_directory(target: str, *, is_writer: bool, run_id: str, config=None):
-    """Collective (all ranks): the block writes the checkpoint ``target`` in place (``Trainer._save_checkpoint``);
-    afterwards ``is_writer`` writes its manifest, which marks it complete. A folder already named ``target`` is
-    moved aside first and put back if the block fails."""
-    parent, name = os.path.split(os.path.abspath(target))
-    previous = os.path.join(parent, f".{name}.old-{run_id}")
-    if is_writer and os.path.exists(target):
-        os.replace(target, previous)
-    _barrier()
-    with _removed_on_error(target, target if is_writer else None, previous if is_writer else None):
-        yield
-        _barrier()
-        if is_writer:
-            write_manifest(target, config)
-    if is_writer:
-        shutil.rmtree(previous, ignore_errors=True)
+_STAGING = re.compile(rf"^\.({PREFIX_CHECKPOINT_DIR}-\d+|final)\.(tmp|old)-(.+)$")
+
+
+def remove_stale_staging(output_dir: str, run_id: str) -> list[str]:
+    """Delete the staging folders of earlier runs in ``output_dir`` (left by a run killed while saving); return their
+    names. Call while holding the output folder's lock (no other run writes there)."""
+    stale = [n for n in os.listdir(output_dir) if (m := _STAGING.match(n)) and m.group(3) != run_id]
+    for name in stale:
+        shutil.rmtree(os.path.join(output_dir, name), ignore_errors=True)
+    return stale
 
 
 def completed_checkpoints(run_dir: str) -> list[str]:
@@ -242,8 +239,8 @@ __all__ = [
     "OutputDirLock",
     "optimizer_file_name",
     "atomic_directory",
-    "checkpoint_directory",
     "completed_checkpoints",
+    "remove_stale_staging",
     "check_fresh_output_dir",
     "remove_earlier_run",
     "full_parameters",

@@ -26,7 +26,8 @@ Trainer hook                           boost-hf behaviour
                                        (:mod:`boost_hf.training.health`)
 ``save_model`` / ``_save_checkpoint``  canonical checkpoint from every rank's shard, publishable (remote code,
                                        ``use_cache``, tokenizer context and BOS, ``README.md`` model card:
-                                       :mod:`boost_hf.training.publish`); ``super()._save_checkpoint``
+                                       :mod:`boost_hf.training.publish`); the Trainer's checkpoint files written
+                                       to a staging folder, manifest, rename, then rotation
 ``_save_optimizer_and_scheduler``      inside a guard that writes the manifest and removes a failed save;
                                        optimizer state per TP rank and ``training_layout.json``
                                        (:mod:`boost_hf.training.checkpoint`, :mod:`boost_hf.training.resume`)
@@ -57,8 +58,9 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader
 from accelerate.utils import DynamoBackend
 from transformers import Trainer, default_data_collator
-from transformers.trainer import SCHEDULER_NAME
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, EvalLoopOutput, EvalPrediction
+from transformers.trainer import SCHEDULER_NAME, TRAINER_STATE_NAME
+from transformers.trainer_callback import ExportableState
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, EvalLoopOutput, EvalPrediction, SaveStrategy, rotate_checkpoints
 
 from ..checkpoint_integrity import verify_checkpoint
 from ..parallel.weights_io import load_canonical_checkpoint, resolve_checkpoint_files
@@ -69,11 +71,11 @@ from .checkpoint import (
     OutputDirLock,
     atomic_directory,
     check_fresh_output_dir,
-    checkpoint_directory,
     completed_checkpoints,
     full_parameters,
     optimizer_file_name,
     remove_earlier_run,
+    remove_stale_staging,
 )
 from .compile import compile_decoder_layers
 from .data import EvalShard, shard_by_data_parallel_rank, streaming_loader
@@ -393,11 +395,38 @@ class BoostTrainer(Trainer):
         return target
 
     def _save_checkpoint(self, model, trial) -> None:
-        """The Trainer's checkpoint (push to hub, best model, rotation included), then its manifest (complete);
-        a failed save leaves no partial folder (:func:`~boost_hf.training.checkpoint.checkpoint_directory`)."""
-        target = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
-        with checkpoint_directory(target, is_writer=self.args.should_save, run_id=self.run_id, config=self.model.config):
-            super()._save_checkpoint(model, trial)
+        """The Trainer's checkpoint (``Trainer._save_checkpoint``'s files, best-model record and hub push), written
+        atomically: into a staging folder, then its manifest, then renamed to ``checkpoint-<step>``; only then are old
+        checkpoints rotated out (``--save_total_limit``), so a complete checkpoint exists at every moment. A failed
+        save leaves no partial folder (:func:`~boost_hf.training.checkpoint.atomic_directory`)."""
+        if self.hp_search_backend is None and trial is None:
+            self.store_flos()
+        run_dir = self._get_output_dir(trial=trial)
+        target = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+        with atomic_directory(target, is_writer=self.args.should_save, run_id=self.run_id, config=self.model.config) as staging:
+            self.save_model(staging, _internal_call=True)
+            if self.args.save_strategy in (SaveStrategy.STEPS, SaveStrategy.EPOCH, SaveStrategy.BEST) and self.state.best_global_step:
+                best = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.best_global_step}")
+                if best == target or os.path.exists(best):
+                    self.state.best_model_checkpoint = best
+            if not self.args.save_only_model:
+                self._save_optimizer_and_scheduler(staging)
+                self._save_scaler(staging)
+                self._save_rng_state(staging)
+            if self.args.should_save:
+                for callback in self.callback_handler.callbacks + [self.control]:
+                    if isinstance(callback, ExportableState):
+                        name, exported = type(callback).__name__, callback.state()
+                        if isinstance(self.state.stateful_callbacks[name], list):
+                            self.state.stateful_callbacks[name].append(exported)
+                        else:
+                            self.state.stateful_callbacks[name] = exported
+                self.state.save_to_json(os.path.join(staging, TRAINER_STATE_NAME))
+        if self.args.push_to_hub:
+            self._push_from_checkpoint(target)
+        if self.args.should_save:
+            rotate_checkpoints(output_dir=run_dir, save_total_limit=self.args.save_total_limit,
+                               best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=True)
 
     # ------------------------------------------------------------------ the run's output folder
     def claim_output_dir(self) -> None:
@@ -411,6 +440,7 @@ class BoostTrainer(Trainer):
             self._output_dir_lock = OutputDirLock(self.args.output_dir)
             try:
                 self._output_dir_lock.acquire(claim[0])
+                remove_stale_staging(self.args.output_dir, claim[0])
             except OutputDirInUseError as error:
                 claim[1] = str(error)
         if dist.is_available() and dist.is_initialized():

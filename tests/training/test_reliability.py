@@ -238,6 +238,50 @@ def test_a_second_run_into_a_locked_output_dir_fails(tmp_path):
     OutputDirLock(str(tmp_path)).acquire("second-run")  # a dead run's lock on this host is taken over
 
 
+def test_checkpoints_are_staged_verified_renamed_then_rotated(tmp_path, monkeypatch):
+    """Each save: files into ``.checkpoint-<step>.tmp-<run id>``, its manifest, one rename, and only then the rotation
+    of ``--save_total_limit``: when old checkpoints are deleted, the new one is complete under its final name."""
+    import boost_hf.training.trainer as trainer_module
+    from boost_hf.checkpoint_integrity import verify_manifest
+
+    events = []
+    rotate = trainer_module.rotate_checkpoints
+
+    def recording_rotation(output_dir, **kwargs):
+        names = sorted(n for n in os.listdir(output_dir) if n != ".boost_hf.lock")
+        newest = max((n for n in names if n.startswith("checkpoint-")), key=lambda n: int(n.split("-")[1]))
+        verify_manifest(os.path.join(output_dir, newest))  # complete before anything is deleted
+        events.append(names)
+        rotate(output_dir, **kwargs)
+
+    monkeypatch.setattr(trainer_module, "rotate_checkpoints", recording_rotation)
+    t = trainer(tmp_path, save_total_limit=1, max_steps=6)
+    stale = tmp_path / ".checkpoint-9.tmp-killed-run"  # a run killed while saving left its staging folder
+    stale.mkdir(parents=True)
+    t.train()
+    assert events == [["checkpoint-2"], ["checkpoint-2", "checkpoint-4"], ["checkpoint-4", "checkpoint-6"]]
+    assert sorted(os.listdir(tmp_path)) == [".boost_hf.lock", "checkpoint-6"]  # rotated; no staging folder left
+
+
+def test_a_save_that_fails_before_its_rename_keeps_the_previous_checkpoint_with_save_total_limit(tmp_path, monkeypatch):
+    import boost_hf.training.checkpoint as checkpoint_module
+    from boost_hf.checkpoint_integrity import verify_manifest
+
+    write_manifest = checkpoint_module.write_manifest
+    t = trainer(tmp_path, save_total_limit=1, max_steps=4)
+
+    def killed_at_step_4(folder, config=None):
+        if t.state.global_step == 4:
+            raise KeyboardInterrupt  # as a kill between the files and the manifest
+        return write_manifest(folder, config)
+
+    monkeypatch.setattr(checkpoint_module, "write_manifest", killed_at_step_4)
+    with pytest.raises(KeyboardInterrupt):
+        t.train()
+    assert sorted(os.listdir(tmp_path)) == [".boost_hf.lock", "checkpoint-2"]
+    verify_manifest(str(tmp_path / "checkpoint-2"))
+
+
 def _tmpfs(path, size: str) -> bool:
     path.mkdir()
     return subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True).returncode == 0
