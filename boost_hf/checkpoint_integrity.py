@@ -15,37 +15,16 @@ import hashlib
 import json
 import os
 
+from .configuration_boost_llama import BoostLlamaConfig
+
 MANIFEST_NAME = "manifest.json"
 MANIFEST_VERSION = 1
 ARCHITECTURE_METADATA_KEY = "boost_hf_architecture"
 """Key of the JSON architecture record in a safetensors header's ``metadata`` (see :func:`architecture_metadata`)."""
 HASH_CHUNK_BYTES = 1 << 22
 
-ARCHITECTURE_FIELDS = (
-    "model_type",
-    "vocab_size",
-    "hidden_size",
-    "intermediate_size",
-    "num_hidden_layers",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "head_dim",
-    "hidden_act",
-    "rms_norm_eps",
-    "tie_word_embeddings",
-    "attention_bias",
-    "mlp_bias",
-    "rope_theta",
-    "bottleneck",
-    "rank",
-    "only_lr_act",
-    "lr_act",
-    "lax_gate",
-    "lax_latent_norm",
-    "lax_base",
-    "lax_kronecker_factor",
-)
-"""Fields that change what the same weights compute. Fields a low-rank variant ignores are recorded as ``None``."""
+ARCHITECTURE_FIELDS = BoostLlamaConfig.ARCHITECTURE_FIELDS
+"""Fields that change what the same weights compute (:meth:`BoostLlamaConfig.architecture_record`)."""
 
 
 class CheckpointIntegrityError(ValueError):
@@ -72,24 +51,9 @@ def _files(folder: str) -> list[str]:
 
 
 def architecture_record(config) -> dict:
-    """The fields of ``config`` (a ``BoostLlamaConfig``) that change the function, JSON-serialisable.
-
-    Options of a bottleneck that is not used are ``None`` (a full-rank model has no rank, an svd model no
-    ``lr_act``), so two configs computing the same function have the same record.
-    """
-    record = {name: getattr(config, name, None) for name in ARCHITECTURE_FIELDS}
-    bottleneck = record["bottleneck"]
-    if bottleneck is None:
-        for name in ("rank", "only_lr_act", "lr_act"):
-            record[name] = None
-    if config.latent_activation is None:
-        record["lr_act"] = record["only_lr_act"] = None
-    if bottleneck == "lax":
-        record["lax_kronecker_factor"] = list(config.kronecker_factors) if config.lax_gate == "kronecker" else None
-    else:
-        for name in ("lax_gate", "lax_latent_norm", "lax_base", "lax_kronecker_factor"):
-            record[name] = None
-    return record
+    """The fields of ``config`` (a ``BoostLlamaConfig``) that change the function, JSON-serialisable (options of an
+    unused bottleneck are ``None``): :meth:`BoostLlamaConfig.architecture_record`."""
+    return config.architecture_record()
 
 
 def architecture_metadata(config) -> dict[str, str]:
@@ -99,12 +63,7 @@ def architecture_metadata(config) -> dict[str, str]:
 
 def check_architecture(record: dict, config) -> None:
     """Raise :class:`CheckpointIntegrityError` listing every field where ``config`` differs from ``record``."""
-    expected = architecture_record(config)
-    different = [
-        f"{name}: checkpoint {record.get(name)!r}, config {expected[name]!r}"
-        for name in ARCHITECTURE_FIELDS
-        if json.dumps(record.get(name)) != json.dumps(expected[name])
-    ]
+    different = config.architecture_differences(record)
     if different:
         raise CheckpointIntegrityError(
             "the checkpoint was saved from another architecture than this config ("

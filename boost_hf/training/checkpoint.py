@@ -41,7 +41,7 @@ import torch.distributed as dist
 from transformers.trainer import OPTIMIZER_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from ..checkpoint_integrity import MANIFEST_NAME, write_manifest
+from ..checkpoint_integrity import MANIFEST_NAME, CheckpointIntegrityError, verify_checkpoint, write_manifest
 
 LOCK_NAME = ".boost_hf.lock"
 LOW_SPACE_BYTES = 1 << 20
@@ -132,6 +132,30 @@ def remove_stale_staging(output_dir: str, run_id: str) -> list[str]:
     for name in stale:
         shutil.rmtree(os.path.join(output_dir, name), ignore_errors=True)
     return stale
+
+
+def verify_checkpoint_once(folder: str, config) -> None:
+    """Collective when launched: global rank 0 checks every file of ``folder`` against its manifest (size and SHA-256,
+    each file read once, by one process) and its architecture record against ``config``; every rank raises the same
+    :class:`~boost_hf.checkpoint_integrity.CheckpointIntegrityError`. A damaged ``checkpoint-<step>`` names the
+    previous complete checkpoint of its run to resume from instead."""
+    launched = dist.is_available() and dist.is_initialized()
+    error = [None]
+    if not launched or dist.get_rank() == 0:
+        try:
+            verify_checkpoint(folder, config)
+        except CheckpointIntegrityError as failure:
+            error[0] = str(failure)
+            match = _CHECKPOINT.match(os.path.basename(os.path.normpath(folder)))
+            earlier = [c for c in completed_checkpoints(os.path.dirname(os.path.abspath(folder)))
+                       if match and int(_CHECKPOINT.match(os.path.basename(c)).group(1)) < int(match.group(1))]
+            if earlier:
+                error[0] += (f" The previous complete checkpoint of this run is {earlier[-1]!r}: resume from it with "
+                             f"--resume_from_checkpoint {earlier[-1]}.")
+    if launched:
+        dist.broadcast_object_list(error, src=0)
+    if error[0] is not None:
+        raise CheckpointIntegrityError(error[0])
 
 
 def completed_checkpoints(run_dir: str) -> list[str]:
@@ -240,6 +264,7 @@ __all__ = [
     "optimizer_file_name",
     "atomic_directory",
     "completed_checkpoints",
+    "verify_checkpoint_once",
     "remove_stale_staging",
     "check_fresh_output_dir",
     "remove_earlier_run",

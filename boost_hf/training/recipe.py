@@ -24,11 +24,12 @@ import yaml
 from datasets import Dataset
 from transformers import HfArgumentParser, set_seed
 
-from ..checkpoint_integrity import MANIFEST_NAME, verify_checkpoint
+from ..checkpoint_integrity import MANIFEST_NAME
 from ..configuration_boost_llama import BoostLlamaConfig
 from ..data import DEFAULT_VALIDATION_PERCENT, build_lm_datasets, load_tokenizer
 from ..modeling_boost_llama import BoostLlamaForCausalLM
 from .arguments import BoostTrainingArguments
+from .checkpoint import verify_checkpoint_once
 
 # BoostLlamaConfig fields that a recipe does not set: taken from the tokenizer or the training arguments.
 _NOT_RECIPE_FIELDS = {"use_cache", "pad_token_id", "bos_token_id", "eos_token_id", "rope_parameters"}
@@ -194,7 +195,7 @@ def build_model(model_args, training_args: BoostTrainingArguments, tokenizer) ->
     parallel_config = training_args.to_parallel_config(config)
     if model_args.init_from:
         if os.path.isfile(os.path.join(model_args.init_from, MANIFEST_NAME)):
-            verify_checkpoint(model_args.init_from, config)
+            verify_checkpoint_once(model_args.init_from, config)
         return BoostLlamaForCausalLM.from_pretrained(model_args.init_from, config=config, parallel_config=parallel_config)
     set_seed(training_args.seed)
     return BoostLlamaForCausalLM(config, parallel_config)

@@ -37,7 +37,8 @@ Trainer hook                           boost-hf behaviour
                                        lock ``output_dir``; start the hang watchdog; a collective that
                                        times out (``--ddp_timeout``) is named, also in ``evaluate``
                                        (:mod:`boost_hf.training.watchdog`)
-``_load_from_checkpoint`` /            resume: manifest and architecture verified, then this rank's slice of
+``_load_from_checkpoint`` /            resume (``train`` verified manifest and architecture once, on rank 0,
+                                       also under DeepSpeed), then this rank's slice of
 ``_load_optimizer_and_scheduler``      the canonical weights and of the optimizer state (resharded when saved
                                        at another TP size); a missing optimizer or scheduler file raises
 =====================================  ======================================================================
@@ -62,7 +63,6 @@ from transformers.trainer import SCHEDULER_NAME, TRAINER_STATE_NAME
 from transformers.trainer_callback import ExportableState
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, EvalLoopOutput, EvalPrediction, SaveStrategy, rotate_checkpoints
 
-from ..checkpoint_integrity import verify_checkpoint
 from ..parallel.weights_io import load_canonical_checkpoint, resolve_checkpoint_files
 from ..perf.flops import training_flops_per_token
 from .arguments import default_peak_tflops
@@ -76,6 +76,7 @@ from .checkpoint import (
     optimizer_file_name,
     remove_earlier_run,
     remove_stale_staging,
+    verify_checkpoint_once,
 )
 from .compile import compile_decoder_layers
 from .data import EvalShard, shard_by_data_parallel_rank, streaming_loader
@@ -462,7 +463,8 @@ class BoostTrainer(Trainer):
             raise FileNotFoundError(f"resume_from_checkpoint: no such file or folder: {resume_from_checkpoint!r}")
         elif not resume_from_checkpoint:
             check_fresh_output_dir(run_dir, getattr(self.args, "overwrite_output_dir", False))
-        if resume_from_checkpoint:
+        if resume_from_checkpoint:  # verified here for every resume: transformers skips _load_from_checkpoint under DeepSpeed
+            verify_checkpoint_once(resume_from_checkpoint, self.model.config)
             check_resume_layout(resume_from_checkpoint, self.training_layout())
         self.claim_output_dir()
         self.start_hang_watchdog()
@@ -526,10 +528,9 @@ class BoostTrainer(Trainer):
         self.hang_watchdog.start()
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
-        """This rank's slice of the checkpoint's canonical weights (any TP size wrote it), after checking every
-        file against the manifest and the architecture record against the model's config."""
+        """This rank's slice of the checkpoint's canonical weights (any TP size wrote it); :meth:`train` verified the
+        folder against its manifest and architecture record first."""
         model = self.accelerator.unwrap_model(model if model is not None else self.model)
-        verify_checkpoint(resume_from_checkpoint, model.config)
         load_canonical_checkpoint(model, resolve_checkpoint_files(resume_from_checkpoint))
 
     # ------------------------------------------------------------------ generation

@@ -211,6 +211,38 @@ def test_checkpoints_have_a_manifest_and_resume_verifies_it(finished_run, tmp_pa
         trainer(finished_run).train(resume_from_checkpoint=str(tmp_path / "nowhere"))
 
 
+def flip_byte(path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def test_resume_last_with_a_damaged_last_checkpoint_names_the_intact_earlier_one(finished_run):
+    flip_byte(finished_run / "checkpoint-4" / "model.safetensors")
+    earlier = finished_run / "checkpoint-2"
+    with pytest.raises(CheckpointIntegrityError, match=rf"checkpoint-4/model.safetensors' is corrupted .* The previous complete "
+                                                       rf"checkpoint of this run is '{earlier}': resume from it with "
+                                                       rf"--resume_from_checkpoint {earlier}\."):
+        trainer(finished_run).train(resume_from_checkpoint=True)
+
+
+def test_eval_verifies_the_checkpoint(finished_run, tmp_path):
+    from boost_hf.evaluation import evaluate_checkpoint
+
+    data = tmp_path / "held_out.txt"
+    data.write_text("some held-out text\n")
+    final = finished_run / "final"
+    flip_byte(final / "model.safetensors")
+    with pytest.raises(CheckpointIntegrityError, match="final/model.safetensors' is corrupted"):
+        evaluate_checkpoint(str(final), str(data))
+    (final / "manifest.json").unlink()
+    weights = final / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])  # truncated, and no manifest to name it
+    with pytest.raises(CheckpointIntegrityError, match=rf"the weights of '{final}' cannot be read .*: a safetensors file is "
+                                                       "truncated or damaged"):
+        evaluate_checkpoint(str(final), str(data))
+
+
 def test_resume_last_takes_the_last_complete_checkpoint(finished_run):
     (finished_run / "checkpoint-4" / "manifest.json").unlink()  # as if the save of step 4 had been interrupted
     t = trainer(finished_run)
@@ -329,6 +361,9 @@ def test_init_from_paths_and_architecture_are_checked(finished_run, tmp_path):
     with pytest.raises(CheckpointIntegrityError, match="only_lr_act: checkpoint True, config False"):
         model_from(finished_run / "final", "--only_lr_act", "false")
     assert model_from(finished_run / "final").config.only_lr_act is True
+    flip_byte(finished_run / "final" / "model.safetensors")
+    with pytest.raises(CheckpointIntegrityError, match="final/model.safetensors' is corrupted"):
+        model_from(finished_run / "final")
 
 
 # ---------------------------------------------------------------------------- Trainer internals still overridden
