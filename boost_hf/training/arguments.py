@@ -126,6 +126,10 @@ class BoostTrainingArguments(TrainingArguments):
             self.peak_tflops = default_peak_tflops()
         if self.nonfinite not in NONFINITE_POLICIES:
             raise ValueError(f"nonfinite must be one of {', '.join(NONFINITE_POLICIES)}, got {self.nonfinite!r}.")
+        for name in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}: each optimizer step needs at least one "
+                                 "sample per process and one micro-batch.")
         if self.nonfinite_max_consecutive_skips < 0:
             raise ValueError(f"nonfinite_max_consecutive_skips must be >= 0 (0: never stop), got {self.nonfinite_max_consecutive_skips}.")
         if self.max_steps < -1 or (self.max_steps <= 0 and self.num_train_epochs <= 0):

@@ -67,8 +67,16 @@ def _barrier() -> None:
         dist.barrier()
 
 
+_DISK_FULL_MESSAGES = ("no space left on device", "os error 28", "disk quota exceeded", "os error 122")
+"""How a full disk reads in errors that are not ``OSError`` (safetensors' ``SafetensorError: ... os error 28``)."""
+
+
+def _is_disk_full(error: BaseException) -> bool:
+    return getattr(error, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or any(m in str(error).lower() for m in _DISK_FULL_MESSAGES)
+
+
 def _is_io_error(error: BaseException, free_bytes: int) -> bool:
-    return isinstance(error, OSError) or free_bytes < LOW_SPACE_BYTES
+    return isinstance(error, OSError) or _is_disk_full(error) or free_bytes < LOW_SPACE_BYTES
 
 
 @contextlib.contextmanager
@@ -86,7 +94,7 @@ def _removed_on_error(target: str, partial: str | None, previous: str | None = N
             os.replace(previous, target)
         if not _is_io_error(error, free) or isinstance(error, CheckpointWriteError):
             raise
-        full = getattr(error, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or free < LOW_SPACE_BYTES
+        full = _is_disk_full(error) or free < LOW_SPACE_BYTES
         cause = f"no space left on device ({free / 2**20:.1f} MiB free)" if full else f"I/O error ({type(error).__name__}: {error})"
         fix = "free space or point output_dir to a larger disk" if full else "check the file system"
         raise CheckpointWriteError(

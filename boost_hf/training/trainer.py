@@ -463,6 +463,12 @@ class BoostTrainer(Trainer):
             raise FileNotFoundError(f"resume_from_checkpoint: no such file or folder: {resume_from_checkpoint!r}")
         elif not resume_from_checkpoint:
             check_fresh_output_dir(run_dir, getattr(self.args, "overwrite_output_dir", False))
+        if resume_from_checkpoint and not os.path.isfile(os.path.join(resume_from_checkpoint, TRAINER_STATE_NAME)):
+            raise FileNotFoundError(
+                f"resume_from_checkpoint: {resume_from_checkpoint!r} has no {TRAINER_STATE_NAME}, so it is a saved model (e.g. "
+                f"final/), not a training checkpoint: it holds no optimizer, schedule or data position to continue. Start a "
+                f"new run from its weights with --init_from {resume_from_checkpoint}, or resume from a checkpoint-<step> folder."
+            )
         if resume_from_checkpoint:  # verified here for every resume: transformers skips _load_from_checkpoint under DeepSpeed
             verify_checkpoint_once(resume_from_checkpoint, self.model.config)
             check_resume_layout(resume_from_checkpoint, self.training_layout())

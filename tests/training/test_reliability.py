@@ -392,3 +392,52 @@ def test_overridden_private_trainer_methods_have_not_changed():
         for name in sorted(n for n in vars(BoostTrainer) if n.startswith("_") and not n.startswith("__") and hasattr(Trainer, n))
     }
     assert current == TRANSFORMERS_PRIVATE_OVERRIDES
+
+
+# ---------------------------------------------------------------------------- cryptic cases, named
+def test_resume_from_a_final_model_points_to_init_from(finished_run):
+    final = finished_run / "final"
+    with pytest.raises(FileNotFoundError, match=rf"'{final}' has no trainer_state.json, so it is a saved model .*not a training "
+                                                rf"checkpoint.*--init_from {final}"):
+        trainer(finished_run).train(resume_from_checkpoint=str(final))
+
+
+def test_a_malformed_json_lines_file_names_the_line(tmp_path):
+    from boost_hf.data.sources import load_raw_dataset
+
+    data = tmp_path / "docs.jsonl"
+    data.write_text('{"text": "one"}\n{"text": "two",\n{"text": "three"}\n')
+    with pytest.raises(ValueError, match=rf"data file '{data}', line 2: not valid JSON .*Fix or remove that line"):
+        load_raw_dataset(str(data))
+
+
+@pytest.mark.parametrize("name", ["per_device_train_batch_size", "gradient_accumulation_steps"])
+def test_zero_batch_size_or_accumulation_is_refused(tmp_path, name):
+    with pytest.raises(ValueError, match=rf"{name} must be >= 1, got 0"):
+        arguments(tmp_path, **{name: 0})
+
+
+def test_an_empty_tokenizer_folder_is_named(tmp_path):
+    from boost_hf.data import load_tokenizer
+
+    (tmp_path / "tok").mkdir()
+    with pytest.raises(FileNotFoundError, match=r"tokenizer: the folder '.*tok' holds no tokenizer \(none of tokenizer.json"):
+        load_tokenizer(str(tmp_path / "tok"))
+
+
+def test_disk_full_inside_safetensors_is_a_checkpoint_write_error(tmp_path, monkeypatch):
+    import transformers.modeling_utils
+    from safetensors import SafetensorError
+
+    t = trainer(tmp_path, max_steps=4)
+    original = transformers.modeling_utils.safe_save_file
+
+    def full_at_step_4(*args, **kwargs):
+        if t.state.global_step == 4:
+            raise SafetensorError('Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "No space left on device" })')
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(transformers.modeling_utils, "safe_save_file", full_at_step_4)
+    with pytest.raises(CheckpointWriteError, match=r"could not save .*checkpoint-4': no space left on device"):
+        t.train()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".boost_hf.lock", "checkpoint-2"]
