@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from concurrent.futures import ThreadPoolExecutor
 
 from .configuration_boost_llama import BoostLlamaConfig
 
@@ -22,6 +23,8 @@ MANIFEST_VERSION = 1
 ARCHITECTURE_METADATA_KEY = "boost_hf_architecture"
 """Key of the JSON architecture record in a safetensors header's ``metadata`` (see :func:`architecture_metadata`)."""
 HASH_CHUNK_BYTES = 1 << 22
+HASH_THREADS = 8
+"""Files hashed at the same time when writing or verifying a manifest."""
 
 ARCHITECTURE_FIELDS = BoostLlamaConfig.ARCHITECTURE_FIELDS
 """Fields that change what the same weights compute (:meth:`BoostLlamaConfig.architecture_record`)."""
@@ -37,6 +40,14 @@ def _sha256(path: str) -> str:
         while chunk := f.read(HASH_CHUNK_BYTES):
             digest.update(chunk)
     return digest.hexdigest()
+
+
+def _sha256_all(paths: list[str]) -> list[str]:
+    """SHA-256 of each file, several files at a time (hashlib releases the interpreter lock on large chunks)."""
+    if len(paths) < 2:
+        return [_sha256(path) for path in paths]
+    with ThreadPoolExecutor(max_workers=min(HASH_THREADS, len(paths))) as pool:
+        return list(pool.map(_sha256, paths))
 
 
 def _files(folder: str) -> list[str]:
@@ -75,13 +86,12 @@ def check_architecture(record: dict, config) -> None:
 def write_manifest(folder: str, config=None) -> dict:
     """Write ``<folder>/manifest.json`` (size and SHA-256 of every file, and ``config``'s architecture record);
     return it. Call after every other file of the folder is written: the manifest marks the folder complete."""
+    names = _files(folder)
+    digests = _sha256_all([os.path.join(folder, name) for name in names])
     manifest = {
         "version": MANIFEST_VERSION,
         "architecture": architecture_record(config) if config is not None else None,
-        "files": {
-            name: {"size": os.path.getsize(os.path.join(folder, name)), "sha256": _sha256(os.path.join(folder, name))}
-            for name in _files(folder)
-        },
+        "files": {name: {"size": os.path.getsize(os.path.join(folder, name)), "sha256": digest} for name, digest in zip(names, digests)},
     }
     staging = os.path.join(folder, f".{MANIFEST_NAME}.tmp")
     with open(staging, "w") as f:
@@ -117,10 +127,14 @@ def verify_manifest(folder: str, *, hashes: bool = True) -> dict:
             raise CheckpointIntegrityError(
                 f"checkpoint file {path!r} has {size} bytes, the manifest says {entry['size']}: it was truncated or replaced."
             )
-        if hashes and _sha256(path) != entry["sha256"]:
-            raise CheckpointIntegrityError(
-                f"checkpoint file {path!r} is corrupted (SHA-256 differs from the manifest): restore it or use another checkpoint."
-            )
+    if hashes:
+        names = list(manifest["files"])
+        for name, digest in zip(names, _sha256_all([os.path.join(folder, name) for name in names])):
+            if digest != manifest["files"][name]["sha256"]:
+                raise CheckpointIntegrityError(
+                    f"checkpoint file {os.path.join(folder, name)!r} is corrupted (SHA-256 differs from the manifest): restore "
+                    "it or use another checkpoint."
+                )
     return manifest
 
 
