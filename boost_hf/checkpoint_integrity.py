@@ -14,38 +14,20 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from concurrent.futures import ThreadPoolExecutor
+
+from .configuration_boost_llama import BoostLlamaConfig
 
 MANIFEST_NAME = "manifest.json"
 MANIFEST_VERSION = 1
 ARCHITECTURE_METADATA_KEY = "boost_hf_architecture"
 """Key of the JSON architecture record in a safetensors header's ``metadata`` (see :func:`architecture_metadata`)."""
 HASH_CHUNK_BYTES = 1 << 22
+HASH_THREADS = 8
+"""Files hashed at the same time when writing or verifying a manifest."""
 
-ARCHITECTURE_FIELDS = (
-    "model_type",
-    "vocab_size",
-    "hidden_size",
-    "intermediate_size",
-    "num_hidden_layers",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "head_dim",
-    "hidden_act",
-    "rms_norm_eps",
-    "tie_word_embeddings",
-    "attention_bias",
-    "mlp_bias",
-    "rope_theta",
-    "bottleneck",
-    "rank",
-    "only_lr_act",
-    "lr_act",
-    "lax_gate",
-    "lax_latent_norm",
-    "lax_base",
-    "lax_kronecker_factor",
-)
-"""Fields that change what the same weights compute. Fields a low-rank variant ignores are recorded as ``None``."""
+ARCHITECTURE_FIELDS = BoostLlamaConfig.ARCHITECTURE_FIELDS
+"""Fields that change what the same weights compute (:meth:`BoostLlamaConfig.architecture_record`)."""
 
 
 class CheckpointIntegrityError(ValueError):
@@ -60,6 +42,14 @@ def _sha256(path: str) -> str:
     return digest.hexdigest()
 
 
+def _sha256_all(paths: list[str]) -> list[str]:
+    """SHA-256 of each file, several files at a time (hashlib releases the interpreter lock on large chunks)."""
+    if len(paths) < 2:
+        return [_sha256(path) for path in paths]
+    with ThreadPoolExecutor(max_workers=min(HASH_THREADS, len(paths))) as pool:
+        return list(pool.map(_sha256, paths))
+
+
 def _files(folder: str) -> list[str]:
     """Relative paths of every file under ``folder`` but the manifest, sorted."""
     found = []
@@ -72,24 +62,9 @@ def _files(folder: str) -> list[str]:
 
 
 def architecture_record(config) -> dict:
-    """The fields of ``config`` (a ``BoostLlamaConfig``) that change the function, JSON-serialisable.
-
-    Options of a bottleneck that is not used are ``None`` (a full-rank model has no rank, an svd model no
-    ``lr_act``), so two configs computing the same function have the same record.
-    """
-    record = {name: getattr(config, name, None) for name in ARCHITECTURE_FIELDS}
-    bottleneck = record["bottleneck"]
-    if bottleneck is None:
-        for name in ("rank", "only_lr_act", "lr_act"):
-            record[name] = None
-    if config.latent_activation is None:
-        record["lr_act"] = record["only_lr_act"] = None
-    if bottleneck == "lax":
-        record["lax_kronecker_factor"] = list(config.kronecker_factors) if config.lax_gate == "kronecker" else None
-    else:
-        for name in ("lax_gate", "lax_latent_norm", "lax_base", "lax_kronecker_factor"):
-            record[name] = None
-    return record
+    """The fields of ``config`` (a ``BoostLlamaConfig``) that change the function, JSON-serialisable (options of an
+    unused bottleneck are ``None``): :meth:`BoostLlamaConfig.architecture_record`."""
+    return config.architecture_record()
 
 
 def architecture_metadata(config) -> dict[str, str]:
@@ -99,12 +74,7 @@ def architecture_metadata(config) -> dict[str, str]:
 
 def check_architecture(record: dict, config) -> None:
     """Raise :class:`CheckpointIntegrityError` listing every field where ``config`` differs from ``record``."""
-    expected = architecture_record(config)
-    different = [
-        f"{name}: checkpoint {record.get(name)!r}, config {expected[name]!r}"
-        for name in ARCHITECTURE_FIELDS
-        if json.dumps(record.get(name)) != json.dumps(expected[name])
-    ]
+    different = config.architecture_differences(record)
     if different:
         raise CheckpointIntegrityError(
             "the checkpoint was saved from another architecture than this config ("
@@ -116,13 +86,12 @@ def check_architecture(record: dict, config) -> None:
 def write_manifest(folder: str, config=None) -> dict:
     """Write ``<folder>/manifest.json`` (size and SHA-256 of every file, and ``config``'s architecture record);
     return it. Call after every other file of the folder is written: the manifest marks the folder complete."""
+    names = _files(folder)
+    digests = _sha256_all([os.path.join(folder, name) for name in names])
     manifest = {
         "version": MANIFEST_VERSION,
         "architecture": architecture_record(config) if config is not None else None,
-        "files": {
-            name: {"size": os.path.getsize(os.path.join(folder, name)), "sha256": _sha256(os.path.join(folder, name))}
-            for name in _files(folder)
-        },
+        "files": {name: {"size": os.path.getsize(os.path.join(folder, name)), "sha256": digest} for name, digest in zip(names, digests)},
     }
     staging = os.path.join(folder, f".{MANIFEST_NAME}.tmp")
     with open(staging, "w") as f:
@@ -158,10 +127,14 @@ def verify_manifest(folder: str, *, hashes: bool = True) -> dict:
             raise CheckpointIntegrityError(
                 f"checkpoint file {path!r} has {size} bytes, the manifest says {entry['size']}: it was truncated or replaced."
             )
-        if hashes and _sha256(path) != entry["sha256"]:
-            raise CheckpointIntegrityError(
-                f"checkpoint file {path!r} is corrupted (SHA-256 differs from the manifest): restore it or use another checkpoint."
-            )
+    if hashes:
+        names = list(manifest["files"])
+        for name, digest in zip(names, _sha256_all([os.path.join(folder, name) for name in names])):
+            if digest != manifest["files"][name]["sha256"]:
+                raise CheckpointIntegrityError(
+                    f"checkpoint file {os.path.join(folder, name)!r} is corrupted (SHA-256 differs from the manifest): restore "
+                    "it or use another checkpoint."
+                )
     return manifest
 
 

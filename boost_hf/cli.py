@@ -3,6 +3,7 @@
 Subcommands live in :data:`SUBCOMMANDS` (name -> help, argument builder, runner); add one there.
 
     boost-hf estimate --preset cola-7b --tp 4 --micro-batch 4 --seq 4096 --gpu a100 [--json]
+    boost-hf train RECIPE.yaml|NAME [--field value ...]      (accelerate launch ... -m boost_hf.cli train ...)
     boost-hf demo [--num-processes 4] [--tp-size 2] [--max-steps N]
     boost-hf eval CHECKPOINT --data FILE [--block-size N] [--json]
 """
@@ -209,6 +210,20 @@ def _run_demo(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def _add_train_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("recipe", help="a YAML recipe, or the name of a shipped one (demo, cola-60m, ..., cola-7b)")
+    parser.add_argument("overrides", nargs=argparse.REMAINDER,
+                        help="--field value ... overriding any model, data or training field of the recipe")
+
+
+def _run_train(args: argparse.Namespace) -> int:
+    from .training.pretrain import main as pretrain
+    from .training.recipe import resolve_recipe
+
+    pretrain([resolve_recipe(args.recipe), *args.overrides])
+    return 0
+
+
 def _add_eval_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("checkpoint", help="a saved model folder with its tokenizer (e.g. outputs/demo/final)")
     parser.add_argument("--data", required=True, help="local text/JSON/CSV/Parquet file, one document per row")
@@ -249,8 +264,13 @@ SUBCOMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Cal
         _add_eval_arguments,
         _run_eval,
     ),
+    "train": (
+        "pre-train from a YAML recipe (any field overridable); under `accelerate launch ... -m boost_hf.cli train` on many processes",
+        _add_train_arguments,
+        _run_train,
+    ),
     "demo": (
-        "pre-train the tiny CoLA demo with BTP x DP on local CPU processes: perplexity, a sample, outputs/demo/final",
+        "pre-train the tiny CoLA demo with BTP x DP on local CPU processes: perplexity, a sample, ./outputs/demo/final",
         _add_demo_arguments,
         _run_demo,
     ),

@@ -19,6 +19,7 @@ All validation lives in :meth:`BoostLlamaConfig.validate`, called on constructio
 
 from __future__ import annotations
 
+import json
 import math
 import numbers
 from typing import Any
@@ -299,6 +300,37 @@ class BoostLlamaConfig(PretrainedConfig):
         if a is None:
             a = max(k for k in range(1, int(self.rank**0.5) + 1) if self.rank % k == 0)
         return a, self.rank // a
+
+    ARCHITECTURE_FIELDS = (  # a class constant, not a config field
+        "model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+        "num_key_value_heads", "head_dim", "hidden_act", "rms_norm_eps", "tie_word_embeddings", "attention_bias",
+        "mlp_bias", "rope_theta", "bottleneck", "rank", "only_lr_act", "lr_act", "lax_gate", "lax_latent_norm",
+        "lax_base", "lax_kronecker_factor", "lax_version",
+    )
+    """Fields that change what the same weights compute (the *architecture record* of a checkpoint's manifest)."""
+
+    def architecture_record(self) -> dict:
+        """The :attr:`ARCHITECTURE_FIELDS` of this config, JSON-serialisable. Options of a bottleneck that is not used
+        are ``None`` (a full-rank model has no rank, an svd model no ``lr_act``), so two configs computing the same
+        function have the same record."""
+        record = {name: getattr(self, name, None) for name in self.ARCHITECTURE_FIELDS}
+        if record["bottleneck"] is None:
+            for name in ("rank", "only_lr_act", "lr_act"):
+                record[name] = None
+        if self.latent_activation is None:
+            record["lr_act"] = record["only_lr_act"] = None
+        if record["bottleneck"] == "lax":
+            record["lax_kronecker_factor"] = list(self.kronecker_factors) if self.lax_gate == "kronecker" else None
+        else:
+            for name in ("lax_gate", "lax_latent_norm", "lax_base", "lax_kronecker_factor", "lax_version"):
+                record[name] = None
+        return record
+
+    def architecture_differences(self, record: dict) -> list[str]:
+        """``"only_lr_act: checkpoint True, config False"`` for every field where ``record`` (a checkpoint's) differs."""
+        ours = self.architecture_record()
+        return [f"{name}: checkpoint {record.get(name)!r}, config {ours[name]!r}" for name in self.ARCHITECTURE_FIELDS
+                if json.dumps(record.get(name)) != json.dumps(ours[name])]
 
     def projection_shapes(self) -> dict[str, tuple[int, int]]:
         """Canonical ``(d_in, d_out)`` of the 7 projections of a block."""

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
+import os
 from collections.abc import Callable
 from functools import partial
 
@@ -576,17 +578,21 @@ class BoostLlamaForCausalLM(BoostLlamaPreTrainedModel, GenerationMixin):
             parallel_config.parallelize(self)
 
     @classmethod
-    def from_pretrained(cls, pretrained_model_name_or_path, *model_args, parallel_config=None, **kwargs):
+    def from_pretrained(cls, pretrained_model_name_or_path, *model_args, parallel_config=None, check_architecture=True, **kwargs):
         """``PreTrainedModel.from_pretrained``; with a boost-hf ``parallel_config``, this rank's shard of the
         given tensor-parallel layout, reading only this rank's slices of the checkpoint.
 
         A checkpoint (folder or Hub id) must match the model exactly: missing, unexpected or wrongly-shaped
         weights raise, unless ``output_loading_info=True`` (the report is returned instead) or
         ``ignore_mismatched_sizes=True`` (sizes only). ``from_pretrained(None, config=..., state_dict=...)``
-        reads no checkpoint and behaves as in transformers (missing weights are initialised).
+        reads no checkpoint and behaves as in transformers (missing weights are initialised). A boost-hf folder's
+        ``manifest.json`` records the architecture its weights were trained as: a config that computes another
+        function (see :meth:`_check_saved_architecture`) raises unless ``check_architecture=False``.
 
         A checkpoint written by the CoLA authors' code (``model_type: "cola"``) is converted while it loads
         (:meth:`from_authors_cola`)."""
+        if check_architecture and pretrained_model_name_or_path is not None:
+            cls._check_saved_architecture(str(pretrained_model_name_or_path), kwargs)
         if pretrained_model_name_or_path is not None and is_authors_cola_checkpoint(pretrained_model_name_or_path, kwargs):
             return cls.from_authors_cola(pretrained_model_name_or_path, *model_args, parallel_config=parallel_config, **kwargs)
         if parallel_config is not None:
@@ -645,6 +651,30 @@ class BoostLlamaForCausalLM(BoostLlamaPreTrainedModel, GenerationMixin):
                 )
             )
         return model
+
+    @classmethod
+    def _check_saved_architecture(cls, folder: str, kwargs: dict) -> None:
+        """Raise ``ValueError`` naming the fields where the config used to load ``folder`` (``config=``, keyword
+        overrides such as ``only_lr_act=False``, or an edited ``config.json``) differs from the architecture record of
+        the folder's ``manifest.json`` (written by boost-hf): the same tensors would compute another function (a cola
+        checkpoint read as svd, ``only_lr_act`` or the LaX base flipped, ...). Folders without a manifest pass."""
+        manifest = os.path.join(folder, kwargs.get("subfolder") or "", "manifest.json")
+        if not os.path.isfile(manifest):
+            return
+        with open(manifest) as f:
+            record = json.load(f).get("architecture")
+        config = kwargs.get("config")
+        if record is None or (config is not None and not isinstance(config, cls.config_class)):
+            return
+        if config is None:
+            config, _ = cls.config_class.from_pretrained(folder, return_unused_kwargs=True, **kwargs)
+        different = config.architecture_differences(record)
+        if different:
+            raise ValueError(
+                f"{folder!r} was saved from another architecture than the config used to load it ({'; '.join(different)}): "
+                "its weights would compute another function. Load it with its own config.json (no config= or overrides), "
+                "or pass check_architecture=False to load the tensors anyway."
+            )
 
     @can_return_tuple
     def forward(

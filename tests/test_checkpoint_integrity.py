@@ -13,6 +13,7 @@ from boost_hf.checkpoint_integrity import (
     architecture_metadata,
     architecture_record,
     check_architecture,
+    read_manifest,
     verify_checkpoint,
     verify_manifest,
     write_manifest,
@@ -79,3 +80,44 @@ def test_unused_options_do_not_count():
     lax = config(bottleneck="lax", lax_gate="kronecker")
     assert architecture_record(lax)["lax_kronecker_factor"] == [4, 4]
     check_architecture(json.loads(architecture_metadata(lax)[ARCHITECTURE_METADATA_KEY]), lax)
+
+
+@pytest.fixture
+def saved_cola(tmp_path):
+    import torch
+
+    from boost_hf import BoostLlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = BoostLlamaForCausalLM(config(bottleneck="lax", lax_base="cola", num_key_value_heads=4))
+    model.save_pretrained(tmp_path)
+    write_manifest(str(tmp_path), model.config)
+    return tmp_path
+
+
+@pytest.mark.parametrize("how, message", [
+    ({"config": config(bottleneck="lax", lax_base="svd", num_key_value_heads=4)}, "lax_base: checkpoint 'cola', config 'svd'"),
+    ({"only_lr_act": False}, "only_lr_act: checkpoint True, config False"),
+    ({"config_json": {"lax_base": "svd"}}, "lax_base: checkpoint 'cola', config 'svd'"),
+])
+@pytest.mark.parametrize("parallel", [False, True], ids=["plain", "tp1-lowrank-checkpointing"])
+def test_from_pretrained_refuses_a_config_computing_another_function(saved_cola, how, message, parallel):
+    from boost_hf import BoostLlamaForCausalLM, ParallelConfig
+
+    kwargs = dict(how)
+    if "config_json" in kwargs:  # config.json edited after the save
+        path = saved_cola / "config.json"
+        path.write_text(json.dumps({**json.loads(path.read_text()), **kwargs.pop("config_json")}))
+    if parallel:
+        kwargs["parallel_config"] = ParallelConfig(activation_checkpointing="lowrank")
+    with pytest.raises(ValueError, match=rf"was saved from another architecture than the config used to load it \(.*{message}.*"
+                                         r"or pass check_architecture=False"):
+        BoostLlamaForCausalLM.from_pretrained(saved_cola, **kwargs)
+    loaded = BoostLlamaForCausalLM.from_pretrained(saved_cola, check_architecture=False, **kwargs)  # the documented override
+    assert loaded.config.architecture_differences(read_manifest(str(saved_cola))["architecture"])
+
+
+def test_from_pretrained_with_its_own_config_loads(saved_cola):
+    from boost_hf import BoostLlamaForCausalLM
+
+    assert BoostLlamaForCausalLM.from_pretrained(saved_cola).config.lax_base == "cola"

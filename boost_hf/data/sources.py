@@ -20,6 +20,7 @@ If the source has no validation split (``validation``, ``valid``, ``val``, ``dev
 from __future__ import annotations
 
 import glob
+import json
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -33,6 +34,7 @@ from datasets import (
     load_dataset,
     load_from_disk,
 )
+from datasets.exceptions import DatasetGenerationError
 
 from .checks import check_text_file, require_existing_path
 from .corpus import DEFAULT_VALIDATION_PERCENT, load_wikipedia_sample
@@ -105,9 +107,37 @@ def _load_files(
     for path in (path for files in data_files.values() for path in files):
         if builder_for_file(path) != "parquet" and not path.lower().endswith(_COMPRESSION_SUFFIXES):
             check_text_file(path)
-    return load_dataset(
-        builders.pop(), data_files=data_files, streaming=streaming, cache_dir=datasets_cache_dir, **load_kwargs
-    )
+    builder = builders.pop()
+    try:
+        return load_dataset(builder, data_files=data_files, streaming=streaming, cache_dir=datasets_cache_dir, **load_kwargs)
+    except DatasetGenerationError:
+        if builder == "json":
+            for path in (path for files in data_files.values() for path in files):
+                check_json_lines(path)
+        raise
+
+
+def check_json_lines(path: str) -> None:
+    """Raise ``ValueError`` naming the first line of the JSON Lines file ``path`` that is not valid JSON (a file that
+    is one JSON document passes)."""
+    if path.lower().endswith(_COMPRESSION_SUFFIXES):
+        return
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    try:
+        json.loads(text)
+        return
+    except json.JSONDecodeError:
+        pass
+    for number, line in enumerate(text.splitlines(), start=1):
+        if line.strip():
+            try:
+                json.loads(line)
+            except json.JSONDecodeError as error:
+                raise ValueError(
+                    f"data file {path!r}, line {number}: not valid JSON ({error.msg} at column {error.colno}): "
+                    f"{line[:80]!r}. Fix or remove that line (JSON Lines: one JSON object per line)."
+                ) from None
 
 
 def load_raw_dataset(

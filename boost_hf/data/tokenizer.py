@@ -160,6 +160,10 @@ def train_bpe_tokenizer(
     return load_tokenizer(target)
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
+"""Files of which a saved tokenizer folder holds at least one."""
+
+
 def load_tokenizer(
     name_or_path: str | os.PathLike[str] | None = None,
     cache_dir: str | os.PathLike[str] | None = None,
@@ -182,4 +186,10 @@ def load_tokenizer(
 
         return train_bpe_tokenizer(load_wikipedia_sample(cache_dir)["train"], int(match.group(1)), cache_dir)
     require_existing_path(name, "tokenizer")
+    folder = Path(name).expanduser()
+    if folder.is_dir() and not any((folder / file).is_file() for file in TOKENIZER_FILES):
+        raise FileNotFoundError(
+            f"tokenizer: the folder {name!r} holds no tokenizer (none of {', '.join(TOKENIZER_FILES)}): point --tokenizer at a "
+            "folder saved with tokenizer.save_pretrained (e.g. a run's final/), a Hub name, or bpe-<vocab>."
+        )
     return AutoTokenizer.from_pretrained(name)

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import torch
 
+from ..checkpoint_integrity import MANIFEST_NAME, CheckpointIntegrityError, verify_manifest
+
 METRIC_PATH = str(Path(__file__).resolve().parent / "bits_per_byte")
 """Folder of the local ``evaluate`` metric: ``evaluate.load(METRIC_PATH)`` works offline."""
 
@@ -67,8 +69,11 @@ def evaluate_checkpoint(checkpoint: str, data: str, *, block_size: int | None = 
                         text_column: str = "text", max_blocks: int | None = None) -> dict[str, float]:
     """Perplexity and bits per byte of ``checkpoint`` (a saved model folder with its tokenizer) on local text
     files ``data`` (text/JSON/CSV/Parquet, one document per row), packed like training (documents followed by
-    EOS, blocks of ``block_size`` tokens, default: the tokenizer's ``model_max_length`` if set, else 256)."""
+    EOS, blocks of ``block_size`` tokens, default: the tokenizer's ``model_max_length`` if set, else 256). A folder
+    with a ``manifest.json`` is verified first (:class:`~boost_hf.checkpoint_integrity.CheckpointIntegrityError`
+    naming a damaged file)."""
     from datasets import load_dataset
+    from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from ..data.pipeline import pack_blocks, tokenize_documents
@@ -76,8 +81,16 @@ def evaluate_checkpoint(checkpoint: str, data: str, *, block_size: int | None = 
 
     if not os.path.exists(data):
         raise FileNotFoundError(f"--data: no such file: {data!r}")
+    if os.path.isfile(os.path.join(checkpoint, MANIFEST_NAME)):
+        verify_manifest(checkpoint)  # every file's size and SHA-256 (the architecture: from_pretrained)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    except SafetensorError as error:
+        raise CheckpointIntegrityError(
+            f"the weights of {checkpoint!r} cannot be read ({error}): a safetensors file is truncated or damaged and the "
+            f"folder has no {MANIFEST_NAME} to name it; restore it or evaluate another checkpoint."
+        ) from error
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
-    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
     if block_size is None:
         block_size = tokenizer.model_max_length if tokenizer.model_max_length < 1e9 else 256
     documents = load_dataset(builder_for_file(data), data_files=data, split="train")

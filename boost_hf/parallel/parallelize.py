@@ -23,7 +23,7 @@ from transformers.initialization import no_init_weights
 from .config import ParallelConfig
 from .cross_entropy import vocab_parallel_causal_lm_loss
 from .layouts import LAYOUTS, Layout
-from .modules import VocabParallelEmbedding, VocabParallelHead, adopt, parallel_class, shard_parameter
+from .modules import VocabParallelEmbedding, VocabParallelHead, adopt, check_token_ids, parallel_class, shard_parameter
 from .norms import FusedRMSNorm, GatheredRMSNorm
 from .primitives import split_to_tp
 from .rotary import ComputeDtypeRotaryEmbedding
@@ -80,12 +80,17 @@ def parallelize(model: nn.Module, parallel: ParallelConfig, *, initialize: bool 
     """Shard ``model`` (a ``BoostLlamaForCausalLM``) in place for this rank of ``parallel``'s layout.
 
     Raises ``ValueError`` on every rank, before any collective, when the layout cannot hold the model or
-    ``tp_size`` does not fit the launched world. ``initialize``: draw the weights of a meta-device
-    model (otherwise leave them for a checkpoint loader); a materialised model is always sliced, its
-    values kept (e.g. a model ``from_pretrained`` loaded on one device).
+    ``tp_size`` does not fit the launched world. A materialised model (e.g. one loaded by
+    ``from_pretrained``) keeps its values: each parameter becomes its slice. A model built on the meta device
+    is drawn from the shared seed when ``initialize`` (otherwise left uninitialised for a checkpoint loader).
     """
     config = model.config
-    built_on_meta = any(param.is_meta for param in model.parameters())
+    on_meta = [name for name, param in model.named_parameters() if param.is_meta]
+    if on_meta and len(on_meta) != len(list(model.parameters())):
+        raise ValueError(
+            f"parallelize needs a model built entirely on the meta device or entirely materialised; {on_meta[:3]} are on "
+            "the meta device and others are not: build it with BoostLlamaForCausalLM(config, parallel_config=...) or load it."
+        )
     check_world(parallel.tp_size)
     layout = layout_for(config, parallel)
     plan = TensorParallelPlan(parallel, layout, get_parallel_state(parallel.tp_size))
@@ -121,7 +126,7 @@ def parallelize(model: nn.Module, parallel: ParallelConfig, *, initialize: bool 
         _keep_class_identity(mixin, type(module))
         adopt(module, mixin, plan=plan)
     model.loss_function = functools.partial(vocab_parallel_causal_lm_loss, group=plan.group)
-    if initialize and built_on_meta:
+    if initialize and on_meta:
         initialize_shards(model, seed)
     return model
 
@@ -153,12 +158,16 @@ def initialize_shards(model: nn.Module, seed: int) -> None:
 
 
 class TensorParallelBaseModel:
-    """The base model under a layout: under BTP, ``inputs_embeds: [B, S, d]`` are split to this rank's
-    ``[B, S, d/p]`` (backward: all-gather of their gradient)."""
+    """The base model under a layout: token ids outside the vocabulary raise in every layout
+    (:func:`~boost_hf.parallel.modules.check_token_ids`, no host sync); under BTP, ``inputs_embeds: [B, S, d]`` are
+    split to this rank's ``[B, S, d/p]`` (backward: all-gather of their gradient)."""
 
     plan: TensorParallelPlan
 
     def forward(self, *args, **kwargs):
+        input_ids = kwargs.get("input_ids", args[0] if args else None)
+        if input_ids is not None:
+            check_token_ids(input_ids, self.config.vocab_size)
         if self.plan.residual_sharded and kwargs.get("inputs_embeds") is not None:
             kwargs["inputs_embeds"] = split_to_tp(kwargs["inputs_embeds"], -1, self.plan.group)
         return super().forward(*args, **kwargs)

@@ -2,11 +2,18 @@
 
 World rank ``g`` sits at ``dp_rank = g // tp_size``, ``tp_rank = g % tp_size``: the ranks of one
 tensor-parallel group are consecutive (on one node), data-parallel peers are ``tp_size`` apart.
+
+Every group is created by :func:`new_group_with_timeout`, which gives it the run's collective timeout
+(:func:`collective_timeout`, the default group's: ``init_process_group(timeout=...)``, under the trainer
+``--ddp_timeout``). ``dist.new_group()`` without ``timeout`` does not inherit it (torch 2.13: gloo's 30-minute
+default), so a collective in a group made otherwise could wait half an hour for a peer that never comes.
+:func:`describe_group` names a group ("the TP group (ranks [0, 1])") in error messages.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -33,6 +40,39 @@ class ParallelState:
 
 
 _STATES: dict[int, ParallelState] = {}
+_GROUP_DESCRIPTIONS: dict[str, str] = {}
+"""``group_name`` -> what the group is, for :func:`describe_group`."""
+
+
+def collective_timeout() -> timedelta:
+    """The run's bound on one collective: the default process group's timeout (``init_process_group(timeout=...)``;
+    ``--ddp_timeout`` under :class:`~boost_hf.training.BoostTrainer`)."""
+    group = dist.distributed_c10d._get_default_group()
+    device = torch.device("cuda" if dist.get_backend(group) == "nccl" else "cpu")
+    try:
+        return group._get_backend(device).options._timeout
+    except (AttributeError, RuntimeError):  # a backend without readable options
+        return dist.default_pg_timeout
+
+
+def new_group_with_timeout(ranks: list[int], description: str, **kwargs) -> dist.ProcessGroup | None:
+    """``dist.new_group(ranks, timeout=collective_timeout(), **kwargs)``, remembered as ``description`` (e.g. "the
+    TP group") for :func:`describe_group`. Collective like ``new_group``: every rank calls it for every group, in
+    the same order. Use it for every process group boost-hf creates (TP, DP, PP)."""
+    group = dist.new_group(ranks, timeout=collective_timeout(), **kwargs)
+    if group is not None and group is not dist.GroupMember.NON_GROUP_MEMBER:
+        _GROUP_DESCRIPTIONS[group.group_name] = f"{description} (ranks {sorted(ranks)})"
+    return group
+
+
+def describe_group(group: dist.ProcessGroup | None) -> str:
+    """What ``group`` is, for messages: "the TP group (ranks [0, 1])", "the default group (all 4 ranks)", ..."""
+    if group is None or group is dist.GroupMember.WORLD or group is dist.distributed_c10d._get_default_group():
+        return f"the default group (all {dist.get_world_size()} ranks)"
+    name = getattr(group, "group_name", None)
+    if name in _GROUP_DESCRIPTIONS:
+        return _GROUP_DESCRIPTIONS[name]
+    return f"a process group not made by boost-hf (ranks {dist.get_process_group_ranks(group)})"
 
 
 def mesh_device_type() -> str:
@@ -68,18 +108,22 @@ def get_parallel_state(tp_size: int = 1) -> ParallelState:
     world = dist.get_world_size()
     if tp_size in _STATES:
         return _STATES[tp_size]
-    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.device_mesh import DeviceMesh
 
     dp_size = world // tp_size
-    mesh = init_device_mesh(mesh_device_type(), (dp_size, tp_size), mesh_dim_names=("dp", "tp"))
     rank = dist.get_rank()
+    layout = torch.arange(world).view(dp_size, tp_size)
+    tp_groups = [new_group_with_timeout(row.tolist(), "the TP group") for row in layout]
+    dp_groups = [new_group_with_timeout(column.tolist(), "the DP group") for column in layout.t()]
+    tp_group, dp_group = tp_groups[rank // tp_size], dp_groups[rank % tp_size]
+    mesh = DeviceMesh.from_group([dp_group, tp_group], mesh_device_type(), layout, mesh_dim_names=("dp", "tp"))
     state = ParallelState(
         tp_size=tp_size,
         dp_size=dp_size,
         tp_rank=rank % tp_size,
         dp_rank=rank // tp_size,
-        tp_group=mesh.get_group("tp") if tp_size > 1 else None,
-        dp_group=mesh.get_group("dp") if dp_size > 1 else None,
+        tp_group=tp_group if tp_size > 1 else None,
+        dp_group=dp_group if dp_size > 1 else None,
         mesh=mesh,
     )
     _STATES[tp_size] = state
@@ -89,6 +133,15 @@ def get_parallel_state(tp_size: int = 1) -> ParallelState:
 def reset_parallel_states() -> None:
     """Forget cached groups (after ``destroy_process_group``)."""
     _STATES.clear()
+    _GROUP_DESCRIPTIONS.clear()
 
 
-__all__ = ["ParallelState", "check_world", "get_parallel_state", "reset_parallel_states"]
+__all__ = [
+    "ParallelState",
+    "check_world",
+    "collective_timeout",
+    "new_group_with_timeout",
+    "describe_group",
+    "get_parallel_state",
+    "reset_parallel_states",
+]

@@ -108,7 +108,8 @@ def load_pretrained(model_class, pretrained_model_name_or_path, parallel, *model
     """``model_class.from_pretrained`` into this rank's shard of ``parallel``'s layout.
 
     At ``tp_size=1`` without recomputation this is transformers' own ``from_pretrained`` (every argument
-    applies), then :func:`~boost_hf.parallel.parallelize.parallelize`. Otherwise the model is built on
+    applies), then :func:`~boost_hf.parallel.parallelize.parallelize`, which slices the loaded values (never re-draws
+    them). Otherwise the model is built on
     the meta device, sharded, and each rank reads only its slices of the canonical safetensors files.
     Arguments that cannot apply there (``device_map`` other than ``"cpu"``, ``state_dict``,
     ``quantization_config``, ``ignore_mismatched_sizes``, ...) raise a ``ValueError`` naming them.

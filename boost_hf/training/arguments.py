@@ -12,8 +12,10 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch
+import torch.distributed as dist
 from transformers import TrainingArguments
 
 from ..parallel.config import ParallelConfig
@@ -58,13 +60,17 @@ class BoostTrainingArguments(TrainingArguments):
         sample_prompt / sample_max_new_tokens: the greedy sample printed at the end of training.
         nonfinite: what a non-finite loss or gradient norm does: ``"stop"`` (default, an error naming the step)
             or ``"skip_step"`` (the update is not applied; counted in the logs). See :mod:`boost_hf.training.health`.
+        nonfinite_max_consecutive_skips: under ``skip_step``, this many skipped steps in a row (default 10) stop the run
+            with the ``NonFiniteError`` (0: never).
         hang_timeout_s: seconds after which a rank that stopped responding (frozen, SIGSTOPped, its machine hung) stops
             the run with an error naming it (default 300; 0: no watchdog). See :mod:`boost_hf.training.watchdog`.
         overwrite_output_dir: let a new (not resumed) run replace the checkpoints and final model of an earlier
             run in ``output_dir`` (transformers 5 dropped this Trainer flag; without it such a run is refused).
 
     Without CUDA, ``use_cpu`` is set (and ``ddp_backend="gloo"`` when launched on several processes), so
-    ``accelerate launch`` runs on CPU processes with or without DeepSpeed.
+    ``accelerate launch`` runs on CPU processes with or without DeepSpeed. ``ddp_timeout`` bounds every collective
+    on CPU as on GPU (transformers passes it to the process group on GPU only; boost-hf's TP and DP groups take it
+    from the default group, :func:`~boost_hf.parallel.state.new_group_with_timeout`).
     """
 
     tp_size: int = field(default=1, metadata={"help": "Ranks per tensor-parallel group (the world is dp x tp_size)."})
@@ -82,6 +88,9 @@ class BoostTrainingArguments(TrainingArguments):
     sample_prompt: str = field(default="The history of", metadata={"help": "Prompt of the sample generated after training."})
     sample_max_new_tokens: int = field(default=40, metadata={"help": "Tokens generated for the final sample (0: none)."})
     nonfinite: str = field(default="stop", metadata={"help": "On a non-finite loss or grad norm: stop (error) or skip_step."})
+    nonfinite_max_consecutive_skips: int = field(
+        default=10, metadata={"help": "With --nonfinite skip_step, stop (NonFiniteError) after this many skipped steps in a row (0: never)."}
+    )
     hang_timeout_s: float = field(
         default=300.0, metadata={"help": "Stop the run when a rank has not responded for this many seconds (0: never)."}
     )
@@ -117,11 +126,33 @@ class BoostTrainingArguments(TrainingArguments):
             self.peak_tflops = default_peak_tflops()
         if self.nonfinite not in NONFINITE_POLICIES:
             raise ValueError(f"nonfinite must be one of {', '.join(NONFINITE_POLICIES)}, got {self.nonfinite!r}.")
+        for name in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}: each optimizer step needs at least one "
+                                 "sample per process and one micro-batch.")
+        if self.nonfinite_max_consecutive_skips < 0:
+            raise ValueError(f"nonfinite_max_consecutive_skips must be >= 0 (0: never stop), got {self.nonfinite_max_consecutive_skips}.")
+        if self.max_steps < -1 or (self.max_steps <= 0 and self.num_train_epochs <= 0):
+            raise ValueError(
+                f"this run would train no step (max_steps={self.max_steps}, num_train_epochs={self.num_train_epochs}): set "
+                "--max_steps to a positive number of optimizer steps, or --max_steps -1 and --num_train_epochs > 0."
+            )
         if self.hang_timeout_s < 0:
             raise ValueError(f"hang_timeout_s must be >= 0 (0 disables the watchdog), got {self.hang_timeout_s}.")
         if self.peak_tflops <= 0:
             raise ValueError(f"peak_tflops must be > 0, got {self.peak_tflops}.")
         self.to_parallel_config()  # validate the layout fields now, not after the model is built
+
+    @cached_property
+    def _setup_devices(self) -> torch.device:
+        """transformers initialises the process group with ``ddp_timeout`` on GPU but, with ``use_cpu``, without it
+        (gloo's 30-minute default). Launched on CPU, the group is initialised here first, through accelerate as
+        transformers would, with the timeout; transformers then finds it initialised."""
+        if self.use_cpu and int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
+            from accelerate import PartialState
+
+            PartialState(cpu=True, backend=self.ddp_backend, timeout=self.ddp_timeout_delta)
+        return TrainingArguments._setup_devices.func(self)
 
     def to_parallel_config(self, model_config=None) -> ParallelConfig:
         """The :class:`ParallelConfig` of these arguments; ``tp_style="auto"`` resolves with ``model_config``

@@ -15,9 +15,13 @@ A checkpoint folder ``checkpoint-<step>`` holds
   size and SHA-256 of every file and the model's architecture record. A folder without it is incomplete;
   resuming verifies it.
 
-If a save fails (disk full, I/O error) the partial folder is removed, a folder of the same name that existed
-before is put back, and :class:`CheckpointWriteError` says what happened (and how much space is left).
-:func:`atomic_directory` (the ``final`` model) writes into a staging folder unique to the run and renames it.
+Every checkpoint and the ``final`` model are written by :func:`atomic_directory`: into a staging folder unique to
+the run (``.checkpoint-<step>.tmp-<run id>``), then its manifest, then one rename to the final name; the trainer
+rotates old checkpoints out (``--save_total_limit``) only after that. A folder named ``checkpoint-<step>`` is
+therefore always complete, and a complete checkpoint exists at every moment. If a save fails (disk full, I/O
+error) the staging folder is removed, the earlier folders are untouched, and :class:`CheckpointWriteError` says
+what happened (and how much space is left). Staging folders left by a killed run are removed when the next run
+takes the output folder's lock (:func:`remove_stale_staging`).
 :class:`OutputDirLock` keeps a second run out of an ``output_dir`` in use.
 """
 
@@ -37,7 +41,7 @@ import torch.distributed as dist
 from transformers.trainer import OPTIMIZER_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from ..checkpoint_integrity import MANIFEST_NAME, write_manifest
+from ..checkpoint_integrity import MANIFEST_NAME, CheckpointIntegrityError, verify_checkpoint, write_manifest
 
 LOCK_NAME = ".boost_hf.lock"
 LOW_SPACE_BYTES = 1 << 20
@@ -63,8 +67,16 @@ def _barrier() -> None:
         dist.barrier()
 
 
+_DISK_FULL_MESSAGES = ("no space left on device", "os error 28", "disk quota exceeded", "os error 122")
+"""How a full disk reads in errors that are not ``OSError`` (safetensors' ``SafetensorError: ... os error 28``)."""
+
+
+def _is_disk_full(error: BaseException) -> bool:
+    return getattr(error, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or any(m in str(error).lower() for m in _DISK_FULL_MESSAGES)
+
+
 def _is_io_error(error: BaseException, free_bytes: int) -> bool:
-    return isinstance(error, OSError) or free_bytes < LOW_SPACE_BYTES
+    return isinstance(error, OSError) or _is_disk_full(error) or free_bytes < LOW_SPACE_BYTES
 
 
 @contextlib.contextmanager
@@ -82,7 +94,7 @@ def _removed_on_error(target: str, partial: str | None, previous: str | None = N
             os.replace(previous, target)
         if not _is_io_error(error, free) or isinstance(error, CheckpointWriteError):
             raise
-        full = getattr(error, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or free < LOW_SPACE_BYTES
+        full = _is_disk_full(error) or free < LOW_SPACE_BYTES
         cause = f"no space left on device ({free / 2**20:.1f} MiB free)" if full else f"I/O error ({type(error).__name__}: {error})"
         fix = "free space or point output_dir to a larger disk" if full else "check the file system"
         raise CheckpointWriteError(
@@ -118,23 +130,40 @@ def atomic_directory(target: str, *, is_writer: bool, run_id: str, config=None):
     _barrier()
 
 
-@contextlib.contextmanager
-def checkpoint_directory(target: str, *, is_writer: bool, run_id: str, config=None):
-    """Collective (all ranks): the block writes the checkpoint ``target`` in place (``Trainer._save_checkpoint``);
-    afterwards ``is_writer`` writes its manifest, which marks it complete. A folder already named ``target`` is
-    moved aside first and put back if the block fails."""
-    parent, name = os.path.split(os.path.abspath(target))
-    previous = os.path.join(parent, f".{name}.old-{run_id}")
-    if is_writer and os.path.exists(target):
-        os.replace(target, previous)
-    _barrier()
-    with _removed_on_error(target, target if is_writer else None, previous if is_writer else None):
-        yield
-        _barrier()
-        if is_writer:
-            write_manifest(target, config)
-    if is_writer:
-        shutil.rmtree(previous, ignore_errors=True)
+_STAGING = re.compile(rf"^\.({PREFIX_CHECKPOINT_DIR}-\d+|final)\.(tmp|old)-(.+)$")
+
+
+def remove_stale_staging(output_dir: str, run_id: str) -> list[str]:
+    """Delete the staging folders of earlier runs in ``output_dir`` (left by a run killed while saving); return their
+    names. Call while holding the output folder's lock (no other run writes there)."""
+    stale = [n for n in os.listdir(output_dir) if (m := _STAGING.match(n)) and m.group(3) != run_id]
+    for name in stale:
+        shutil.rmtree(os.path.join(output_dir, name), ignore_errors=True)
+    return stale
+
+
+def verify_checkpoint_once(folder: str, config) -> None:
+    """Collective when launched: global rank 0 checks every file of ``folder`` against its manifest (size and SHA-256,
+    each file read once, by one process) and its architecture record against ``config``; every rank raises the same
+    :class:`~boost_hf.checkpoint_integrity.CheckpointIntegrityError`. A damaged ``checkpoint-<step>`` names the
+    previous complete checkpoint of its run to resume from instead."""
+    launched = dist.is_available() and dist.is_initialized()
+    error = [None]
+    if not launched or dist.get_rank() == 0:
+        try:
+            verify_checkpoint(folder, config)
+        except CheckpointIntegrityError as failure:
+            error[0] = str(failure)
+            match = _CHECKPOINT.match(os.path.basename(os.path.normpath(folder)))
+            earlier = [c for c in completed_checkpoints(os.path.dirname(os.path.abspath(folder)))
+                       if match and int(_CHECKPOINT.match(os.path.basename(c)).group(1)) < int(match.group(1))]
+            if earlier:
+                error[0] += (f" The previous complete checkpoint of this run is {earlier[-1]!r}: resume from it with "
+                             f"--resume_from_checkpoint {earlier[-1]}.")
+    if launched:
+        dist.broadcast_object_list(error, src=0)
+    if error[0] is not None:
+        raise CheckpointIntegrityError(error[0])
 
 
 def completed_checkpoints(run_dir: str) -> list[str]:
@@ -242,8 +271,9 @@ __all__ = [
     "OutputDirLock",
     "optimizer_file_name",
     "atomic_directory",
-    "checkpoint_directory",
     "completed_checkpoints",
+    "verify_checkpoint_once",
+    "remove_stale_staging",
     "check_fresh_output_dir",
     "remove_earlier_run",
     "full_parameters",

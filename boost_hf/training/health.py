@@ -9,7 +9,9 @@ is exactly 1.0: gradients are bit-identical.
 Policies (``--nonfinite``): ``stop`` raises :class:`NonFiniteError` naming the step and the last complete
 checkpoint (nothing is saved after it); ``skip_step`` drops the step's gradients so the optimizer does not
 apply it (moments and weights unchanged; the learning-rate schedule still advances) and counts the skipped
-steps in the logs (``nonfinite_skipped_steps``).
+steps in the logs (``nonfinite_skipped_steps``); after ``--nonfinite_max_consecutive_skips`` consecutive skipped
+steps (default 10; 0: never) the run has diverged and stops with the same :class:`NonFiniteError`. A logging
+window with a non-finite micro-batch loss logs ``loss: nan`` (the Trainer would average it away).
 """
 
 from __future__ import annotations
@@ -36,18 +38,22 @@ def is_finite(value) -> bool:
     return math.isfinite(float(value))
 
 
-def nonfinite_error(step: int, grad_norm, last_checkpoint: str | None) -> NonFiniteError:
-    """The error of ``--nonfinite stop`` at optimizer step ``step`` (1-based)."""
+def nonfinite_error(step: int, grad_norm, last_checkpoint: str | None, consecutive_skips: int = 0) -> NonFiniteError:
+    """The error of ``--nonfinite stop`` at optimizer step ``step`` (1-based), or of ``skip_step`` after
+    ``consecutive_skips`` skipped steps in a row."""
     resume = (
         f"the last complete checkpoint is {last_checkpoint!r} (resume with --resume_from_checkpoint {last_checkpoint})"
         if last_checkpoint
         else "no checkpoint was saved before it"
     )
-    return NonFiniteError(
-        f"non-finite loss or gradient norm ({float(grad_norm)}) at step {step}: training stopped and nothing was saved "
-        f"after it; {resume}. Lower the learning rate or raise the warm-up, check the data, or pass "
-        "--nonfinite skip_step to skip such steps."
-    )
+    what = f"non-finite loss or gradient norm ({float(grad_norm)}) at step {step}"
+    if consecutive_skips:
+        what = (f"{what}: {consecutive_skips} steps in a row skipped by --nonfinite skip_step "
+                f"(--nonfinite_max_consecutive_skips {consecutive_skips}), the run has diverged")
+        advice = "Lower the learning rate or raise the warm-up, or check the data."
+    else:
+        advice = "Lower the learning rate or raise the warm-up, check the data, or pass --nonfinite skip_step to skip such steps."
+    return NonFiniteError(f"{what}: training stopped and nothing was saved after it; {resume}. {advice}")
 
 
 __all__ = ["NONFINITE_POLICIES", "NonFiniteError", "poison_nonfinite_loss", "is_finite", "nonfinite_error"]

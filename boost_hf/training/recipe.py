@@ -19,16 +19,18 @@ import json
 import os
 import typing
 from dataclasses import dataclass, field, fields, make_dataclass
+from pathlib import Path
 
 import yaml
 from datasets import Dataset
 from transformers import HfArgumentParser, set_seed
 
-from ..checkpoint_integrity import MANIFEST_NAME, verify_checkpoint
+from ..checkpoint_integrity import MANIFEST_NAME
 from ..configuration_boost_llama import BoostLlamaConfig
 from ..data import DEFAULT_VALIDATION_PERCENT, build_lm_datasets, load_tokenizer
 from ..modeling_boost_llama import BoostLlamaForCausalLM
 from .arguments import BoostTrainingArguments
+from .checkpoint import verify_checkpoint_once
 
 # BoostLlamaConfig fields that a recipe does not set: taken from the tokenizer or the training arguments.
 _NOT_RECIPE_FIELDS = {"use_cache", "pad_token_id", "bos_token_id", "eos_token_id", "rope_parameters"}
@@ -87,6 +89,32 @@ class DataArguments:
 
 
 SECTIONS = {"model": ModelArguments, "data": DataArguments, "training": BoostTrainingArguments}
+
+PACKAGE_DIR = Path(__file__).resolve().parents[1]
+RECIPES_DIR = PACKAGE_DIR / "recipes"
+"""The reference recipes, shipped as package data (in a source checkout, ``boost_hf/recipes`` links to ``recipes/``)."""
+ACCELERATE_CONFIGS_DIR = PACKAGE_DIR / "accelerate_configs"
+"""The reference ``accelerate`` configurations, shipped the same way."""
+
+
+def shipped_recipes() -> list[str]:
+    """Names of the recipes shipped with the package (``demo``, ``cola-60m``, ...)."""
+    return sorted(path.stem for path in RECIPES_DIR.glob("*.yaml"))
+
+
+def resolve_recipe(name_or_path: str) -> str:
+    """A YAML recipe's path: ``name_or_path`` itself if it is a file, else the shipped recipe of that name (``demo``,
+    ``cola-7b``); ``FileNotFoundError`` listing the shipped ones otherwise."""
+    if os.path.isfile(name_or_path):
+        return name_or_path
+    shipped = RECIPES_DIR / f"{Path(name_or_path).stem}.yaml"
+    if not name_or_path.endswith((".yaml", ".yml")) or os.sep not in name_or_path:
+        if shipped.is_file():
+            return str(shipped)
+    raise FileNotFoundError(
+        f"recipe: no such file {name_or_path!r}, and no shipped recipe of that name: use a YAML file or one of "
+        f"{', '.join(shipped_recipes())}."
+    )
 
 
 def recipe_to_argv(recipe: dict) -> list[str]:
@@ -194,7 +222,7 @@ def build_model(model_args, training_args: BoostTrainingArguments, tokenizer) ->
     parallel_config = training_args.to_parallel_config(config)
     if model_args.init_from:
         if os.path.isfile(os.path.join(model_args.init_from, MANIFEST_NAME)):
-            verify_checkpoint(model_args.init_from, config)
+            verify_checkpoint_once(model_args.init_from, config)
         return BoostLlamaForCausalLM.from_pretrained(model_args.init_from, config=config, parallel_config=parallel_config)
     set_seed(training_args.seed)
     return BoostLlamaForCausalLM(config, parallel_config)
@@ -210,5 +238,9 @@ __all__ = [
     "build_config",
     "build_model",
     "check_checkpoint_folder",
+    "RECIPES_DIR",
+    "ACCELERATE_CONFIGS_DIR",
+    "shipped_recipes",
+    "resolve_recipe",
     "card_datasets",
 ]

@@ -26,16 +26,19 @@ Trainer hook                           boost-hf behaviour
                                        (:mod:`boost_hf.training.health`)
 ``save_model`` / ``_save_checkpoint``  canonical checkpoint from every rank's shard, publishable (remote code,
                                        ``use_cache``, tokenizer context and BOS, ``README.md`` model card:
-                                       :mod:`boost_hf.training.publish`); ``super()._save_checkpoint``
+                                       :mod:`boost_hf.training.publish`); the Trainer's checkpoint files written
+                                       to a staging folder, manifest, rename, then rotation
 ``_save_optimizer_and_scheduler``      inside a guard that writes the manifest and removes a failed save;
                                        optimizer state per TP rank and ``training_layout.json``
                                        (:mod:`boost_hf.training.checkpoint`, :mod:`boost_hf.training.resume`)
 ``train``                              resume from the last *complete* checkpoint, refused at a layout it cannot
                                        resume exactly (another global batch; DeepSpeed at another tp x dp);
                                        refuse an earlier run's ``output_dir`` unless ``overwrite_output_dir``;
-                                       lock ``output_dir``; start the hang watchdog
+                                       lock ``output_dir``; start the hang watchdog; a collective that
+                                       times out (``--ddp_timeout``) is named, also in ``evaluate``
                                        (:mod:`boost_hf.training.watchdog`)
-``_load_from_checkpoint`` /            resume: manifest and architecture verified, then this rank's slice of
+``_load_from_checkpoint`` /            resume (``train`` verified manifest and architecture once, on rank 0,
+                                       also under DeepSpeed), then this rank's slice of
 ``_load_optimizer_and_scheduler``      the canonical weights and of the optimizer state (resharded when saved
                                        at another TP size); a missing optimizer or scheduler file raises
 =====================================  ======================================================================
@@ -56,10 +59,10 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader
 from accelerate.utils import DynamoBackend
 from transformers import Trainer, default_data_collator
-from transformers.trainer import SCHEDULER_NAME
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, EvalLoopOutput, EvalPrediction
+from transformers.trainer import SCHEDULER_NAME, TRAINER_STATE_NAME
+from transformers.trainer_callback import ExportableState
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, EvalLoopOutput, EvalPrediction, SaveStrategy, rotate_checkpoints
 
-from ..checkpoint_integrity import verify_checkpoint
 from ..parallel.weights_io import load_canonical_checkpoint, resolve_checkpoint_files
 from ..perf.flops import training_flops_per_token
 from .arguments import default_peak_tflops
@@ -68,11 +71,12 @@ from .checkpoint import (
     OutputDirLock,
     atomic_directory,
     check_fresh_output_dir,
-    checkpoint_directory,
     completed_checkpoints,
     full_parameters,
     optimizer_file_name,
     remove_earlier_run,
+    remove_stale_staging,
+    verify_checkpoint_once,
 )
 from .compile import compile_decoder_layers
 from .data import EvalShard, shard_by_data_parallel_rank, streaming_loader
@@ -84,7 +88,7 @@ from .health import is_finite, nonfinite_error, poison_nonfinite_loss
 from .metrics import TrainingMetrics
 from .preflight import TokenIdCheckingCollator, check_dataset
 from .resume import check_resume_layout, load_optimizer_state, missing_file_error, training_layout, write_training_layout
-from .watchdog import HangWatchdog, exit_with_launcher
+from .watchdog import HangWatchdog, exit_with_launcher, naming_collective_timeouts
 from .publish import inference_settings, model_card, publish_special_tokens, save_tokenizer
 
 
@@ -126,6 +130,8 @@ class BoostTrainer(Trainer):
         self._bos_seen: torch.Tensor | bool = False  # whether a training micro-batch held the tokenizer's BOS id (no sync)
         self.card_metadata = {"license": "apache-2.0", "datasets": []}  # Hub metadata of the model card
         self.nonfinite_skipped_steps = 0
+        self.nonfinite_consecutive_skips = 0
+        self._nonfinite_loss_logged: torch.Tensor | bool = False  # a non-finite micro-batch loss since the last log
         super().__init__(model=model, args=args, **kwargs)
         state = self.parallel_state
         self.metrics = TrainingMetrics(
@@ -276,7 +282,9 @@ class BoostTrainer(Trainer):
         if bos is not None:
             self._bos_seen = (inputs["input_ids"] == bos).any() | self._bos_seen
         with self.metrics.comm:
-            return super().training_step(model, inputs, num_items_in_batch)
+            loss = super().training_step(model, inputs, num_items_in_batch)
+        self._nonfinite_loss_logged = ~torch.isfinite(loss) | self._nonfinite_loss_logged  # no sync
+        return loss
 
     def _clip_grad_norm(self, model):
         if self.is_deepspeed_enabled:
@@ -296,6 +304,14 @@ class BoostTrainer(Trainer):
                 raise nonfinite_error(self.state.global_step + 1, grad_norm, checkpoints[-1] if checkpoints else None)
             self.optimizer.zero_grad(set_to_none=True)  # torch optimizers skip parameters without a gradient
             self.nonfinite_skipped_steps += 1
+            self.nonfinite_consecutive_skips += 1
+            limit = getattr(self.args, "nonfinite_max_consecutive_skips", 0)
+            if limit and self.nonfinite_consecutive_skips >= limit:
+                checkpoints = completed_checkpoints(self.args.output_dir)
+                raise nonfinite_error(self.state.global_step + 1, grad_norm, checkpoints[-1] if checkpoints else None,
+                                      consecutive_skips=self.nonfinite_consecutive_skips)
+        else:
+            self.nonfinite_consecutive_skips = 0
         return grad_norm
 
     def _track_num_input_tokens(self, inputs) -> None:
@@ -313,6 +329,9 @@ class BoostTrainer(Trainer):
         if "loss" in logs:
             logs.update(self.metrics.pop_logs())
             logs["nonfinite_skipped_steps"] = self.nonfinite_skipped_steps
+            if bool(self._nonfinite_loss_logged):  # the Trainer averages non-finite losses away (logging_nan_inf_filter)
+                logs["loss"] = float("nan")
+            self._nonfinite_loss_logged = False
         super().log(logs, start_time)
 
     # ------------------------------------------------------------------ saving and resuming
@@ -377,11 +396,38 @@ class BoostTrainer(Trainer):
         return target
 
     def _save_checkpoint(self, model, trial) -> None:
-        """The Trainer's checkpoint (push to hub, best model, rotation included), then its manifest (complete);
-        a failed save leaves no partial folder (:func:`~boost_hf.training.checkpoint.checkpoint_directory`)."""
-        target = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
-        with checkpoint_directory(target, is_writer=self.args.should_save, run_id=self.run_id, config=self.model.config):
-            super()._save_checkpoint(model, trial)
+        """The Trainer's checkpoint (``Trainer._save_checkpoint``'s files, best-model record and hub push), written
+        atomically: into a staging folder, then its manifest, then renamed to ``checkpoint-<step>``; only then are old
+        checkpoints rotated out (``--save_total_limit``), so a complete checkpoint exists at every moment. A failed
+        save leaves no partial folder (:func:`~boost_hf.training.checkpoint.atomic_directory`)."""
+        if self.hp_search_backend is None and trial is None:
+            self.store_flos()
+        run_dir = self._get_output_dir(trial=trial)
+        target = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+        with atomic_directory(target, is_writer=self.args.should_save, run_id=self.run_id, config=self.model.config) as staging:
+            self.save_model(staging, _internal_call=True)
+            if self.args.save_strategy in (SaveStrategy.STEPS, SaveStrategy.EPOCH, SaveStrategy.BEST) and self.state.best_global_step:
+                best = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.best_global_step}")
+                if best == target or os.path.exists(best):
+                    self.state.best_model_checkpoint = best
+            if not self.args.save_only_model:
+                self._save_optimizer_and_scheduler(staging)
+                self._save_scaler(staging)
+                self._save_rng_state(staging)
+            if self.args.should_save:
+                for callback in self.callback_handler.callbacks + [self.control]:
+                    if isinstance(callback, ExportableState):
+                        name, exported = type(callback).__name__, callback.state()
+                        if isinstance(self.state.stateful_callbacks[name], list):
+                            self.state.stateful_callbacks[name].append(exported)
+                        else:
+                            self.state.stateful_callbacks[name] = exported
+                self.state.save_to_json(os.path.join(staging, TRAINER_STATE_NAME))
+        if self.args.push_to_hub:
+            self._push_from_checkpoint(target)
+        if self.args.should_save:
+            rotate_checkpoints(output_dir=run_dir, save_total_limit=self.args.save_total_limit,
+                               best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=True)
 
     # ------------------------------------------------------------------ the run's output folder
     def claim_output_dir(self) -> None:
@@ -395,6 +441,7 @@ class BoostTrainer(Trainer):
             self._output_dir_lock = OutputDirLock(self.args.output_dir)
             try:
                 self._output_dir_lock.acquire(claim[0])
+                remove_stale_staging(self.args.output_dir, claim[0])
             except OutputDirInUseError as error:
                 claim[1] = str(error)
         if dist.is_available() and dist.is_initialized():
@@ -416,13 +463,26 @@ class BoostTrainer(Trainer):
             raise FileNotFoundError(f"resume_from_checkpoint: no such file or folder: {resume_from_checkpoint!r}")
         elif not resume_from_checkpoint:
             check_fresh_output_dir(run_dir, getattr(self.args, "overwrite_output_dir", False))
-        if resume_from_checkpoint:
+        if resume_from_checkpoint and not os.path.isfile(os.path.join(resume_from_checkpoint, TRAINER_STATE_NAME)):
+            raise FileNotFoundError(
+                f"resume_from_checkpoint: {resume_from_checkpoint!r} has no {TRAINER_STATE_NAME}, so it is a saved model (e.g. "
+                f"final/), not a training checkpoint: it holds no optimizer, schedule or data position to continue. Start a "
+                f"new run from its weights with --init_from {resume_from_checkpoint}, or resume from a checkpoint-<step> folder."
+            )
+        if resume_from_checkpoint:  # verified here for every resume: transformers skips _load_from_checkpoint under DeepSpeed
+            verify_checkpoint_once(resume_from_checkpoint, self.model.config)
             check_resume_layout(resume_from_checkpoint, self.training_layout())
         self.claim_output_dir()
         self.start_hang_watchdog()
         if not resume_from_checkpoint and self.args.should_save and os.path.isdir(run_dir):
             remove_earlier_run(run_dir)  # only reached with overwrite_output_dir (or nothing to remove)
-        return super().train(resume_from_checkpoint=resume_from_checkpoint or None, **kwargs)
+        with naming_collective_timeouts(lambda: self.state.global_step + 1):
+            return super().train(resume_from_checkpoint=resume_from_checkpoint or None, **kwargs)
+
+    def evaluate(self, *args, **kwargs):
+        """``Trainer.evaluate``; a collective that times out is named (:func:`~boost_hf.training.watchdog.naming_collective_timeouts`)."""
+        with naming_collective_timeouts(lambda: self.state.global_step):
+            return super().evaluate(*args, **kwargs)
 
     def training_layout(self) -> dict:
         """This run's TP x DP sizes, ZeRO stage, global batch and optimizer parameters (:mod:`boost_hf.training.resume`)."""
@@ -474,10 +534,9 @@ class BoostTrainer(Trainer):
         self.hang_watchdog.start()
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
-        """This rank's slice of the checkpoint's canonical weights (any TP size wrote it), after checking every
-        file against the manifest and the architecture record against the model's config."""
+        """This rank's slice of the checkpoint's canonical weights (any TP size wrote it); :meth:`train` verified the
+        folder against its manifest and architecture record first."""
         model = self.accelerator.unwrap_model(model if model is not None else self.model)
-        verify_checkpoint(resume_from_checkpoint, model.config)
         load_canonical_checkpoint(model, resolve_checkpoint_files(resume_from_checkpoint))
 
     # ------------------------------------------------------------------ generation

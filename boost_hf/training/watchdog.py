@@ -13,8 +13,15 @@ blamed. Every rank that sees it prints ::
 
 and exits with :data:`HANG_EXIT_CODE`, after sending SIGKILL to the frozen process if it runs on the same host
 (else the launcher stops it: SIGTERM, then SIGKILL after 30 s). A rank that finishes or fails marks itself done and is not watched any more. The
-timeout is ``--hang_timeout_s`` (default 300 s; 0 disables). A rank that is alive but never reaches the next
-collective is stopped by the process group's own timeout (``--ddp_timeout``).
+timeout is ``--hang_timeout_s`` (default 300 s; 0 disables).
+
+A rank that is alive but never reaches the next collective (stuck in I/O, a deadlock, a loop: its heartbeat thread
+keeps beating) is caught by the collective's own timeout, ``--ddp_timeout``, which every boost-hf process group
+carries (:func:`~boost_hf.parallel.state.new_group_with_timeout`). The ranks waiting for it get an error from the
+backend that names no collective (gloo: "Timed out waiting 1800000ms for recv operation"); under
+:func:`naming_collective_timeouts` (``BoostTrainer.train`` and ``evaluate``) it becomes a
+:class:`CollectiveTimeoutError` naming the collective, its group, the step and the calling code. The failed rank
+exits and the launcher stops the others.
 
 :func:`exit_with_launcher`: each worker asks the kernel to SIGKILL it when its parent (the launcher) dies
 (``prctl(PR_SET_PDEATHSIG)``), and a thread checks ``os.getppid()`` every second as well (other platforms,
@@ -24,6 +31,7 @@ or a parent that died before the call). ``kill -9`` of ``torchrun`` then leaves 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import ctypes
 import json
 import os
@@ -42,6 +50,73 @@ _STORE_CALL_GRACE_S = 30.0
 _launcher_watch_started = False
 _running: "HangWatchdog | None" = None
 """The watchdog running in this process (one per process: a later one replaces it)."""
+
+
+class CollectiveTimeoutError(TimeoutError):
+    """A collective did not complete within the process group's timeout (``--ddp_timeout``)."""
+
+
+_C10D = os.path.join("torch", "distributed", "distributed_c10d.py")
+
+
+def _in_collective(error: BaseException) -> bool:
+    tb = error.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code.co_filename.endswith(_C10D):
+            return True
+        tb = tb.tb_next
+    return False
+
+
+def _is_collective_timeout(error: BaseException) -> bool:
+    """A backend's timeout of a collective (gloo: "Timed out waiting ...ms for recv operation"), not any timeout."""
+    text = str(error).lower()
+    return "timed out" in text and ("gloo" in text or _in_collective(error) or type(error).__name__ == "DistBackendError")
+
+
+def describe_stuck_collective(error: BaseException) -> str:
+    """"all_reduce in the TP group (ranks [0, 1]), called from boost_hf/parallel/primitives.py:49 (_all_reduce_)",
+    read from ``error``'s traceback: the innermost ``torch.distributed`` call and the innermost frame outside torch."""
+    from ..parallel.state import describe_group
+
+    collective, caller, tb = None, None, error.__traceback__
+    while tb is not None:
+        code = tb.tb_frame.f_code
+        if code.co_filename.endswith(_C10D):
+            collective = (code.co_name, tb.tb_frame.f_locals.get("group"))
+        elif f"{os.sep}torch{os.sep}" not in code.co_filename:
+            caller = f"{code.co_filename}:{tb.tb_lineno} ({code.co_name})"
+        tb = tb.tb_next
+    if collective is None:  # raised inside C++ (e.g. DDP's gradient all-reduce in backward)
+        what = "a collective run by torch itself (e.g. DistributedDataParallel's gradient all-reduce in the DP group)"
+    else:
+        what = f"{collective[0]} in {describe_group(collective[1])}"
+    return what + (f", called from {caller}" if caller else "")
+
+
+@contextlib.contextmanager
+def naming_collective_timeouts(step=lambda: None):
+    """Re-raise a collective's timeout inside the block as :class:`CollectiveTimeoutError` naming the collective, its
+    group, the step (``step()``), the timeout and what to do."""
+    try:
+        yield
+    except RuntimeError as error:
+        if not _is_collective_timeout(error):
+            raise
+        import torch.distributed as dist
+
+        from ..parallel.state import collective_timeout
+
+        launched = dist.is_available() and dist.is_initialized()
+        rank = f"rank {dist.get_rank()}" if launched else "this process"
+        limit = f"{collective_timeout().total_seconds():g} s" if launched else "the process group's timeout"
+        at = f" at step {step()}" if step() is not None else ""
+        raise CollectiveTimeoutError(
+            f"{rank}: {describe_stuck_collective(error)} did not complete within {limit} (--ddp_timeout){at}: "
+            "another rank of that group is alive but did not reach it (stuck in I/O, a deadlock or much slower than its "
+            "peers). The run stops; resume with --resume_from_checkpoint last. If that rank was only slow (saving a large "
+            "checkpoint, building a dataset cache), raise --ddp_timeout."
+        ) from error
 
 
 def _die(message: str, code: int) -> None:
@@ -162,4 +237,11 @@ class HangWatchdog:
                 _die(f"boost-hf watchdog: rank {self.rank} lost the launcher's store ({type(error).__name__}: {error}); exiting.", 1)
 
 
-__all__ = ["HANG_EXIT_CODE", "HangWatchdog", "exit_with_launcher"]
+__all__ = [
+    "HANG_EXIT_CODE",
+    "HangWatchdog",
+    "exit_with_launcher",
+    "CollectiveTimeoutError",
+    "describe_stuck_collective",
+    "naming_collective_timeouts",
+]

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -88,6 +89,21 @@ def expect_failure(argv: list[str], deepspeed_stage: int | None, out: Path) -> d
     return {"type": None, "message": "no error"}
 
 
+def damaged_copy(checkpoint: Path) -> str:
+    """A copy of a DeepSpeed checkpoint with 16 bytes flipped in its model states (transformers' resume never calls
+    ``_load_from_checkpoint`` under DeepSpeed: ``BoostTrainer.train`` verifies the manifest itself)."""
+    copy = checkpoint.parent.parent / "zero2-damaged-checkpoint" / checkpoint.name
+    if dist.get_rank() == 0:
+        shutil.copytree(checkpoint, copy)
+        states = next(copy.glob("global_step*/mp_rank_00_model_states.pt"))
+        data = bytearray(states.read_bytes())
+        for i in range(16):
+            data[len(data) // 2 + i] ^= 0xFF
+        states.write_bytes(bytes(data))
+    dist.barrier()
+    return str(copy)
+
+
 def seen_by_compute_metrics(prediction) -> dict:
     """What ``compute_metrics`` receives: every validation block once (labels), argmax over the full vocabulary."""
     return {"label_rows": prediction.label_ids.tolist(), "max_prediction": int(prediction.predictions.max()),
@@ -148,6 +164,9 @@ def main(mode: str, out: str, *common: str) -> None:
             common + ["--output_dir", str(out / "zero2-at-tp1"), "--tp_size", "1", "--per_device_train_batch_size", "2",
                       "--resume_from_checkpoint", str(out / "zero2" / "checkpoint-3")], 2, out),
         "ddp-under-zero2": expect_failure(common + ["--output_dir", str(out / "ddp-under-zero2"), *ddp_checkpoint], 2, out),
+        "zero2-damaged": expect_failure(
+            common + ["--output_dir", str(out / "zero2-damaged"), "--resume_from_checkpoint", damaged_copy(out / "zero2" / "checkpoint-3")],
+            2, out),
     }
     if dist.get_rank() == 0:
         (out / "errors.json").write_text(json.dumps(errors))

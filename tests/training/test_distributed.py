@@ -136,6 +136,12 @@ def test_deepspeed_resume_at_another_layout_fails_clearly(runs):
     assert ddp["type"] == "ResumeLayoutError" and "was saved without DeepSpeed" in ddp["message"]
 
 
+def test_deepspeed_resume_verifies_the_manifest(runs):
+    damaged = json.loads((runs / "errors.json").read_text())["zero2-damaged"]
+    assert damaged["type"] == "CheckpointIntegrityError"
+    assert "mp_rank_00_model_states.pt' is corrupted (SHA-256 differs from the manifest)" in damaged["message"]
+
+
 def test_two_torchrun_nodes_match_one_process(runs):
     """Two ``torchrun`` "nodes" of 2 processes on 127.0.0.1 (static rendezvous), tp 2 x dp 2 across them."""
     assert_same_losses(losses(runs / "multinode"), losses(runs / "single"))

@@ -1,11 +1,12 @@
-"""No hangs: a frozen rank stops every process within ``--hang_timeout_s``, and ``kill -9`` of the launcher takes
-its workers with it. Each case launches ``torchrun`` with 2 CPU processes (tp 2) on a long run, waits for the first
+"""No hangs: a frozen rank stops every process within ``--hang_timeout_s``, a rank alive but stuck outside the
+collectives within ``--ddp_timeout`` (named), and ``kill -9`` of the launcher takes its workers with it. Each case launches ``torchrun`` with 2 CPU processes (tp 2) on a long run, waits for the first
 logged loss, injects the fault and gives the processes a hard deadline; ``finally`` kills whatever is left.
 (The multi-node launch is in ``test_distributed.py``.)"""
 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import threading
@@ -22,11 +23,14 @@ HANG_TIMEOUT_S = 5
 STARTUP_DEADLINE_S = 180
 
 
-def long_run(training_env, output_dir) -> list[str]:
+DDP_TIMEOUT_S = 8
+
+
+def long_run(training_env, output_dir, script: str = "recipes/pretrain.py", *extra) -> list[str]:
     args = [*TINY, "--dataset", training_env["CORPUS"], "--tp_size", "2", "--per_device_train_batch_size", "8",
-            "--output_dir", output_dir, "--hang_timeout_s", str(HANG_TIMEOUT_S)]
+            "--output_dir", output_dir, "--hang_timeout_s", str(HANG_TIMEOUT_S), *extra]
     args[args.index("--max_steps") + 1] = "100000"
-    return torchrun_command(2, "recipes/pretrain.py", DEMO_RECIPE, *args)
+    return torchrun_command(2, script, DEMO_RECIPE, *args)
 
 
 def worker_ranks(launcher_pid: int) -> dict[int, int]:
@@ -109,6 +113,29 @@ def test_frozen_rank_stops_every_process(training_env, tmp_path):
         message = f"boost-hf watchdog: rank 1 (pid {frozen} on {socket.gethostname()}) has not responded for {HANG_TIMEOUT_S} s"
         assert message in launch.output, launch.output[-4000:]
         assert "rank 0 stops at step" in launch.output and f"exit status {HANG_EXIT_CODE}" in launch.output
+        assert not [pid for pid in launch.workers if alive(pid)], "a worker is still running"
+    finally:
+        launch.cleanup()
+
+
+def test_alive_but_stuck_rank_ends_the_run_within_ddp_timeout_naming_the_collective(training_env, tmp_path):
+    """Rank 1 sleeps before step 3 (tests/training/stuck_rank.py): its heartbeat goes on, so the hang watchdog does
+    not fire; rank 0 waits in step 3's first collective until ``--ddp_timeout`` (8 s; gloo's default is 30 min)."""
+    launch = Launch(long_run(training_env, tmp_path / "run", "tests/training/stuck_rank.py", "--ddp_timeout", str(DDP_TIMEOUT_S)),
+                    training_env)
+    try:
+        launch.wait_for("rank 1 is stuck before step 3", STARTUP_DEADLINE_S)
+        stuck = time.monotonic()
+        returncode = launch.proc.wait(timeout=DDP_TIMEOUT_S + 60)
+        elapsed = time.monotonic() - stuck
+        time.sleep(0.5)
+        assert returncode != 0
+        assert elapsed < DDP_TIMEOUT_S + 30, f"the run took {elapsed:.0f}s to stop"
+        assert re.search(
+            r"CollectiveTimeoutError: rank 0: \w+ in the (TP group \(ranks \[0, 1\]\)|default group \(all 2 ranks\)), called "
+            rf"from .+ did not complete within {DDP_TIMEOUT_S} s \(--ddp_timeout\) at step 3: another rank of that group is "
+            "alive but did not reach it", launch.output), launch.output[-4000:]
+        assert "boost-hf watchdog" not in launch.output  # the stuck rank kept beating: not taken for frozen
         assert not [pid for pid in launch.workers if alive(pid)], "a worker is still running"
     finally:
         launch.cleanup()

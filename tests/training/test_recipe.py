@@ -57,9 +57,12 @@ def test_demo_command_runs_the_demo_recipe_under_accelerate():
 
     from boost_hf.training.demo import command
 
+    from boost_hf.training.recipe import ACCELERATE_CONFIGS_DIR, RECIPES_DIR
+
     cmd = command(Namespace(num_processes=4, tp_size=2, max_steps=5, output_dir="outputs/demo"), port=1234)
     assert cmd[1:3] == ["-m", "accelerate.commands.launch"]
-    assert "accelerate_configs/cpu-4proc.yaml" in cmd and "recipes/demo.yaml" in cmd
+    assert str(ACCELERATE_CONFIGS_DIR / "cpu-4proc.yaml") in cmd and str(RECIPES_DIR / "demo.yaml") in cmd  # package data
+    assert cmd[cmd.index("train") - 2:cmd.index("train") + 1] == ["-m", "boost_hf.cli", "train"]  # runs in the caller's directory
     assert cmd[cmd.index("--tp_size") + 1] == "2" and cmd[cmd.index("--max_steps") + 1] == "5"
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 import json
+import math
 import os
 import subprocess
 
@@ -98,12 +99,34 @@ def test_nonfinite_skip_step_leaves_the_weights_and_counts(tmp_path, nan_loss_at
     assert [log["nonfinite_skipped_steps"] for log in logs] == [0, 1, 1, 1]
 
 
+def test_skip_step_stops_after_consecutive_skips_and_logs_nan(tmp_path, nan_loss_at):
+    nan_loss_at({2, 4, 5, 6})
+    t = trainer(tmp_path, nonfinite="skip_step", nonfinite_max_consecutive_skips=3, max_steps=8, save_steps=3)
+    message = (r"non-finite loss or gradient norm \(nan\) at step 6: 3 steps in a row skipped by --nonfinite skip_step "
+               r"\(--nonfinite_max_consecutive_skips 3\), the run has diverged: training stopped .*checkpoint-3")
+    with pytest.raises(NonFiniteError, match=message):
+        t.train()
+    losses = {log["step"]: log["loss"] for log in t.state.log_history if "loss" in log}
+    assert sorted(losses) == [1, 2, 3, 4, 5]
+    assert [math.isnan(losses[step]) for step in sorted(losses)] == [False, True, False, True, True]
+    assert sorted(os.listdir(tmp_path)) == [".boost_hf.lock", "checkpoint-3"]  # no final, nothing after the skips
+
+
 def test_nonfinite_policy_is_validated(tmp_path):
     with pytest.raises(ValueError, match="nonfinite must be one of stop, skip_step, got 'ignore'"):
         arguments(tmp_path, nonfinite="ignore")
 
 
 # ---------------------------------------------------------------------------- data and arguments
+@pytest.mark.parametrize("steps", [dict(max_steps=-5, num_train_epochs=0), dict(max_steps=0, num_train_epochs=0)])
+def test_a_run_that_would_train_no_step_is_refused(tmp_path, steps):
+    with pytest.raises(ValueError, match=rf"this run would train no step \(max_steps={steps['max_steps']}, num_train_epochs=0\): set "
+                                         "--max_steps to a positive number"):
+        arguments(tmp_path, **steps)
+    with pytest.raises(ValueError, match="nonfinite_max_consecutive_skips must be >= 0"):
+        arguments(tmp_path, nonfinite_max_consecutive_skips=-1)
+
+
 def test_fewer_blocks_than_one_global_batch(tmp_path):
     with pytest.raises(ValueError, match="the training set has 3 blocks, fewer than 8 .one global batch"):
         trainer(tmp_path, train=blocks(3), per_device_train_batch_size=8)
@@ -188,6 +211,38 @@ def test_checkpoints_have_a_manifest_and_resume_verifies_it(finished_run, tmp_pa
         trainer(finished_run).train(resume_from_checkpoint=str(tmp_path / "nowhere"))
 
 
+def flip_byte(path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def test_resume_last_with_a_damaged_last_checkpoint_names_the_intact_earlier_one(finished_run):
+    flip_byte(finished_run / "checkpoint-4" / "model.safetensors")
+    earlier = finished_run / "checkpoint-2"
+    with pytest.raises(CheckpointIntegrityError, match=rf"checkpoint-4/model.safetensors' is corrupted .* The previous complete "
+                                                       rf"checkpoint of this run is '{earlier}': resume from it with "
+                                                       rf"--resume_from_checkpoint {earlier}\."):
+        trainer(finished_run).train(resume_from_checkpoint=True)
+
+
+def test_eval_verifies_the_checkpoint(finished_run, tmp_path):
+    from boost_hf.evaluation import evaluate_checkpoint
+
+    data = tmp_path / "held_out.txt"
+    data.write_text("some held-out text\n")
+    final = finished_run / "final"
+    flip_byte(final / "model.safetensors")
+    with pytest.raises(CheckpointIntegrityError, match="final/model.safetensors' is corrupted"):
+        evaluate_checkpoint(str(final), str(data))
+    (final / "manifest.json").unlink()
+    weights = final / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])  # truncated, and no manifest to name it
+    with pytest.raises(CheckpointIntegrityError, match=rf"the weights of '{final}' cannot be read .*: a safetensors file is "
+                                                       "truncated or damaged"):
+        evaluate_checkpoint(str(final), str(data))
+
+
 def test_resume_last_takes_the_last_complete_checkpoint(finished_run):
     (finished_run / "checkpoint-4" / "manifest.json").unlink()  # as if the save of step 4 had been interrupted
     t = trainer(finished_run)
@@ -213,6 +268,50 @@ def test_a_second_run_into_a_locked_output_dir_fails(tmp_path):
     dead.wait()
     (tmp_path / ".boost_hf.lock").write_text(json.dumps({"pid": dead.pid, "host": os.uname().nodename}))
     OutputDirLock(str(tmp_path)).acquire("second-run")  # a dead run's lock on this host is taken over
+
+
+def test_checkpoints_are_staged_verified_renamed_then_rotated(tmp_path, monkeypatch):
+    """Each save: files into ``.checkpoint-<step>.tmp-<run id>``, its manifest, one rename, and only then the rotation
+    of ``--save_total_limit``: when old checkpoints are deleted, the new one is complete under its final name."""
+    import boost_hf.training.trainer as trainer_module
+    from boost_hf.checkpoint_integrity import verify_manifest
+
+    events = []
+    rotate = trainer_module.rotate_checkpoints
+
+    def recording_rotation(output_dir, **kwargs):
+        names = sorted(n for n in os.listdir(output_dir) if n != ".boost_hf.lock")
+        newest = max((n for n in names if n.startswith("checkpoint-")), key=lambda n: int(n.split("-")[1]))
+        verify_manifest(os.path.join(output_dir, newest))  # complete before anything is deleted
+        events.append(names)
+        rotate(output_dir, **kwargs)
+
+    monkeypatch.setattr(trainer_module, "rotate_checkpoints", recording_rotation)
+    t = trainer(tmp_path, save_total_limit=1, max_steps=6)
+    stale = tmp_path / ".checkpoint-9.tmp-killed-run"  # a run killed while saving left its staging folder
+    stale.mkdir(parents=True)
+    t.train()
+    assert events == [["checkpoint-2"], ["checkpoint-2", "checkpoint-4"], ["checkpoint-4", "checkpoint-6"]]
+    assert sorted(os.listdir(tmp_path)) == [".boost_hf.lock", "checkpoint-6"]  # rotated; no staging folder left
+
+
+def test_a_save_that_fails_before_its_rename_keeps_the_previous_checkpoint_with_save_total_limit(tmp_path, monkeypatch):
+    import boost_hf.training.checkpoint as checkpoint_module
+    from boost_hf.checkpoint_integrity import verify_manifest
+
+    write_manifest = checkpoint_module.write_manifest
+    t = trainer(tmp_path, save_total_limit=1, max_steps=4)
+
+    def killed_at_step_4(folder, config=None):
+        if t.state.global_step == 4:
+            raise KeyboardInterrupt  # as a kill between the files and the manifest
+        return write_manifest(folder, config)
+
+    monkeypatch.setattr(checkpoint_module, "write_manifest", killed_at_step_4)
+    with pytest.raises(KeyboardInterrupt):
+        t.train()
+    assert sorted(os.listdir(tmp_path)) == [".boost_hf.lock", "checkpoint-2"]
+    verify_manifest(str(tmp_path / "checkpoint-2"))
 
 
 def _tmpfs(path, size: str) -> bool:
@@ -262,6 +361,9 @@ def test_init_from_paths_and_architecture_are_checked(finished_run, tmp_path):
     with pytest.raises(CheckpointIntegrityError, match="only_lr_act: checkpoint True, config False"):
         model_from(finished_run / "final", "--only_lr_act", "false")
     assert model_from(finished_run / "final").config.only_lr_act is True
+    flip_byte(finished_run / "final" / "model.safetensors")
+    with pytest.raises(CheckpointIntegrityError, match="final/model.safetensors' is corrupted"):
+        model_from(finished_run / "final")
 
 
 # ---------------------------------------------------------------------------- Trainer internals still overridden
@@ -290,3 +392,52 @@ def test_overridden_private_trainer_methods_have_not_changed():
         for name in sorted(n for n in vars(BoostTrainer) if n.startswith("_") and not n.startswith("__") and hasattr(Trainer, n))
     }
     assert current == TRANSFORMERS_PRIVATE_OVERRIDES
+
+
+# ---------------------------------------------------------------------------- cryptic cases, named
+def test_resume_from_a_final_model_points_to_init_from(finished_run):
+    final = finished_run / "final"
+    with pytest.raises(FileNotFoundError, match=rf"'{final}' has no trainer_state.json, so it is a saved model .*not a training "
+                                                rf"checkpoint.*--init_from {final}"):
+        trainer(finished_run).train(resume_from_checkpoint=str(final))
+
+
+def test_a_malformed_json_lines_file_names_the_line(tmp_path):
+    from boost_hf.data.sources import load_raw_dataset
+
+    data = tmp_path / "docs.jsonl"
+    data.write_text('{"text": "one"}\n{"text": "two",\n{"text": "three"}\n')
+    with pytest.raises(ValueError, match=rf"data file '{data}', line 2: not valid JSON .*Fix or remove that line"):
+        load_raw_dataset(str(data))
+
+
+@pytest.mark.parametrize("name", ["per_device_train_batch_size", "gradient_accumulation_steps"])
+def test_zero_batch_size_or_accumulation_is_refused(tmp_path, name):
+    with pytest.raises(ValueError, match=rf"{name} must be >= 1, got 0"):
+        arguments(tmp_path, **{name: 0})
+
+
+def test_an_empty_tokenizer_folder_is_named(tmp_path):
+    from boost_hf.data import load_tokenizer
+
+    (tmp_path / "tok").mkdir()
+    with pytest.raises(FileNotFoundError, match=r"tokenizer: the folder '.*tok' holds no tokenizer \(none of tokenizer.json"):
+        load_tokenizer(str(tmp_path / "tok"))
+
+
+def test_disk_full_inside_safetensors_is_a_checkpoint_write_error(tmp_path, monkeypatch):
+    import transformers.modeling_utils
+    from safetensors import SafetensorError
+
+    t = trainer(tmp_path, max_steps=4)
+    original = transformers.modeling_utils.safe_save_file
+
+    def full_at_step_4(*args, **kwargs):
+        if t.state.global_step == 4:
+            raise SafetensorError('Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "No space left on device" })')
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(transformers.modeling_utils, "safe_save_file", full_at_step_4)
+    with pytest.raises(CheckpointWriteError, match=r"could not save .*checkpoint-4': no space left on device"):
+        t.train()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".boost_hf.lock", "checkpoint-2"]

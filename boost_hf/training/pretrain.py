@@ -1,0 +1,49 @@
+"""Pre-train a boost-hf model from a YAML recipe; any field can be overridden on the command line.
+
+    boost-hf train demo --max_steps 100                       # a shipped recipe by name, or a path to a YAML file
+    accelerate launch --config_file CONFIG.yaml -m boost_hf.cli train demo --tp_size 2
+    python recipes/pretrain.py recipes/demo.yaml              # the same, from a source checkout
+
+Logs validation perplexity before training and every ``eval_steps``, trains (``--resume_from_checkpoint
+PATH|last`` continues a run), evaluates again, prints a greedy sample and saves the model with its
+tokenizer, its remote code and model card (``README.md``) to ``<output_dir>/final``.
+"""
+
+from __future__ import annotations
+
+from .preflight import check_model_and_data
+from .recipe import build_config, build_datasets, build_model, build_tokenizer, card_datasets, parse_recipe
+from .trainer import BoostTrainer
+
+
+def main(argv: list[str]) -> None:
+    model_args, data_args, training_args = parse_recipe(argv)
+    tokenizer = build_tokenizer(data_args)
+    check_model_and_data(build_config(model_args, tokenizer), tokenizer, data_args.block_size)  # before any collective
+    datasets = build_datasets(data_args, tokenizer, training_args)
+    model = build_model(model_args, training_args, tokenizer)
+    trainer = BoostTrainer(
+        model=model,
+        args=training_args,
+        train_dataset=datasets["train"],
+        eval_dataset=datasets["validation"],
+        processing_class=tokenizer,
+    )
+    trainer.card_metadata["datasets"] = card_datasets(data_args)  # the model card in <output_dir>/final
+    resume = training_args.resume_from_checkpoint
+    training_args.eval_on_start = training_args.eval_on_start or not resume  # logged at step 0
+    trainer.train(resume_from_checkpoint=True if resume == "last" else resume)
+    end = trainer.evaluate()
+    trainer.save_state()  # <output_dir>/trainer_state.json: every logged loss, lr, grad norm, throughput
+    sample = trainer.generate_sample() if training_args.sample_max_new_tokens > 0 else None
+    final = trainer.save_final_model()
+    if trainer.is_world_process_zero():
+        start = next((log for log in trainer.state.log_history if "eval_perplexity" in log), end)
+        print(f"validation perplexity: {start['eval_perplexity']:.1f} at step {start['step']}")
+        print(f"validation perplexity: {end['eval_perplexity']:.1f} after {trainer.state.global_step} steps")
+        if sample is not None:
+            print(f"sample: {sample!r}")
+        print(f"model and tokenizer saved to {final}")
+
+
+__all__ = ["main"]
