@@ -93,11 +93,15 @@ class LoroAdamW(torch.optim.Optimizer):
         super().__init__(groups, defaults)
         self.pairs = list(pairs)
         self.exact_every, self.tp_group, self.bucket_elements = exact_every, tp_group, bucket_elements
-        self._group_of = {p: g for g in self.param_groups for p in g["params"]}
+        groups = self._group_of()
         for B, A in self.pairs:
             for factor in (B, A):
-                if factor not in self._group_of or self._group_of[factor]["lr_scale"] <= 0:
+                if factor not in groups or groups[factor]["lr_scale"] <= 0:
                     raise ValueError("every factor of pairs must be in a param group with lr_scale > 0.")
+
+    def _group_of(self) -> dict:
+        """Each parameter's group (looked up each time: ``load_state_dict`` replaces the group dicts)."""
+        return {p: g for g in self.param_groups for p in g["params"]}
 
     def _moments(self, param: torch.Tensor, group: dict) -> tuple[torch.Tensor, torch.Tensor, float]:
         """Advance ``param``'s Adam moments with its gradient; ``(exp_avg, denom, bias_correction1)``: the Adam
@@ -125,7 +129,7 @@ class LoroAdamW(torch.optim.Optimizer):
     @property
     def steps_in_period(self) -> int:
         """Optimizer steps since the last exact step."""
-        return self._group_of[self.pairs[0][0]]["loro_step"] if self.pairs else 0
+        return self._group_of()[self.pairs[0][0]]["loro_step"] if self.pairs else 0
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -145,7 +149,8 @@ class LoroAdamW(torch.optim.Optimizer):
                     directions[param] = exp_avg / denom / bias_correction1
                 else:
                     self._adamw_(param, group)
-        for group in {id(self._group_of[p]): self._group_of[p] for p in factors}.values():
+        groups = self._group_of()
+        for group in {id(groups[p]): groups[p] for p in factors}.values():
             group["loro_step"] = 0 if exact else group["loro_step"] + 1
         if exact:
             self._exact_step(directions)
@@ -155,9 +160,9 @@ class LoroAdamW(torch.optim.Optimizer):
     def _exact_step(self, directions: dict) -> None:
         """Retract every pair (a pair without gradients this step moves along a zero direction: it is only
         re-balanced), in buckets of at most ``bucket_elements`` products: one all-reduce per bucket."""
-        bucket, size = [], 0
+        bucket, size, groups = [], 0, self._group_of()
         for B, A in self.pairs:
-            group = self._group_of[B]
+            group = groups[B]
             lr = group["lr"] / group["lr_scale"]
             direction_B = directions[B] if B in directions else torch.zeros_like(B)
             direction_A = directions[A] if A in directions else torch.zeros_like(A)

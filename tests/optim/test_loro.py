@@ -161,3 +161,25 @@ def test_loro_refuses_models_with_something_between_the_factors(bottleneck):
     assert "--lowrank_optimizer adamw" in str(error.value)
     if bottleneck == "cola":
         assert "activation" in str(error.value) and "changes this function" in str(error.value)
+
+
+def test_a_reloaded_state_continues_the_same_run():
+    """Its state dict (moments, place in the period) loaded into a new optimizer: the next steps, an exact step among
+    them, are those of the uninterrupted optimizer."""
+    model, restored_model = svd_model(), svd_model()
+    optimizer = loro(model, exact_every=3)
+    for seed in (1, 2):
+        backward(model, seed), backward(restored_model, seed)
+        optimizer.step()
+    restored_model.load_state_dict(model.state_dict())
+    restored = loro(restored_model, exact_every=3)
+    buffer = io.BytesIO()
+    torch.save(optimizer.state_dict(), buffer)
+    buffer.seek(0)
+    restored.load_state_dict(torch.load(buffer, weights_only=True))
+    assert restored.steps_in_period == 2
+    for seed in (3, 4):  # the exact step, then a lazy one
+        backward(model, seed), backward(restored_model, seed)
+        optimizer.step(), restored.step()
+    for (name, p), q in zip(model.named_parameters(), restored_model.parameters()):
+        assert torch.equal(p, q), name
