@@ -58,7 +58,8 @@ def check_lowrank_optimizer(args) -> None:
 
 LORO_WITHOUT_DEEPSPEED = (
     "--lowrank_optimizer loro does not run under DeepSpeed: ZeRO keeps flat partitions of the parameters that cut "
-    "through the rows of B and columns of A that LORO's exact step rebuilds. Train without --deepspeed (DDP over the "
+    "through the rows of B and columns of A that LORO's exact step rebuilds. Train without DeepSpeed (no --deepspeed, an "
+    "accelerate config without deepspeed: DDP over the "
     "data-parallel group), or with --lowrank_optimizer adamw."
 )
 

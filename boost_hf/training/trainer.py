@@ -153,6 +153,8 @@ class BoostTrainer(Trainer):
                 "--nonfinite skip_step is not supported with DeepSpeed (its engine applies the update inside backward): "
                 "use --nonfinite stop."
             )
+        if self.is_deepspeed_enabled and getattr(self.args, "lowrank_optimizer", "adamw") == "loro":
+            raise ValueError(LORO_WITHOUT_DEEPSPEED)
         if self.is_deepspeed_enabled:
             configure_deepspeed(self.accelerator.state.deepspeed_plugin.hf_ds_config, self.args, self.parallel_state.dp_size)
             skip_shm_comm_if_requested()
@@ -163,8 +165,6 @@ class BoostTrainer(Trainer):
 
     def create_optimizer(self, model=None):
         if self.optimizer is None and getattr(self.args, "lowrank_optimizer", "adamw") == "loro":
-            if self.is_deepspeed_enabled:
-                raise ValueError(LORO_WITHOUT_DEEPSPEED)
             model = self.model if model is None else model
             args = self.args
             self.optimizer = loro_optimizer(
