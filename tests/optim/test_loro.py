@@ -117,6 +117,18 @@ def test_exact_step_matches_dense_reference():
         assert torch.equal(p, q), n
 
 
+def test_retraction_along_a_true_gradient_is_the_textbook_projected_step():
+    """Directions of a true gradient ``G`` of ``W`` (``D_B = G A^T``, ``D_A = B^T G``): the step is the truncated SVD
+    of ``W - lr (P_U G + G P_V - P_U G P_V)``."""
+    generator = torch.Generator().manual_seed(5)
+    B, A, G = (torch.randn(*shape, generator=generator, dtype=torch.float64) for shape in ((30, 6), (6, 20), (30, 20)))
+    P_U, P_V = B @ pinv(B), pinv(A) @ A
+    U, S, Vh = torch.linalg.svd(B @ A - 0.3 * (P_U @ G + G @ P_V - P_U @ G @ P_V))
+    pair = FactorPair(B.clone(), A.clone(), G @ A.T, B.T @ G, lr=0.3)
+    retract([pair])
+    assert rel(pair.B @ pair.A, U[:, :6] @ torch.diag(S[:6]) @ Vh[:6]) < 1e-10
+
+
 def test_retraction_of_a_zero_direction_rebalances_without_changing_w():
     generator = torch.Generator().manual_seed(3)
     B, A = torch.randn(20, 5, generator=generator, dtype=torch.float64), torch.randn(5, 12, generator=generator, dtype=torch.float64)
