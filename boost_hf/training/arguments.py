@@ -19,6 +19,7 @@ import torch.distributed as dist
 from transformers import TrainingArguments
 
 from ..parallel.config import ParallelConfig
+from ..optim.loro import LOWRANK_OPTIMIZERS
 from .health import NONFINITE_POLICIES
 
 logger = logging.getLogger(__name__)
@@ -38,6 +39,31 @@ def default_peak_tflops() -> float:
                 return HARDWARE_PRESETS[key].peak_tflops
         logger.warning("unknown GPU %r: pass --peak_tflops for a meaningful MFU", name)
     return CPU_PEAK_TFLOPS
+
+
+def check_lowrank_optimizer(args) -> None:
+    """Raise ``ValueError`` naming the field to change for an unknown optimizer, bad LORO settings, or LORO with
+    DeepSpeed (ZeRO's flat partitions cut through the factors' rows that LORO's exact step rebuilds)."""
+    if args.lowrank_optimizer not in LOWRANK_OPTIMIZERS:
+        raise ValueError(f"lowrank_optimizer must be one of {', '.join(LOWRANK_OPTIMIZERS)}, got {args.lowrank_optimizer!r}.")
+    if args.lowrank_optimizer != "loro":
+        return
+    if args.loro_exact_every < 1:
+        raise ValueError(f"loro_exact_every must be >= 1 (optimizer steps between exact steps), got {args.loro_exact_every}.")
+    if args.loro_lr_scale is not None and not args.loro_lr_scale > 0:
+        raise ValueError(f"loro_lr_scale must be > 0 (or unset for r/d), got {args.loro_lr_scale}.")
+    if args.loro_restart_warmup_steps < 0:
+        raise ValueError(f"loro_restart_warmup_steps must be >= 0, got {args.loro_restart_warmup_steps}.")
+    if args.deepspeed:
+        raise ValueError(LORO_WITHOUT_DEEPSPEED)
+
+
+LORO_WITHOUT_DEEPSPEED = (
+    "--lowrank_optimizer loro does not run under DeepSpeed: ZeRO keeps flat partitions of the parameters that cut "
+    "through the rows of B and columns of A that LORO's exact step rebuilds. Train without DeepSpeed (no --deepspeed, an "
+    "accelerate config without deepspeed: DDP over the "
+    "data-parallel group), or with --lowrank_optimizer adamw."
+)
 
 
 @dataclass(kw_only=True)
@@ -66,6 +92,12 @@ class BoostTrainingArguments(TrainingArguments):
             the run with an error naming it (default 300; 0: no watchdog). See :mod:`boost_hf.training.watchdog`.
         overwrite_output_dir: let a new (not resumed) run replace the checkpoints and final model of an earlier
             run in ``output_dir`` (transformers 5 dropped this Trainer flag; without it such a run is refused).
+        lowrank_optimizer: ``"adamw"`` (default) or ``"loro"``: LORO (:mod:`boost_hf.optim.loro`) on the factors of a
+            ``bottleneck="svd"`` model, AdamW on the other parameters; not with DeepSpeed.
+        loro_exact_every: LORO's exact step every this many optimizer steps (the authors: 500 up to 350M, 200 at 1B);
+            the Adam moments are reset and the learning rate warms up again after each.
+        loro_lr_scale: the factors' learning rate on lazy steps, relative to ``learning_rate`` (default ``r / d``).
+        loro_restart_warmup_steps: steps of the linear warm-up after each exact step (the authors: 5; 0: none).
 
     Without CUDA, ``use_cpu`` is set (and ``ddp_backend="gloo"`` when launched on several processes), so
     ``accelerate launch`` runs on CPU processes with or without DeepSpeed. ``ddp_timeout`` bounds every collective
@@ -97,6 +129,12 @@ class BoostTrainingArguments(TrainingArguments):
     overwrite_output_dir: bool = field(
         default=False, metadata={"help": "Let a new run replace an earlier run's checkpoints and final model in output_dir."}
     )
+    lowrank_optimizer: str = field(default="adamw", metadata={"help": "adamw, or loro (svd models: LORO on the factors)."})
+    loro_exact_every: int = field(default=500, metadata={"help": "LORO: an exact step every this many optimizer steps."})
+    loro_lr_scale: float | None = field(
+        default=None, metadata={"help": "LORO: the factors' lazy-step learning rate relative to learning_rate (default r/d)."}
+    )
+    loro_restart_warmup_steps: int = field(default=5, metadata={"help": "LORO: warm-up steps after each exact step."})
 
     # CoLA recipe defaults (BOOST.md section 1)
     weight_decay: float = 0.01
@@ -121,6 +159,7 @@ class BoostTrainingArguments(TrainingArguments):
                 self.activation_checkpointing_mode,
             )
             self.activation_checkpointing = self.gradient_checkpointing = False
+        check_lowrank_optimizer(self)
         super().__post_init__()
         if self.peak_tflops is None:
             self.peak_tflops = default_peak_tflops()
@@ -169,4 +208,4 @@ class BoostTrainingArguments(TrainingArguments):
         )
 
 
-__all__ = ["BoostTrainingArguments", "default_peak_tflops", "CPU_PEAK_TFLOPS"]
+__all__ = ["BoostTrainingArguments", "default_peak_tflops", "CPU_PEAK_TFLOPS", "LORO_WITHOUT_DEEPSPEED"]

@@ -14,6 +14,8 @@ Trainer hook                           boost-hf behaviour
                                        tokenizer), through the local ``evaluate`` metric (:mod:`boost_hf.evaluation`)
 ``create_accelerator_and_postprocess``  ``--torch_compile``: each decoder layer compiled in place
                                        (:mod:`boost_hf.training.compile`), not the whole model
+``create_optimizer`` /                 ``--lowrank_optimizer loro``: LORO on the factors of an svd model, AdamW on the rest,
+``create_scheduler``                   the schedule restarting after each exact step (:mod:`boost_hf.optim.loro`)
 ``get_tp_size``                        our TP size: global batch and loss scaling count DP ranks only
 ``_wrap_model``                        (tp > 1, no DeepSpeed) DDP over the DP group, never across TP ranks
 ``_prepare_for_training``              (DeepSpeed) ``deepspeed.initialize`` gets our groups as ``mpu``: ZeRO
@@ -65,7 +67,8 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, EvalLoopOutput, Ev
 
 from ..parallel.weights_io import load_canonical_checkpoint, resolve_checkpoint_files
 from ..perf.flops import training_flops_per_token
-from .arguments import default_peak_tflops
+from ..optim.loro import loro_optimizer, restart_schedule_at_exact_steps
+from .arguments import LORO_WITHOUT_DEEPSPEED, default_peak_tflops
 from .checkpoint import (
     OutputDirInUseError,
     OutputDirLock,
@@ -156,6 +159,8 @@ class BoostTrainer(Trainer):
                 "--nonfinite skip_step is not supported with DeepSpeed (its engine applies the update inside backward): "
                 "use --nonfinite stop."
             )
+        if self.is_deepspeed_enabled and getattr(self.args, "lowrank_optimizer", "adamw") == "loro":
+            raise ValueError(LORO_WITHOUT_DEEPSPEED)
         if self.is_deepspeed_enabled:
             configure_deepspeed(self.accelerator.state.deepspeed_plugin.hf_ds_config, self.args, self.parallel_state.dp_size)
             skip_shm_comm_if_requested()
@@ -163,6 +168,24 @@ class BoostTrainer(Trainer):
             # per decoder layer, in place, at any TP size; accelerate must not compile the whole model again
             compile_decoder_layers(self.model, backend=self.args.torch_compile_backend, mode=self.args.torch_compile_mode)
             self.accelerator.state.dynamo_plugin.backend = DynamoBackend.NO
+
+    def create_optimizer(self, model=None):
+        if self.optimizer is None and getattr(self.args, "lowrank_optimizer", "adamw") == "loro":
+            model = self.model if model is None else model
+            args = self.args
+            self.optimizer = loro_optimizer(
+                model, lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon,
+                weight_decay=args.weight_decay, exact_every=args.loro_exact_every, lr_scale=args.loro_lr_scale,
+                decay_parameter_names=self.get_decay_parameter_names(model),
+            )
+        return super().create_optimizer(model)
+
+    def create_scheduler(self, num_training_steps: int, optimizer=None):
+        created = self.lr_scheduler is None
+        scheduler = super().create_scheduler(num_training_steps, optimizer)
+        if created and getattr(self.args, "lowrank_optimizer", "adamw") == "loro":
+            restart_schedule_at_exact_steps(scheduler, self.args.loro_exact_every, self.args.loro_restart_warmup_steps)
+        return scheduler
 
     def get_tp_size(self) -> int:
         return self.parallel_state.tp_size
