@@ -52,6 +52,23 @@ def check_loro_model(config) -> None:
     )
 
 
+LORO_WITHOUT_DEEPSPEED = (
+    "--lowrank_optimizer loro does not run under DeepSpeed: ZeRO keeps flat partitions of the parameters that cut "
+    "through the rows of B and columns of A that LORO's exact step rebuilds. Train without DeepSpeed (no --deepspeed, an "
+    "accelerate config without deepspeed: DDP over the data-parallel group), or with --lowrank_optimizer adamw."
+)
+
+
+def check_loro_training(model: nn.Module, *, deepspeed: bool) -> None:
+    """Raise ``ValueError`` saying why LORO cannot train ``model`` (before any collective: the same answer on every
+    rank): under DeepSpeed, a model with something between its factors (:func:`check_loro_model`), a layout that
+    splits the rank (:func:`factor_pairs`)."""
+    if deepspeed:
+        raise ValueError(LORO_WITHOUT_DEEPSPEED)
+    check_loro_model(model.config)
+    factor_pairs(model)
+
+
 def factor_pairs(model: nn.Module) -> list[tuple[nn.Parameter, nn.Parameter]]:
     """``(B, A)`` of every low-rank projection of ``model`` in module order (parameters ``*.B``, ``*.A``). Raises
     ``ValueError`` for a layout whose shards cannot be retracted locally (the rank dimension split, vanilla TP)."""
@@ -234,4 +251,4 @@ def restart_schedule_at_exact_steps(scheduler, every: int, warmup_steps: int):
     return scheduler
 
 
-__all__ = ["LOWRANK_OPTIMIZERS", "LoroAdamW", "check_loro_model", "factor_pairs", "loro_optimizer", "restart_schedule_at_exact_steps"]
+__all__ = ["LOWRANK_OPTIMIZERS", "LORO_WITHOUT_DEEPSPEED", "LoroAdamW", "check_loro_model", "check_loro_training", "factor_pairs", "loro_optimizer", "restart_schedule_at_exact_steps"]

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from transformers import TrainingArguments
 
 from ..parallel.config import ParallelConfig
-from ..optim.loro import LOWRANK_OPTIMIZERS
+from ..optim.loro import LORO_WITHOUT_DEEPSPEED, LOWRANK_OPTIMIZERS
 from .health import NONFINITE_POLICIES
 
 logger = logging.getLogger(__name__)
@@ -58,12 +58,6 @@ def check_lowrank_optimizer(args) -> None:
         raise ValueError(LORO_WITHOUT_DEEPSPEED)
 
 
-LORO_WITHOUT_DEEPSPEED = (
-    "--lowrank_optimizer loro does not run under DeepSpeed: ZeRO keeps flat partitions of the parameters that cut "
-    "through the rows of B and columns of A that LORO's exact step rebuilds. Train without DeepSpeed (no --deepspeed, an "
-    "accelerate config without deepspeed: DDP over the "
-    "data-parallel group), or with --lowrank_optimizer adamw."
-)
 
 
 @dataclass(kw_only=True)
@@ -208,4 +202,4 @@ class BoostTrainingArguments(TrainingArguments):
         )
 
 
-__all__ = ["BoostTrainingArguments", "default_peak_tflops", "CPU_PEAK_TFLOPS", "LORO_WITHOUT_DEEPSPEED"]
+__all__ = ["BoostTrainingArguments", "default_peak_tflops", "CPU_PEAK_TFLOPS"]

@@ -67,8 +67,8 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, EvalLoopOutput, Ev
 
 from ..parallel.weights_io import load_canonical_checkpoint, resolve_checkpoint_files
 from ..perf.flops import training_flops_per_token
-from ..optim.loro import loro_optimizer, restart_schedule_at_exact_steps
-from .arguments import LORO_WITHOUT_DEEPSPEED, default_peak_tflops
+from ..optim.loro import check_loro_training, loro_optimizer, restart_schedule_at_exact_steps
+from .arguments import default_peak_tflops
 from .checkpoint import (
     OutputDirInUseError,
     OutputDirLock,
@@ -159,8 +159,8 @@ class BoostTrainer(Trainer):
                 "--nonfinite skip_step is not supported with DeepSpeed (its engine applies the update inside backward): "
                 "use --nonfinite stop."
             )
-        if self.is_deepspeed_enabled and getattr(self.args, "lowrank_optimizer", "adamw") == "loro":
-            raise ValueError(LORO_WITHOUT_DEEPSPEED)
+        if getattr(self.args, "lowrank_optimizer", "adamw") == "loro":
+            check_loro_training(self.model, deepspeed=self.is_deepspeed_enabled)
         if self.is_deepspeed_enabled:
             configure_deepspeed(self.accelerator.state.deepspeed_plugin.hf_ds_config, self.args, self.parallel_state.dp_size)
             skip_shm_comm_if_requested()
