@@ -49,6 +49,7 @@ PRESET_ARCHS: dict[str, str | None] = {"llama": None, "svd": "svd", "cola": "col
 
 AUTHORS_COLA_MODEL_TYPE = "cola"
 """``model_type`` of a ``config.json`` written by the CoLA authors' code (``alvin-zyl/CoLA``)."""
+AUTHORS_COLA_M_MODEL_TYPE = "cola_m"
 AUTHORS_COLA_DROPPED = ("model_type", "architectures", "auto_map", "lr_act_type", "pretraining_tp", "max_sequence_length", "rope_scaling")
 
 
@@ -63,6 +64,12 @@ def from_authors_cola(config_dict: dict[str, Any]) -> dict[str, Any]:
     model cannot run (``pretraining_tp > 1``, key/value heads other than the query heads: their k and v
     projections are ``heads * head_dim`` wide) or what is not converted (``rope_scaling``).
     """
+    if config_dict.get("model_type") == AUTHORS_COLA_M_MODEL_TYPE:
+        raise ValueError(
+            "a CoLA-M checkpoint (model_type 'cola_m', ColaMForCausalLM) splits each projection over pre_/post_ modules "
+            "and moves each block's down-projection B into the next block: it is not converted. Load it with the "
+            "authors' code into ColaForCausalLM (the same function) and save that; its folder loads here."
+        )
     if config_dict.get("pretraining_tp", 1) != 1:
         raise ValueError(f"pretraining_tp={config_dict['pretraining_tp']}: the CoLA authors' model only runs with 1.")
     if config_dict.get("rope_scaling") is not None:
@@ -402,7 +409,7 @@ class BoostLlamaConfig(PretrainedConfig):
         """``PretrainedConfig.get_config_dict``, with a CoLA authors' ``config.json`` read as ours
         (:func:`from_authors_cola`)."""
         config_dict, kwargs = super().get_config_dict(pretrained_model_name_or_path, **kwargs)
-        if config_dict.get("model_type") == AUTHORS_COLA_MODEL_TYPE:
+        if config_dict.get("model_type") in (AUTHORS_COLA_MODEL_TYPE, AUTHORS_COLA_M_MODEL_TYPE):
             config_dict = from_authors_cola(config_dict)
         return config_dict, kwargs
 
@@ -411,7 +418,7 @@ class BoostLlamaConfig(PretrainedConfig):
         """``PretrainedConfig.from_dict``; a CoLA authors' configuration is read as ours
         (:func:`from_authors_cola`); a saved LaX configuration without ``lax_version`` predates the authors'
         definition and is refused (see :data:`LAX_VERSION`)."""
-        if config_dict.get("model_type") == AUTHORS_COLA_MODEL_TYPE:
+        if config_dict.get("model_type") in (AUTHORS_COLA_MODEL_TYPE, AUTHORS_COLA_M_MODEL_TYPE):
             config_dict = from_authors_cola(config_dict)
         if config_dict.get("bottleneck") == "lax" and "lax_version" not in config_dict:
             config_dict = {**config_dict, "lax_version": 1}

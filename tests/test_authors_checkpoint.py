@@ -103,7 +103,8 @@ def test_what_the_authors_model_cannot_run_is_refused(tmp_path):
     write_authors_checkpoint(model, tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())
     for field, value, message in (("num_key_value_heads", 2, "no GQA"), ("pretraining_tp", 2, "pretraining_tp=2"),
-                                  ("rope_scaling", {"type": "linear", "factor": 2.0}, "rope_scaling")):
+                                  ("rope_scaling", {"type": "linear", "factor": 2.0}, "rope_scaling"),
+                                  ("model_type", "cola_m", "CoLA-M checkpoint.*not converted")):
         (tmp_path / "config.json").write_text(json.dumps({**config, field: value}))
         with pytest.raises(ValueError, match=message):
             BoostLlamaForCausalLM.from_pretrained(tmp_path)

@@ -105,3 +105,19 @@ def test_the_earlier_lax_definition_is_refused(make_config, tmp_path):
     cola = make_config("cola").to_dict()
     del cola["lax_version"]
     assert BoostLlamaConfig.from_dict(cola).bottleneck == "cola"
+
+
+def test_earlier_lax_weights_under_a_current_config_are_refused_naming_the_difference(make_config, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    model = lax_model(make_config, "dense", "cola", layers=2)
+    model.save_pretrained(tmp_path)
+    weights = load_file(str(tmp_path / "model.safetensors"))
+    r = model.config.rank
+    for name in [n for n in weights if n.endswith(".gate_bias")]:
+        del weights[name]  # the earlier dense gate had no bias, and block 0 had a latent LayerNorm
+        block0 = name.replace("layers.1.", "layers.0.").replace(".gate_bias", ".latent_norm")
+        weights[f"{block0}.weight"], weights[f"{block0}.bias"] = torch.ones(r), torch.zeros(r)
+    save_file(weights, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="gate_bias.*earlier LaX.*block 0"):
+        BoostLlamaForCausalLM.from_pretrained(tmp_path)

@@ -79,15 +79,17 @@ def check_token_ids(input_ids: torch.Tensor, vocab_size: int) -> None:
 
 class VocabParallelEmbedding:
     """``nn.Embedding`` split along the vocabulary (local ``[V/p, d]``): masked local lookup, then an
-    all-reduce of ``[B, S, d]`` (forward only)."""
+    all-reduce of ``[B, S, d]`` (forward only). The ``padding_idx`` row gets no gradient, as on one device."""
 
     group = None
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         spec = shard_spec_of(self.weight)
-        local_ids = input_ids - spec.tp_rank * self.weight.shape[0]
-        outside = (local_ids < 0) | (local_ids >= self.weight.shape[0])
-        embeds = F.embedding(local_ids.masked_fill(outside, 0), self.weight)
+        rows, start = self.weight.shape[0], spec.tp_rank * self.weight.shape[0]
+        local_ids = input_ids - start
+        outside = (local_ids < 0) | (local_ids >= rows)
+        padding = None if self.padding_idx is None or not 0 <= self.padding_idx - start < rows else self.padding_idx - start
+        embeds = F.embedding(local_ids.masked_fill(outside, 0), self.weight, padding)
         return reduce_from_tp(embeds.masked_fill(outside.unsqueeze(-1), 0.0), self.group)
 
     def extra_repr(self) -> str:

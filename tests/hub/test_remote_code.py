@@ -53,6 +53,19 @@ def saved_plain(tmp_path, bottleneck, **fields):
     return folder
 
 
+def converted_from_authors_cola(tmp_path):
+    """A CoLA authors' checkpoint (biases, pad_token_id 0, no GQA), loaded by boost-hf and saved canonically."""
+    from tests.test_authors_checkpoint import write_authors_checkpoint
+
+    torch.manual_seed(3)
+    config = BoostLlamaConfig(vocab_size=320, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                              bottleneck="cola", rank=8, pad_token_id=0, attention_bias=True, mlp_bias=True)
+    write_authors_checkpoint(BoostLlamaForCausalLM(config), tmp_path / "authors-cola")
+    folder = tmp_path / "converted-cola"
+    BoostLlamaForCausalLM.from_pretrained(tmp_path / "authors-cola").save_pretrained(folder)
+    return folder
+
+
 def boost_hf_outputs(folder):
     model = BoostLlamaForCausalLM.from_pretrained(folder).eval()
     ids = torch.tensor(INPUT_IDS)
@@ -64,7 +77,8 @@ def boost_hf_outputs(folder):
 def test_remote_code_in_a_fresh_environment_without_boost_hf(tmp_path, trained_run):
     _, final = trained_run
     folders = {"final": str(final), "full": str(saved_plain(tmp_path, None)), "lax": str(saved_plain(tmp_path, "lax", lax_gate="kronecker")),
-               "svd": str(saved_plain(tmp_path, "svd"))}
+               "svd": str(saved_plain(tmp_path, "svd")), "lax-dense-biases": str(saved_plain(tmp_path, "lax", lax_gate="dense", attention_bias=True, mlp_bias=True)),
+               "converted-cola": str(converted_from_authors_cola(tmp_path))}
     python, how = isolated_env.create(tmp_path / "venv")
     print(f"isolated environment built by {how}")
     script = ISOLATED_SCRIPT.replace("INPUT_IDS", repr(INPUT_IDS)).replace("FOLDERS", repr(json.dumps(folders)))

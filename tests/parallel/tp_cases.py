@@ -151,13 +151,16 @@ def all_cases(world_size: int) -> list[dict]:
     # biases after B (bottleneck) or of the dense projections (full rank), sharded with the output or added
     # once after the all-reduce
     biases = {"attention_bias": True, "mlp_bias": True}
+    # a padding token that occurs in the batch: its embedding row stays zero and gets no gradient (CoLA's configs)
+    padded = {"pad_token_id": int(batch()[0][0, 3])}
     cases += [
-        {"model": {"bottleneck": None, **biases}, "parallel": {"tp_style": "megatron"}},
+        {"model": {"bottleneck": None, **biases, **padded}, "parallel": {"tp_style": "megatron"}},
         {"model": {"bottleneck": None, **biases}, "parallel": {"tp_style": "megatron", "group_linears": False, "activation_checkpointing": "full"}},
         {"model": {"bottleneck": "cola", **biases}, "parallel": {"tp_style": "btp"}},
         {"model": {"bottleneck": "lax", "lax_gate": "dense", **biases}, "parallel": {"tp_style": "btp", "rmsnorm": "sync", "activation_checkpointing": "lowrank"}},
         {"model": {"bottleneck": "svd", **biases}, "parallel": {"tp_style": "btp", "group_linears": False}},
-        {"model": {"bottleneck": "cola", **biases}, "parallel": {"tp_style": "vanilla"}},
+        {"model": {"bottleneck": "cola", **biases, **padded}, "parallel": {"tp_style": "vanilla"}},
+        {"model": {"bottleneck": "cola", **padded}, "parallel": {"tp_style": "btp"}},
         {"model": {"bottleneck": "lax", "lax_gate": "dense", **biases}, "parallel": {"tp_style": "vanilla", "activation_checkpointing": "lowrank"}},
     ]
     return cases

@@ -219,7 +219,8 @@ def split_latents(z: torch.Tensor, count: int) -> tuple[torch.Tensor, ...]:
 
 def apply_latent_functions(projections: list[nn.Module], names, zs, previous: Latents | None) -> tuple[list[torch.Tensor], Latents]:
     """Each projection's function between its factors on its latent; LaX crosses in ``previous``.
-    Returns ``(latents fed to the B's, {name: crossed latent})``. No communication."""
+    Returns ``(latents fed to the B's, {name: latent handed to the next block})`` (LaX hands on the very
+    latent it feeds to ``B``). No communication."""
     fed, crossed = [], {}
     for name, projection, z in zip(names, projections, zs):
         if hasattr(projection, "crossed_latent"):
