@@ -112,7 +112,7 @@ def get_parallel_state(tp_size: int = 1) -> ParallelState:
 
     dp_size = world // tp_size
     rank = dist.get_rank()
-    layout = torch.arange(world).view(dp_size, tp_size)
+    layout = torch.arange(world, device="cpu").view(dp_size, tp_size)  # also inside a caller's meta-device context
     tp_groups = [new_group_with_timeout(row.tolist(), "the TP group") for row in layout]
     dp_groups = [new_group_with_timeout(column.tolist(), "the DP group") for column in layout.t()]
     tp_group, dp_group = tp_groups[rank // tp_size], dp_groups[rank % tp_size]
