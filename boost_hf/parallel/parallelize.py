@@ -27,6 +27,8 @@ from .modules import VocabParallelEmbedding, VocabParallelHead, adopt, parallel_
 from .norms import FusedRMSNorm, GatheredRMSNorm
 from .primitives import split_to_tp
 from .rotary import ComputeDtypeRotaryEmbedding
+from .decoder_layer import ParallelDecoderLayer
+from .sequence_parallel import TokenGatheringRMSNorm, check_sequence_length
 from .sharding import shard_spec_of
 from .state import ParallelState, check_world, get_parallel_state
 from .layouts.btp import HiddenShardedEmbedding
@@ -101,6 +103,9 @@ def parallelize(model: nn.Module, parallel: ParallelConfig, *, initialize: bool 
         adopt(base.rotary_emb, ComputeDtypeRotaryEmbedding)  # the tables the parallel attention rotates with
         if plan.residual_sharded:
             adopt(base.norm, GatheredRMSNorm, group=plan.group)
+        elif parallel.shards_tokens:
+            adopt(base.layers[0], ParallelDecoderLayer, token_shard_entry=plan.group)
+            adopt(base.norm, TokenGatheringRMSNorm, group=plan.group)
         else:
             adopt(base.norm, FusedRMSNorm)
     tied = config.tie_word_embeddings
@@ -108,7 +113,7 @@ def parallelize(model: nn.Module, parallel: ParallelConfig, *, initialize: bool 
         model.lm_head.weight = base.embed_tokens.weight
     else:
         shard_parameter(model.lm_head, "weight", 0, plan)
-    adopt(model.lm_head, VocabParallelHead, group=plan.group)
+    adopt(model.lm_head, VocabParallelHead, group=plan.group, input_gathered=parallel.shards_tokens)
     for module in model.modules():
         for name, param in list(module.named_parameters(recurse=False)):
             if not hasattr(param, "shard_spec"):
@@ -154,11 +159,17 @@ def initialize_shards(model: nn.Module, seed: int) -> None:
 
 class TensorParallelBaseModel:
     """The base model under a layout: under BTP, ``inputs_embeds: [B, S, d]`` are split to this rank's
-    ``[B, S, d/p]`` (backward: all-gather of their gradient)."""
+    ``[B, S, d/p]`` (backward: all-gather of their gradient). Under sequence parallelism the sequence length
+    is checked first (before any collective)."""
 
     plan: TensorParallelPlan
 
     def forward(self, *args, **kwargs):
+        if self.plan.parallel.shards_tokens:
+            tokens = kwargs.get("input_ids", args[0] if args else None)
+            tokens = tokens if tokens is not None else kwargs.get("inputs_embeds")
+            if tokens is not None:  # neither: the single-device model's own error
+                check_sequence_length(tokens.shape[1], self.plan.tp_size)
         if self.plan.residual_sharded and kwargs.get("inputs_embeds") is not None:
             kwargs["inputs_embeds"] = split_to_tp(kwargs["inputs_embeds"], -1, self.plan.group)
         return super().forward(*args, **kwargs)

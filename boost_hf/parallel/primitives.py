@@ -16,7 +16,15 @@ primitive               forward                 backward                   used 
                                                                            each rank (sync RMSNorm stats)
 ``gather_from_tp``      all-gather along dim    keep own slice             full-width tensor from shards
 ``split_to_tp``         keep own slice          all-gather along dim       shard of a replicated tensor
+``gather_tokens``       all-gather along        reduce-scatter along       sequence parallelism: input of
+                        tokens                  tokens                     a column-parallel GEMM
+``reduce_scatter_       reduce-scatter along    all-gather along tokens    sequence parallelism: output
+tokens``                tokens                                             of a row-parallel GEMM
 ======================  ======================  =========================  =============================
+
+Sequence parallelism shards activations ``[B, S, ...]`` along the sequence dim (``TOKEN_DIM = 1``): rank
+``i`` holds tokens ``[i S/p, (i+1) S/p)`` of every sequence. A reduce-scatter is counted with the size of
+its *full input* (the tensor an all-reduce would have reduced), an all-gather with its full output.
 """
 
 from __future__ import annotations
@@ -28,8 +36,10 @@ import torch.distributed._functional_collectives as funcol
 from .comm_counter import record_collective
 
 ProcessGroup = dist.ProcessGroup
+TOKEN_DIM = 1  # the sequence dim of ``[B, S, ...]`` activations, which sequence parallelism shards
 # torch >= 2.13 names it all_gather_single (all_gather_into_tensor is deprecated there)
 _all_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_into = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def group_size(group: ProcessGroup | None) -> int:
@@ -62,6 +72,27 @@ def _all_gather(x: torch.Tensor, dim: int, group: ProcessGroup) -> torch.Tensor:
     if dim % x.dim() != 0:
         out = torch.cat(out.chunk(p, dim=0), dim=dim)
     return out
+
+
+def _reduce_scatter(x: torch.Tensor, dim: int, group: ProcessGroup) -> torch.Tensor:
+    """Sum ``x`` over ``group`` and keep this rank's ``1/p`` slice along ``dim`` (a new tensor)."""
+    p = dist.get_world_size(group)
+    if x.shape[dim] % p != 0:
+        raise ValueError(f"dimension {dim} of size {x.shape[dim]} is not divisible by the tensor-parallel size {p}")
+    if torch.compiler.is_compiling():
+        return funcol.reduce_scatter_tensor(x.contiguous(), "sum", dim, group)
+    # the p slices along ``dim`` as consecutive blocks along dim 0 (no copy when the dims before ``dim`` are
+    # trivial, e.g. the tokens of a single sequence)
+    chunk = x.shape[dim] // p
+    if x.shape[:dim].numel() == 1:
+        blocks = x.contiguous().view(p * chunk, *x.shape[dim + 1:])
+    else:
+        blocks = torch.cat(x.chunk(p, dim=dim), dim=0)
+    out_shape = (*x.shape[:dim], chunk, *x.shape[dim + 1:])
+    out = torch.empty(blocks.shape[0] // p, *blocks.shape[1:], dtype=x.dtype, device=x.device)
+    record_collective("reduce_scatter", x)
+    _reduce_scatter_into(out, blocks, group=group)
+    return out.view(out_shape)
 
 
 def _own_slice(x: torch.Tensor, dim: int, group: ProcessGroup) -> torch.Tensor:
@@ -133,6 +164,28 @@ class _SplitToTP(torch.autograd.Function):
         return _all_gather(grad, ctx.dim, ctx.group), None, None
 
 
+class _GatherTokens(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _all_gather(x, TOKEN_DIM, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _reduce_scatter(grad, TOKEN_DIM, ctx.group), None
+
+
+class _ReduceScatterTokens(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _reduce_scatter(x, TOKEN_DIM, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather(grad, TOKEN_DIM, ctx.group), None
+
+
 def copy_to_tp(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
     """Identity forward; all-reduce of ``x.grad`` (same shape as ``x``) backward."""
     return x if group_size(group) == 1 else _CopyToTP.apply(x, group)
@@ -158,6 +211,23 @@ def split_to_tp(x: torch.Tensor, dim: int, group: ProcessGroup | None) -> torch.
     return x if group_size(group) == 1 else _SplitToTP.apply(x, dim % x.dim(), group)
 
 
+def gather_tokens(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+    """``[B, S/p, ...]`` token shards -> the full ``[B, S, ...]`` (all-gather along tokens) forward; backward
+    reduce-scatter of the gradient along tokens (each rank's consumer computed a partial gradient)."""
+    return x if group_size(group) == 1 else _GatherTokens.apply(x, group)
+
+
+def reduce_scatter_tokens(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+    """Partial sums ``[B, S, ...]`` -> this rank's reduced token shard ``[B, S/p, ...]`` (reduce-scatter along
+    tokens) forward; backward all-gather of the gradient along tokens."""
+    return x if group_size(group) == 1 else _ReduceScatterTokens.apply(x, group)
+
+
+def split_tokens(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+    """This rank's token shard ``[B, S/p, ...]`` of a replicated ``[B, S, ...]``; backward all-gathers."""
+    return split_to_tp(x, TOKEN_DIM, group)
+
+
 def all_reduce_max_(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
     """All-reduce (max), no autograd, in place in eager: for numerically-stabilising constants."""
     if group_size(group) == 1:
@@ -175,6 +245,10 @@ __all__ = [
     "all_reduce_sum",
     "gather_from_tp",
     "split_to_tp",
+    "gather_tokens",
+    "reduce_scatter_tokens",
+    "split_tokens",
+    "TOKEN_DIM",
     "all_reduce_max_",
     "group_size",
     "group_rank",

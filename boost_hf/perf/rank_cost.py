@@ -37,6 +37,7 @@ from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from ..parallel.comm_counter import CommCounter
+from ..parallel.communication import COLLECTIVE_KINDS
 from ..parallel.state import reset_parallel_states
 from ..training.compile import compile_decoder_layers
 from .op_counter import OpCounter
@@ -187,7 +188,7 @@ def _summary(flat: dict[str, float]) -> dict:
     collectives: dict[str, dict] = {}
     for key, n in flat.items():
         kind, _, field = key.partition("/")
-        if kind in ("all_reduce", "all_gather"):
+        if kind in COLLECTIVE_KINDS:
             collectives.setdefault(kind, {"calls": 0, "elements": 0, "bytes": 0})[field] = n
     return {
         "gemm_flops": flat.get("gemm_flops", 0),

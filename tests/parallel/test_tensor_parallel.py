@@ -113,6 +113,23 @@ def test_bad_configurations_raise_clear_errors_on_every_rank(reports):
             assert r["bad"][name] is not None and word in r["bad"][name], (name, r["bad"][name])
 
 
+def test_sequence_parallel_cases_ran_and_keep_the_residual_on_a_token_shard(reports):
+    """Megatron with sequence parallelism: its cases are among the parity cases above, and with full
+    checkpointing a layer keeps only its ``[B, S/p, d]`` token shard (``N d / p``)."""
+    world, _ = reports
+    sp = [c for _, c in _cases(reports) if c["case"]["parallel"].get("sequence_parallel")]
+    assert len(sp) == len(tp_cases.sequence_parallel_cases()) * world
+    full = [c for c in sp if c["case"]["parallel"].get("activation_checkpointing") == "full"]
+    assert full and all(c["saved_bytes"] == 4 * tp_cases.BATCH * tp_cases.SEQ * tp_cases.TINY["hidden_size"] // world for c in full)
+
+
+def test_sequence_parallel_refuses_a_sequence_not_divisible_by_tp_size_on_every_rank(reports):
+    world, per_rank = reports
+    for r in per_rank:
+        message = r["sequence_length_not_divisible"]
+        assert message is not None and f"{world + 1} tokens" in message and "sequence_parallel=False" in message, message
+
+
 def test_hooks_on_single_device_modules_fire_after_parallelize(reports):
     """Hooks registered before ``parallelize`` fire on every projection, attention and MLP; the sliced model
     computes the single-device logits, from ``input_ids`` and from ``inputs_embeds``; hidden states are

@@ -160,7 +160,36 @@ def all_cases(world_size: int) -> list[dict]:
         {"model": {"bottleneck": "cola", **biases}, "parallel": {"tp_style": "vanilla"}},
         {"model": {"bottleneck": "lax", "lax_gate": "dense", **biases}, "parallel": {"tp_style": "vanilla", "activation_checkpointing": "lowrank"}},
     ]
+    return cases + sequence_parallel_cases()
+
+
+def sequence_parallel_cases() -> list[dict]:
+    """Megatron with sequence parallelism: grouped or not, with and without full checkpointing, with biases."""
+    sp = {"tp_style": "megatron", "sequence_parallel": True}
+    cases = [
+        {"model": {"bottleneck": None}, "parallel": {**sp, "group_linears": g, "activation_checkpointing": c}}
+        for g in (True, False)
+        for c in ("none", "full")
+    ]
+    biases = {"attention_bias": True, "mlp_bias": True}
+    cases.append({"model": {"bottleneck": None, **biases}, "parallel": {**sp, "activation_checkpointing": "full"}})
     return cases
+
+
+def sequence_length_not_divisible() -> str | None:
+    """Megatron with sequence parallelism on a sequence of ``world + 1`` tokens: the error, raised on every
+    rank before any collective (``None`` if it ran)."""
+    world = dist.get_world_size()
+    torch.manual_seed(SEED)
+    model = BoostLlamaForCausalLM(tiny_config(bottleneck=None), parallel_config=ParallelConfig(tp_size=world, tp_style="megatron", sequence_parallel=True))
+    ids = torch.zeros(1, world + 1, dtype=torch.long)
+    try:
+        model(ids, labels=ids)
+        message = None
+    except ValueError as err:
+        message = str(err)
+    dist.barrier()
+    return message
 
 
 def checkpoint_round_trip(tmp_dir: str) -> dict:
@@ -253,5 +282,6 @@ def everything(world_size: int) -> dict:
         "parity": parity_cases(all_cases(world_size)),
         "round_trip": round_trip,
         "bad": bad_configurations(),
+        "sequence_length_not_divisible": sequence_length_not_divisible(),
         "hugging_face": hugging_face_contract(),
     }
