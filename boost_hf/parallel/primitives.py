@@ -22,9 +22,11 @@ primitive               forward                 backward                   used 
 tokens``                tokens                                             of a row-parallel GEMM
 ======================  ======================  =========================  =============================
 
-Sequence parallelism shards activations ``[B, S, ...]`` along the sequence dim (``TOKEN_DIM = 1``): rank
-``i`` holds tokens ``[i S/p, (i+1) S/p)`` of every sequence. A reduce-scatter is counted with the size of
-its *full input* (the tensor an all-reduce would have reduced), an all-gather with its full output.
+Sequence parallelism shards the ``N = B S`` tokens of activations ``[B, S, ...]``: rank ``i`` holds rows
+``[i N/p, (i+1) N/p)`` of the flattened ``[N, ...]``, viewed as ``[B, S/p, ...]`` (every op on the shard is
+per token, so which tokens share a row does not matter). The collectives then run on contiguous blocks of
+dim 0, without a copy, as Megatron-LM's on its sequence-first layout. A reduce-scatter is counted with the
+size of its *full input* (the tensor an all-reduce would have reduced), an all-gather with its full output.
 """
 
 from __future__ import annotations
@@ -36,7 +38,6 @@ import torch.distributed._functional_collectives as funcol
 from .comm_counter import record_collective
 
 ProcessGroup = dist.ProcessGroup
-TOKEN_DIM = 1  # the sequence dim of ``[B, S, ...]`` activations, which sequence parallelism shards
 # torch >= 2.13 names it all_gather_single (all_gather_into_tensor is deprecated there)
 _all_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_into = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -74,25 +75,16 @@ def _all_gather(x: torch.Tensor, dim: int, group: ProcessGroup) -> torch.Tensor:
     return out
 
 
-def _reduce_scatter(x: torch.Tensor, dim: int, group: ProcessGroup) -> torch.Tensor:
-    """Sum ``x`` over ``group`` and keep this rank's ``1/p`` slice along ``dim`` (a new tensor)."""
+def _reduce_scatter(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """Sum ``x: [n, ...]`` over ``group`` and keep this rank's rows ``[rank n/p, (rank+1) n/p)`` (a new tensor)."""
     p = dist.get_world_size(group)
-    if x.shape[dim] % p != 0:
-        raise ValueError(f"dimension {dim} of size {x.shape[dim]} is not divisible by the tensor-parallel size {p}")
+    x = x.contiguous()
     if torch.compiler.is_compiling():
-        return funcol.reduce_scatter_tensor(x.contiguous(), "sum", dim, group)
-    # the p slices along ``dim`` as consecutive blocks along dim 0 (no copy when the dims before ``dim`` are
-    # trivial, e.g. the tokens of a single sequence)
-    chunk = x.shape[dim] // p
-    if x.shape[:dim].numel() == 1:
-        blocks = x.contiguous().view(p * chunk, *x.shape[dim + 1:])
-    else:
-        blocks = torch.cat(x.chunk(p, dim=dim), dim=0)
-    out_shape = (*x.shape[:dim], chunk, *x.shape[dim + 1:])
-    out = torch.empty(blocks.shape[0] // p, *blocks.shape[1:], dtype=x.dtype, device=x.device)
+        return funcol.reduce_scatter_tensor(x, "sum", 0, group)
+    out = torch.empty((x.shape[0] // p, *x.shape[1:]), dtype=x.dtype, device=x.device)
     record_collective("reduce_scatter", x)
-    _reduce_scatter_into(out, blocks, group=group)
-    return out.view(out_shape)
+    _reduce_scatter_into(out, x, group=group)
+    return out
 
 
 def _own_slice(x: torch.Tensor, dim: int, group: ProcessGroup) -> torch.Tensor:
@@ -164,26 +156,36 @@ class _SplitToTP(torch.autograd.Function):
         return _all_gather(grad, ctx.dim, ctx.group), None, None
 
 
+def _token_rows(x: torch.Tensor) -> torch.Tensor:
+    """``[B, S, ...]`` -> ``[B S, ...]`` (a view of a contiguous ``x``)."""
+    return x.reshape(-1, *x.shape[2:])
+
+
+def _as_tokens(rows: torch.Tensor, batch: int) -> torch.Tensor:
+    """``rows: [n, ...]`` viewed as ``[batch, n / batch, ...]``."""
+    return rows.view(batch, -1, *rows.shape[1:])
+
+
 class _GatherTokens(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
-        return _all_gather(x, TOKEN_DIM, group)
+        return _as_tokens(_all_gather(_token_rows(x), 0, group), x.shape[0])
 
     @staticmethod
     def backward(ctx, grad):
-        return _reduce_scatter(grad, TOKEN_DIM, ctx.group), None
+        return _as_tokens(_reduce_scatter(_token_rows(grad), ctx.group), grad.shape[0]), None
 
 
 class _ReduceScatterTokens(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
-        return _reduce_scatter(x, TOKEN_DIM, group)
+        return _as_tokens(_reduce_scatter(_token_rows(x), group), x.shape[0])
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_gather(grad, TOKEN_DIM, ctx.group), None
+        return _as_tokens(_all_gather(_token_rows(grad), 0, ctx.group), grad.shape[0]), None
 
 
 def copy_to_tp(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
@@ -212,20 +214,21 @@ def split_to_tp(x: torch.Tensor, dim: int, group: ProcessGroup | None) -> torch.
 
 
 def gather_tokens(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
-    """``[B, S/p, ...]`` token shards -> the full ``[B, S, ...]`` (all-gather along tokens) forward; backward
-    reduce-scatter of the gradient along tokens (each rank's consumer computed a partial gradient)."""
+    """``[B, S/p, ...]`` token shards -> the full ``[B, S, ...]`` (all-gather of the ``N/p``-token shards)
+    forward; backward reduce-scatter of the gradient over tokens (each rank's consumer computed a partial
+    gradient)."""
     return x if group_size(group) == 1 else _GatherTokens.apply(x, group)
 
 
 def reduce_scatter_tokens(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
-    """Partial sums ``[B, S, ...]`` -> this rank's reduced token shard ``[B, S/p, ...]`` (reduce-scatter along
-    tokens) forward; backward all-gather of the gradient along tokens."""
+    """Partial sums ``[B, S, ...]`` -> this rank's reduced token shard ``[B, S/p, ...]`` (reduce-scatter over
+    tokens) forward; backward all-gather of the gradient over tokens."""
     return x if group_size(group) == 1 else _ReduceScatterTokens.apply(x, group)
 
 
 def split_tokens(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
     """This rank's token shard ``[B, S/p, ...]`` of a replicated ``[B, S, ...]``; backward all-gathers."""
-    return split_to_tp(x, TOKEN_DIM, group)
+    return x if group_size(group) == 1 else _as_tokens(split_to_tp(_token_rows(x), 0, group), x.shape[0])
 
 
 def all_reduce_max_(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
@@ -248,7 +251,6 @@ __all__ = [
     "gather_tokens",
     "reduce_scatter_tokens",
     "split_tokens",
-    "TOKEN_DIM",
     "all_reduce_max_",
     "group_size",
     "group_rank",

@@ -1,16 +1,17 @@
 """Megatron-LM's sequence parallelism (``ParallelConfig(sequence_parallel=True)``, ``tp_style="megatron"``).
 
-Each rank holds the residual stream of its ``S/p`` tokens of every sequence (``[B, S/p, d]``, rank ``i``
-tokens ``[i S/p, (i+1) S/p)``); the norms and residual adds run on those tokens only. Around the
+Each rank holds the residual stream of ``N/p`` of the micro-batch's ``N = B S`` tokens (rows
+``[i N/p, (i+1) N/p)`` of the flattened ``[N, d]``, viewed as ``[B, S/p, d]``; see
+:mod:`~boost_hf.parallel.primitives`); the norms and residual adds run on those tokens only. Around the
 tensor-parallel GEMMs (:mod:`boost_hf.parallel.layouts.megatron`):
 
-* before the column-parallel q/k/v and gate/up: all-gather along tokens (backward: reduce-scatter);
-* after the row-parallel o and down: reduce-scatter along tokens instead of the all-reduce (backward:
+* before the column-parallel q/k/v and gate/up: all-gather of the token shards (backward: reduce-scatter);
+* after the row-parallel o and down: reduce-scatter over tokens instead of the all-reduce (backward:
   all-gather); a row-parallel bias is added to the shard.
 
 Outside the layers: the vocab-parallel embedding all-reduces its lookup as without sequence parallelism and
 the first layer keeps its token shard (backward: all-gather of the gradient); the final norm runs on the
-shard, then all-gathers along tokens, so ``last_hidden_state`` is the full ``[B, S, d]`` and the
+shard, then all-gathers the tokens, so ``last_hidden_state`` is the full ``[B, S, d]`` and the
 vocab-parallel head (which then skips its own input copy) and loss are fed as without sequence parallelism.
 
 Replicated parameters that act on a token shard (the norms' ``weight``, row-parallel biases) see only this
@@ -52,7 +53,7 @@ class TokenShardedRMSNorm(FusedRMSNorm):
 
 
 class TokenGatheringRMSNorm(TokenShardedRMSNorm):
-    """The final norm: ``[B, S/p, d]`` -> norm -> all-gather along tokens -> ``[B, S, d]`` (backward:
+    """The final norm: ``[B, S/p, d]`` -> norm -> all-gather of the tokens -> ``[B, S, d]`` (backward:
     reduce-scatter of the gradient, which the vocab-parallel head computed from its vocabulary slice)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
