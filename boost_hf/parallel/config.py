@@ -11,7 +11,7 @@ from typing import Literal, get_args
 TPStyle = Literal["btp", "vanilla", "megatron"]
 RMSNormMode = Literal["online", "sync", "local"]
 CheckpointingMode = Literal["none", "full", "lowrank"]
-SEQUENCE_PARALLEL_STYLES: tuple[str, ...] = ("megatron",)
+SEQUENCE_PARALLEL_STYLES: tuple[str, ...] = ("megatron", "btp")
 
 
 @dataclass(frozen=True)
@@ -36,13 +36,15 @@ class ParallelConfig:
         activation_checkpointing: ``"none"``; ``"full"`` (recompute each decoder layer, re-running its
             forward collectives); ``"lowrank"`` (save only r-dim latents and the residual; under BTP the
             recomputation issues no collective).
-        sequence_parallel: Megatron-LM's sequence parallelism (``tp_style="megatron"`` only, for now): the
-            residual stream, its norms and residual adds run on this rank's ``S/p`` tokens of every sequence;
-            each all-reduce of a layer becomes a reduce-scatter along tokens (after o and down) plus an
-            all-gather along tokens (before q/k/v and gate/up): the same bytes, ``1/p`` of the element-wise work
-            and of the residual kept for backward. The sequence length of each micro-batch must be divisible
-            by ``tp_size`` (checked at each forward); for generation (one new token per step) turn it off. A
-            no-op at ``tp_size=1``.
+        sequence_parallel: ``"megatron"``: Megatron-LM's sequence parallelism: the residual stream, its norms
+            and residual adds run on this rank's ``N/p`` tokens; each all-reduce of a layer becomes a
+            reduce-scatter over tokens (after o and down) plus an all-gather (before q/k/v and gate/up): the
+            same bytes, ``1/p`` of the element-wise work and of the residual kept for backward. ``"btp"``
+            (svd and cola; not LaX yet): latent sequence parallelism: each latent all-reduce becomes a
+            reduce-scatter over tokens, the latent element-wise work runs on ``N/p`` tokens, and an all-gather
+            feeds the B's (the residual stays sharded along ``d``). The sequence length of each micro-batch
+            must be divisible by ``tp_size`` (checked at each forward); for generation (one new token per
+            step) turn it off. A no-op at ``tp_size=1``; not supported by ``"vanilla"``.
     """
 
     tp_size: int = 1

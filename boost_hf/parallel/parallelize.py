@@ -58,6 +58,11 @@ class TensorParallelPlan:
     def residual_sharded(self) -> bool:
         return self.layout.residual_sharded and self.tp_size > 1
 
+    @property
+    def residual_tokens_sharded(self) -> bool:
+        """Sequence parallelism of the residual stream (Megatron's): each rank holds ``N/p`` tokens."""
+        return self.parallel.shards_tokens and not self.layout.residual_sharded
+
 
 def layout_for(config, parallel: ParallelConfig) -> Layout:
     """The :class:`Layout` running ``config`` under ``parallel`` (the full-rank model always runs
@@ -103,7 +108,7 @@ def parallelize(model: nn.Module, parallel: ParallelConfig, *, initialize: bool 
         adopt(base.rotary_emb, ComputeDtypeRotaryEmbedding)  # the tables the parallel attention rotates with
         if plan.residual_sharded:
             adopt(base.norm, GatheredRMSNorm, group=plan.group)
-        elif parallel.shards_tokens:
+        elif plan.residual_tokens_sharded:
             adopt(base.layers[0], ParallelDecoderLayer, token_shard_entry=plan.group)
             adopt(base.norm, TokenGatheringRMSNorm, group=plan.group)
         else:
@@ -113,7 +118,7 @@ def parallelize(model: nn.Module, parallel: ParallelConfig, *, initialize: bool 
         model.lm_head.weight = base.embed_tokens.weight
     else:
         shard_parameter(model.lm_head, "weight", 0, plan)
-    adopt(model.lm_head, VocabParallelHead, group=plan.group, input_gathered=parallel.shards_tokens)
+    adopt(model.lm_head, VocabParallelHead, group=plan.group, input_gathered=plan.residual_tokens_sharded)
     for module in model.modules():
         for name, param in list(module.named_parameters(recurse=False)):
             if not hasattr(param, "shard_spec"):

@@ -124,6 +124,29 @@ LAYER_CASES = {
     "btp-lowrank-ckpt": (
         "lax", dict(tp_style="btp", activation_checkpointing="lowrank"), comm((4, 1280)), comm((4, 1120))
     ),
+    # btp with latent sequence parallelism: each all-reduce of the A outputs (7 N r + online statistics 160)
+    # becomes a reduce-scatter of the same, and the latents are all-gathered before the B's (7 N r = 1120);
+    # backward the mirror image
+    "btp-sp-online": (
+        "cola", dict(tp_style="btp", sequence_parallel=True), comm(all_gather=(4, 1120), reduce_scatter=(4, 1280)),
+        comm(all_gather=(4, 1280), reduce_scatter=(4, 1120)),
+    ),
+    "btp-sp-sync-ungrouped": (
+        "svd", dict(tp_style="btp", rmsnorm="sync", group_linears=False, sequence_parallel=True),
+        comm((2, 20), (7, 1120), (7, 1120)), comm((2, 20), (7, 1120), (7, 1120)),
+    ),
+    "btp-sp-full-ckpt": (
+        "cola", dict(tp_style="btp", sequence_parallel=True, activation_checkpointing="full"),
+        comm(all_gather=(4, 1120), reduce_scatter=(4, 1280)), comm(all_gather=(8, 2400), reduce_scatter=(8, 2400)),
+    ),
+    "btp-sp-lowrank-ckpt": (  # recomputing a step that applies B's re-gathers its latents
+        "cola", dict(tp_style="btp", sequence_parallel=True, activation_checkpointing="lowrank"),
+        comm(all_gather=(4, 1120), reduce_scatter=(4, 1280)), comm(all_gather=(8, 2400), reduce_scatter=(4, 1120)),
+    ),
+    "btp-sp-sync-lowrank-ckpt": (
+        "svd", dict(tp_style="btp", rmsnorm="sync", sequence_parallel=True, activation_checkpointing="lowrank"),
+        comm((2, 20), (4, 1120), (4, 1120)), comm((4, 40), (8, 2240), (4, 1120)),
+    ),
 }
 
 
@@ -187,9 +210,10 @@ def test_sequence_parallel_moves_the_same_ring_bytes_as_the_all_reduces_it_repla
 def test_sequence_parallel_configuration_is_validated():
     with pytest.raises(ValueError, match="sequence_parallel must be True or False"):
         ParallelConfig(tp_size=2, tp_style="megatron", sequence_parallel="yes")
-    for style in ("btp", "vanilla"):
-        with pytest.raises(ValueError, match=f"not supported by tp_style='{style}'.*sequence_parallel=False"):
-            ParallelConfig(tp_size=2, tp_style=style, sequence_parallel=True)
+    with pytest.raises(ValueError, match="not supported by tp_style='vanilla'.*sequence_parallel=False"):
+        ParallelConfig(tp_size=2, tp_style="vanilla", sequence_parallel=True)
+    with pytest.raises(ValueError, match="bottleneck='lax' yet.*sequence_parallel=False"):
+        layer_communication(small("lax"), ParallelConfig(tp_size=2, tp_style="btp", sequence_parallel=True), N)
     assert not ParallelConfig(tp_size=1, tp_style="megatron", sequence_parallel=True).shards_tokens
 
 

@@ -68,7 +68,8 @@ def test_lowrank_checkpointing_recompute_issues_no_collective_under_online_btp(r
     checked = 0
     for _, c in _cases(reports):
         p = c["case"]["parallel"]
-        if p.get("tp_style") == "btp" and p.get("rmsnorm", "online") == "online" and p.get("activation_checkpointing") == "lowrank":
+        if (p.get("tp_style") == "btp" and p.get("rmsnorm", "online") == "online" and p.get("activation_checkpointing") == "lowrank"
+                and not p.get("sequence_parallel")):  # latent sequence parallelism re-gathers its latents
             config = tp_cases.tiny_config(**c["case"]["model"])
             plain = ParallelConfig(tp_size=world, **{**p, "activation_checkpointing": "none"})
             without = model_communication(config, plain, tp_cases.BATCH * tp_cases.SEQ).backward.to_dict()
@@ -119,7 +120,7 @@ def test_sequence_parallel_cases_ran_and_keep_the_residual_on_a_token_shard(repo
     world, _ = reports
     sp = [c for _, c in _cases(reports) if c["case"]["parallel"].get("sequence_parallel")]
     assert len(sp) == len(tp_cases.sequence_parallel_cases()) * world
-    full = [c for c in sp if c["case"]["parallel"].get("activation_checkpointing") == "full"]
+    full = [c for c in sp if c["case"]["parallel"].get("activation_checkpointing") == "full" and c["case"]["parallel"]["tp_style"] == "megatron"]
     assert full and all(c["saved_bytes"] == 4 * tp_cases.BATCH * tp_cases.SEQ * tp_cases.TINY["hidden_size"] // world for c in full)
 
 

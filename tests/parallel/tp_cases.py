@@ -164,7 +164,8 @@ def all_cases(world_size: int) -> list[dict]:
 
 
 def sequence_parallel_cases() -> list[dict]:
-    """Megatron with sequence parallelism: grouped or not, with and without full checkpointing, with biases."""
+    """Megatron with sequence parallelism: grouped or not, with and without full checkpointing, with biases;
+    BTP with latent sequence parallelism: svd and cola, every exact norm, grouped or not, every checkpointing."""
     sp = {"tp_style": "megatron", "sequence_parallel": True}
     cases = [
         {"model": {"bottleneck": None}, "parallel": {**sp, "group_linears": g, "activation_checkpointing": c}}
@@ -173,6 +174,12 @@ def sequence_parallel_cases() -> list[dict]:
     ]
     biases = {"attention_bias": True, "mlp_bias": True}
     cases.append({"model": {"bottleneck": None, **biases}, "parallel": {**sp, "activation_checkpointing": "full"}})
+    for bottleneck, rmsnorm, group_linears in (("cola", "online", True), ("svd", "sync", False), ("cola", "sync", True), ("svd", "online", False)):
+        for checkpointing in ("none", "full", "lowrank"):
+            cases.append({"model": {"bottleneck": bottleneck}, "parallel": {
+                "tp_style": "btp", "sequence_parallel": True, "rmsnorm": rmsnorm, "group_linears": group_linears,
+                "activation_checkpointing": checkpointing}})
+    cases.append({"model": {"bottleneck": "cola", **biases}, "parallel": {"tp_style": "btp", "sequence_parallel": True, "activation_checkpointing": "lowrank"}})
     return cases
 
 
