@@ -35,10 +35,13 @@ VARIANTS = {
     "vanilla ungrouped": ("low-rank", dict(tp_style="vanilla", group_linears=False)),
     "btp online grouped": ("low-rank", dict(tp_style="btp", rmsnorm="online")),
     "btp sync grouped": ("low-rank", dict(tp_style="btp", rmsnorm="sync")),
+    "btp online grouped sp": ("low-rank", dict(tp_style="btp", rmsnorm="online", sequence_parallel=True)),
+    "btp sync grouped sp": ("low-rank", dict(tp_style="btp", rmsnorm="sync", sequence_parallel=True)),
     "btp online ungrouped": ("low-rank", dict(tp_style="btp", rmsnorm="online", group_linears=False)),
     "btp sync ungrouped": ("low-rank", dict(tp_style="btp", rmsnorm="sync", group_linears=False)),
 }
-DEFAULT_VARIANTS = ["megatron", "megatron sp", "vanilla", "btp online grouped", "btp sync grouped", "btp online ungrouped"]
+DEFAULT_VARIANTS = ["megatron", "megatron sp", "vanilla", "btp online grouped", "btp online grouped sp", "btp sync grouped",
+                    "btp sync grouped sp", "btp online ungrouped"]
 GB, MB = 1e9, 1e6
 
 
@@ -67,10 +70,12 @@ def _equals_formula(cost: dict, config, parallel) -> str:
     return "yes" if counted == {"forward": formula.forward.to_dict(), "backward": formula.backward.to_dict()} else "**NO**"
 
 
-def _saved_mb(config, parallel, tokens: int) -> str:
-    """Bytes (bf16) one layer keeps for backward under full checkpointing, in MB."""
-    full = ParallelConfig(**{**parallel.to_dict(), "activation_checkpointing": "full"})
-    return _num(2 * saved_elements_per_layer(config, full, tokens) / MB)
+def _saved_mb(config, parallel, tokens: int, checkpointing: str) -> str:
+    """Bytes (bf16) one layer keeps for backward under ``checkpointing``, in MB ("" where not applicable)."""
+    if checkpointing == "lowrank" and config.bottleneck is None:
+        return ""
+    checkpointed = ParallelConfig(**{**parallel.to_dict(), "activation_checkpointing": checkpointing})
+    return _num(2 * saved_elements_per_layer(config, checkpointed, tokens) / MB)
 
 
 def counted_section(args, names: list[str]) -> tuple[list[str], dict]:
@@ -81,7 +86,7 @@ def counted_section(args, names: list[str]) -> tuple[list[str], dict]:
         try:
             parallel.check_model(config)
         except ValueError as err:
-            rows.append([name, preset, f"not applicable: {err}", "", "", "", "", "", "", "", ""])
+            rows.append([name, preset, f"not applicable: {err}", "", "", "", "", "", "", "", "", ""])
             continue
         cost = count_rank_layer(config, parallel, args.batch, args.seq, layers=tuple(args.layers))
         total = totals[name] = cost["total"]
@@ -90,7 +95,8 @@ def counted_section(args, names: list[str]) -> tuple[list[str], dict]:
             name, preset, _num(total["gemm_flops"] / GB), _num(total["attention_flops"] / GB),
             _num(total["non_gemm_bytes"] / GB), f"{total['non_gemm_ops']:g}",
             f"{_collectives(cost['forward'])} / {_collectives(cost['backward'])}", _equals_formula(cost, config, parallel),
-            f"{predicted_h100_eager_ms(total, low_rank=config.bottleneck is not None):.2f}", _saved_mb(config, parallel, cost["tokens"]), movers,
+            f"{predicted_h100_eager_ms(total, low_rank=config.bottleneck is not None):.2f}", _saved_mb(config, parallel, cost["tokens"], "full"),
+            _saved_mb(config, parallel, cost["tokens"], "lowrank"), movers,
         ])
         print(f"counted {name}: {rows[-1][2:6]}", flush=True)
     lines = [
@@ -106,12 +112,12 @@ def counted_section(args, names: list[str]) -> tuple[list[str], dict]:
         "collectives excluded: they are the next column, from `CommCounter`, forward / backward). Predicted H100 "
         "eager ms: REVIEW-2's fit (`boost_hf.perf.rank_cost.H100_EAGER_FIT`: GEMM at 650 / 450 TFLOP/s full-rank / "
         "low-rank, attention at 412 TFLOP/s, non-GEMM bytes at 2.5 TB/s, 5 us per non-GEMM op; within ~10 % of five "
-        "measured layouts at 7B TP4 N = 8192). Kept per layer: what full activation checkpointing saves per layer, "
-        "bf16 (`boost_hf.perf.activation_memory`).",
+        "measured layouts at 7B TP4 N = 8192). Kept per layer: what full / low-rank activation checkpointing saves "
+        "per layer and rank, bf16 (`boost_hf.perf.activation_memory`; layer 1, so LaX's handed-on latents count).",
         "",
         *table(["layout", "preset", "GEMM GFLOP", "attention GFLOP", "non-GEMM GB", "non-GEMM ops",
                 "collectives fwd / bwd (calls, bytes)", "= comm formula", "predicted H100 eager ms",
-                "kept per layer, full ckpt (MB)", "biggest movers (GB)"], rows),
+                "kept per layer, full ckpt (MB)", "kept per layer, low-rank ckpt (MB)", "biggest movers (GB)"], rows),
         "",
     ]
     return lines, totals
