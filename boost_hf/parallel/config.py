@@ -39,8 +39,8 @@ class ParallelConfig:
         sequence_parallel: ``"megatron"``: Megatron-LM's sequence parallelism: the residual stream, its norms
             and residual adds run on this rank's ``N/p`` tokens; each all-reduce of a layer becomes a
             reduce-scatter over tokens (after o and down) plus an all-gather (before q/k/v and gate/up): the
-            same bytes, ``1/p`` of the element-wise work and of the residual kept for backward. ``"btp"``
-            (svd and cola; not LaX yet): latent sequence parallelism: each latent all-reduce becomes a
+            same bytes, ``1/p`` of the element-wise work and of the residual kept for backward. ``"btp"``:
+            latent sequence parallelism: each latent all-reduce becomes a
             reduce-scatter over tokens, the latent element-wise work runs on ``N/p`` tokens, and an all-gather
             feeds the B's (the residual stays sharded along ``d``). The sequence length of each micro-batch
             must be divisible by ``tp_size`` (checked at each forward); for generation (one new token per

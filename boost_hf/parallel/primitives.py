@@ -16,10 +16,12 @@ primitive               forward                 backward                   used 
                                                                            each rank (sync RMSNorm stats)
 ``gather_from_tp``      all-gather along dim    keep own slice             full-width tensor from shards
 ``split_to_tp``         keep own slice          all-gather along dim       shard of a replicated tensor
-``gather_tokens``       all-gather along        reduce-scatter along       sequence parallelism: input of
-                        tokens                  tokens                     a column-parallel GEMM
-``reduce_scatter_       reduce-scatter along    all-gather along tokens    sequence parallelism: output
-tokens``                tokens                                             of a row-parallel GEMM
+``gather_tokens``       all-gather of token     reduce-scatter over        sequence parallelism: input of
+                        shards                  tokens                     a column-parallel GEMM / B
+``reduce_scatter_       reduce-scatter over     all-gather of token        sequence parallelism: output
+tokens``                tokens                  shards                     of a row-parallel GEMM / A
+``split_tokens``        keep own token shard    all-gather of token        entering sequence parallelism
+                                                shards
 ======================  ======================  =========================  =============================
 
 Sequence parallelism shards the ``N = B S`` tokens of activations ``[B, S, ...]``: rank ``i`` holds rows
@@ -231,6 +233,12 @@ def split_tokens(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
     return x if group_size(group) == 1 else _as_tokens(split_to_tp(_token_rows(x), 0, group), x.shape[0])
 
 
+def all_reduce_gradient(grad: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+    """``grad`` summed over ``group`` (a new tensor; no autograd): the gradient hook of a replicated parameter
+    that each rank applies to its own tokens only."""
+    return grad if group_size(group) == 1 else _all_reduce_(grad.contiguous().clone(), group)
+
+
 def all_reduce_max_(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
     """All-reduce (max), no autograd, in place in eager: for numerically-stabilising constants."""
     if group_size(group) == 1:
@@ -251,6 +259,7 @@ __all__ = [
     "gather_tokens",
     "reduce_scatter_tokens",
     "split_tokens",
+    "all_reduce_gradient",
     "all_reduce_max_",
     "group_size",
     "group_rank",

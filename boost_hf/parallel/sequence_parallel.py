@@ -21,10 +21,14 @@ on the parameter), so every rank holds the single-device gradient.
 
 from __future__ import annotations
 
-import torch
+from functools import partial
 
+import torch
+from torch import nn
+
+from .modules import shard_parameter
 from .norms import FusedRMSNorm
-from .primitives import copy_to_tp, gather_tokens, split_tokens
+from .primitives import all_reduce_gradient, copy_to_tp, gather_tokens, split_tokens
 
 
 def check_sequence_length(seq_len: int, tp_size: int) -> None:
@@ -60,9 +64,19 @@ class TokenGatheringRMSNorm(TokenShardedRMSNorm):
         return gather_tokens(super().forward(x), self.group)
 
 
+def reduce_gradients_over_tokens(module: nn.Module, names: list[str], plan) -> None:
+    """Parameters ``names`` of ``module`` (dotted, e.g. ``latent_norm.weight``), replicated, act on this rank's
+    tokens inside code that reads them as attributes (LaX's crossing under BTP's latent sequence parallelism):
+    each becomes a replicated shard whose gradient a hook all-reduces over the group in backward."""
+    for name in names:
+        prefix, _, leaf = name.rpartition(".")
+        param = shard_parameter(module.get_submodule(prefix), leaf, None, plan)
+        param.register_hook(partial(all_reduce_gradient, group=plan.group))
+
+
 def enter_token_shard(hidden_states: torch.Tensor, group) -> torch.Tensor:
     """The first layer's input ``[B, S, d]`` (replicated) -> this rank's ``[B, S/p, d]``; backward all-gather."""
     return split_tokens(hidden_states, group)
 
 
-__all__ = ["check_sequence_length", "replicated_on_shard", "TokenShardedRMSNorm", "TokenGatheringRMSNorm", "enter_token_shard"]
+__all__ = ["check_sequence_length", "replicated_on_shard", "reduce_gradients_over_tokens", "TokenShardedRMSNorm", "TokenGatheringRMSNorm", "enter_token_shard"]

@@ -143,6 +143,12 @@ LAYER_CASES = {
         "cola", dict(tp_style="btp", sequence_parallel=True, activation_checkpointing="lowrank"),
         comm(all_gather=(4, 1120), reduce_scatter=(4, 1280)), comm(all_gather=(8, 2400), reduce_scatter=(4, 1120)),
     ),
+    # LaX (Kronecker gate 4 x 4 (x) 4 x 4, latent LayerNorm over r = 16): after block 0, backward all-reduces
+    # the gradients of each projection's 4 crossing parameters, 7 x (16 + 16 + 16 + 16) = 448
+    "btp-sp-lax": (
+        "lax", dict(tp_style="btp", sequence_parallel=True), comm(all_gather=(4, 1120), reduce_scatter=(4, 1280)),
+        comm((28, 448), (4, 1280), (4, 1120)),
+    ),
     "btp-sp-sync-lowrank-ckpt": (
         "svd", dict(tp_style="btp", rmsnorm="sync", sequence_parallel=True, activation_checkpointing="lowrank"),
         comm((2, 20), (4, 1120), (4, 1120)), comm((4, 40), (8, 2240), (4, 1120)),
@@ -189,6 +195,14 @@ def test_outside_layers(bottleneck, style, with_loss, with_logits, forward, back
     assert got == PassCommunication(forward, backward)
 
 
+def test_lax_block_zero_has_no_crossing_gradients_to_reduce(p):
+    config, parallel = small("lax"), ParallelConfig(tp_size=p, tp_style="btp", sequence_parallel=True)
+    first, later = layer_communication(config, parallel, N, layer_idx=0), layer_communication(config, parallel, N)
+    assert later.backward == first.backward + comm((28, 448))
+    outside = outside_layers_communication(config, parallel, N)
+    assert model_communication(config, parallel, N) == first + later.scaled(2) + outside
+
+
 def test_model_is_layers_plus_outside(p):
     config, parallel = small("lax"), ParallelConfig(tp_size=p, tp_style="vanilla", activation_checkpointing="full")
     got = model_communication(config, parallel, N, with_logits=True)
@@ -212,8 +226,6 @@ def test_sequence_parallel_configuration_is_validated():
         ParallelConfig(tp_size=2, tp_style="megatron", sequence_parallel="yes")
     with pytest.raises(ValueError, match="not supported by tp_style='vanilla'.*sequence_parallel=False"):
         ParallelConfig(tp_size=2, tp_style="vanilla", sequence_parallel=True)
-    with pytest.raises(ValueError, match="bottleneck='lax' yet.*sequence_parallel=False"):
-        layer_communication(small("lax"), ParallelConfig(tp_size=2, tp_style="btp", sequence_parallel=True), N)
     assert not ParallelConfig(tp_size=1, tp_style="megatron", sequence_parallel=True).shards_tokens
 
 

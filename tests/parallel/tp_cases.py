@@ -165,7 +165,8 @@ def all_cases(world_size: int) -> list[dict]:
 
 def sequence_parallel_cases() -> list[dict]:
     """Megatron with sequence parallelism: grouped or not, with and without full checkpointing, with biases;
-    BTP with latent sequence parallelism: svd and cola, every exact norm, grouped or not, every checkpointing."""
+    BTP with latent sequence parallelism: svd, cola and LaX (every gate), every exact norm, grouped or not,
+    every checkpointing."""
     sp = {"tp_style": "megatron", "sequence_parallel": True}
     cases = [
         {"model": {"bottleneck": None}, "parallel": {**sp, "group_linears": g, "activation_checkpointing": c}}
@@ -180,6 +181,13 @@ def sequence_parallel_cases() -> list[dict]:
                 "tp_style": "btp", "sequence_parallel": True, "rmsnorm": rmsnorm, "group_linears": group_linears,
                 "activation_checkpointing": checkpointing}})
     cases.append({"model": {"bottleneck": "cola", **biases}, "parallel": {"tp_style": "btp", "sequence_parallel": True, "activation_checkpointing": "lowrank"}})
+    btp_sp = {"tp_style": "btp", "sequence_parallel": True}
+    for checkpointing in ("none", "full", "lowrank"):  # LaX: the crossing and latent LayerNorm on N/p tokens
+        cases.append({"model": {"bottleneck": "lax", "lax_gate": "kronecker"}, "parallel": {**btp_sp, "activation_checkpointing": checkpointing}})
+    cases += [
+        {"model": {"bottleneck": "lax", "lax_gate": "dense", **biases}, "parallel": {**btp_sp, "rmsnorm": "sync", "group_linears": False, "activation_checkpointing": "lowrank"}},
+        {"model": {"bottleneck": "lax", "lax_gate": "identity", "lax_base": "svd"}, "parallel": btp_sp},
+    ]
     return cases
 
 

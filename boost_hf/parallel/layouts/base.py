@@ -194,6 +194,12 @@ class Layout:
         """One decoder layer's collectives for ``tokens`` tokens, without recomputation."""
         raise NotImplementedError
 
+    def parameter_gradient_communication(self, config, layer_idx: int) -> Communication:
+        """Backward all-reduces of the gradients of replicated parameters that see only this rank's tokens in
+        block ``layer_idx``, beyond :meth:`layer_communication` (LaX's crossing under latent sequence
+        parallelism)."""
+        return NO_COMMUNICATION
+
     def recompute_communication(self, config, tokens: int) -> Communication:
         """Collectives re-issued in backward by ``activation_checkpointing``."""
         if self.parallel.activation_checkpointing == "full":

@@ -15,12 +15,14 @@ LaX: each rank computes the crossing ``h = act(LayerNorm_r(z + G h_prev))`` on t
 replicated too: no communication. Its gradient is the next block's (replicated) plus the B input gradients,
 all-reduced by the copy into the TP region as for any latent. A bias after ``B`` is split with ``B``'s output.
 
-Latent sequence parallelism (``sequence_parallel=True``; svd and cola for now): each A's partial output is
+Latent sequence parallelism (``sequence_parallel=True``): each A's partial output is
 reduce-scattered over tokens instead of all-reduced (the online norm's statistics in the same collective), the
 latent element-wise work (``1/rms`` scale, activation) runs on this rank's ``N/p`` tokens, and the latents are
 all-gathered over tokens before the B's (backward: the mirror image, reduce-scatter of the B's input gradients,
-all-gather of the A outputs' gradients). The residual stays sharded along ``d``; low-rank checkpointing keeps
-``1/p`` of the latents and re-issues the all-gathers when it recomputes.
+all-gather of the A outputs' gradients). LaX's crossing and latent LayerNorm run on those tokens too (the
+handed-on latents are token shards); the gradients of their replicated parameters are all-reduced in backward.
+The residual stays sharded along ``d``; low-rank checkpointing keeps ``1/p`` of the latents and re-issues the
+all-gathers when it recomputes.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from ..modules import add_bias, adopt, shard_parameter, shard_repr
 from ..fused import STATISTICS_WIDTH, down_projection, latent_linear, scale_latents, split_latent
 from ..norms import RMSNORM_MODES
 from ..primitives import copy_to_tp, gather_tokens, reduce_from_tp, reduce_scatter_tokens
+from ..sequence_parallel import reduce_gradients_over_tokens
 from .base import GROUPS, READS_NORM, Gemm, Layout, ProjectionGroup, ResidualWidths, apply_latent_functions, low_rank_a_gemms, split_latents
 
 
@@ -125,11 +128,6 @@ class BottleneckAwareLayout(Layout):
                 "tie_word_embeddings=True cannot be combined with tp_style='btp' at tp_size > 1 (the embedding is "
                 "split along d, the LM head along the vocabulary): set tie_word_embeddings=False."
             )
-        if self.parallel.shards_tokens and config.bottleneck == "lax":
-            raise ValueError(
-                "sequence_parallel=True under tp_style='btp' does not support bottleneck='lax' yet (the crossing's "
-                "parameters would see only this rank's tokens): set sequence_parallel=False."
-            )
         super().check(config)
 
     def embedding_split(self) -> int | None:
@@ -149,6 +147,9 @@ class BottleneckAwareLayout(Layout):
         shard_parameter(projection, "B", 0, plan)
         if projection.bias is not None:
             shard_parameter(projection, "bias", 0, plan)
+        if self.parallel.shards_tokens:  # LaX's crossing gate and latent LayerNorm run on this rank's tokens
+            latent_parameters = [name for name, _ in projection.named_parameters() if name not in ("A", "B", "bias")]
+            reduce_gradients_over_tokens(projection, latent_parameters, plan)
         adopt(projection, BottleneckAwareProjection)
 
     def projection_group(self, layer, owner, group_name, plan):
@@ -179,6 +180,15 @@ class BottleneckAwareLayout(Layout):
             # one separate all-reduce of N statistics per norm, whose backward is an all-reduce too
             forward, backward = forward + all_reduce(2, 2 * n), backward + all_reduce(2, 2 * n)
         return PassCommunication(forward, backward)
+
+    def parameter_gradient_communication(self, config, layer_idx: int) -> Communication:
+        if not (self.parallel.shards_tokens and config.bottleneck == "lax" and layer_idx > 0):
+            return Communication()
+        # one all-reduce per crossing-gate and latent-LayerNorm parameter of each of the 7 projections
+        r, (a, b) = config.rank, config.kronecker_factors
+        sizes = {"dense": [r * r, r], "kronecker": [a * a, b * b], "identity": []}[config.lax_gate]
+        sizes = sizes + ([r, r] if config.lax_latent_norm else [])
+        return all_reduce(7 * len(sizes), 7 * sum(sizes))
 
     def recompute_communication(self, config, tokens) -> Communication:
         if self.parallel.activation_checkpointing != "lowrank":
