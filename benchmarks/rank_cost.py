@@ -24,19 +24,24 @@ from common import base_parser, parse, save_figure, table, write_result
 from boost_hf import BoostLlamaConfig, ParallelConfig
 from boost_hf.perf.comm_formula import layer_communication
 from boost_hf.perf.measured import MeasuredLayer, MeasuredRun
-from boost_hf.perf.rank_cost import count_rank_layer, device_name, fake_process_group, measure_rank_layers
+from boost_hf.perf.activation_memory import saved_elements_per_layer
+from boost_hf.perf.rank_cost import count_rank_layer, device_name, fake_process_group, measure_rank_layers, predicted_h100_eager_ms
 
 # name -> (preset family: "llama" or the low-rank family of --low-rank, ParallelConfig fields)
 VARIANTS = {
     "megatron": ("llama", dict(tp_style="megatron")),
+    "megatron sp": ("llama", dict(tp_style="megatron", sequence_parallel=True)),
     "vanilla": ("low-rank", dict(tp_style="vanilla")),
     "vanilla ungrouped": ("low-rank", dict(tp_style="vanilla", group_linears=False)),
     "btp online grouped": ("low-rank", dict(tp_style="btp", rmsnorm="online")),
     "btp sync grouped": ("low-rank", dict(tp_style="btp", rmsnorm="sync")),
+    "btp online grouped sp": ("low-rank", dict(tp_style="btp", rmsnorm="online", sequence_parallel=True)),
+    "btp sync grouped sp": ("low-rank", dict(tp_style="btp", rmsnorm="sync", sequence_parallel=True)),
     "btp online ungrouped": ("low-rank", dict(tp_style="btp", rmsnorm="online", group_linears=False)),
     "btp sync ungrouped": ("low-rank", dict(tp_style="btp", rmsnorm="sync", group_linears=False)),
 }
-DEFAULT_VARIANTS = ["megatron", "vanilla", "btp online grouped", "btp sync grouped", "btp online ungrouped"]
+DEFAULT_VARIANTS = ["megatron", "megatron sp", "vanilla", "btp online grouped", "btp online grouped sp", "btp sync grouped",
+                    "btp sync grouped sp", "btp online ungrouped"]
 GB, MB = 1e9, 1e6
 
 
@@ -65,6 +70,14 @@ def _equals_formula(cost: dict, config, parallel) -> str:
     return "yes" if counted == {"forward": formula.forward.to_dict(), "backward": formula.backward.to_dict()} else "**NO**"
 
 
+def _saved_mb(config, parallel, tokens: int, checkpointing: str) -> str:
+    """Bytes (bf16) one layer keeps for backward under ``checkpointing``, in MB ("" where not applicable)."""
+    if checkpointing == "lowrank" and config.bottleneck is None:
+        return ""
+    checkpointed = ParallelConfig(**{**parallel.to_dict(), "activation_checkpointing": checkpointing})
+    return _num(2 * saved_elements_per_layer(config, checkpointed, tokens) / MB)
+
+
 def counted_section(args, names: list[str]) -> tuple[list[str], dict]:
     """Count every variant; return the Markdown lines and ``{name: total summary}`` for the plot."""
     rows, totals = [], {}
@@ -73,7 +86,7 @@ def counted_section(args, names: list[str]) -> tuple[list[str], dict]:
         try:
             parallel.check_model(config)
         except ValueError as err:
-            rows.append([name, preset, f"not applicable: {err}", "", "", "", "", "", ""])
+            rows.append([name, preset, f"not applicable: {err}", "", "", "", "", "", "", "", "", ""])
             continue
         cost = count_rank_layer(config, parallel, args.batch, args.seq, layers=tuple(args.layers))
         total = totals[name] = cost["total"]
@@ -81,7 +94,9 @@ def counted_section(args, names: list[str]) -> tuple[list[str], dict]:
         rows.append([
             name, preset, _num(total["gemm_flops"] / GB), _num(total["attention_flops"] / GB),
             _num(total["non_gemm_bytes"] / GB), f"{total['non_gemm_ops']:g}",
-            f"{_collectives(cost['forward'])} / {_collectives(cost['backward'])}", _equals_formula(cost, config, parallel), movers,
+            f"{_collectives(cost['forward'])} / {_collectives(cost['backward'])}", _equals_formula(cost, config, parallel),
+            f"{predicted_h100_eager_ms(total, low_rank=config.bottleneck is not None):.2f}", _saved_mb(config, parallel, cost["tokens"], "full"),
+            _saved_mb(config, parallel, cost["tokens"], "lowrank"), movers,
         ])
         print(f"counted {name}: {rows[-1][2:6]}", flush=True)
     lines = [
@@ -94,10 +109,15 @@ def counted_section(args, names: list[str]) -> tuple[list[str], dict]:
         "GEMM = mm/addmm/bmm/baddbmm (2mkn); attention = the fused SDPA kernels (score and weighted-sum GEMMs, "
         "backward 2x forward; without padding SDPA runs its causal kernel: half the score matrix); non-GEMM = "
         "bytes read + written and number of every other aten op (views, metadata and bare allocations excluded; "
-        "collectives excluded: they are the next column, from `CommCounter`, forward / backward).",
+        "collectives excluded: they are the next column, from `CommCounter`, forward / backward). Predicted H100 "
+        "eager ms: REVIEW-2's fit (`boost_hf.perf.rank_cost.H100_EAGER_FIT`: GEMM at 650 / 450 TFLOP/s full-rank / "
+        "low-rank, attention at 412 TFLOP/s, non-GEMM bytes at 2.5 TB/s, 5 us per non-GEMM op; within ~10 % of five "
+        "measured layouts at 7B TP4 N = 8192). Kept per layer: what full / low-rank activation checkpointing saves "
+        "per layer and rank, bf16 (`boost_hf.perf.activation_memory`; layer 1, so LaX's handed-on latents count).",
         "",
         *table(["layout", "preset", "GEMM GFLOP", "attention GFLOP", "non-GEMM GB", "non-GEMM ops",
-                "collectives fwd / bwd (calls, bytes)", "= comm formula", "biggest movers (GB)"], rows),
+                "collectives fwd / bwd (calls, bytes)", "= comm formula", "predicted H100 eager ms",
+                "kept per layer, full ckpt (MB)", "kept per layer, low-rank ckpt (MB)", "biggest movers (GB)"], rows),
         "",
     ]
     return lines, totals
@@ -147,6 +167,8 @@ def measured_run(args, runs: dict) -> MeasuredRun:
     m, layers = args.measure, []
     for name in runs["eager"]:
         preset, _, parallel = variant_case(name, m["size"], args.low_rank, args.tp, args.checkpointing, **m["overrides"])
+        if parallel.sequence_parallel:
+            continue  # the estimator does not model sequence parallelism (MeasuredLayer has no field for it)
         ms = {mode: runs[mode][name].get("ms_per_layer") for mode in runs}
         layers.append(MeasuredLayer(preset, parallel.tp_style, parallel.rmsnorm, parallel.group_linears,
                                     eager_ms=ms.get("eager"), compiled_ms=ms.get("compiled")))

@@ -1,10 +1,13 @@
 """Counted communication as data: :class:`Collective` (calls and elements of one kind),
 :class:`Communication` (one direction) and :class:`PassCommunication` (forward and backward).
 
-Two collective kinds are counted, per tensor-parallel rank and per micro-batch:
+Three collective kinds are counted, per tensor-parallel rank and per micro-batch:
 
 * ``"all_reduce"``: elements = size of the reduced tensor (input and output have the same size);
-* ``"all_gather"``: elements = size of the *full gathered output*.
+* ``"all_gather"``: elements = size of the *full gathered output*;
+* ``"reduce_scatter"``: elements = size of the *full input* (the tensor an all-reduce would have reduced;
+  each rank keeps ``1/p`` of the sum). Sequence parallelism replaces an all-reduce of ``n`` elements by a
+  reduce-scatter and an all-gather of ``n`` elements each: the same ring traffic.
 
 Each :class:`~boost_hf.parallel.layouts.Layout` states its pattern with these types; the analysis in
 :mod:`boost_hf.perf` adds them up.
@@ -15,16 +18,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal, Mapping
 
-CollectiveKind = Literal["all_reduce", "all_gather"]
-COLLECTIVE_KINDS: tuple[str, ...] = ("all_reduce", "all_gather")
+CollectiveKind = Literal["all_reduce", "all_gather", "reduce_scatter"]
+COLLECTIVE_KINDS: tuple[str, ...] = ("all_reduce", "all_gather", "reduce_scatter")
 
 
 @dataclass(frozen=True)
 class Collective:
     """A number of collective calls of one kind and the elements they move in total.
 
-    ``elements`` is the size of the reduced tensor (all-reduce) or of the full gathered output
-    (all-gather), summed over the calls.
+    ``elements`` is the size of the reduced tensor (all-reduce), of the full gathered output
+    (all-gather) or of the full input (reduce-scatter), summed over the calls.
     """
 
     calls: int = 0
@@ -50,7 +53,7 @@ class Communication:
     """The collectives of one direction (forward or backward) on one tensor-parallel rank.
 
     Args:
-        by_kind: ``"all_reduce"`` / ``"all_gather"`` -> :class:`Collective`. A missing kind is zero;
+        by_kind: ``"all_reduce"`` / ``"all_gather"`` / ``"reduce_scatter"`` -> :class:`Collective`. A missing kind is zero;
             zero entries are dropped and kinds are ordered, so equal communications compare equal.
             The dict is a private copy; treat it as read-only.
     """
@@ -75,7 +78,7 @@ class Communication:
 
     @property
     def elements(self) -> int:
-        """Elements of all kinds (reduced tensor sizes plus gathered output sizes)."""
+        """Elements of all kinds (reduced tensor sizes, gathered output sizes, reduce-scattered input sizes)."""
         return sum(c.elements for c in self.by_kind.values())
 
     def bytes(self, dtype_bytes: int = 2) -> int:
@@ -121,9 +124,9 @@ class PassCommunication:
 
 
 def ring_traffic_bytes(kind: CollectiveKind, nbytes: float, tp_size: int) -> float:
-    """Bytes one rank sends for a collective of ``nbytes`` (reduced tensor / gathered output) over ``tp_size``
-    ranks with the bandwidth-optimal ring algorithm: ``2 (p-1)/p * nbytes`` for an all-reduce
-    (reduce-scatter then all-gather), ``(p-1)/p * nbytes`` for an all-gather.
+    """Bytes one rank sends for a collective of ``nbytes`` (reduced tensor / gathered output / reduce-scattered
+    input) over ``tp_size`` ranks with the bandwidth-optimal ring algorithm: ``2 (p-1)/p * nbytes`` for an
+    all-reduce (reduce-scatter then all-gather), ``(p-1)/p * nbytes`` for an all-gather or a reduce-scatter.
     """
     if kind not in COLLECTIVE_KINDS:
         raise ValueError(f"Unknown collective kind {kind!r}: use one of {COLLECTIVE_KINDS}.")
@@ -142,6 +145,11 @@ def all_gather(calls: int, elements: int) -> Communication:
     return Communication({"all_gather": Collective(calls, elements)})
 
 
+def reduce_scatter(calls: int, elements: int) -> Communication:
+    """``calls`` reduce-scatters whose full inputs hold ``elements`` in total."""
+    return Communication({"reduce_scatter": Collective(calls, elements)})
+
+
 __all__ = [
     "COLLECTIVE_KINDS",
     "CollectiveKind",
@@ -151,5 +159,6 @@ __all__ = [
     "PassCommunication",
     "all_gather",
     "all_reduce",
+    "reduce_scatter",
     "ring_traffic_bytes",
 ]

@@ -11,6 +11,7 @@ from typing import Literal, get_args
 TPStyle = Literal["btp", "vanilla", "megatron"]
 RMSNormMode = Literal["online", "sync", "local"]
 CheckpointingMode = Literal["none", "full", "lowrank"]
+SEQUENCE_PARALLEL_STYLES: tuple[str, ...] = ("megatron", "btp")
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,15 @@ class ParallelConfig:
         activation_checkpointing: ``"none"``; ``"full"`` (recompute each decoder layer, re-running its
             forward collectives); ``"lowrank"`` (save only r-dim latents and the residual; under BTP the
             recomputation issues no collective).
+        sequence_parallel: ``"megatron"``: Megatron-LM's sequence parallelism: the residual stream, its norms
+            and residual adds run on this rank's ``N/p`` tokens; each all-reduce of a layer becomes a
+            reduce-scatter over tokens (after o and down) plus an all-gather (before q/k/v and gate/up): the
+            same bytes, ``1/p`` of the element-wise work and of the residual kept for backward. ``"btp"``:
+            latent sequence parallelism: each latent all-reduce becomes a
+            reduce-scatter over tokens, the latent element-wise work runs on ``N/p`` tokens, and an all-gather
+            feeds the B's (the residual stays sharded along ``d``). The sequence length of each micro-batch
+            must be divisible by ``tp_size`` (checked at each forward); for generation (one new token per
+            step) turn it off. A no-op at ``tp_size=1``; not supported by ``"vanilla"``.
     """
 
     tp_size: int = 1
@@ -42,6 +52,7 @@ class ParallelConfig:
     rmsnorm: RMSNormMode = "online"
     group_linears: bool = True
     activation_checkpointing: CheckpointingMode = "none"
+    sequence_parallel: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.tp_size, int) or self.tp_size < 1:
@@ -51,6 +62,18 @@ class ParallelConfig:
                 raise ValueError(f"Unknown {field} {getattr(self, field)!r}: use one of {', '.join(get_args(kind))}.")
         if not isinstance(self.group_linears, bool):
             raise ValueError(f"group_linears must be True or False, got {self.group_linears!r}.")
+        if not isinstance(self.sequence_parallel, bool):
+            raise ValueError(f"sequence_parallel must be True or False, got {self.sequence_parallel!r}.")
+        if self.sequence_parallel and self.tp_style not in SEQUENCE_PARALLEL_STYLES:
+            raise ValueError(
+                f"sequence_parallel=True is not supported by tp_style={self.tp_style!r} yet (only by "
+                f"{', '.join(map(repr, SEQUENCE_PARALLEL_STYLES))}): set sequence_parallel=False."
+            )
+
+    @property
+    def shards_tokens(self) -> bool:
+        """Sequence parallelism is on and there is more than one rank to shard the tokens over."""
+        return self.sequence_parallel and self.tp_size > 1
 
     def check_model(self, config) -> None:
         """Raise ``ValueError`` naming the field to change if this layout cannot hold ``config``."""

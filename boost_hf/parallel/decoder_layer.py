@@ -33,6 +33,7 @@ from transformers.models.llama.modeling_llama import eager_attention_forward
 
 from .recompute import run_step
 from .rotary import apply_rotary
+from .sequence_parallel import enter_token_shard
 from .shared_storage import SharedStorageOwner
 
 Tensors = tuple[torch.Tensor, ...]
@@ -95,9 +96,12 @@ class ParallelDecoderLayer:
     ``hidden_states``: the residual stream as the layout holds it (``[B, S, d/p]`` under BTP).
     ``checkpointing``: ``"none"``, ``"full"`` (the block is one recomputed step) or ``"lowrank"``
     (each step recomputed from its inputs).
+    ``token_shard_entry``: under sequence parallelism, the group of the first layer, which keeps its
+    ``[B, S/p, d]`` token shard of the replicated ``[B, S, d]`` input (backward: all-gather).
     """
 
     checkpointing = "none"
+    token_shard_entry = None
 
     def forward(
         self,
@@ -110,6 +114,8 @@ class ParallelDecoderLayer:
         lax_latents: Latents | None = None,
         **kwargs,
     ):
+        if self.token_shard_entry is not None:
+            hidden_states = enter_token_shard(hidden_states, self.token_shard_entry)
         recomputing = self.checkpointing != "none" and self.training and torch.is_grad_enabled()
         if recomputing:
             past_key_values = None  # a recomputed step would append to the cache twice

@@ -98,13 +98,17 @@ class VocabParallelEmbedding:
 
 class VocabParallelHead:
     """LM head ``nn.Linear(d, V)`` split along the vocabulary: replicated ``[B, S, d]`` in, this rank's
-    logits ``[B, S, V/p]`` out; all-reduce of the input gradient in backward. :meth:`gather_logits`
-    all-gathers the full ``[B, S, V]``."""
+    logits ``[B, S, V/p]`` out; all-reduce of the input gradient in backward (``input_gathered``: not here, the
+    all-gather along tokens that produced the input reduce-scatters it; sequence parallelism).
+    :meth:`gather_logits` all-gathers the full ``[B, S, V]``."""
 
     group = None
+    input_gathered = False
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return F.linear(copy_to_tp(hidden_states, self.group), self.weight)
+        if not self.input_gathered:
+            hidden_states = copy_to_tp(hidden_states, self.group)
+        return F.linear(hidden_states, self.weight)
 
     def gather_logits(self, local_logits: torch.Tensor) -> torch.Tensor:
         return gather_from_tp(local_logits, -1, self.group)

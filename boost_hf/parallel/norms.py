@@ -71,12 +71,17 @@ class LocalRMSNorm(ShardedRMSNorm):
 class FusedRMSNorm:
     """``BoostLlamaRMSNorm`` of a full-width ``x: [..., d]`` run by the fused RMSNorm ops when ``x`` and
     ``weight`` are fp32 (there the arithmetic is the same); otherwise, and under ``torch.compile`` (inductor
-    fuses the plain ops with their neighbours), the module's own forward. No communication."""
+    fuses the plain ops with their neighbours), the module's own arithmetic. No communication."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == self.weight.dtype == torch.float32 and not torch.compiler.is_compiling():
-            return rms_norm(x, self.weight, self.variance_epsilon)
-        return super().forward(x)
+        return self.normalize(x, self.weight)
+
+    def normalize(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """The norm of ``x`` scaled by ``weight`` (``self.weight`` or a tensor standing for it)."""
+        if x.dtype == weight.dtype == torch.float32 and not torch.compiler.is_compiling():
+            return rms_norm(x, weight, self.variance_epsilon)
+        xf = x.to(torch.float32)
+        return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)).to(x.dtype)
 
 
 class GatheredRMSNorm(FusedRMSNorm):

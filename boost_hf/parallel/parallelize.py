@@ -27,6 +27,8 @@ from .modules import VocabParallelEmbedding, VocabParallelHead, adopt, check_tok
 from .norms import FusedRMSNorm, GatheredRMSNorm
 from .primitives import split_to_tp
 from .rotary import ComputeDtypeRotaryEmbedding
+from .decoder_layer import ParallelDecoderLayer
+from .sequence_parallel import TokenGatheringRMSNorm, check_sequence_length
 from .sharding import shard_spec_of
 from .state import ParallelState, check_world, get_parallel_state
 from .layouts.btp import HiddenShardedEmbedding
@@ -55,6 +57,11 @@ class TensorParallelPlan:
     @property
     def residual_sharded(self) -> bool:
         return self.layout.residual_sharded and self.tp_size > 1
+
+    @property
+    def residual_tokens_sharded(self) -> bool:
+        """Sequence parallelism of the residual stream (Megatron's): each rank holds ``N/p`` tokens."""
+        return self.parallel.shards_tokens and not self.layout.residual_sharded
 
 
 def layout_for(config, parallel: ParallelConfig) -> Layout:
@@ -106,6 +113,9 @@ def parallelize(model: nn.Module, parallel: ParallelConfig, *, initialize: bool 
         adopt(base.rotary_emb, ComputeDtypeRotaryEmbedding)  # the tables the parallel attention rotates with
         if plan.residual_sharded:
             adopt(base.norm, GatheredRMSNorm, group=plan.group)
+        elif plan.residual_tokens_sharded:
+            adopt(base.layers[0], ParallelDecoderLayer, token_shard_entry=plan.group)
+            adopt(base.norm, TokenGatheringRMSNorm, group=plan.group)
         else:
             adopt(base.norm, FusedRMSNorm)
     tied = config.tie_word_embeddings
@@ -113,7 +123,7 @@ def parallelize(model: nn.Module, parallel: ParallelConfig, *, initialize: bool 
         model.lm_head.weight = base.embed_tokens.weight
     else:
         shard_parameter(model.lm_head, "weight", 0, plan)
-    adopt(model.lm_head, VocabParallelHead, group=plan.group)
+    adopt(model.lm_head, VocabParallelHead, group=plan.group, input_gathered=plan.residual_tokens_sharded)
     for module in model.modules():
         for name, param in list(module.named_parameters(recurse=False)):
             if not hasattr(param, "shard_spec"):
@@ -159,8 +169,9 @@ def initialize_shards(model: nn.Module, seed: int) -> None:
 
 class TensorParallelBaseModel:
     """The base model under a layout: token ids outside the vocabulary raise in every layout
-    (:func:`~boost_hf.parallel.modules.check_token_ids`, no host sync); under BTP, ``inputs_embeds: [B, S, d]`` are
-    split to this rank's ``[B, S, d/p]`` (backward: all-gather of their gradient)."""
+    (:func:`~boost_hf.parallel.modules.check_token_ids`, no host sync); under sequence parallelism the sequence
+    length is checked first (before any collective); under BTP, ``inputs_embeds: [B, S, d]`` are split to this
+    rank's ``[B, S, d/p]`` (backward: all-gather of their gradient)."""
 
     plan: TensorParallelPlan
 
@@ -168,6 +179,10 @@ class TensorParallelBaseModel:
         input_ids = kwargs.get("input_ids", args[0] if args else None)
         if input_ids is not None:
             check_token_ids(input_ids, self.config.vocab_size)
+        if self.plan.parallel.shards_tokens:
+            tokens = input_ids if input_ids is not None else kwargs.get("inputs_embeds")
+            if tokens is not None:  # neither: the single-device model's own error
+                check_sequence_length(tokens.shape[1], self.plan.tp_size)
         if self.plan.residual_sharded and kwargs.get("inputs_embeds") is not None:
             kwargs["inputs_embeds"] = split_to_tp(kwargs["inputs_embeds"], -1, self.plan.group)
         return super().forward(*args, **kwargs)

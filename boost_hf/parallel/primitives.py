@@ -16,7 +16,19 @@ primitive               forward                 backward                   used 
                                                                            each rank (sync RMSNorm stats)
 ``gather_from_tp``      all-gather along dim    keep own slice             full-width tensor from shards
 ``split_to_tp``         keep own slice          all-gather along dim       shard of a replicated tensor
+``gather_tokens``       all-gather of token     reduce-scatter over        sequence parallelism: input of
+                        shards                  tokens                     a column-parallel GEMM / B
+``reduce_scatter_       reduce-scatter over     all-gather of token        sequence parallelism: output
+tokens``                tokens                  shards                     of a row-parallel GEMM / A
+``split_tokens``        keep own token shard    all-gather of token        entering sequence parallelism
+                                                shards
 ======================  ======================  =========================  =============================
+
+Sequence parallelism shards the ``N = B S`` tokens of activations ``[B, S, ...]``: rank ``i`` holds rows
+``[i N/p, (i+1) N/p)`` of the flattened ``[N, ...]``, viewed as ``[B, S/p, ...]`` (every op on the shard is
+per token, so which tokens share a row does not matter). The collectives then run on contiguous blocks of
+dim 0, without a copy, as Megatron-LM's on its sequence-first layout. A reduce-scatter is counted with the
+size of its *full input* (the tensor an all-reduce would have reduced), an all-gather with its full output.
 """
 
 from __future__ import annotations
@@ -30,6 +42,7 @@ from .comm_counter import record_collective
 ProcessGroup = dist.ProcessGroup
 # torch >= 2.13 names it all_gather_single (all_gather_into_tensor is deprecated there)
 _all_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_into = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def group_size(group: ProcessGroup | None) -> int:
@@ -61,6 +74,18 @@ def _all_gather(x: torch.Tensor, dim: int, group: ProcessGroup) -> torch.Tensor:
     _all_gather_into(out, x, group=group)
     if dim % x.dim() != 0:
         out = torch.cat(out.chunk(p, dim=0), dim=dim)
+    return out
+
+
+def _reduce_scatter(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """Sum ``x: [n, ...]`` over ``group`` and keep this rank's rows ``[rank n/p, (rank+1) n/p)`` (a new tensor)."""
+    p = dist.get_world_size(group)
+    x = x.contiguous()
+    if torch.compiler.is_compiling():
+        return funcol.reduce_scatter_tensor(x, "sum", 0, group)
+    out = torch.empty((x.shape[0] // p, *x.shape[1:]), dtype=x.dtype, device=x.device)
+    record_collective("reduce_scatter", x)
+    _reduce_scatter_into(out, x, group=group)
     return out
 
 
@@ -133,6 +158,38 @@ class _SplitToTP(torch.autograd.Function):
         return _all_gather(grad, ctx.dim, ctx.group), None, None
 
 
+def _token_rows(x: torch.Tensor) -> torch.Tensor:
+    """``[B, S, ...]`` -> ``[B S, ...]`` (a view of a contiguous ``x``)."""
+    return x.reshape(-1, *x.shape[2:])
+
+
+def _as_tokens(rows: torch.Tensor, batch: int) -> torch.Tensor:
+    """``rows: [n, ...]`` viewed as ``[batch, n / batch, ...]``."""
+    return rows.view(batch, -1, *rows.shape[1:])
+
+
+class _GatherTokens(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _as_tokens(_all_gather(_token_rows(x), 0, group), x.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _as_tokens(_reduce_scatter(_token_rows(grad), ctx.group), grad.shape[0]), None
+
+
+class _ReduceScatterTokens(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _as_tokens(_reduce_scatter(_token_rows(x), group), x.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _as_tokens(_all_gather(_token_rows(grad), 0, ctx.group), grad.shape[0]), None
+
+
 def copy_to_tp(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
     """Identity forward; all-reduce of ``x.grad`` (same shape as ``x``) backward."""
     return x if group_size(group) == 1 else _CopyToTP.apply(x, group)
@@ -158,6 +215,30 @@ def split_to_tp(x: torch.Tensor, dim: int, group: ProcessGroup | None) -> torch.
     return x if group_size(group) == 1 else _SplitToTP.apply(x, dim % x.dim(), group)
 
 
+def gather_tokens(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+    """``[B, S/p, ...]`` token shards -> the full ``[B, S, ...]`` (all-gather of the ``N/p``-token shards)
+    forward; backward reduce-scatter of the gradient over tokens (each rank's consumer computed a partial
+    gradient)."""
+    return x if group_size(group) == 1 else _GatherTokens.apply(x, group)
+
+
+def reduce_scatter_tokens(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+    """Partial sums ``[B, S, ...]`` -> this rank's reduced token shard ``[B, S/p, ...]`` (reduce-scatter over
+    tokens) forward; backward all-gather of the gradient over tokens."""
+    return x if group_size(group) == 1 else _ReduceScatterTokens.apply(x, group)
+
+
+def split_tokens(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+    """This rank's token shard ``[B, S/p, ...]`` of a replicated ``[B, S, ...]``; backward all-gathers."""
+    return x if group_size(group) == 1 else _as_tokens(split_to_tp(_token_rows(x), 0, group), x.shape[0])
+
+
+def all_reduce_gradient(grad: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+    """``grad`` summed over ``group`` (a new tensor; no autograd): the gradient hook of a replicated parameter
+    that each rank applies to its own tokens only."""
+    return grad if group_size(group) == 1 else _all_reduce_(grad.contiguous().clone(), group)
+
+
 def all_reduce_max_(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
     """All-reduce (max), no autograd, in place in eager: for numerically-stabilising constants."""
     if group_size(group) == 1:
@@ -175,6 +256,10 @@ __all__ = [
     "all_reduce_sum",
     "gather_from_tp",
     "split_to_tp",
+    "gather_tokens",
+    "reduce_scatter_tokens",
+    "split_tokens",
+    "all_reduce_gradient",
     "all_reduce_max_",
     "group_size",
     "group_rank",

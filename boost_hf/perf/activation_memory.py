@@ -1,10 +1,12 @@
 """What a decoder layer keeps for backward under activation checkpointing (elements per rank).
 
 Low-rank checkpointing (BOOST.md section 5) keeps only the inputs of the layer's five steps
-(:mod:`boost_hf.parallel.decoder_layer`): the residual entering the layer and after attention, plus
+(:mod:`boost_hf.parallel.decoder_layer`): the residual entering the layer and after attention (``N d``;
+``N d / p`` where the layout shards it along ``d``, or along tokens under sequence parallelism), plus
 the reduced latents of the four projection groups (as the layout holds them) and LaX's handed-on
 latents of the previous block (for each of the 7 projections the latent ``h`` that block fed to its ``B``,
-after crossing, LayerNorm and activation; ``[N, r]``, full r and replicated under every layout). Block 0
+after crossing, LayerNorm and activation; ``[N, r]``, full r and replicated under every layout, ``[N/p, r]``
+under BTP's latent sequence parallelism). Block 0
 reads none. ``full`` keeps the layer's inputs only (the residual and, from block 1, the 7 handed-on latents). The tests measure the same
 quantity with :class:`SavedTensorsProbe` and compare it with :func:`saved_elements_per_layer`.
 """
@@ -22,9 +24,10 @@ def saved_elements_per_layer(config, parallel: ParallelConfig, tokens: int, laye
     ``activation_checkpointing`` ``"full"`` or ``"lowrank"`` (``"none"`` keeps every intermediate:
     not modelled here)."""
     layout = layout_for(config, parallel)
-    sharded = layout.residual_sharded and parallel.tp_size > 1
-    residual = tokens * config.hidden_size // (parallel.tp_size if sharded else 1)
+    residual = layout.residual_elements(config, tokens)
     carries = 7 * tokens * config.rank if config.bottleneck == "lax" and layer_idx > 0 else 0
+    if parallel.shards_tokens:
+        carries //= parallel.tp_size  # BTP's latent sequence parallelism hands on token shards
     mode = parallel.activation_checkpointing
     if mode == "full":
         return residual + carries

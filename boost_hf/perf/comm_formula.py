@@ -27,16 +27,17 @@ from ..parallel.config import ParallelConfig
 from ..parallel.parallelize import layout_for
 
 
-def layer_communication(config, parallel: ParallelConfig, tokens: int) -> PassCommunication:
-    """Collectives of one decoder layer for a micro-batch of ``tokens`` tokens on one TP rank,
-    including what activation checkpointing re-issues in backward (``"full"``: the whole forward;
-    ``"lowrank"``: nothing under btp with the online norm, the sync norm's statistics all-reduces, the
-    B all-reduces under vanilla)."""
+def layer_communication(config, parallel: ParallelConfig, tokens: int, layer_idx: int = 1) -> PassCommunication:
+    """Collectives of decoder layer ``layer_idx`` (LaX's block 0 has no crossing) for a micro-batch of
+    ``tokens`` tokens on one TP rank, including what activation checkpointing re-issues in backward
+    (``"full"``: the whole forward; ``"lowrank"``: nothing under btp with the online norm, the sync norm's
+    statistics all-reduces, the B all-reduces under vanilla)."""
     layout = layout_for(config, parallel)
     if parallel.tp_size == 1:
         return PassCommunication()
     layer = layout.layer_communication(config, tokens)
-    return PassCommunication(layer.forward, layer.backward + layout.recompute_communication(config, tokens))
+    backward = layer.backward + layout.recompute_communication(config, tokens) + layout.parameter_gradient_communication(config, layer_idx)
+    return PassCommunication(layer.forward, backward)
 
 
 def outside_layers_communication(
@@ -62,7 +63,9 @@ def model_communication(
 ) -> PassCommunication:
     """Collectives of a whole model (``L`` decoder layers plus embedding, final norm, LM head and loss)
     for one micro-batch of ``tokens`` tokens on one TP rank."""
-    layers = layer_communication(config, parallel, tokens).scaled(config.num_hidden_layers)
+    layers = PassCommunication()
+    for layer_idx in range(config.num_hidden_layers):
+        layers = layers + layer_communication(config, parallel, tokens, layer_idx)
     return layers + outside_layers_communication(config, parallel, tokens, with_loss=with_loss, with_logits=with_logits)
 
 

@@ -37,6 +37,7 @@ from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from ..parallel.comm_counter import CommCounter
+from ..parallel.communication import COLLECTIVE_KINDS
 from ..parallel.state import reset_parallel_states
 from ..training.compile import compile_decoder_layers
 from .op_counter import OpCounter
@@ -187,7 +188,7 @@ def _summary(flat: dict[str, float]) -> dict:
     collectives: dict[str, dict] = {}
     for key, n in flat.items():
         kind, _, field = key.partition("/")
-        if kind in ("all_reduce", "all_gather"):
+        if kind in COLLECTIVE_KINDS:
             collectives.setdefault(kind, {"calls": 0, "elements": 0, "bytes": 0})[field] = n
     return {
         "gemm_flops": flat.get("gemm_flops", 0),
@@ -232,6 +233,25 @@ def count_rank_layer(
         "layers": tuple(layers),
         **{name: _summary(flat) for name, flat in (*per_pass.items(), ("total", total))},
     }
+
+
+#: REVIEW-2's fit of eager H100 time (bf16 autocast, 7B TP4, N = 8192: five layouts predicted within ~10 %):
+#: GEMM FLOPs at the achieved GEMM rate (full-rank shapes / the thinner low-rank shapes), non-GEMM bytes at
+#: the achieved memory bandwidth, a launch-and-latency cost per non-GEMM op, and the attention kernels at the
+#: rate that gives the review's ~0.5 ms for heads split 4 ways at that shape (206 GFLOP; vanilla's all-head
+#: attention, 4x the FLOPs, then gets its measured ~2 ms too).
+H100_EAGER_FIT = dict(full_rank_gemm_flops_per_s=650e12, low_rank_gemm_flops_per_s=450e12, bytes_per_s=2.5e12,
+                      seconds_per_op=5e-6, attention_flops_per_s=412e12)
+
+
+def predicted_h100_eager_ms(summary: dict, *, low_rank: bool) -> float:
+    """Eager H100 milliseconds of a counted pass (``count_rank_layer(...)["total"]``) by :data:`H100_EAGER_FIT`;
+    ``low_rank``: the GEMMs are a bottleneck model's (A's and B's)."""
+    fit = H100_EAGER_FIT
+    gemm_rate = fit["low_rank_gemm_flops_per_s" if low_rank else "full_rank_gemm_flops_per_s"]
+    seconds = (summary["gemm_flops"] / gemm_rate + summary["attention_flops"] / fit["attention_flops_per_s"]
+               + summary["non_gemm_bytes"] / fit["bytes_per_s"] + summary["non_gemm_ops"] * fit["seconds_per_op"])
+    return 1e3 * seconds
 
 
 # ---------------------------------------------------------------------------------------------- measuring
@@ -339,6 +359,8 @@ def measure_rank_layer(config, parallel, micro_batch: int, seq: int, **kwargs) -
 
 __all__ = [
     "DEFAULT_LAYERS",
+    "H100_EAGER_FIT",
+    "predicted_h100_eager_ms",
     "build_fake_model",
     "count_rank_layer",
     "device_name",

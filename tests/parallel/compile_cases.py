@@ -19,6 +19,8 @@ CASES = [
     dict(tp_style="btp", bottleneck="svd", rmsnorm="sync"),
     dict(tp_style="vanilla", bottleneck="cola"),
     dict(tp_style="megatron", bottleneck=None),
+    dict(tp_style="megatron", bottleneck=None, sequence_parallel=True),
+    dict(tp_style="btp", bottleneck="cola", sequence_parallel=True),
     dict(tp_style="btp", bottleneck="lax"),
 ]
 

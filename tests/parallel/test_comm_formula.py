@@ -36,8 +36,10 @@ def small(bottleneck):
     return BoostLlamaConfig(**SMALL, bottleneck=bottleneck)
 
 
-def comm(all_reduce=(0, 0), all_gather=(0, 0)) -> Communication:
-    return Communication({"all_reduce": Collective(*all_reduce), "all_gather": Collective(*all_gather)})
+def comm(all_reduce=(0, 0), all_gather=(0, 0), reduce_scatter=(0, 0)) -> Communication:
+    return Communication(
+        {"all_reduce": Collective(*all_reduce), "all_gather": Collective(*all_gather), "reduce_scatter": Collective(*reduce_scatter)}
+    )
 
 
 @pytest.fixture(params=[2, 4])
@@ -53,6 +55,21 @@ LAYER_CASES = {
     "megatron-ungrouped": (None, dict(tp_style="megatron", group_linears=False), comm((2, 1280)), comm((2, 1280))),
     "megatron-full-ckpt": (
         None, dict(tp_style="megatron", activation_checkpointing="full"), comm((2, 1280)), comm((4, 2560))
+    ),
+    # megatron with sequence parallelism: each all-reduce of N d = 640 becomes a reduce-scatter plus an
+    # all-gather of N d (forward: gather before qkv and gate_up, scatter after o and down; backward the mirror),
+    # plus the all-reduce of the 2 norm weights' gradients (2 d = 128)
+    "megatron-sp": (
+        None, dict(tp_style="megatron", sequence_parallel=True), comm(all_gather=(2, 1280), reduce_scatter=(2, 1280)),
+        comm((2, 128), (2, 1280), (2, 1280)),
+    ),
+    "megatron-sp-ungrouped": (
+        None, dict(tp_style="megatron", sequence_parallel=True, group_linears=False),
+        comm(all_gather=(2, 1280), reduce_scatter=(2, 1280)), comm((2, 128), (2, 1280), (2, 1280)),
+    ),
+    "megatron-sp-full-ckpt": (  # recomputation re-issues the forward's gathers and scatters
+        None, dict(tp_style="megatron", sequence_parallel=True, activation_checkpointing="full"),
+        comm(all_gather=(2, 1280), reduce_scatter=(2, 1280)), comm((2, 128), (4, 2560), (4, 2560)),
     ),
     # vanilla: forward N (dq + 2 dkv + d + 2f + d) = 10 * 448; backward grouped N (d + dq + d + f) = 10 * 288,
     # ungrouped N (3d + dq + 2d + f) = 10 * 480
@@ -107,6 +124,35 @@ LAYER_CASES = {
     "btp-lowrank-ckpt": (
         "lax", dict(tp_style="btp", activation_checkpointing="lowrank"), comm((4, 1280)), comm((4, 1120))
     ),
+    # btp with latent sequence parallelism: each all-reduce of the A outputs (7 N r + online statistics 160)
+    # becomes a reduce-scatter of the same, and the latents are all-gathered before the B's (7 N r = 1120);
+    # backward the mirror image
+    "btp-sp-online": (
+        "cola", dict(tp_style="btp", sequence_parallel=True), comm(all_gather=(4, 1120), reduce_scatter=(4, 1280)),
+        comm(all_gather=(4, 1280), reduce_scatter=(4, 1120)),
+    ),
+    "btp-sp-sync-ungrouped": (
+        "svd", dict(tp_style="btp", rmsnorm="sync", group_linears=False, sequence_parallel=True),
+        comm((2, 20), (7, 1120), (7, 1120)), comm((2, 20), (7, 1120), (7, 1120)),
+    ),
+    "btp-sp-full-ckpt": (
+        "cola", dict(tp_style="btp", sequence_parallel=True, activation_checkpointing="full"),
+        comm(all_gather=(4, 1120), reduce_scatter=(4, 1280)), comm(all_gather=(8, 2400), reduce_scatter=(8, 2400)),
+    ),
+    "btp-sp-lowrank-ckpt": (  # recomputing a step that applies B's re-gathers its latents
+        "cola", dict(tp_style="btp", sequence_parallel=True, activation_checkpointing="lowrank"),
+        comm(all_gather=(4, 1120), reduce_scatter=(4, 1280)), comm(all_gather=(8, 2400), reduce_scatter=(4, 1120)),
+    ),
+    # LaX (Kronecker gate 4 x 4 (x) 4 x 4, latent LayerNorm over r = 16): after block 0, backward all-reduces
+    # the gradients of each projection's 4 crossing parameters, 7 x (16 + 16 + 16 + 16) = 448
+    "btp-sp-lax": (
+        "lax", dict(tp_style="btp", sequence_parallel=True), comm(all_gather=(4, 1120), reduce_scatter=(4, 1280)),
+        comm((28, 448), (4, 1280), (4, 1120)),
+    ),
+    "btp-sp-sync-lowrank-ckpt": (
+        "svd", dict(tp_style="btp", rmsnorm="sync", sequence_parallel=True, activation_checkpointing="lowrank"),
+        comm((2, 20), (4, 1120), (4, 1120)), comm((4, 40), (8, 2240), (4, 1120)),
+    ),
 }
 
 
@@ -137,12 +183,24 @@ def test_nothing_is_communicated_without_tensor_parallelism(case):
         ("cola", "vanilla", True, False, comm((3, 670)), comm((1, 640))),
         (None, "megatron", True, False, comm((3, 670)), comm((1, 640))),
         (None, "megatron", False, True, comm((1, 640), (1, 1280)), comm((1, 640))),
+        # sequence parallelism: the embedding all-reduce, the final norm's all-gather along tokens (N d) before
+        # the head; backward: the first layer's shard gathered (N d), the head's input gradient reduce-scattered
+        # (N d), the final norm's weight gradient all-reduced (d)
+        (None, "megatron-sp", True, False, comm((3, 670), (1, 640)), comm((1, 64), (1, 640), (1, 640))),
     ],
 )
 def test_outside_layers(bottleneck, style, with_loss, with_logits, forward, backward, p):
-    parallel = ParallelConfig(tp_size=p, tp_style=style)
+    parallel = ParallelConfig(tp_size=p, tp_style=style.removesuffix("-sp"), sequence_parallel=style.endswith("-sp"))
     got = outside_layers_communication(small(bottleneck), parallel, N, with_loss=with_loss, with_logits=with_logits)
     assert got == PassCommunication(forward, backward)
+
+
+def test_lax_block_zero_has_no_crossing_gradients_to_reduce(p):
+    config, parallel = small("lax"), ParallelConfig(tp_size=p, tp_style="btp", sequence_parallel=True)
+    first, later = layer_communication(config, parallel, N, layer_idx=0), layer_communication(config, parallel, N)
+    assert later.backward == first.backward + comm((28, 448))
+    outside = outside_layers_communication(config, parallel, N)
+    assert model_communication(config, parallel, N) == first + later.scaled(2) + outside
 
 
 def test_model_is_layers_plus_outside(p):
@@ -150,6 +208,25 @@ def test_model_is_layers_plus_outside(p):
     got = model_communication(config, parallel, N, with_logits=True)
     # 3 layers of (AR 7/4480, AG 4/1120 | AR 11/7360, AG 8/2240) + outside (AR 3/670, AG 1/1280 | AR 1/640)
     assert got == PassCommunication(comm((24, 14110), (13, 4640)), comm((34, 22720), (24, 6720)))
+
+
+def test_sequence_parallel_moves_the_same_ring_bytes_as_the_all_reduces_it_replaces(p):
+    """Megatron with sequence parallelism: per layer, a reduce-scatter and an all-gather of N d per former
+    all-reduce of N d (plus the norm weights' gradients, d each): the same ring traffic, d-sized terms aside."""
+    config = small(None)
+    with_sp = layer_communication(config, ParallelConfig(tp_size=p, tp_style="megatron", sequence_parallel=True), N)
+    without = layer_communication(config, ParallelConfig(tp_size=p, tp_style="megatron"), N)
+    norms = ring_traffic_bytes("all_reduce", 2 * 2 * config.hidden_size, p)
+    assert with_sp.forward.ring_traffic_bytes(p) == without.forward.ring_traffic_bytes(p)
+    assert with_sp.backward.ring_traffic_bytes(p) == without.backward.ring_traffic_bytes(p) + norms
+
+
+def test_sequence_parallel_configuration_is_validated():
+    with pytest.raises(ValueError, match="sequence_parallel must be True or False"):
+        ParallelConfig(tp_size=2, tp_style="megatron", sequence_parallel="yes")
+    with pytest.raises(ValueError, match="not supported by tp_style='vanilla'.*sequence_parallel=False"):
+        ParallelConfig(tp_size=2, tp_style="vanilla", sequence_parallel=True)
+    assert not ParallelConfig(tp_size=1, tp_style="megatron", sequence_parallel=True).shards_tokens
 
 
 def test_invalid_layouts_raise():
@@ -208,5 +285,6 @@ def test_ring_traffic():
     assert ring_traffic_bytes("all_reduce", 1000, 2) == 1000
     assert ring_traffic_bytes("all_reduce", 1000, 1) == 0
     assert comm((2, 100), (1, 40)).ring_traffic_bytes(tp_size=2, dtype_bytes=2) == 200 + 40
+    assert ring_traffic_bytes("reduce_scatter", 1000, 4) == 750  # (p-1)/p of the full input
     with pytest.raises(ValueError):
         ring_traffic_bytes("broadcast", 1000, 4)

@@ -68,7 +68,8 @@ def test_lowrank_checkpointing_recompute_issues_no_collective_under_online_btp(r
     checked = 0
     for _, c in _cases(reports):
         p = c["case"]["parallel"]
-        if p.get("tp_style") == "btp" and p.get("rmsnorm", "online") == "online" and p.get("activation_checkpointing") == "lowrank":
+        if (p.get("tp_style") == "btp" and p.get("rmsnorm", "online") == "online" and p.get("activation_checkpointing") == "lowrank"
+                and not p.get("sequence_parallel")):  # latent sequence parallelism re-gathers its latents
             config = tp_cases.tiny_config(**c["case"]["model"])
             plain = ParallelConfig(tp_size=world, **{**p, "activation_checkpointing": "none"})
             without = model_communication(config, plain, tp_cases.BATCH * tp_cases.SEQ).backward.to_dict()
@@ -111,6 +112,23 @@ def test_bad_configurations_raise_clear_errors_on_every_rank(reports):
     for r in per_rank:
         for name, word in expected_words.items():
             assert r["bad"][name] is not None and word in r["bad"][name], (name, r["bad"][name])
+
+
+def test_sequence_parallel_cases_ran_and_keep_the_residual_on_a_token_shard(reports):
+    """Megatron with sequence parallelism: its cases are among the parity cases above, and with full
+    checkpointing a layer keeps only its ``[B, S/p, d]`` token shard (``N d / p``)."""
+    world, _ = reports
+    sp = [c for _, c in _cases(reports) if c["case"]["parallel"].get("sequence_parallel")]
+    assert len(sp) == len(tp_cases.sequence_parallel_cases()) * world
+    full = [c for c in sp if c["case"]["parallel"].get("activation_checkpointing") == "full" and c["case"]["parallel"]["tp_style"] == "megatron"]
+    assert full and all(c["saved_bytes"] == 4 * tp_cases.BATCH * tp_cases.SEQ * tp_cases.TINY["hidden_size"] // world for c in full)
+
+
+def test_sequence_parallel_refuses_a_sequence_not_divisible_by_tp_size_on_every_rank(reports):
+    world, per_rank = reports
+    for r in per_rank:
+        message = r["sequence_length_not_divisible"]
+        assert message is not None and f"{world + 1} tokens" in message and "sequence_parallel=False" in message, message
 
 
 def test_hooks_on_single_device_modules_fire_after_parallelize(reports):

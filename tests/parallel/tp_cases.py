@@ -163,7 +163,51 @@ def all_cases(world_size: int) -> list[dict]:
         {"model": {"bottleneck": "cola", **padded}, "parallel": {"tp_style": "btp"}},
         {"model": {"bottleneck": "lax", "lax_gate": "dense", **biases}, "parallel": {"tp_style": "vanilla", "activation_checkpointing": "lowrank"}},
     ]
+    return cases + sequence_parallel_cases()
+
+
+def sequence_parallel_cases() -> list[dict]:
+    """Megatron with sequence parallelism: grouped or not, with and without full checkpointing, with biases;
+    BTP with latent sequence parallelism: svd, cola and LaX (every gate), every exact norm, grouped or not,
+    every checkpointing."""
+    sp = {"tp_style": "megatron", "sequence_parallel": True}
+    cases = [
+        {"model": {"bottleneck": None}, "parallel": {**sp, "group_linears": g, "activation_checkpointing": c}}
+        for g in (True, False)
+        for c in ("none", "full")
+    ]
+    biases = {"attention_bias": True, "mlp_bias": True}
+    cases.append({"model": {"bottleneck": None, **biases}, "parallel": {**sp, "activation_checkpointing": "full"}})
+    for bottleneck, rmsnorm, group_linears in (("cola", "online", True), ("svd", "sync", False), ("cola", "sync", True), ("svd", "online", False)):
+        for checkpointing in ("none", "full", "lowrank"):
+            cases.append({"model": {"bottleneck": bottleneck}, "parallel": {
+                "tp_style": "btp", "sequence_parallel": True, "rmsnorm": rmsnorm, "group_linears": group_linears,
+                "activation_checkpointing": checkpointing}})
+    cases.append({"model": {"bottleneck": "cola", **biases}, "parallel": {"tp_style": "btp", "sequence_parallel": True, "activation_checkpointing": "lowrank"}})
+    btp_sp = {"tp_style": "btp", "sequence_parallel": True}
+    for checkpointing in ("none", "full", "lowrank"):  # LaX: the crossing and latent LayerNorm on N/p tokens
+        cases.append({"model": {"bottleneck": "lax", "lax_gate": "kronecker"}, "parallel": {**btp_sp, "activation_checkpointing": checkpointing}})
+    cases += [
+        {"model": {"bottleneck": "lax", "lax_gate": "dense", **biases}, "parallel": {**btp_sp, "rmsnorm": "sync", "group_linears": False, "activation_checkpointing": "lowrank"}},
+        {"model": {"bottleneck": "lax", "lax_gate": "identity", "lax_base": "svd"}, "parallel": btp_sp},
+    ]
     return cases
+
+
+def sequence_length_not_divisible() -> str | None:
+    """Megatron with sequence parallelism on a sequence of ``world + 1`` tokens: the error, raised on every
+    rank before any collective (``None`` if it ran)."""
+    world = dist.get_world_size()
+    torch.manual_seed(SEED)
+    model = BoostLlamaForCausalLM(tiny_config(bottleneck=None), parallel_config=ParallelConfig(tp_size=world, tp_style="megatron", sequence_parallel=True))
+    ids = torch.zeros(1, world + 1, dtype=torch.long)
+    try:
+        model(ids, labels=ids)
+        message = None
+    except ValueError as err:
+        message = str(err)
+    dist.barrier()
+    return message
 
 
 def checkpoint_round_trip(tmp_dir: str) -> dict:
@@ -256,5 +300,6 @@ def everything(world_size: int) -> dict:
         "parity": parity_cases(all_cases(world_size)),
         "round_trip": round_trip,
         "bad": bad_configurations(),
+        "sequence_length_not_divisible": sequence_length_not_divisible(),
         "hugging_face": hugging_face_contract(),
     }

@@ -29,6 +29,7 @@ from ..decoder_layer import Latents, ParallelAttention, ParallelDecoderLayer, Pa
 from ..fused import weight_views
 from ..modules import adopt, compute_dtype
 from ..norms import FusedRMSNorm
+from ..sequence_parallel import TokenShardedRMSNorm
 
 GROUPS: dict[str, tuple[str, ...]] = {
     "qkv": ("q_proj", "k_proj", "v_proj"),
@@ -155,10 +156,14 @@ class Layout:
         """Turn one single-device decoder layer into this rank's shard, in place (parameter names kept):
         every projection through :meth:`parallelize_projection`, every group's communication from
         :meth:`projection_group`; the attention, MLP and layer then run as the parallel modules. The block
-        norms of a whole (unsharded) residual run fused (:class:`~boost_hf.parallel.norms.FusedRMSNorm`)."""
+        norms of a whole (unsharded) residual run fused (:class:`~boost_hf.parallel.norms.FusedRMSNorm`), on
+        this rank's tokens under sequence parallelism."""
         if not plan.residual_sharded:
             for norm in (layer.input_layernorm, layer.post_attention_layernorm):
-                adopt(norm, FusedRMSNorm)
+                if self.parallel.shards_tokens:
+                    adopt(norm, TokenShardedRMSNorm, group=plan.group)
+                else:
+                    adopt(norm, FusedRMSNorm)
         for owner, mixin, group_names in ((layer.self_attn, ParallelAttention, ("qkv", "o")), (layer.mlp, ParallelMLP, ("gate_up", "down"))):
             stored_together = []
             for group_name in group_names:
@@ -189,6 +194,12 @@ class Layout:
         """One decoder layer's collectives for ``tokens`` tokens, without recomputation."""
         raise NotImplementedError
 
+    def parameter_gradient_communication(self, config, layer_idx: int) -> Communication:
+        """Backward all-reduces of the gradients of replicated parameters that see only this rank's tokens in
+        block ``layer_idx``, beyond :meth:`layer_communication` (LaX's crossing under latent sequence
+        parallelism)."""
+        return NO_COMMUNICATION
+
     def recompute_communication(self, config, tokens: int) -> Communication:
         """Collectives re-issued in backward by ``activation_checkpointing``."""
         if self.parallel.activation_checkpointing == "full":
@@ -198,6 +209,12 @@ class Layout:
     def outside_layers_communication(self, config, tokens: int) -> PassCommunication:
         """Collectives of the embedding, the final norm and the LM head (not the loss or logits)."""
         raise NotImplementedError
+
+    def residual_elements(self, config, tokens: int) -> int:
+        """Elements of the residual stream one rank holds: ``N d``, or ``N d / p`` when it is split along
+        ``d`` (``residual_sharded``) or along tokens (sequence parallelism)."""
+        split = self.parallel.tp_size > 1 and (self.residual_sharded or self.parallel.shards_tokens)
+        return tokens * config.hidden_size // (self.parallel.tp_size if split else 1)
 
     def saved_latent_elements(self, config, tokens: int) -> int:
         """Elements of the reduced latents low-rank checkpointing keeps per layer (all four groups)."""

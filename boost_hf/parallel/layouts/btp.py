@@ -14,6 +14,15 @@ LaX: each rank computes the crossing ``h = act(LayerNorm_r(z + G h_prev))`` on t
 ``z`` and the replicated ``h_prev``, so ``h`` (fed to this rank's ``B`` shard and handed to the next block) is
 replicated too: no communication. Its gradient is the next block's (replicated) plus the B input gradients,
 all-reduced by the copy into the TP region as for any latent. A bias after ``B`` is split with ``B``'s output.
+
+Latent sequence parallelism (``sequence_parallel=True``): each A's partial output is
+reduce-scattered over tokens instead of all-reduced (the online norm's statistics in the same collective), the
+latent element-wise work (``1/rms`` scale, activation) runs on this rank's ``N/p`` tokens, and the latents are
+all-gathered over tokens before the B's (backward: the mirror image, reduce-scatter of the B's input gradients,
+all-gather of the A outputs' gradients). LaX's crossing and latent LayerNorm run on those tokens too (the
+handed-on latents are token shards); the gradients of their replicated parameters are all-reduced in backward.
+The residual stays sharded along ``d``; low-rank checkpointing keeps ``1/p`` of the latents and re-issues the
+all-gathers when it recomputes.
 """
 
 from __future__ import annotations
@@ -21,11 +30,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..communication import Communication, PassCommunication, all_gather, all_reduce
+from ..communication import Communication, PassCommunication, all_gather, all_reduce, reduce_scatter
 from ..modules import add_bias, adopt, shard_parameter, shard_repr
 from ..fused import STATISTICS_WIDTH, down_projection, latent_linear, scale_latents, split_latent
 from ..norms import RMSNORM_MODES
-from ..primitives import copy_to_tp, reduce_from_tp
+from ..primitives import copy_to_tp, gather_tokens, reduce_from_tp, reduce_scatter_tokens
+from ..sequence_parallel import reduce_gradients_over_tokens
 from .base import GROUPS, READS_NORM, Gemm, Layout, ProjectionGroup, ResidualWidths, apply_latent_functions, low_rank_a_gemms, split_latents
 
 
@@ -55,11 +65,18 @@ class BottleneckAwareGroup(ProjectionGroup):
     the A's, stored as one tensor, written into one buffer when grouped); with the online norm ``gamma`` is folded into the A's
     and the buffer gains the norm statistics (:mod:`boost_hf.parallel.fused`); ``reduce``: all-reduce it
     in place; ``project``: scale by the global ``1/rms`` (online), latent functions, copy into the TP
-    region (one collective in backward when grouped) and each B."""
+    region (one collective in backward when grouped) and each B. ``tokens_sharded`` (latent sequence
+    parallelism): ``reduce`` reduce-scatters over tokens (``[B, S/p, k r (+ statistics)]``), ``project`` runs
+    the latent functions on those tokens and all-gathers the latents instead of the copy."""
 
-    def __init__(self, owner, names, *, group, grouped, statistics: bool, hidden_size: int, eps: float):
+    def __init__(self, owner, names, *, group, grouped, statistics: bool, hidden_size: int, eps: float, tokens_sharded: bool):
         super().__init__(owner, names, group=group, grouped=grouped)
         self.statistics, self.hidden_size, self.eps = statistics, hidden_size, eps
+        self.tokens_sharded = tokens_sharded
+
+    def _to_b(self, latent: torch.Tensor) -> torch.Tensor:
+        """The latents the B's read, from this rank's: copied into the TP region, or gathered over tokens."""
+        return gather_tokens(latent, self.group) if self.tokens_sharded else copy_to_tp(latent, self.group)
 
     def down(self, x):
         factors = [p.A for p in self.projections]
@@ -70,7 +87,8 @@ class BottleneckAwareGroup(ProjectionGroup):
         return down_projection(x, factors, grouped=self.grouped)
 
     def reduce(self, partials):
-        return tuple(reduce_from_tp(partial, self.group) for partial in partials)
+        reduce = reduce_scatter_tokens if self.tokens_sharded else reduce_from_tp
+        return tuple(reduce(partial, self.group) for partial in partials)
 
     def project(self, z, previous=None):
         z = list(z)
@@ -81,14 +99,14 @@ class BottleneckAwareGroup(ProjectionGroup):
         crosses = any(hasattr(p, "crossed_latent") for p in projections)
         if len(z) == 1 and not crosses:
             # every projection has the same element-wise latent function: apply it once, copy once
-            fed = split_latent(copy_to_tp(projections[0].latent(z[0]), self.group), k)
+            fed = split_latent(self._to_b(projections[0].latent(z[0])), k)
             return self.call_projections(projections, fed, BottleneckAwareProjection), {}
         zs = split_latents(z[0], k) if len(z) == 1 else z
         latents, crossed = apply_latent_functions(projections, self.names, zs, previous)
         if self.several_grouped:
-            fed = split_latent(copy_to_tp(torch.cat(latents, dim=-1), self.group), k)
+            fed = split_latent(self._to_b(torch.cat(latents, dim=-1)), k)
         else:
-            fed = [copy_to_tp(latent, self.group) for latent in latents]
+            fed = [self._to_b(latent) for latent in latents]
         return self.call_projections(projections, fed, BottleneckAwareProjection), crossed
 
 
@@ -129,6 +147,9 @@ class BottleneckAwareLayout(Layout):
         shard_parameter(projection, "B", 0, plan)
         if projection.bias is not None:
             shard_parameter(projection, "bias", 0, plan)
+        if self.parallel.shards_tokens:  # LaX's crossing gate and latent LayerNorm run on this rank's tokens
+            latent_parameters = [name for name, _ in projection.named_parameters() if name not in ("A", "B", "bias")]
+            reduce_gradients_over_tokens(projection, latent_parameters, plan)
         adopt(projection, BottleneckAwareProjection)
 
     def projection_group(self, layer, owner, group_name, plan):
@@ -137,6 +158,7 @@ class BottleneckAwareLayout(Layout):
         return BottleneckAwareGroup(
             owner, GROUPS[group_name], group=plan.group, grouped=self.parallel.group_linears,
             statistics=group_name in READS_NORM and online, hidden_size=config.hidden_size, eps=config.rms_norm_eps,
+            tokens_sharded=self.parallel.shards_tokens,
         )
 
     def layer_communication(self, config, tokens):
@@ -144,20 +166,40 @@ class BottleneckAwareLayout(Layout):
         # each A is row-parallel and all-reduces its partial N x r output (A_qkv: 3r, A_o: r,
         # A_gate_up: 2r, A_down: r); backward mirrors it at the input gradient of each B
         calls = 4 if self.parallel.group_linears else 7
-        forward, backward = all_reduce(calls, 7 * n * r), all_reduce(calls, 7 * n * r)
-        if self.parallel.rmsnorm == "online":
-            # the N partial sums of squares of each of the 2 norms ride in the next A's all-reduce (in
-            # STATISTICS_WIDTH columns: one used, the rest keep the GEMM output rows 16-byte aligned)
-            forward = forward + all_reduce(0, 2 * n * STATISTICS_WIDTH)
-        elif self.parallel.rmsnorm == "sync":
+        # the N partial sums of squares of each of the 2 norms ride in the next A's collective (in
+        # STATISTICS_WIDTH columns: one used, the rest keep the GEMM output rows 16-byte aligned)
+        statistics = 2 * n * STATISTICS_WIDTH if self.parallel.rmsnorm == "online" else 0
+        if self.parallel.shards_tokens:
+            # latent sequence parallelism: reduce-scatter of the A outputs (with the statistics), all-gather of
+            # the latents before the B's; backward the mirror image
+            forward = reduce_scatter(calls, 7 * n * r + statistics) + all_gather(calls, 7 * n * r)
+            backward = reduce_scatter(calls, 7 * n * r) + all_gather(calls, 7 * n * r + statistics)
+        else:
+            forward, backward = all_reduce(calls, 7 * n * r + statistics), all_reduce(calls, 7 * n * r)
+        if self.parallel.rmsnorm == "sync":
             # one separate all-reduce of N statistics per norm, whose backward is an all-reduce too
             forward, backward = forward + all_reduce(2, 2 * n), backward + all_reduce(2, 2 * n)
         return PassCommunication(forward, backward)
 
+    def parameter_gradient_communication(self, config, layer_idx: int) -> Communication:
+        if not (self.parallel.shards_tokens and config.bottleneck == "lax" and layer_idx > 0):
+            return Communication()
+        # one all-reduce per crossing-gate and latent-LayerNorm parameter of each of the 7 projections
+        r, (a, b) = config.rank, config.kronecker_factors
+        sizes = {"dense": [r * r, r], "kronecker": [a * a, b * b], "identity": []}[config.lax_gate]
+        sizes = sizes + ([r, r] if config.lax_latent_norm else [])
+        return all_reduce(7 * len(sizes), 7 * sum(sizes))
+
     def recompute_communication(self, config, tokens) -> Communication:
-        if self.parallel.activation_checkpointing == "lowrank" and self.parallel.rmsnorm == "sync":
-            return all_reduce(2, 2 * tokens)  # the statistics all-reduces sit inside the norms' steps
-        return super().recompute_communication(config, tokens)
+        if self.parallel.activation_checkpointing != "lowrank":
+            return super().recompute_communication(config, tokens)
+        recomputed = Communication()
+        if self.parallel.rmsnorm == "sync":
+            recomputed = recomputed + all_reduce(2, 2 * tokens)  # the statistics all-reduces sit inside the norms' steps
+        if self.parallel.shards_tokens:
+            # the all-gathers of the latents sit inside the steps that apply the B's
+            recomputed = recomputed + all_gather(4 if self.parallel.group_linears else 7, 7 * tokens * config.rank)
+        return recomputed
 
     def outside_layers_communication(self, config, tokens):
         n, d = tokens, config.hidden_size
@@ -166,7 +208,8 @@ class BottleneckAwareLayout(Layout):
         return PassCommunication(all_gather(1, n * d), all_reduce(1, n * d))
 
     def saved_latent_elements(self, config, tokens):
-        return 7 * tokens * config.rank + (2 * tokens * STATISTICS_WIDTH if self.parallel.rmsnorm == "online" else 0)
+        latents = 7 * tokens * config.rank + (2 * tokens * STATISTICS_WIDTH if self.parallel.rmsnorm == "online" else 0)
+        return latents // self.parallel.tp_size if self.parallel.shards_tokens else latents
 
     def local_gemms(self, config, tokens):
         p, n, r = self.parallel.tp_size, tokens, config.rank

@@ -7,7 +7,11 @@ q, k, v, gate, up are column-parallel (``W: [d_out/p, d_in]``), o and down row-p
 Per layer: forward all-reduce after o_proj and down_proj (2 calls, ``N (d + d)``); backward all-reduce
 of the input gradient shared by q/k/v and by gate/up (2 calls, ``2 N d``; the input is cast to the compute
 dtype and copied into the tensor-parallel region once per group, so the gradient is all-reduced in the
-compute dtype, as in Megatron-LM). With ``group_linears`` (the default), as in Megatron-LM, q/k/v and
+compute dtype, as in Megatron-LM). With ``sequence_parallel`` (:mod:`~boost_hf.parallel.sequence_parallel`)
+the residual holds ``N/p`` tokens: each group's input copy becomes an all-gather along tokens (backward
+reduce-scatter) and each row-parallel all-reduce a reduce-scatter along tokens (backward all-gather), plus
+the all-reduce of the gradients of the replicated parameters that act on the token shard (2 norm weights,
+row-parallel biases) in backward. With ``group_linears`` (the default), as in Megatron-LM, q/k/v and
 gate/up each run as one GEMM on their weights, which are stored as row blocks of one tensor
 (:mod:`~boost_hf.parallel.shared_storage`) and cast to the compute dtype in one op
 (:func:`~boost_hf.parallel.fused.stacked_weight`); each projection is still called as a module on its
@@ -20,10 +24,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..communication import PassCommunication, all_reduce
+from ..communication import PassCommunication, all_gather, all_reduce, reduce_scatter
 from ..fused import stacked_weight
 from ..modules import add_bias, adopt, compute_dtype, shard_parameter, shard_repr
-from ..primitives import copy_to_tp, reduce_from_tp
+from ..primitives import copy_to_tp, gather_tokens, reduce_from_tp, reduce_scatter_tokens
+from ..sequence_parallel import replicated_on_shard
 from .base import GROUPS, Gemm, Layout, ProjectionGroup, ResidualWidths
 
 COLUMN_GROUPS = ("qkv", "gate_up")
@@ -43,11 +48,15 @@ class ColumnParallel:
 
 class RowParallel:
     """``nn.Linear`` split along its input: ``[B, S, d_in/p]`` -> all-reduce -> ``+ bias`` (replicated, added
-    once after the all-reduce) -> ``[B, S, d_out]``."""
+    once after the all-reduce) -> ``[B, S, d_out]``. ``tokens_sharded`` (sequence parallelism): reduce-scatter
+    along tokens instead -> ``[B, S/p, d_out]`` (the bias gradient all-reduced in backward)."""
 
     group = None
+    tokens_sharded = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tokens_sharded:
+            return add_bias(reduce_scatter_tokens(F.linear(x, self.weight), self.group), replicated_on_shard(self.bias, self.group))
         return add_bias(reduce_from_tp(F.linear(x, self.weight), self.group), self.bias)
 
     def extra_repr(self) -> str:
@@ -55,15 +64,19 @@ class RowParallel:
 
 
 class DenseGroup(ProjectionGroup):
-    """Column groups cast their shared input to the compute dtype and copy it into the TP region once, then
-    (grouped) run one GEMM for all their projections; row groups pass their input on to their one projection."""
+    """Column groups cast their shared input to the compute dtype and copy it into the TP region once (with
+    ``tokens_sharded``: all-gather it along tokens, ``[B, S/p, d] -> [B, S, d]``), then (grouped) run one GEMM
+    for all their projections; row groups pass their input on to their one projection."""
 
-    def __init__(self, owner, names, *, group, grouped, column: bool):
+    def __init__(self, owner, names, *, group, grouped, column: bool, tokens_sharded: bool):
         super().__init__(owner, names, group=group, grouped=grouped)
-        self.column = column
+        self.column, self.tokens_sharded = column, tokens_sharded
 
     def down(self, x):
-        return (copy_to_tp(x.to(compute_dtype(x)), self.group),) if self.column else (x,)
+        if not self.column:
+            return (x,)
+        enter = gather_tokens if self.tokens_sharded else copy_to_tp
+        return (enter(x.to(compute_dtype(x)), self.group),)
 
     def project(self, z, previous=None):
         (h,) = z
@@ -98,23 +111,40 @@ class MegatronLayout(Layout):
         shard_parameter(projection, "weight", 0 if column else 1, plan)
         if projection.bias is not None and column:
             shard_parameter(projection, "bias", 0, plan)
-        adopt(projection, ColumnParallel if column else RowParallel, group=plan.group)
+        if column:
+            adopt(projection, ColumnParallel, group=plan.group)
+        else:
+            adopt(projection, RowParallel, group=plan.group, tokens_sharded=self.parallel.shards_tokens)
 
     def projection_group(self, layer, owner, group_name, plan):
         return DenseGroup(
-            owner, GROUPS[group_name], group=plan.group, grouped=self.parallel.group_linears, column=group_name in COLUMN_GROUPS
+            owner, GROUPS[group_name], group=plan.group, grouped=self.parallel.group_linears,
+            column=group_name in COLUMN_GROUPS, tokens_sharded=self.parallel.shards_tokens,
         )
 
     def layer_communication(self, config, tokens):
         n, d = tokens, config.hidden_size
-        # Row-parallel o_proj and down_proj reduce their outputs; the column-parallel inputs of q/k/v
-        # and gate/up reduce their input gradients.
-        return PassCommunication(all_reduce(2, n * (d + d)), all_reduce(2, 2 * n * d))
+        if not self.parallel.shards_tokens:
+            # Row-parallel o_proj and down_proj reduce their outputs; the column-parallel inputs of q/k/v
+            # and gate/up reduce their input gradients.
+            return PassCommunication(all_reduce(2, n * (d + d)), all_reduce(2, 2 * n * d))
+        # Sequence parallelism: the inputs of q/k/v and gate/up are all-gathered along tokens (backward
+        # reduce-scatter), the outputs of o_proj and down_proj reduce-scattered (backward all-gather); the
+        # gradients of the two block norms' weights and of the row-parallel biases are all-reduced.
+        row_biases = int(config.attention_bias) + int(config.mlp_bias)
+        forward = all_gather(2, 2 * n * d) + reduce_scatter(2, 2 * n * d)
+        backward = reduce_scatter(2, 2 * n * d) + all_gather(2, 2 * n * d) + all_reduce(2 + row_biases, (2 + row_biases) * d)
+        return PassCommunication(forward, backward)
 
     def outside_layers_communication(self, config, tokens):
         n, d = tokens, config.hidden_size
-        # Vocab-parallel embedding (forward all-reduce); vocab-parallel LM head (backward all-reduce).
-        return PassCommunication(all_reduce(1, n * d), all_reduce(1, n * d))
+        if not self.parallel.shards_tokens:
+            # Vocab-parallel embedding (forward all-reduce); vocab-parallel LM head (backward all-reduce).
+            return PassCommunication(all_reduce(1, n * d), all_reduce(1, n * d))
+        # Sequence parallelism: the embedding's all-reduce, kept; the first layer keeps its token shard
+        # (backward all-gather); the final norm all-gathers along tokens before the head (backward
+        # reduce-scatter) and all-reduces its weight gradient.
+        return PassCommunication(all_reduce(1, n * d) + all_gather(1, n * d), all_gather(1, n * d) + reduce_scatter(1, n * d) + all_reduce(1, d))
 
     def saved_latent_elements(self, config, tokens):
         raise ValueError("megatron has no low-rank checkpointing: it saves no latents")
