@@ -46,7 +46,9 @@ Time of one decoder layer, forward (backward in parentheses)::
   bandwidth`` over NVLink when the ``tp * pp`` GPUs fit in one node, else over the inter-node network.
   Peak activation memory per stage (``"full"`` and ``"lowrank"`` checkpointing,
   :func:`~boost_hf.perf.activation_memory.saved_elements_per_layer`) is the stage's saved elements per
-  micro-batch times the micro-batches it keeps in flight (1F1B: ``pp - i`` on stage ``i``; GPipe: ``m``).
+  micro-batch times the micro-batches it keeps in flight (1F1B: ``min(m, pp - i)`` on stage ``i``; GPipe:
+  ``m``; interleaved: torch's warm-up, :func:`~boost_hf.perf.pipeline.micro_batches_in_flight`). Without
+  checkpointing it is not modelled.
 * **Optimizer**: AdamW with fp32 master weights and moments touches ``ADAMW_BYTES_PER_PARAM`` bytes per
   local parameter, at ``memory_efficiency * HBM bandwidth``, once per iteration.
 * Not modelled: data parallelism (gradient all-reduce / ZeRO), the cross-entropy's elementwise work,
@@ -435,9 +437,8 @@ def estimate_layout(
         "tp_comm": _comm_time(outside_comm.forward + outside_comm.backward, workload, hardware),
     }
 
-    # Pipeline stages (pp x v): every stage receives one activation and sends one gradient per micro-batch
-    # (or sends and receives); block 0 (stage 0) has no LaX crossing; the last stage holds the LM head and
-    # loss. Rank i runs stages i, i + pp, ...
+    # Pipeline stages (pp x v): every stage pays one boundary transfer each way per micro-batch; block 0
+    # (stage 0) has no LaX crossing; the last stage holds the LM head and loss. Rank i runs stages i, i + pp, ...
     boundary = stage_boundary_communication(config, parallel, n)
     p2p: dict[str, float] = {}
     if pp > 1:
