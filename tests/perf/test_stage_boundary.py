@@ -1,4 +1,5 @@
-"""What crosses a pipeline-stage boundary, per TP rank and micro-batch, against hand-computed values.
+"""What crosses a pipeline-stage boundary, per TP rank and micro-batch, against hand-computed values and
+against what a parallel decoder layer actually hands on.
 
 Small model: d=64, r=16 (7 projections), N=10 tokens per micro-batch.
 """
@@ -6,10 +7,14 @@ Small model: d=64, r=16 (7 projections), N=10 tokens per micro-batch.
 from __future__ import annotations
 
 import pytest
+import torch
 
+from boost_hf import BoostLlamaForCausalLM
 from boost_hf.configuration_boost_llama import BoostLlamaConfig
 from boost_hf.parallel.config import ParallelConfig
+from boost_hf.parallel.parallelize import layout_for
 from boost_hf.perf.comm_formula import PointToPoint, stage_boundary_communication
+from boost_hf.perf.rank_cost import fake_process_group
 
 N = 10
 SMALL = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=8,
@@ -44,6 +49,36 @@ def boundary(bottleneck, style, p):
 )
 def test_stage_boundary_elements(bottleneck, style, p, expected):
     assert boundary(bottleneck, style, p) == expected
+
+
+@pytest.fixture(scope="module")
+def fake_group():
+    with fake_process_group(4):
+        yield
+
+
+@pytest.mark.parametrize("bottleneck, style", [(None, "megatron"), ("cola", "vanilla"), ("lax", "vanilla"), ("cola", "btp"),
+                                               ("lax", "btp")])
+@pytest.mark.parametrize("p", [2, 4])
+def test_widths_are_what_a_layer_hands_on(fake_group, bottleneck, style, p):
+    # one TP rank of a parallel model (its collectives are no-ops): the residual and the LaX latents its
+    # first decoder layer returns for the next one, in the order of stage_boundary_widths
+    config = BoostLlamaConfig(**SMALL, bottleneck=bottleneck)
+    parallel = ParallelConfig(tp_size=p, tp_style=style)
+    model = BoostLlamaForCausalLM(config, parallel_config=parallel)
+    handed_on = {}
+
+    def record(module, args, kwargs, output):
+        hidden, *rest = output if isinstance(output, tuple) else (output,)
+        handed_on["hidden_states"] = hidden.shape
+        for latents in rest:
+            handed_on.update({name: latent.shape for name, latent in (latents or {}).items()})
+
+    model.model.layers[0].register_forward_hook(record, with_kwargs=True)
+    model(torch.zeros(2, 5, dtype=torch.long))
+    widths = layout_for(config, parallel).stage_boundary_widths(config)
+    assert {name: tuple(shape) for name, shape in handed_on.items()} == {name: (2, 5, w) for name, w in widths.items()}
+    assert list(handed_on) == list(widths)
 
 
 def test_btp_sends_a_tp_share_of_megatrons_boundary_at_13b():
