@@ -139,6 +139,9 @@ def _micro_batch_text(options, layout: str, workload) -> str:
 
     best = recommend_micro_batches(options)
     sequences = workload.micro_batch * workload.num_micro_batches
+    if best is None:
+        return (f"\nno split of {sequences} sequences per pipeline replica suits {workload.pp_schedule} at pp {workload.pp}: "
+                f"give each replica at least {workload.pp} sequences per step")
 
     def memory(option) -> str:
         return "" if option.peak_activation_bytes is None else f", peak activations {option.peak_activation_bytes / GIB:.1f} GiB"
@@ -217,22 +220,23 @@ def _run_estimate(args: argparse.Namespace) -> int:
     est = estimate(config, workload, hardware, efficiency, layouts=layouts, measured_layer_s=measured)
     # the split recommendation models compute (a measured layer time holds for one micro-batch size only)
     advised = "btp" if "btp" in layouts else layouts[-1]
-    options = micro_batch_options(config, workload, hardware, efficiency, advised) if workload.pp > 1 and not measured else None
+    options = micro_batch_options(config, workload, hardware, efficiency, advised) if workload.pp > 1 and not measured else []
     if args.json:
         out = est.to_dict()
         out["assumptions"]["preset"] = args.preset
         if measured:
             out["assumptions"]["measured"] = {"path": args.measured, "device": device, "mode": args.measured_mode}
-        if options:
+        if workload.pp > 1 and not measured:
+            best = recommend_micro_batches(options)
             out["micro_batch_options"] = {"layout": advised, "options": [asdict(o) for o in options],
-                                          "recommended": recommend_micro_batches(options).num_micro_batches}
+                                          "recommended": None if best is None else best.num_micro_batches}
         print(json.dumps(out, indent=2))
     else:
         print(_estimate_table(est, args.preset, config))
         if measured:
             print(f"  compute per layer measured ({args.measured_mode}) on {device}, from {args.measured}; "
                   "communication, LM head and the other parameters' optimizer step modelled")
-        if options:
+        if workload.pp > 1 and not measured:
             print(_micro_batch_text(options, advised, workload))
     return 0
 

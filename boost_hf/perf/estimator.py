@@ -586,7 +586,8 @@ def micro_batch_options(
     layout: str = "btp",
 ) -> list[MicroBatchOption]:
     """Every split of the replica's ``micro_batch x num_micro_batches`` sequences into equal micro-batches
-    that torch's ``pp_schedule`` runs, fewest micro-batches first, predicted for ``layout``."""
+    that torch's ``pp_schedule`` runs, fewest micro-batches first, predicted for ``layout`` (empty when none
+    does: 1F1B needs at least ``pp`` sequences)."""
     if isinstance(hardware, str):
         hardware = get_hardware(hardware)
     model = _layout_model(config, layout)
@@ -599,17 +600,12 @@ def micro_batch_options(
         e = estimate_layout(model, layout, split, hardware, efficiency)
         peak = None if e.peak_activation_bytes is None else max(e.peak_activation_bytes)
         options.append(MicroBatchOption(m, split.micro_batch, e.step_time_s, e.tokens_per_s, e.bubble_fraction, peak))
-    if not options:
-        raise ValueError(
-            f"No split of {sequences} sequences suits pp_schedule={workload.pp_schedule!r} at pp={workload.pp}: "
-            f"give the pipeline replica at least {workload.pp} sequences per step."
-        )
     return options
 
 
-def recommend_micro_batches(options: list[MicroBatchOption]) -> MicroBatchOption:
-    """The fastest of ``options`` (on equal times, the one with fewer micro-batches)."""
-    return min(options, key=lambda option: (option.step_time_s, option.num_micro_batches))
+def recommend_micro_batches(options: list[MicroBatchOption]) -> MicroBatchOption | None:
+    """The fastest of ``options`` (on equal times, the one with fewer micro-batches); ``None`` if there is none."""
+    return min(options, key=lambda option: (option.step_time_s, option.num_micro_batches), default=None)
 
 
 __all__ = [

@@ -49,6 +49,13 @@ def test_pipeline_schedule_and_micro_batch_advice(capsys):
     assert out["assumptions"]["workload"]["pp_schedule"] == "1f1b"
 
 
+def test_too_few_sequences_for_any_split_still_estimates(capsys):
+    assert main(["estimate", "--preset", "cola-13b", "--tp", "4", "--pp", "4", "--micro-batch", "1", "--microbatches", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "step time (s)" in out and "would refuse this: 1F1B needs at least as many micro-batches as stages (4)" in out
+    assert "no split of 2 sequences per pipeline replica suits 1f1b at pp 4" in out
+
+
 def test_unmodelled_schedule_is_a_usage_error(capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["estimate", "--preset", "cola-13b", "--pp", "2", "--stages-per-rank", "2"])  # 1f1b: one stage per rank

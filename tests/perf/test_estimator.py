@@ -217,8 +217,8 @@ def test_micro_batch_recommendation():
     best = recommend_micro_batches(options)
     assert best.step_time_s == min(o.step_time_s for o in options)
     assert [o.num_micro_batches for o in micro_batch_options(config, replace(workload, pp_schedule="gpipe"), "a100")] == [1, 2, 4, 8]
-    with pytest.raises(ValueError, match="at least 4 sequences"):
-        micro_batch_options(config, Workload(tp=4, pp=4, micro_batch=1, num_micro_batches=2), "a100")
+    too_few = micro_batch_options(config, Workload(tp=4, pp=4, micro_batch=1, num_micro_batches=2), "a100")
+    assert too_few == [] and recommend_micro_batches(too_few) is None  # 1F1B at pp 4 needs 4 micro-batches
 
 
 def test_engine_refusals_are_noted():
