@@ -3,6 +3,7 @@
 Subcommands live in :data:`SUBCOMMANDS` (name -> help, argument builder, runner); add one there.
 
     boost-hf estimate --preset cola-7b --tp 4 --micro-batch 4 --seq 4096 --gpu a100 [--json]
+    boost-hf estimate --preset cola-13b --tp 4 --pp 2 --pp_schedule 1f1b --microbatches 8
     boost-hf train RECIPE.yaml|NAME [--field value ...]      (accelerate launch ... -m boost_hf.cli train ...)
     boost-hf demo [--num-processes 4] [--tp-size 2] [--max-steps N]
     boost-hf eval CHECKPOINT --data FILE [--block-size N] [--json]
@@ -13,7 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import replace
+from dataclasses import asdict, replace
 from typing import Callable
 
 GIB = 2**30
@@ -21,16 +22,22 @@ GIB = 2**30
 
 def _add_estimate_arguments(parser: argparse.ArgumentParser) -> None:
     from .perf.hardware import HARDWARE_PRESETS
+    from .perf.pipeline import PP_SCHEDULES
 
     model = parser.add_argument_group("model and workload")
     model.add_argument("--preset", default="cola-7b", help="model preset, e.g. cola-7b, lax-13b, llama-3b "
                        "(megatron always runs the full-rank model of that size; vanilla and btp the low-rank one)")
     model.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
-    model.add_argument("--pp", type=int, default=1, help="pipeline stages (1F1B)")
+    model.add_argument("--pp", type=int, default=1, help="pipeline ranks")
+    model.add_argument("--pp-schedule", "--pp_schedule", dest="pp_schedule", choices=PP_SCHEDULES, default="1f1b",
+                       help="pipeline schedule (default: 1f1b)")
+    model.add_argument("--stages-per-rank", "--pp_stages_per_rank", dest="stages_per_rank", type=int,
+                       help="model chunks per pipeline rank (interleaved-1f1b only; default 2)")
     model.add_argument("--micro-batch", type=int, default=4, help="sequences per micro-batch")
     model.add_argument("--seq", type=int, default=4096, help="sequence length")
-    model.add_argument("--num-micro-batches", type=int, default=1,
-                       help="micro-batches per iteration (pipeline m, or gradient accumulation)")
+    model.add_argument("--num-micro-batches", "--microbatches", dest="num_micro_batches", type=int, default=1,
+                       help="micro-batches per iteration (pipeline m, or gradient accumulation); with --pp > 1 the "
+                            "estimate also recommends how to split the same micro-batch x m sequences")
     model.add_argument("--rmsnorm", choices=("online", "sync", "local"), default="online", help="btp RMSNorm mode")
     model.add_argument("--no-group-linears", dest="group_linears", action="store_false",
                        help="do not fuse A_qkv / A_gate_up (and megatron's qkv / gate_up)")
@@ -68,6 +75,13 @@ def _estimate_table(est, preset: str, model_config) -> str:
 
     w, hw, layouts = est.workload, est.hardware, est.layouts
     names = list(layouts)
+    pipeline_rows: list[tuple[str, Callable]] = [
+        ("pipeline bubble (% of step)", lambda e: f"{e.bubble_fraction:.1%}"),
+        ("P2P per boundary each way (MiB)", lambda e: f"{e.p2p_bytes_per_boundary / 2**20:,.1f}"),
+        ("micro-batches in flight/stage", lambda e: " / ".join(f"{n:g}" for n in e.micro_batches_in_flight)),
+        ("peak activations/stage (GiB)", lambda e: "n/a" if e.peak_activation_bytes is None
+         else " / ".join(f"{b / GIB:.1f}" for b in e.peak_activation_bytes)),
+    ]
     rows: list[tuple[str, Callable]] = [
         ("model", lambda e: e.model.split(",")[0]),
         ("parameters (M)", lambda e: f"{e.parameters / 1e6:,.0f}"),
@@ -82,6 +96,7 @@ def _estimate_table(est, preset: str, model_config) -> str:
         ("layer time bwd (ms)", lambda e: f"{e.layer_time_bwd_s * 1e3:.2f}"),
         *[(f"  {c} (s)", lambda e, c=c: f"{e.breakdown_s[c]:.3f}") for c in COMPONENTS],
         ("  of which pipeline bubble (s)", lambda e: f"{e.bubble_s:.3f}"),
+        *(pipeline_rows if w.pp > 1 else []),
         ("step time (s)", lambda e: f"{e.step_time_s:.3f}"),
         ("tokens/s", lambda e: f"{e.tokens_per_s:,.0f}"),
         ("MFU", lambda e: f"{e.mfu:.1%}"),
@@ -91,7 +106,8 @@ def _estimate_table(est, preset: str, model_config) -> str:
     lines = [
         f"boost-hf estimate: {preset} ({model_config.num_hidden_layers} layers, d={model_config.hidden_size}, "
         f"f={model_config.intermediate_size}, r={model_config.rank}), TP={w.tp} PP={w.pp}, "
-        f"{w.num_micro_batches} micro-batch(es) of {w.micro_batch} x {w.seq_len} tokens per iteration, {hw.name}",
+        f"{w.num_micro_batches} micro-batch(es) of {w.micro_batch} x {w.seq_len} tokens per iteration"
+        + (f", {w.pp_schedule} with {w.stages_per_rank} stage(s) per rank" if w.pp > 1 else "") + f", {hw.name}",
         "",
         " " * width + "".join(name.rjust(col) for name in names),
     ]
@@ -118,6 +134,30 @@ def _estimate_table(est, preset: str, model_config) -> str:
     return "\n".join(lines)
 
 
+def _micro_batch_text(options, layout: str, workload) -> str:
+    """The recommended split of the replica's batch into micro-batches and the alternatives."""
+    from .perf.estimator import recommend_micro_batches
+
+    best = recommend_micro_batches(options)
+    sequences = workload.micro_batch * workload.num_micro_batches
+    if best is None:
+        return (f"\nno split of {sequences} sequences per pipeline replica suits {workload.pp_schedule} at pp {workload.pp}: "
+                f"give each replica at least {workload.pp} sequences per step")
+
+    def memory(option) -> str:
+        return "" if option.peak_activation_bytes is None else f", peak activations {option.peak_activation_bytes / GIB:.1f} GiB"
+
+    lines = [
+        "",
+        f"micro-batches ({layout}, {workload.pp_schedule}, {sequences} sequences per pipeline replica and step):",
+        *(f"  m={o.num_micro_batches:<4} micro-batch {o.micro_batch:<4} step {o.step_time_s:.3f} s, "
+          f"bubble {o.bubble_fraction:.1%}{memory(o)}" for o in options),
+        f"recommended: --microbatches {best.num_micro_batches} (micro-batch {best.micro_batch}); "
+        "the fastest split torch's schedule accepts",
+    ]
+    return "\n".join(lines)
+
+
 def _measured_layer_times(args: argparse.Namespace, workload, layouts) -> tuple[dict[str, float], str]:
     """layout -> measured seconds per layer, from ``--measured`` (megatron's preset is the full-rank LLaMA)."""
     from .perf.measured import MeasuredRun, measured_layer_seconds
@@ -136,7 +176,14 @@ def _measured_layer_times(args: argparse.Namespace, workload, layouts) -> tuple[
 
 def _run_estimate(args: argparse.Namespace) -> int:
     from .configuration_boost_llama import BoostLlamaConfig
-    from .perf.estimator import CALIBRATED_EFFICIENCY, LAYOUTS, Workload, estimate
+    from .perf.estimator import (
+        CALIBRATED_EFFICIENCY,
+        LAYOUTS,
+        Workload,
+        estimate,
+        micro_batch_options,
+        recommend_micro_batches,
+    )
     from .perf.hardware import get_hardware
 
     config = BoostLlamaConfig.from_preset(args.preset)
@@ -146,6 +193,8 @@ def _run_estimate(args: argparse.Namespace) -> int:
         micro_batch=args.micro_batch,
         seq_len=args.seq,
         num_micro_batches=args.num_micro_batches,
+        pp_schedule=args.pp_schedule,
+        stages_per_rank=args.stages_per_rank,
         rmsnorm=args.rmsnorm,
         group_linears=args.group_linears,
         activation_checkpointing=args.checkpointing,
@@ -170,17 +219,26 @@ def _run_estimate(args: argparse.Namespace) -> int:
     if args.measured:
         measured, device = _measured_layer_times(args, workload, layouts)
     est = estimate(config, workload, hardware, efficiency, layouts=layouts, measured_layer_s=measured)
+    # the split recommendation models compute (a measured layer time holds for one micro-batch size only)
+    advised = "btp" if "btp" in layouts else layouts[-1]
+    options = micro_batch_options(config, workload, hardware, efficiency, advised) if workload.pp > 1 and not measured else []
     if args.json:
         out = est.to_dict()
         out["assumptions"]["preset"] = args.preset
         if measured:
             out["assumptions"]["measured"] = {"path": args.measured, "device": device, "mode": args.measured_mode}
+        if workload.pp > 1 and not measured:
+            best = recommend_micro_batches(options)
+            out["micro_batch_options"] = {"layout": advised, "options": [asdict(o) for o in options],
+                                          "recommended": None if best is None else best.num_micro_batches}
         print(json.dumps(out, indent=2))
     else:
         print(_estimate_table(est, args.preset, config))
         if measured:
             print(f"  compute per layer measured ({args.measured_mode}) on {device}, from {args.measured}; "
                   "communication, LM head and the other parameters' optimizer step modelled")
+        if workload.pp > 1 and not measured:
+            print(_micro_batch_text(options, advised, workload))
     return 0
 
 

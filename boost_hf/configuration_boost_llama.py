@@ -35,7 +35,7 @@ LAX_VERSION = 2
 latent LayerNorm eps 1e-6, dense gate with a bias). 1 = boost-hf's earlier LaX (a latent LayerNorm in block 0,
 the pre-norm sum handed on, eps 1e-5, no gate bias), another function: refused."""
 
-# name -> (layers, hidden, heads, intermediate, rank): CoLA's table (60m..7b) and BOOST's (3b, 13b).
+# name -> (layers, hidden, heads, intermediate, rank): CoLA's table (60m..7b) and BOOST's (3b, 13b, 30b).
 PRESET_SIZES: dict[str, tuple[int, int, int, int, int]] = {
     "60m": (8, 512, 8, 1376, 128),
     "130m": (12, 768, 12, 2048, 256),
@@ -44,6 +44,7 @@ PRESET_SIZES: dict[str, tuple[int, int, int, int, int]] = {
     "7b": (32, 4096, 32, 11008, 1024),
     "3b": (28, 3072, 24, 8192, 768),
     "13b": (40, 5120, 40, 13824, 1280),
+    "30b": (36, 8192, 64, 22016, 2048),
 }
 PRESET_ARCHS: dict[str, str | None] = {"llama": None, "svd": "svd", "cola": "cola", "lax": "lax"}
 
@@ -432,7 +433,7 @@ class BoostLlamaConfig(PretrainedConfig):
     @classmethod
     def from_preset(cls, name: str, **overrides) -> "BoostLlamaConfig":
         """Build a reference configuration: ``"<arch>-<size>"`` with arch in llama (full rank), svd, cola,
-        lax and size in 60m, 130m, 350m, 1b, 7b (CoLA's table) or 3b, 13b (BOOST's table).
+        lax and size in 60m, 130m, 350m, 1b, 7b (CoLA's table) or 3b, 13b, 30b (BOOST's table).
 
         Vocabulary 32000, untied LM head, r = d/4 (CoLA), no GQA. ``overrides`` replace any field.
         """
@@ -447,7 +448,7 @@ class BoostLlamaConfig(PretrainedConfig):
             num_hidden_layers=layers,
             num_attention_heads=heads,
             num_key_value_heads=heads,
-            max_position_embeddings=4096 if size in ("3b", "7b", "13b") else 2048,
+            max_position_embeddings=4096 if size in ("3b", "7b", "13b", "30b") else 2048,
             tie_word_embeddings=False,
             bottleneck=PRESET_ARCHS[arch],
             rank=rank,

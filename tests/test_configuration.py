@@ -141,8 +141,16 @@ def test_every_preset_builds(name):
 
 
 def test_preset_names_cover_every_arch_and_size():
-    assert len(BoostLlamaConfig.preset_names()) == len(PRESET_ARCHS) * len(PRESET_SIZES) == 28
+    assert len(BoostLlamaConfig.preset_names()) == len(PRESET_ARCHS) * len(PRESET_SIZES) == 32
     assert "cola-60m" in BoostLlamaConfig.preset_names() and "llama-13b" in BoostLlamaConfig.preset_names()
+
+
+def test_30b_preset_is_the_papers():
+    # BOOST's appendix table: 30B has 36 layers, 64 heads, d 8192, d_ff 22016, r 2048 (= d/4)
+    config = BoostLlamaConfig.from_preset("cola-30b")
+    assert (config.num_hidden_layers, config.num_attention_heads, config.hidden_size) == (36, 64, 8192)
+    assert (config.intermediate_size, config.rank, config.max_position_embeddings) == (22016, 2048, 4096)
+    assert config.head_dim == 128 and config.rank * 4 == config.hidden_size
 
 
 def test_preset_overrides_and_case():
@@ -171,6 +179,9 @@ def test_preset_override_is_validated():
         ("cola-1b", 609.3),
         ("svd-1b", 609.3),
         ("llama-60m", 58.1),
+        # 36 x (7 low-rank pairs r (d_in + d_out) + 2 norms) + 2 x 32000 d + d; the full-rank model is the "30B"
+        ("cola-30b", 12038.3),
+        ("llama-30b", 29666.9),
     ],
 )
 def test_parameter_counts(name, millions):

@@ -1,7 +1,7 @@
 """Performance model: FLOPs (:mod:`.flops`), GPU presets (:mod:`.hardware`), the iteration-time
-estimator of the three tensor-parallel layouts (:mod:`.estimator`) and one rank's counted / measured
-decoder-layer cost (:mod:`.rank_cost`, counting with :mod:`.op_counter`). Communication volumes come from
-:mod:`.comm_formula`."""
+estimator of the three tensor-parallel layouts (:mod:`.estimator`, with the pipeline schedules of
+:mod:`.pipeline`) and one rank's counted / measured decoder-layer cost (:mod:`.rank_cost`, counting with
+:mod:`.op_counter`). Communication volumes, stage boundaries included, come from :mod:`.comm_formula`."""
 
 from .estimator import CALIBRATED_EFFICIENCY, LAYOUTS, Estimate, KernelEfficiency, LayoutEstimate, Workload, estimate
 from .flops import forward_flops_per_token, training_flops_per_token

@@ -1,4 +1,4 @@
-"""How much each tensor-parallel layout communicates: the single entry point for the analysis.
+"""How much each parallel layout communicates: the single entry point for the analysis.
 
 The runtime communication counters, the benchmarks, the performance estimator
 (:mod:`boost_hf.perf.estimator`) and the tests all call these functions; each asks the
@@ -9,9 +9,14 @@ intermediate size, ``r`` bottleneck rank, ``N`` tokens in the micro-batch (batch
 tensor-parallel size, ``V`` vocabulary size, ``L`` decoder layers. Counts are per tensor-parallel rank
 and per micro-batch (see :mod:`boost_hf.parallel.communication` for what an element counts). With
 ``p == 1`` nothing is communicated at all.
+
+Pipeline parallelism adds point-to-point traffic at each stage boundary
+(:func:`stage_boundary_communication`), counted per TP rank and per micro-batch in each direction.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 from ..parallel.communication import (
     COLLECTIVE_KINDS,
@@ -69,14 +74,40 @@ def model_communication(
     return layers + outside_layers_communication(config, parallel, tokens, with_loss=with_loss, with_logits=with_logits)
 
 
+class PointToPoint(NamedTuple):
+    """Point-to-point sends of one TP rank to its peer in the neighbouring pipeline stage: ``sends``
+    tensors holding ``elements`` in total."""
+
+    sends: int
+    elements: int
+
+    def bytes(self, dtype_bytes: int = 2) -> int:
+        """Volume in bytes: ``elements * dtype_bytes`` (2 for bf16)."""
+        return self.elements * dtype_bytes
+
+
+def stage_boundary_communication(config, parallel: ParallelConfig, tokens: int) -> PointToPoint:
+    """What crosses one pipeline-stage boundary for a micro-batch of ``tokens`` tokens, per TP rank and per
+    direction: forward, TP rank ``t`` of stage ``s`` sends the tensors of the layout's
+    :meth:`~boost_hf.parallel.layouts.Layout.stage_boundary_widths` to TP rank ``t`` of stage ``s + 1``;
+    backward their gradients go back, the same sends and elements.
+
+    Elements: ``N d/p`` under btp (its own residual shard, a ``1/p`` share of megatron's and vanilla's
+    replicated ``N d``), plus ``7 N r`` under LaX (one whole latent per projection type, in 7 more sends)."""
+    widths = layout_for(config, parallel).stage_boundary_widths(config)
+    return PointToPoint(len(widths), tokens * sum(widths.values()))
+
+
 __all__ = [
     "COLLECTIVE_KINDS",
     "CollectiveKind",
     "Collective",
     "Communication",
     "PassCommunication",
+    "PointToPoint",
     "layer_communication",
     "model_communication",
     "outside_layers_communication",
     "ring_traffic_bytes",
+    "stage_boundary_communication",
 ]

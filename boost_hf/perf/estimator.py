@@ -35,12 +35,20 @@ Time of one decoder layer, forward (backward in parentheses)::
   compute.
 * **Outside the layers**: the LM head GEMM ``(N, d) x (d, V/p)`` and the outside collectives (with
   the vocab-parallel loss), counted on the last pipeline stage.
-* **Pipeline** (``pp > 1``): layers split evenly over ``pp`` stages; 1F1B schedule with ``m``
-  micro-batches: ``iteration = sum_i t_i + (m - 1) * max_i t_i`` where ``t_i`` is stage ``i``'s
-  forward + backward time for one micro-batch (``(m + pp - 1) t`` for equal stages, a bubble of
-  ``(pp - 1) t``). Every stage pays one activation send and one gradient send per micro-batch (``N d``
-  elements per rank, ``N d / p`` under btp where the residual is sharded), over NVLink when the
-  ``tp * pp`` GPUs fit in one node, else over the inter-node network.
+* **Pipeline** (``pp > 1``, :mod:`boost_hf.perf.pipeline`): the layers split evenly over ``pp x v``
+  stages (``v`` stages per rank under ``interleaved-1f1b``, else 1); with ``T_i`` rank ``i``'s forward +
+  backward time for one micro-batch and ``m`` micro-batches,
+  ``iteration = m max_i T_i + (sum_i T_i - max_i T_i) / v``: ``(m + pp - 1) T`` for equal ranks under 1F1B
+  and GPipe, a bubble of ``(pp-1)/(m+pp-1)``, and ``(pp-1)/(v m+pp-1)`` interleaved. Every stage pays one
+  activation transfer and one gradient transfer per micro-batch,
+  :func:`~boost_hf.perf.comm_formula.stage_boundary_communication` (``N d`` elements per rank, ``N d / p``
+  under btp where the residual is sharded, plus LaX's ``7 N r``), timed as ``latency * sends + bytes /
+  bandwidth`` over NVLink when the ``tp * pp`` GPUs fit in one node, else over the inter-node network.
+  Peak activation memory per stage (``"full"`` and ``"lowrank"`` checkpointing,
+  :func:`~boost_hf.perf.activation_memory.saved_elements_per_layer`) is the stage's saved elements per
+  micro-batch times the micro-batches it keeps in flight (1F1B: ``min(m, pp - i)`` on stage ``i``; GPipe:
+  ``m``; interleaved: torch's warm-up, :func:`~boost_hf.perf.pipeline.micro_batches_in_flight`). Without
+  checkpointing it is not modelled.
 * **Optimizer**: AdamW with fp32 master weights and moments touches ``ADAMW_BYTES_PER_PARAM`` bytes per
   local parameter, at ``memory_efficiency * HBM bandwidth``, once per iteration.
 * Not modelled: data parallelism (gradient all-reduce / ZeRO), the cross-entropy's elementwise work,
@@ -77,15 +85,23 @@ implementation overhead). ``tests/perf/test_estimator.py`` checks the six fitted
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Literal
 
 from ..parallel.config import ParallelConfig
 from ..parallel.layouts import Gemm
 from ..parallel.parallelize import layout_for
-from .comm_formula import Communication, layer_communication, outside_layers_communication
+from .activation_memory import saved_elements_per_layer
+from .comm_formula import Communication, layer_communication, outside_layers_communication, stage_boundary_communication
 from .flops import attention_flops_per_token, training_flops_per_token
 from .hardware import Hardware, get_hardware
+from .pipeline import (
+    check_schedule,
+    critical_path_weights,
+    engine_refusal,
+    micro_batches_in_flight,
+    stage_layer_counts,
+)
 
 LAYOUTS: tuple[str, ...] = ("megatron", "vanilla", "btp")
 
@@ -209,9 +225,11 @@ class Workload:
     """What one training iteration runs on one data-parallel replica (``tp * pp`` GPUs).
 
     Args:
-        tp: tensor-parallel size. pp: pipeline stages.
+        tp: tensor-parallel size. pp: pipeline ranks.
         micro_batch: sequences per micro-batch. seq_len: tokens per sequence.
-        num_micro_batches: micro-batches per iteration (the 1F1B ``m``; gradient accumulation at pp=1).
+        num_micro_batches: micro-batches per iteration (the pipeline's ``m``; gradient accumulation at pp=1).
+        pp_schedule: ``"1f1b"``, ``"gpipe"`` or ``"interleaved-1f1b"`` (:mod:`boost_hf.perf.pipeline`).
+        stages_per_rank: model chunks per pipeline rank (interleaved only; default 2 there, else 1).
         dtype_bytes: bytes per activation element (2: bf16).
         rmsnorm, group_linears, activation_checkpointing: as in :class:`ParallelConfig`.
     """
@@ -221,6 +239,8 @@ class Workload:
     micro_batch: int = 4
     seq_len: int = 4096
     num_micro_batches: int = 1
+    pp_schedule: str = "1f1b"
+    stages_per_rank: int | None = None
     dtype_bytes: int = 2
     rmsnorm: str = "online"
     group_linears: bool = True
@@ -230,6 +250,7 @@ class Workload:
         for name in ("tp", "pp", "micro_batch", "seq_len", "num_micro_batches", "dtype_bytes"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"Workload.{name} must be a positive integer, got {getattr(self, name)!r}.")
+        object.__setattr__(self, "stages_per_rank", check_schedule(self.pp_schedule, self.stages_per_rank))
 
     @property
     def tokens(self) -> int:
@@ -267,7 +288,11 @@ class LayoutEstimate:
     (if any). ``comm_bytes_per_layer_*`` is the communication *volume* (``elements * dtype_bytes``, as
     in BOOST.md's "GB per layer"); the time model uses the ring traffic per rank. ``breakdown_s``
     splits ``step_time_s`` along the critical path (the pipeline bubble included) into
-    :data:`COMPONENTS`; ``bubble_s`` is the part of it spent waiting on other stages.
+    :data:`COMPONENTS`; ``bubble_s`` is the part of it spent waiting on other stages, ``bubble_fraction``
+    its share of the step without the optimizer. Per pipeline rank: ``stage_times_s`` (forward + backward of
+    one micro-batch), ``micro_batches_in_flight`` and ``peak_activation_bytes`` (decoder layers' saved
+    activations at the schedule's peak; ``None`` without activation checkpointing, which is not modelled).
+    ``p2p_bytes_per_boundary``: what each TP rank sends across a stage boundary per micro-batch, each way.
     """
 
     layout: str
@@ -287,6 +312,10 @@ class LayoutEstimate:
     layer_time_bwd_s: float
     stage_times_s: tuple[float, ...]
     bubble_s: float
+    bubble_fraction: float
+    p2p_bytes_per_boundary: int
+    micro_batches_in_flight: tuple[float, ...]
+    peak_activation_bytes: tuple[int, ...] | None
     breakdown_s: dict[str, float]
     step_time_s: float
     tokens_per_s: float
@@ -294,7 +323,8 @@ class LayoutEstimate:
 
     def to_dict(self) -> dict:
         out = asdict(self)
-        out["stage_times_s"] = list(self.stage_times_s)
+        for name in ("stage_times_s", "micro_batches_in_flight", "peak_activation_bytes"):
+            out[name] = None if out[name] is None else list(out[name])
         return out
 
 
@@ -361,11 +391,9 @@ def estimate_layout(
     modelled."""
     parallel = workload.parallel(layout)
     parallel.check_model(config)
-    if workload.pp > config.num_hidden_layers:
-        raise ValueError(
-            f"pp ({workload.pp}) exceeds num_hidden_layers ({config.num_hidden_layers}): use at most one stage per layer."
-        )
     n, p, pp, peak = workload.tokens, workload.tp, workload.pp, hardware.peak_flops
+    v = workload.stages_per_rank
+    counts = stage_layer_counts(config.num_hidden_layers, pp * v)
     hbm = efficiency.memory * hardware.hbm_gbps * 1e9
 
     def gemm_time(gemms: list[Gemm]) -> float:
@@ -409,34 +437,37 @@ def estimate_layout(
         "tp_comm": _comm_time(outside_comm.forward + outside_comm.backward, workload, hardware),
     }
 
-    # Pipeline stages: layers split evenly; every stage sends one activation and one gradient per
-    # micro-batch; block 0 (stage 0) has no LaX crossing; the last stage holds the LM head and loss.
-    layers = config.num_hidden_layers
-    counts = [layers // pp + (1 if i < layers % pp else 0) for i in range(pp)]
+    # Pipeline stages (pp x v): every stage pays one boundary transfer each way per micro-batch; block 0
+    # (stage 0) has no LaX crossing; the last stage holds the LM head and loss. Rank i runs stages i, i + pp, ...
+    boundary = stage_boundary_communication(config, parallel, n)
     p2p: dict[str, float] = {}
     if pp > 1:
         bandwidth = hardware.point_to_point_gbps(same_node=p * pp <= hardware.gpus_per_node)
-        send_elements = n * config.hidden_size // (p if layout_for(config, parallel).residual_sharded else 1)
-        send = hardware.latency_us * 1e-6 + send_elements * workload.dtype_bytes / (bandwidth * 1e9)
+        send = boundary.sends * hardware.latency_us * 1e-6 + boundary.bytes(workload.dtype_bytes) / (bandwidth * 1e9)
         p2p = {"pp_comm": 2 * send}
+    last = len(counts) - 1
     stages = [
         _add(
-            _add(layer, scale=count - 1 if i == 0 else count),
-            first_layer if i == 0 else {},
-            outside if i == pp - 1 else {},
+            _add(layer, scale=count - 1 if j == 0 else count),
+            first_layer if j == 0 else {},
+            outside if j == last else {},
             p2p,
         )
-        for i, count in enumerate(counts)
+        for j, count in enumerate(counts)
     ]
-    totals = [sum(stage.values()) for stage in stages]
-    slowest = stages[totals.index(max(totals))]
+    ranks = [_add(*stages[i::pp]) for i in range(pp)]
+    totals = [sum(rank.values()) for rank in ranks]
     m = workload.num_micro_batches
+    layers = config.num_hidden_layers
     optimized = parameter_count(config)
     if measured_layer_s is not None:  # the measured layer time includes its parameters' AdamW step
         optimized -= layers * (_with_layers(config, 2) - _with_layers(config, 1))
     optimizer = {"optimizer": optimized / (p * pp) * ADAMW_BYTES_PER_PARAM / hbm}
-    breakdown = _add(*stages, _add(slowest, scale=m - 1), optimizer)  # 1F1B critical path
+    weights = critical_path_weights(totals, m, v)
+    breakdown = _add(*(_add(rank, scale=w) for rank, w in zip(ranks, weights)), optimizer)
     step = sum(breakdown.values())
+    bubble = (sum(totals) - max(totals)) / v
+    in_flight = tuple(micro_batches_in_flight(workload.pp_schedule, pp, m, v, i) for i in range(pp))
 
     gemms = layer_gemms(config, parallel, n)
     gemm_flops = sum(g.flops for g in gemms)
@@ -457,12 +488,37 @@ def estimate_layout(
         layer_time_fwd_s=sum(forward.values()),
         layer_time_bwd_s=sum(backward.values()),
         stage_times_s=tuple(totals),
-        bubble_s=sum(totals) - max(totals),
+        bubble_s=bubble,
+        bubble_fraction=bubble / (step - optimizer["optimizer"]),
+        p2p_bytes_per_boundary=boundary.bytes(workload.dtype_bytes) if pp > 1 else 0,
+        micro_batches_in_flight=in_flight,
+        peak_activation_bytes=_peak_activation_bytes(config, parallel, workload, counts, in_flight),
         breakdown_s=breakdown,
         step_time_s=step,
         tokens_per_s=n * m / step,
         mfu=training_flops_per_token(config, workload.seq_len) * n * m / (step * p * pp * peak),
     )
+
+
+def _peak_activation_bytes(config, parallel: ParallelConfig, workload: Workload, counts: list[int],
+                           in_flight: tuple[float, ...]) -> tuple[int, ...] | None:
+    """Per pipeline rank: the decoder layers' saved activations of one micro-batch (all the rank's stages)
+    times the micro-batches it keeps in flight; ``None`` without activation checkpointing."""
+    if parallel.activation_checkpointing == "none":
+        return None
+    starts = [sum(counts[:j]) for j in range(len(counts))]
+    per_micro_batch = [0] * workload.pp
+    for j, (start, count) in enumerate(zip(starts, counts)):
+        per_micro_batch[j % workload.pp] += sum(
+            saved_elements_per_layer(config, parallel, workload.tokens, layer_idx)
+            for layer_idx in range(start, start + count)
+        )
+    return tuple(round(elements * flight * workload.dtype_bytes) for elements, flight in zip(per_micro_batch, in_flight))
+
+
+def _layout_model(config, layout: str):
+    """The model ``layout`` runs for the size of ``config``: megatron the full-rank one, the others low rank."""
+    return full_rank_counterpart(config) if layout == "megatron" else low_rank_counterpart(config)
 
 
 def estimate(
@@ -481,24 +537,75 @@ def estimate(
     unknown = set(layouts) - set(LAYOUTS)
     if unknown:
         raise ValueError(f"Unknown layout(s) {sorted(unknown)}: use {', '.join(LAYOUTS)}.")
-    models = {"megatron": full_rank_counterpart(config)}
-    models["vanilla"] = models["btp"] = low_rank_counterpart(config)
     measured_layer_s = measured_layer_s or {}
     results = {
-        layout: estimate_layout(models[layout], layout, workload, hardware, efficiency, measured_layer_s.get(layout))
+        layout: estimate_layout(_layout_model(config, layout), layout, workload, hardware, efficiency, measured_layer_s.get(layout))
         for layout in layouts
     }
     notes = [
         "per rank; one data-parallel replica of tp x pp GPUs (no data-parallel traffic)",
         "megatron runs the full-rank model of the same size; vanilla and btp the low-rank model",
-        "1F1B pipeline: iteration = sum(stage times) + (m - 1) * max(stage time) + optimizer step",
         "no overlap of compute and communication",
     ]
+    if workload.pp > 1:
+        v = workload.stages_per_rank
+        notes.append(
+            f"{workload.pp_schedule} pipeline, {workload.pp} ranks x {v} stage(s), m={workload.num_micro_batches}: "
+            "iteration = m * max(rank time) + (sum(rank times) - max(rank time)) / "
+            f"{v} + optimizer step"
+        )
+        refusal = engine_refusal(workload.pp_schedule, workload.pp, workload.num_micro_batches)
+        if refusal:
+            notes.append(f"torch.distributed.pipelining would refuse this: {refusal} (timed all the same)")
     if measured_layer_s:
         notes.append(f"measured layer time (compute, with recomputation and the layers' AdamW) for: {', '.join(measured_layer_s)}")
     if workload.activation_checkpointing == "lowrank" and "megatron" in layouts:
         notes.append("megatron has no low-rank checkpointing: it uses full-layer checkpointing")
     return Estimate(results, workload, hardware, efficiency, tuple(notes))
+
+
+@dataclass(frozen=True)
+class MicroBatchOption:
+    """One split of a pipeline replica's batch into ``num_micro_batches`` micro-batches of ``micro_batch``
+    sequences, as predicted; ``peak_activation_bytes`` is the fullest pipeline rank's (``None`` without
+    activation checkpointing)."""
+
+    num_micro_batches: int
+    micro_batch: int
+    step_time_s: float
+    tokens_per_s: float
+    bubble_fraction: float
+    peak_activation_bytes: int | None
+
+
+def micro_batch_options(
+    config,
+    workload: Workload,
+    hardware: Hardware | str = "a100",
+    efficiency: KernelEfficiency = CALIBRATED_EFFICIENCY,
+    layout: str = "btp",
+) -> list[MicroBatchOption]:
+    """Every split of the replica's ``micro_batch x num_micro_batches`` sequences into equal micro-batches
+    that torch's ``pp_schedule`` runs, fewest micro-batches first, predicted for ``layout`` (empty when none
+    does: 1F1B needs at least ``pp`` sequences)."""
+    if isinstance(hardware, str):
+        hardware = get_hardware(hardware)
+    model = _layout_model(config, layout)
+    sequences = workload.micro_batch * workload.num_micro_batches
+    options = []
+    for m in range(1, sequences + 1):
+        if sequences % m or engine_refusal(workload.pp_schedule, workload.pp, m):
+            continue
+        split = replace(workload, micro_batch=sequences // m, num_micro_batches=m)
+        e = estimate_layout(model, layout, split, hardware, efficiency)
+        peak = None if e.peak_activation_bytes is None else max(e.peak_activation_bytes)
+        options.append(MicroBatchOption(m, split.micro_batch, e.step_time_s, e.tokens_per_s, e.bubble_fraction, peak))
+    return options
+
+
+def recommend_micro_batches(options: list[MicroBatchOption]) -> MicroBatchOption | None:
+    """The fastest of ``options`` (on equal times, the one with fewer micro-batches); ``None`` if there is none."""
+    return min(options, key=lambda option: (option.step_time_s, option.num_micro_batches), default=None)
 
 
 __all__ = [
@@ -510,6 +617,7 @@ __all__ = [
     "KernelEfficiency",
     "LAYOUTS",
     "LayoutEstimate",
+    "MicroBatchOption",
     "Workload",
     "elementwise_elements_per_token",
     "estimate",
@@ -517,5 +625,7 @@ __all__ = [
     "full_rank_counterpart",
     "layer_gemms",
     "low_rank_counterpart",
+    "micro_batch_options",
     "parameter_count",
+    "recommend_micro_batches",
 ]

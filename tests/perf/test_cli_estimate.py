@@ -32,6 +32,37 @@ def test_json_and_overrides(capsys):
     assert fast["layouts"]["btp"]["breakdown_s"]["tp_comm"] > base["layouts"]["btp"]["breakdown_s"]["tp_comm"]
 
 
+def test_pipeline_schedule_and_micro_batch_advice(capsys):
+    argv = ["estimate", "--preset", "cola-13b", "--tp", "4", "--pp", "2", "--micro-batch", "1", "--checkpointing", "lowrank"]
+    assert main([*argv, "--pp_schedule", "interleaved-1f1b", "--microbatches", "8"]) == 0
+    out = capsys.readouterr().out
+    for text in ("interleaved-1f1b with 2 stage(s) per rank", "pipeline bubble (% of step)", "P2P per boundary each way (MiB)",
+                 "peak activations/stage (GiB)", "micro-batches (btp, interleaved-1f1b, 8 sequences", "recommended: --microbatches"):
+        assert text in out
+    main([*argv, "--pp-schedule", "1f1b", "--num-micro-batches", "8", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    advice = out["micro_batch_options"]
+    assert advice["layout"] == "btp" and [o["num_micro_batches"] for o in advice["options"]] == [2, 4, 8]
+    assert advice["recommended"] in (2, 4, 8)
+    assert out["layouts"]["btp"]["p2p_bytes_per_boundary"] == 4096 * 5120 // 4 * 2
+    assert len(out["layouts"]["btp"]["peak_activation_bytes"]) == 2
+    assert out["assumptions"]["workload"]["pp_schedule"] == "1f1b"
+
+
+def test_too_few_sequences_for_any_split_still_estimates(capsys):
+    assert main(["estimate", "--preset", "cola-13b", "--tp", "4", "--pp", "4", "--micro-batch", "1", "--microbatches", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "step time (s)" in out and "would refuse this: 1F1B needs at least as many micro-batches as stages (4)" in out
+    assert "no split of 2 sequences per pipeline replica suits 1f1b at pp 4" in out
+
+
+def test_unmodelled_schedule_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["estimate", "--preset", "cola-13b", "--pp", "2", "--stages-per-rank", "2"])  # 1f1b: one stage per rank
+    assert exit_info.value.code == 2
+    assert "runs one stage per rank" in capsys.readouterr().err
+
+
 def test_invalid_layout_is_a_usage_error(capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["estimate", "--preset", "cola-1b", "--tp", "2"])  # d_ff 5461 cannot be split in two

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
 from boost_hf.configuration_boost_llama import BoostLlamaConfig
-from boost_hf.perf.comm_formula import layer_communication
+from boost_hf.perf.activation_memory import saved_elements_per_layer
+from boost_hf.perf.comm_formula import layer_communication, stage_boundary_communication
 from boost_hf.perf.estimator import (
     CALIBRATED_EFFICIENCY,
     COMPONENTS,
@@ -15,7 +17,9 @@ from boost_hf.perf.estimator import (
     Workload,
     estimate,
     layer_gemms,
+    micro_batch_options,
     parameter_count,
+    recommend_micro_batches,
 )
 from boost_hf.perf.flops import attention_flops_per_token, crossing_flops_per_token, linear_flops_per_token
 from boost_hf.perf.hardware import get_hardware
@@ -144,6 +148,96 @@ def test_pipeline_1f1b_schedule():
     assert four.step_time_s == pytest.approx(sum(one.stage_times_s) + 3 * stage + one.breakdown_s["optimizer"])
     assert one.bubble_s == pytest.approx(min(one.stage_times_s))
     assert four.tokens_per_s > one.tokens_per_s  # more micro-batches amortise the bubble
+
+
+@pytest.mark.parametrize("schedule, v", [("1f1b", 1), ("gpipe", 1), ("interleaved-1f1b", 2), ("interleaved-1f1b", 4)])
+def test_pipeline_critical_path(schedule, v):
+    config = BoostLlamaConfig.from_preset("cola-7b")
+    m = 8
+    e = estimate(config, Workload(tp=2, pp=4, num_micro_batches=m, pp_schedule=schedule, stages_per_rank=v), "h100").layouts["btp"]
+    times = e.stage_times_s
+    pipeline = m * max(times) + (sum(times) - max(times)) / v  # the slowest rank runs every micro-batch
+    assert e.step_time_s == pytest.approx(pipeline + e.breakdown_s["optimizer"])
+    assert e.bubble_s == pytest.approx((sum(times) - max(times)) / v)
+    assert e.bubble_fraction == pytest.approx(e.bubble_s / pipeline)
+    # the stages are nearly equal (the last holds the LM head): close to (p-1)/(v m+p-1)
+    assert e.bubble_fraction == pytest.approx(3 / (v * m + 3), rel=0.1)
+
+
+def test_interleaving_shrinks_the_bubble_and_gpipe_times_like_1f1b():
+    config = BoostLlamaConfig.from_preset("cola-13b")
+    steps = {
+        schedule: estimate(config, Workload(tp=4, pp=2, num_micro_batches=4, pp_schedule=schedule), "a100").layouts["btp"]
+        for schedule in ("1f1b", "gpipe", "interleaved-1f1b")
+    }
+    assert steps["gpipe"].step_time_s == steps["1f1b"].step_time_s
+    assert steps["interleaved-1f1b"].bubble_s < steps["1f1b"].bubble_s
+    assert steps["interleaved-1f1b"].breakdown_s["pp_comm"] > steps["1f1b"].breakdown_s["pp_comm"]  # twice the boundaries
+
+
+@pytest.mark.parametrize("preset, layout, sends", [("cola-13b", "btp", 1), ("llama-13b", "megatron", 1), ("lax-13b", "btp", 8)])
+def test_pipeline_transfers_come_from_the_formula(preset, layout, sends):
+    config = BoostLlamaConfig.from_preset(preset)
+    workload, m = Workload(tp=4, pp=2, num_micro_batches=3), 3
+    e = estimate(config, workload, "a100", layouts=(layout,)).layouts[layout]
+    boundary = stage_boundary_communication(config, workload.parallel(layout), workload.tokens)
+    assert boundary.sends == sends and e.p2p_bytes_per_boundary == boundary.bytes(2)
+    # 8 A100s are two 4-GPU nodes: the boundary crosses the 25 GB/s network, once each way per micro-batch;
+    # the critical path runs m micro-batches on the slowest stage plus one on the other
+    transfer = sends * 15e-6 + boundary.bytes(2) / 25e9
+    assert e.breakdown_s["pp_comm"] == pytest.approx((m + 1) * 2 * transfer)
+
+
+@pytest.mark.parametrize("schedule, in_flight", [("1f1b", (2, 1)), ("gpipe", (4, 4)), ("interleaved-1f1b", (2.5, 1.5))])
+def test_peak_activation_memory_per_stage(schedule, in_flight):
+    config = BoostLlamaConfig.from_preset("lax-7b")  # 32 layers; layer 0 carries no LaX latents
+    workload = Workload(tp=4, pp=2, num_micro_batches=4, pp_schedule=schedule, activation_checkpointing="lowrank")
+    e = estimate(config, workload, "a100", layouts=("btp",)).layouts["btp"]
+    assert e.micro_batches_in_flight == in_flight
+    parallel = workload.parallel("btp")
+    layers = [range(0, 16), range(16, 32)] if schedule != "interleaved-1f1b" else [
+        [*range(0, 8), *range(16, 24)], [*range(8, 16), *range(24, 32)]]
+    saved = [sum(saved_elements_per_layer(config, parallel, workload.tokens, i) for i in rank) for rank in layers]
+    assert e.peak_activation_bytes == tuple(round(2 * n * k) for n, k in zip(saved, in_flight))
+    unchecked = estimate(config, Workload(tp=4, pp=2, num_micro_batches=4), "a100", layouts=("btp",)).layouts["btp"]
+    assert unchecked.peak_activation_bytes is None  # without checkpointing: not modelled
+
+
+def test_micro_batch_recommendation():
+    config = BoostLlamaConfig.from_preset("cola-13b")
+    workload = Workload(tp=4, pp=2, micro_batch=2, num_micro_batches=4, activation_checkpointing="lowrank")
+    options = micro_batch_options(config, workload, "a100")
+    assert [(o.num_micro_batches, o.micro_batch) for o in options] == [(2, 4), (4, 2), (8, 1)]  # 1F1B needs m >= 2
+    for option in options:
+        split = Workload(tp=4, pp=2, micro_batch=option.micro_batch, num_micro_batches=option.num_micro_batches,
+                         activation_checkpointing="lowrank")
+        e = estimate(config, split, "a100", layouts=("btp",)).layouts["btp"]
+        assert (option.step_time_s, option.bubble_fraction) == (e.step_time_s, e.bubble_fraction)
+        assert option.peak_activation_bytes == max(e.peak_activation_bytes)
+    best = recommend_micro_batches(options)
+    assert best.step_time_s == min(o.step_time_s for o in options)
+    assert [o.num_micro_batches for o in micro_batch_options(config, replace(workload, pp_schedule="gpipe"), "a100")] == [1, 2, 4, 8]
+    too_few = micro_batch_options(config, Workload(tp=4, pp=4, micro_batch=1, num_micro_batches=2), "a100")
+    assert too_few == [] and recommend_micro_batches(too_few) is None  # 1F1B at pp 4 needs 4 micro-batches
+
+
+def test_engine_refusals_are_noted():
+    config = BoostLlamaConfig.from_preset("cola-13b")
+    est = estimate(config, Workload(tp=4, pp=2, num_micro_batches=1), "a100")  # the calibrated case
+    assert any("would refuse" in note and "at least as many micro-batches" in note for note in est.notes)
+    est = estimate(config, Workload(tp=4, pp=2, num_micro_batches=2), "a100")
+    assert not any("would refuse" in note for note in est.notes)
+
+
+def test_pipeline_workload_errors():
+    with pytest.raises(ValueError, match="pp_schedule"):
+        Workload(pp=2, pp_schedule="zbv")
+    with pytest.raises(ValueError, match="runs one stage per rank"):
+        Workload(pp=2, stages_per_rank=2)
+    tiny = BoostLlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                            num_attention_heads=4, bottleneck="cola", rank=8)
+    with pytest.raises(ValueError, match=r"pp x stages per rank \(6\) exceeds num_hidden_layers \(4\)"):
+        estimate(tiny, Workload(pp=2, seq_len=16, pp_schedule="interleaved-1f1b", stages_per_rank=3), "a100")
 
 
 def test_checkpointing_costs_recompute():

@@ -228,6 +228,17 @@ class Layout:
         """Per-rank widths of the element-wise work."""
         raise NotImplementedError
 
+    def stage_boundary_widths(self, config) -> dict[str, int]:
+        """What one TP rank hands the same TP rank of the next pipeline stage, per token of a micro-batch:
+        name -> width of each ``[mb, S, width]`` tensor sent forward (their gradients come back in
+        backward, the same sizes). The residual stream as this layout holds it (``d``, or ``d/p`` when it
+        is sharded: no gather at the boundary); under LaX also the last block's latent of each projection
+        type (``r`` each, replicated across TP: every TP rank sends its own whole copy)."""
+        widths = {"hidden_states": self.widths(config).residual}
+        if config.bottleneck == "lax":
+            widths.update({name: config.rank for name in config.projection_shapes()})
+        return widths
+
 
 def split_latents(z: torch.Tensor, count: int) -> tuple[torch.Tensor, ...]:
     """``count`` equal slices of the last dim (views, no copy)."""
