@@ -1,0 +1,133 @@
+"""Pipeline-parallel cases run inside one launched process group (tests/parallel/test_pipeline.py).
+
+Every rank builds the single-process reference from the same seed and compares what it holds: the loss of
+each step, every gradient of the first step and every parameter after two AdamW steps with gradient
+clipping by the global norm.
+"""
+
+from __future__ import annotations
+
+import tempfile
+
+import torch
+import torch.distributed as dist
+
+from boost_hf import BoostLlamaForCausalLM, ParallelConfig
+from boost_hf.parallel.sharding import gather_full, shard_spec_of
+from boost_hf.training.grad_norm import clip_grad_norm_
+from tests.parallel.tp_cases import SEED, rel, tiny_config
+
+LAYERS = 4
+BATCH, SEQ = 4, 8
+MAX_NORM = 0.5  # below the initial gradient norm: clipping acts
+STEPS = 2
+
+
+def config_of(case: dict):
+    return tiny_config(num_hidden_layers=LAYERS, **case.get("model", {}))
+
+
+def batches():
+    """The global batch of each step: ``(input_ids, labels)`` ``[BATCH, SEQ]``, some targets ignored."""
+    gen = torch.Generator().manual_seed(11)
+    out = []
+    for _ in range(STEPS):
+        ids = torch.randint(0, 128, (BATCH, SEQ), generator=gen)
+        labels = ids.clone()
+        labels[0, :3] = -100
+        labels[-1, 5:] = -100
+        out.append((ids, labels))
+    return out
+
+
+def optimizer_of(model):
+    return torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+
+
+def reference_run(config) -> dict:
+    torch.manual_seed(SEED)
+    model = BoostLlamaForCausalLM(config)
+    model.train()
+    optimizer = optimizer_of(model)
+    losses, norms, grads = [], [], None
+    for step, (ids, labels) in enumerate(batches()):
+        loss = model(ids, labels=labels).loss
+        loss.backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)))
+        if step == 0:
+            grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+        losses.append(float(loss.detach()))
+        optimizer.step()
+        optimizer.zero_grad()
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return {"losses": losses, "norms": norms, "grads": grads, "params": params}
+
+
+def pipeline_run(config, parallel: ParallelConfig) -> dict:
+    torch.manual_seed(SEED)
+    model = BoostLlamaForCausalLM(config, parallel_config=parallel)
+    model.train()
+    state, pipeline = model.plan.state, model.pipeline
+    optimizer = optimizer_of(model)
+    rows = BATCH // state.dp_size
+    losses, norms, grads = [], [], None
+    for step, (ids, labels) in enumerate(batches()):
+        mine = slice(state.dp_rank * rows, (state.dp_rank + 1) * rows)
+        loss = pipeline.train_step(ids[mine], labels[mine])
+        norms.append(float(clip_grad_norm_(model.parameters(), MAX_NORM, state.tp_group, state.pp_group)))
+        if step == 0:
+            grads = {n: gather_full(p.grad, shard_spec_of(p), state.tp_group) for n, p in model.named_parameters()}
+        losses.append(float(loss))
+        optimizer.step()
+        optimizer.zero_grad()
+    params = {n: gather_full(p.detach(), shard_spec_of(p), state.tp_group) for n, p in model.named_parameters()}
+    return {"losses": losses, "norms": norms, "grads": grads, "params": params}
+
+
+def parity_case(case: dict) -> dict:
+    config = config_of(case)
+    reference = reference_run(config)
+    parallel = ParallelConfig(**case["parallel"])
+    ours = pipeline_run(config, parallel)
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, {"losses": ours["losses"], "norms": ours["norms"], "names": sorted(ours["params"])})
+    held = set().union(*(set(r["names"]) for r in everyone))
+    return {
+        "case": case,
+        "names_canonical": set(ours["params"]) <= set(reference["params"]) and held == set(reference["params"]),
+        "loss_rel": max(abs(a - b) / abs(b) for a, b in zip(ours["losses"], reference["losses"])),
+        "norm_rel": max(abs(a - b) / abs(b) for a, b in zip(ours["norms"], reference["norms"])),
+        "same_on_ranks": all(r["losses"] == ours["losses"] and r["norms"] == ours["norms"] for r in everyone),
+        "grad_rel": max(rel(g, reference["grads"][n]) for n, g in ours["grads"].items()),
+        "worst_grad": max(ours["grads"], key=lambda n: rel(ours["grads"][n], reference["grads"][n])),
+        "param_rel": max(rel(p, reference["params"][n]) for n, p in ours["params"].items()),
+    }
+
+
+def pp2_tp2_cases() -> list[dict]:
+    """4 processes: PP2 x TP2 for each layout."""
+    pp = {"pp_size": 2, "tp_size": 2, "pp_microbatches": 2}
+    cases = [{"model": {"bottleneck": None}, "parallel": {**pp, "tp_style": "megatron"}}]
+    for bottleneck in ("cola", "svd", "lax"):
+        cases.append({"model": {"bottleneck": bottleneck}, "parallel": {**pp, "tp_style": "vanilla"}})
+        for rmsnorm in ("online", "sync"):
+            for checkpointing in ("none", "lowrank"):
+                cases.append({"model": {"bottleneck": bottleneck},
+                              "parallel": {**pp, "tp_style": "btp", "rmsnorm": rmsnorm, "activation_checkpointing": checkpointing}})
+    return cases
+
+
+def other_cases() -> list[dict]:
+    """4 processes: PP2 x DP2, PP4, interleaved and the other schedules."""
+    return [
+        {"model": {"bottleneck": "lax"}, "parallel": {"pp_size": 2, "pp_microbatches": 2}},  # PP2 x DP2
+        {"model": {"bottleneck": "cola"}, "parallel": {"pp_size": 2, "pp_microbatches": 2, "pp_schedule": "gpipe"}},  # PP2 x DP2
+        {"model": {"bottleneck": "lax"}, "parallel": {"pp_size": 4, "pp_microbatches": 4}},  # PP4
+        {"model": {"bottleneck": "cola"}, "parallel": {"pp_size": 4, "pp_microbatches": 4, "pp_layer_split": (1, 1, 1, 1)}},
+        {"model": {"bottleneck": "lax"}, "parallel": {"pp_size": 2, "pp_schedule": "interleaved-1f1b", "pp_microbatches": 4}},  # x DP2
+        {"model": {"bottleneck": "lax"}, "parallel": {"pp_size": 2, "tp_size": 2, "pp_schedule": "interleaved-1f1b", "pp_microbatches": 2}},
+    ]
+
+
+def everything() -> dict:
+    return {"parity": [parity_case(case) for case in pp2_tp2_cases() + other_cases()]}
