@@ -179,7 +179,7 @@ class TensorParallelCausalLM:
     * ``logits``: the full ``[B, S, V]`` (one all-gather) when no labels are given (``generate`` works),
       at ``tp_size=1`` or when ``return_logits=True``; otherwise ``None``.
     * ``save_pretrained``: call on every rank; the canonical unsharded checkpoint is gathered over the TP
-      group and global rank 0 writes it.
+      group (and the pipeline stages) and global rank 0 writes it.
     """
 
     plan: TensorParallelPlan
@@ -227,6 +227,8 @@ class TensorParallelCausalLM:
 
         if state_dict is None:
             state_dict = canonical_state_dict(self, self.plan.group)
+            if getattr(self, "pipeline", None) is not None:  # every stage's tensors, on global rank 0
+                state_dict = self.pipeline.whole_state_dict(state_dict)
         if is_main_process is None:
             is_main_process = not dist.is_initialized() or dist.get_rank() == 0
         if is_main_process:

@@ -74,20 +74,13 @@ class StageLayers(nn.ModuleDict):
 
 @dataclass(frozen=True)
 class Placement:
-    """Which stages (and their decoder layers) run on this pipeline rank."""
+    """Which stages (and their decoder layers) run on this pipeline rank, and the canonical names of the
+    parameters other pipeline ranks hold (``absent``: a checkpoint's tensors this rank does not read)."""
 
     stages: tuple[int, ...]
     layers: tuple[range, ...]  # per stage of this rank
     num_stages: int
-
-    def holds(self, canonical_name: str) -> bool:
-        """Whether the parameter ``canonical_name`` (``model.layers.3.mlp...``, ``lm_head.weight``) lives on this rank."""
-        parts = canonical_name.split(".")
-        if parts[:2] == ["model", "layers"]:
-            return any(int(parts[2]) in layers for layers in self.layers)
-        if parts[:2] == ["model", "embed_tokens"]:
-            return 0 in self.stages
-        return self.num_stages - 1 in self.stages  # final norm and LM head
+    absent: frozenset[str]
 
 
 def keep_this_ranks_stages(model: nn.Module, parallel: ParallelConfig, pp_rank: int) -> Placement:
@@ -95,15 +88,17 @@ def keep_this_ranks_stages(model: nn.Module, parallel: ParallelConfig, pp_rank: 
     part no stage of pipeline rank ``pp_rank`` runs; return what it keeps. No communication."""
     every_stage = parallel.stage_layers(model.config.num_hidden_layers)
     stages = tuple(s for s, rank in enumerate(stage_ranks(parallel)) if rank == pp_rank)
-    placement = Placement(stages, tuple(every_stage[s] for s in stages), parallel.num_stages)
+    layers = tuple(every_stage[s] for s in stages)
+    before = {name for name, _ in model.named_parameters()}
     base = model.model
-    base.layers = StageLayers({str(i): base.layers[i] for layers in placement.layers for i in layers})
+    base.layers = StageLayers({str(i): base.layers[i] for held in layers for i in held})
     if 0 not in stages:
         base.embed_tokens = None
     if parallel.num_stages - 1 not in stages:
         base.norm = None
         model.lm_head = None
-    return placement
+    absent = frozenset(before - {name for name, _ in model.named_parameters()})
+    return Placement(stages, layers, parallel.num_stages, absent)
 
 
 class _ContiguousGradient(torch.autograd.Function):
@@ -208,7 +203,25 @@ class Pipeline:
         ]
         self._modules: list[nn.Module] | None = None
         self._schedules: dict[tuple[int, int, torch.dtype], object] = {}
-        self.compiled = False
+
+    def check_compilable(self) -> None:
+        """Raise ``ValueError`` (no collective) if the schedule cannot run compiled stages."""
+        if self.parallel.pp_schedule in ZERO_BUBBLE_SCHEDULES:
+            raise ValueError(
+                f"pp_schedule={self.parallel.pp_schedule!r} splits backward into input and weight parts, which PyTorch's "
+                "pipelining engine does not support for compiled stages: drop --torch_compile, or use pp_schedule='1f1b' "
+                "or 'interleaved-1f1b' with it."
+            )
+
+    def whole_state_dict(self, own: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
+        """Every stage's canonical tensors, from each pipeline rank's ``own`` ones (full over TP): on global rank 0
+        the whole model's, elsewhere ``None``. Collective over the pipeline group of the ``dp 0, tp 0`` ranks
+        (one object gather to global rank 0); the other ranks communicate nothing."""
+        if self.state.dp_rank != 0 or self.state.tp_rank != 0:
+            return None
+        parts = [None] * self.parallel.pp_size if self.state.pp_rank == 0 else None
+        dist.gather_object(own, parts, dst=dist.get_global_rank(self.state.pp_group, 0), group=self.state.pp_group)
+        return {name: tensor for part in parts for name, tensor in part.items()} if parts is not None else None
 
     @property
     def holds_last_stage(self) -> bool:
@@ -237,11 +250,6 @@ class Pipeline:
         from torch.distributed.pipelining import PipelineStage
 
         config, parallel = self.model.config, self.parallel
-        if parallel.pp_schedule in ZERO_BUBBLE_SCHEDULES and self.compiled:
-            raise ValueError(
-                f"pp_schedule={parallel.pp_schedule!r} splits backward into input and weight parts, which PyTorch's "
-                "engine cannot do for compiled stages: drop --torch_compile or use pp_schedule='1f1b' or 'interleaved-1f1b'."
-            )
 
         def meta(shape, dtype=dtype):
             return torch.empty(shape, dtype=dtype, device="meta", requires_grad=dtype.is_floating_point)

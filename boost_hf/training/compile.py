@@ -12,19 +12,22 @@ from __future__ import annotations
 from torch import nn
 
 
-def decoder_layers(model: nn.Module) -> nn.ModuleList:
+def decoder_layers(model: nn.Module) -> nn.ModuleList | nn.ModuleDict:
     """The decoder layers of a ``BoostLlamaForCausalLM`` / ``BoostLlamaModel`` (or any HF causal LM whose
     base model keeps them in ``.layers``)."""
     base = getattr(model, "model", model)
     layers = getattr(base, "layers", None)
-    if not isinstance(layers, nn.ModuleList):
+    if not isinstance(layers, (nn.ModuleList, nn.ModuleDict)):  # a ModuleDict: a pipeline rank's layers by index
         raise ValueError(f"{type(model).__name__} has no decoder layers at .model.layers to compile per layer.")
     return layers
 
 
 def compile_decoder_layers(model: nn.Module, **compile_kwargs) -> nn.Module:
     """Compile every decoder layer of ``model`` in place with ``torch.compile(**compile_kwargs)``; returns
-    ``model``. Idempotent."""
+    ``model``. Idempotent. Under pipeline parallelism, a zero-bubble schedule refuses (ValueError)."""
+    pipeline = getattr(model, "pipeline", None)
+    if pipeline is not None:
+        pipeline.check_compilable()
     for layer in decoder_layers(model):
         if getattr(layer, "_compiled_call_impl", None) is None:
             layer.compile(**compile_kwargs)

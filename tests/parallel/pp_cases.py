@@ -41,7 +41,9 @@ def batches():
 
 
 def optimizer_of(model):
-    return torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+    """AdamW; ``eps=1e-6`` so that a gradient at fp32 summation-noise level (~1e-10, where two GEMM orders differ in
+    sign) moves its parameter by ~1e-4 lr, not by a sign step of lr."""
+    return torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01, eps=1e-6)
 
 
 def reference_run(config) -> dict:
@@ -126,8 +128,79 @@ def other_cases() -> list[dict]:
         {"model": {"bottleneck": "cola"}, "parallel": {"pp_size": 4, "pp_microbatches": 4, "pp_layer_split": (1, 1, 1, 1)}},
         {"model": {"bottleneck": "lax"}, "parallel": {"pp_size": 2, "pp_schedule": "interleaved-1f1b", "pp_microbatches": 4}},  # x DP2
         {"model": {"bottleneck": "lax"}, "parallel": {"pp_size": 2, "tp_size": 2, "pp_schedule": "interleaved-1f1b", "pp_microbatches": 2}},
+        {"model": {"bottleneck": "lax"}, "parallel": {"pp_size": 2, "tp_size": 2, "pp_schedule": "interleaved-zb", "pp_microbatches": 2}},
+        {"model": {"bottleneck": "cola"}, "parallel": {"pp_size": 2, "pp_schedule": "zbv", "pp_microbatches": 2}},  # x DP2
     ]
 
 
+def checkpoint_round_trip(folder: str) -> dict:
+    """PP2 x TP2 (BTP, LaX) saves the canonical checkpoint; plain transformers loads it (the single-process model's
+    weights), and from_pretrained at PP2 x TP2 reads back this rank's slices of it."""
+    config = config_of({"model": {"bottleneck": "lax"}})
+    parallel = ParallelConfig(pp_size=2, tp_size=2, pp_microbatches=2)
+    torch.manual_seed(SEED)
+    reference = BoostLlamaForCausalLM(config)
+    torch.manual_seed(SEED)
+    model = BoostLlamaForCausalLM(config, parallel_config=parallel)
+    model.save_pretrained(folder)
+    from transformers import AutoModelForCausalLM
+
+    plain = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)
+    plain_rel = max(rel(p, dict(reference.named_parameters())[n]) for n, p in plain.named_parameters())
+    loaded = BoostLlamaForCausalLM.from_pretrained(folder, parallel_config=parallel)
+    mine = dict(model.named_parameters())
+    loaded_rel = max(rel(p.detach(), mine[n].detach()) for n, p in loaded.named_parameters())
+    ids, labels = batches()[0]
+    loss = float(loaded.pipeline.eval_step(ids, labels)[0] / loaded.pipeline.eval_step(ids, labels)[1])
+    with torch.no_grad():
+        ref_loss = float(reference(ids, labels=labels).loss)
+    return {"plain_rel": plain_rel, "loaded_rel": loaded_rel, "same_names": sorted(mine) == sorted(n for n, _ in loaded.named_parameters()),
+            "eval_loss_rel": abs(loss - ref_loss) / ref_loss}
+
+
+def bad_configurations() -> dict:
+    """Each bad pipeline configuration raises ValueError on every rank before any collective (no hang)."""
+    world = dist.get_world_size()
+    attempts = {
+        "pp_not_dividing_world": lambda: BoostLlamaForCausalLM(config_of({}), parallel_config=ParallelConfig(pp_size=world - 1)),
+        "more_stages_than_layers": lambda: BoostLlamaForCausalLM(config_of({}), parallel_config=ParallelConfig(pp_size=2, pp_stages_per_rank=3, pp_schedule="interleaved-1f1b")),
+        "layer_split": lambda: BoostLlamaForCausalLM(config_of({}), parallel_config=ParallelConfig(pp_size=2, pp_layer_split=(1, 2))),
+        "too_few_microbatches": lambda: ParallelConfig(pp_size=2, pp_microbatches=1),
+        "tied": lambda: BoostLlamaForCausalLM(config_of({"model": {"tie_word_embeddings": True}}), parallel_config=ParallelConfig(pp_size=2)),
+        "unknown_schedule": lambda: ParallelConfig(pp_size=2, pp_schedule="1f1f"),
+        "compiled_zero_bubble": lambda: _compile(ParallelConfig(pp_size=2, pp_schedule="zbv")),
+        "microbatches_not_dividing_batch": lambda: _step(ParallelConfig(pp_size=2, pp_microbatches=3)),
+    }
+    messages = {}
+    for name, attempt in attempts.items():
+        try:
+            attempt()
+            messages[name] = None
+        except ValueError as err:
+            messages[name] = str(err)
+    dist.barrier()  # every rank got here: nobody hangs in a collective
+    return messages
+
+
+def _compile(parallel):
+    from boost_hf.training.compile import compile_decoder_layers
+
+    compile_decoder_layers(BoostLlamaForCausalLM(config_of({}), parallel_config=parallel))
+
+
+def _step(parallel):
+    ids, labels = batches()[0]
+    BoostLlamaForCausalLM(config_of({}), parallel_config=parallel).pipeline.train_step(ids, labels)
+
+
 def everything() -> dict:
-    return {"parity": [parity_case(case) for case in pp2_tp2_cases() + other_cases()]}
+    with tempfile.TemporaryDirectory() as tmp:
+        shared = [tmp]
+        dist.broadcast_object_list(shared, src=0)
+        round_trip = checkpoint_round_trip(shared[0] + "/ckpt")
+        dist.barrier()
+    return {
+        "round_trip": round_trip,
+        "bad": bad_configurations(),
+        "parity": [parity_case(case) for case in pp2_tp2_cases() + other_cases()],
+    }
