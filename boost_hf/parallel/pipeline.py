@@ -13,8 +13,8 @@ the rank of the same ``(dp, tp)`` coordinates on the next stage (and the same sh
 
 * the residual stream as the layout holds it: under BTP this TP rank's ``[mb, S, d/p]`` shard (no
   gather), under Megatron and vanilla the replicated ``[mb, S, d]``;
-* LaX only: the handed-on latent of each of the 7 projections, ``[mb, S, r]`` (BTP, replicated over
-  TP: every TP rank sends its own copy) or this rank's ``[mb, S, r/p]`` (vanilla).
+* LaX only: the handed-on latent of each of the 7 projections, ``[mb, S, r]``, replicated over TP under
+  BTP and vanilla (which gathers it for the crossing): every TP rank sends its own copy.
 
 The loss is the single-process one: each micro-batch's vocab-parallel cross-entropy *sum* divided by
 the token count of the whole step (all DP replicas), times ``dp_size`` because DDP averages gradients
@@ -166,10 +166,10 @@ def latent_names(config) -> tuple[str, ...]:
 
 
 def boundary_shapes(config, layout, microbatch: int, seq: int) -> list[tuple[int, ...]]:
-    """Shapes of the tensors one rank sends across a stage boundary per micro-batch: the residual, then
-    each LaX latent (see the module docstring)."""
-    widths = layout.widths(config)
-    return [(microbatch, seq, widths.residual)] + [(microbatch, seq, widths.latent)] * len(latent_names(config))
+    """Shapes of the tensors one rank sends across a stage boundary per micro-batch: the residual as the
+    layout holds it, then each LaX latent (whole ``r``: see the module docstring)."""
+    residual = (microbatch, seq, layout.widths(config).residual)
+    return [residual] + [(microbatch, seq, config.rank)] * len(latent_names(config))
 
 
 def _schedule_class(name: str):

@@ -197,7 +197,7 @@ class BoostTrainer(Trainer):
     # ------------------------------------------------------------------ data
     def get_train_dataloader(self) -> DataLoader:
         state = self.parallel_state
-        if state.tp_size > 1 and isinstance(self.train_dataset, torch.utils.data.IterableDataset):
+        if state.tp_size * state.pp_size > 1 and isinstance(self.train_dataset, torch.utils.data.IterableDataset):
             return streaming_loader(
                 self.train_dataset, state, batch_size=self._train_batch_size, collate_fn=self.data_collator,
                 num_workers=self.args.dataloader_num_workers, pin_memory=self.args.dataloader_pin_memory,

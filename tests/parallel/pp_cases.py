@@ -146,7 +146,7 @@ def checkpoint_round_trip(folder: str) -> dict:
     from transformers import AutoModelForCausalLM
 
     plain = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)
-    plain_rel = max(rel(p, dict(reference.named_parameters())[n]) for n, p in plain.named_parameters())
+    plain_rel = max(rel(p.detach(), dict(reference.named_parameters())[n].detach()) for n, p in plain.named_parameters())
     loaded = BoostLlamaForCausalLM.from_pretrained(folder, parallel_config=parallel)
     mine = dict(model.named_parameters())
     loaded_rel = max(rel(p.detach(), mine[n].detach()) for n, p in loaded.named_parameters())
