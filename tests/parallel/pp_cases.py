@@ -126,7 +126,7 @@ def other_cases() -> list[dict]:
         {"model": {"bottleneck": "cola"}, "parallel": {"pp_size": 2, "pp_microbatches": 2, "pp_schedule": "gpipe"}},  # PP2 x DP2
         {"model": {"bottleneck": "lax"}, "parallel": {"pp_size": 4, "pp_microbatches": 4}},  # PP4
         {"model": {"bottleneck": "cola"}, "parallel": {"pp_size": 4, "pp_microbatches": 4, "pp_layer_split": (1, 1, 1, 1)}},
-        {"model": {"bottleneck": "lax"}, "parallel": {"pp_size": 2, "pp_schedule": "interleaved-1f1b", "pp_microbatches": 4}},  # x DP2
+        {"model": {"bottleneck": "lax"}, "parallel": {"pp_size": 2, "pp_schedule": "interleaved-1f1b", "pp_microbatches": 2}},  # x DP2
         {"model": {"bottleneck": "lax"}, "parallel": {"pp_size": 2, "tp_size": 2, "pp_schedule": "interleaved-1f1b", "pp_microbatches": 2}},
         {"model": {"bottleneck": "lax"}, "parallel": {"pp_size": 2, "tp_size": 2, "pp_schedule": "interleaved-zb", "pp_microbatches": 2}},
         {"model": {"bottleneck": "cola"}, "parallel": {"pp_size": 2, "pp_schedule": "zbv", "pp_microbatches": 2}},  # x DP2

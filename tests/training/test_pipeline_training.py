@@ -84,3 +84,15 @@ def test_final_model_is_canonical_and_loads_in_plain_transformers(runs):
     assert layout["pp_size"] == 2 and layout["tp_size"] == 2
     assert all((runs / "pp2-tp2" / "checkpoint-3" / f"optimizer_pp{p:02d}_tp{t:02d}.pt").is_file() for p in (0, 1) for t in (0, 1))
     assert torch.isfinite(torch.tensor(list(losses(runs / "pp2-tp2").values()))).all()
+
+
+@pytest.mark.parametrize("fields, words", [
+    ({"deepspeed": {"zero_optimization": {"stage": 2}}}, "DeepSpeed cannot run with pp_size=2"),
+    ({"deepspeed": {"zero_optimization": {"stage": 3}}}, "Drop --deepspeed"),
+    ({"gradient_accumulation_steps": 2}, "raise per_device_train_batch_size"),
+])
+def test_pipeline_refuses_deepspeed_and_gradient_accumulation(tmp_path, fields, words):
+    from boost_hf.training import BoostTrainingArguments
+
+    with pytest.raises(ValueError, match=words):
+        BoostTrainingArguments(output_dir=str(tmp_path), pp_size=2, report_to="none", **fields)
