@@ -208,7 +208,7 @@ def test_parallel_config_pipeline_defaults_and_layer_split():
         (dict(pp_size=2, pp_schedule="dualpipe"), "pp_schedule"),
         (dict(pp_size=2, pp_microbatches=1), "pp_microbatches"),
         (dict(pp_size=2, pp_stages_per_rank=2), "pp_stages_per_rank"),
-        (dict(pp_size=2, pp_schedule="zbv", pp_stages_per_rank=3), "pp_stages_per_rank"),
+        (dict(pp_size=2, pp_schedule="zbv"), "pp_schedule"),
         (dict(pp_size=2, pp_layer_split=(2, 2, 2)), "pp_layer_split"),
         (dict(pp_size=2, pp_layer_split=(0, 4)), "pp_layer_split"),
     ],

@@ -14,7 +14,7 @@ CheckpointingMode = Literal["none", "full", "lowrank"]
 PipelineSchedule = Literal["1f1b", "gpipe", "interleaved-1f1b", "looped-bfs", "interleaved-zb", "zbv"]
 #: schedules running several stages per rank (``pp_stages_per_rank`` defaults to 2 for them)
 MULTI_STAGE_SCHEDULES = ("interleaved-1f1b", "looped-bfs", "interleaved-zb", "zbv")
-#: schedules splitting backward into input and weight parts (they refuse compiled stages)
+#: schedules splitting backward into input and weight parts: refused (see ``_check_pipeline``)
 ZERO_BUBBLE_SCHEDULES = ("interleaved-zb", "zbv")
 
 
@@ -43,8 +43,7 @@ class ParallelConfig:
         pp_size: pipeline ranks (``tp_size x pp_size`` must divide the world size; the ranks are laid out as
             ``("pp", "dp", "tp")``, pipeline outermost, TP ranks adjacent). See :mod:`boost_hf.parallel.pipeline`.
         pp_schedule: ``"1f1b"`` (default), ``"gpipe"``, ``"interleaved-1f1b"``, ``"looped-bfs"`` (several stages
-            per rank), ``"interleaved-zb"`` or ``"zbv"`` (zero-bubble: backward split into input and weight parts;
-            ``"zbv"`` holds exactly 2 stages per rank in a V).
+            per rank). The zero-bubble schedules (``"interleaved-zb"``, ``"zbv"``) are refused with the reason.
         pp_microbatches: micro-batches a pipeline step splits its batch into (default: the number of stages;
             1F1B needs at least that many).
         pp_stages_per_rank: model chunks each pipeline rank holds (default 2 for the interleaved schedules, else 1).
@@ -80,6 +79,14 @@ class ParallelConfig:
                 raise ValueError(f"{field} must be a positive integer, got {value!r}.")
         if self.pp_schedule not in get_args(PipelineSchedule):
             raise ValueError(f"Unknown pp_schedule {self.pp_schedule!r}: use one of {', '.join(get_args(PipelineSchedule))}.")
+        if self.pp_schedule in ZERO_BUBBLE_SCHEDULES:
+            raise ValueError(
+                f"pp_schedule={self.pp_schedule!r} is not supported: zero-bubble schedules split each backward into an "
+                "input part and a later weight part, and PyTorch's engine detaches the stage's intermediate tensors in "
+                "place between the two, which the saved tensors of boost-hf's layers do not survive (seen at PP2 x TP2 "
+                "with LaX: 'Trying to use a saved tensor that has been detached in-place'). Use "
+                "pp_schedule='interleaved-1f1b' (a smaller bubble than '1f1b' with 2 stages per rank)."
+            )
         if self.pp_layer_split is not None:
             split = tuple(self.pp_layer_split)
             if not all(isinstance(n, int) and n >= 1 for n in split):
@@ -91,8 +98,6 @@ class ParallelConfig:
                 f"pp_schedule={self.pp_schedule!r} runs one stage per rank, got pp_stages_per_rank={per_rank}: use "
                 "pp_schedule='interleaved-1f1b' for several stages per rank, or pp_stages_per_rank=1."
             )
-        if self.pp_schedule == "zbv" and per_rank != 2:
-            raise ValueError(f"pp_schedule='zbv' holds exactly 2 stages per rank (a V), got pp_stages_per_rank={per_rank}.")
         if self.pp_schedule == "1f1b" and self.microbatches < self.num_stages:
             raise ValueError(
                 f"pp_schedule='1f1b' needs at least as many micro-batches as stages ({self.num_stages}), got "

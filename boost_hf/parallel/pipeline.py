@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .config import MULTI_STAGE_SCHEDULES, ZERO_BUBBLE_SCHEDULES, ParallelConfig
+from .config import MULTI_STAGE_SCHEDULES, ParallelConfig
 from .cross_entropy import IGNORE_INDEX, vocab_parallel_causal_lm_loss
 
 
@@ -56,12 +56,8 @@ def check_pipeline_model(config, parallel: ParallelConfig) -> None:
 
 
 def stage_ranks(parallel: ParallelConfig) -> list[int]:
-    """The pipeline rank running each stage: looped (stage ``s`` on rank ``s mod pp``), or a V for ``zbv``
-    (rank ``r`` runs stages ``r`` and ``2 pp - 1 - r``)."""
-    p = parallel.pp_size
-    if parallel.pp_schedule == "zbv":
-        return [s if s < p else 2 * p - 1 - s for s in range(parallel.num_stages)]
-    return [s % p for s in range(parallel.num_stages)]
+    """The pipeline rank running each stage: looped, stage ``s`` on rank ``s mod pp``."""
+    return [s % parallel.pp_size for s in range(parallel.num_stages)]
 
 
 class StageLayers(nn.ModuleDict):
@@ -180,8 +176,6 @@ def _schedule_class(name: str):
         "gpipe": pipelining.ScheduleGPipe,
         "interleaved-1f1b": pipelining.ScheduleInterleaved1F1B,
         "looped-bfs": pipelining.ScheduleLoopedBFS,
-        "interleaved-zb": pipelining.ScheduleInterleavedZeroBubble,
-        "zbv": pipelining.ScheduleZBVZeroBubble,
     }[name]
 
 
@@ -203,15 +197,6 @@ class Pipeline:
         ]
         self._modules: list[nn.Module] | None = None
         self._schedules: dict[tuple[int, int, torch.dtype], object] = {}
-
-    def check_compilable(self) -> None:
-        """Raise ``ValueError`` (no collective) if the schedule cannot run compiled stages."""
-        if self.parallel.pp_schedule in ZERO_BUBBLE_SCHEDULES:
-            raise ValueError(
-                f"pp_schedule={self.parallel.pp_schedule!r} splits backward into input and weight parts, which PyTorch's "
-                "pipelining engine does not support for compiled stages: drop --torch_compile, or use pp_schedule='1f1b' "
-                "or 'interleaved-1f1b' with it."
-            )
 
     def whole_state_dict(self, own: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
         """Every stage's canonical tensors, from each pipeline rank's ``own`` ones (full over TP): on global rank 0

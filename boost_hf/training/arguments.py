@@ -55,7 +55,7 @@ class BoostTrainingArguments(TrainingArguments):
             ``activation_checkpointing`` flag, which boost-hf models do not use: passing that flag selects
             ``"full"``.
         pp_size: pipeline stages' ranks (the world is ``pp_size x dp x tp_size``; PP outermost, TP adjacent).
-        pp_schedule: ``1f1b`` (default), ``gpipe``, ``interleaved-1f1b``, ``looped-bfs``, ``interleaved-zb``, ``zbv``.
+        pp_schedule: ``1f1b`` (default), ``gpipe``, ``interleaved-1f1b``, ``looped-bfs`` (zero-bubble ones refused).
         pp_microbatches: micro-batches per pipeline step (default: the number of stages).
         pp_stages_per_rank: model chunks per pipeline rank of the interleaved schedules (default 2).
         peak_tflops: dense peak TFLOP/s of one device, the denominator of MFU (default: the GPU preset of
@@ -83,7 +83,7 @@ class BoostTrainingArguments(TrainingArguments):
     )
     pp_size: int = field(default=1, metadata={"help": "Pipeline ranks (the world is pp_size x dp x tp_size)."})
     pp_schedule: str = field(
-        default="1f1b", metadata={"help": "Pipeline schedule: 1f1b, gpipe, interleaved-1f1b, looped-bfs, interleaved-zb, zbv."}
+        default="1f1b", metadata={"help": "Pipeline schedule: 1f1b, gpipe, interleaved-1f1b or looped-bfs."}
     )
     pp_microbatches: int | None = field(default=None, metadata={"help": "Micro-batches per pipeline step (default: stages)."})
     pp_stages_per_rank: int | None = field(
