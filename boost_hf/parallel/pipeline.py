@@ -195,7 +195,7 @@ class Pipeline:
         self.chunks = [
             PipelineChunk(model, stage, layers, placement.num_stages) for stage, layers in zip(placement.stages, placement.layers)
         ]
-        self._modules: list[nn.Module] | None = None
+        self._wrapped: list[nn.Module] | None = None
         self._schedules: dict[tuple[int, int, torch.dtype], object] = {}
 
     def whole_state_dict(self, own: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
@@ -215,15 +215,15 @@ class Pipeline:
     # ------------------------------------------------------------------ building
     def stage_modules(self) -> list[nn.Module]:
         """The chunks, each wrapped in DDP over the DP group when there is one (built once)."""
-        if self._modules is None:
+        if self._wrapped is None:
             if self.state.dp_group is None:
-                self._modules = list(self.chunks)
+                self._wrapped = list(self.chunks)
             else:
-                self._modules = [
+                self._wrapped = [
                     nn.parallel.DistributedDataParallel(chunk, process_group=self.state.dp_group, broadcast_buffers=False)
                     for chunk in self.chunks
                 ]
-        return self._modules
+        return self._wrapped
 
     def _schedule(self, microbatch: int, seq: int, dtype: torch.dtype):
         key = (microbatch, seq, dtype)
@@ -241,13 +241,13 @@ class Pipeline:
 
         boundary = tuple(meta(shape) for shape in boundary_shapes(config, self.plan.layout, microbatch, seq))
         logits = meta((microbatch, seq, config.vocab_size // self.plan.tp_size))
+        device = next(self.model.parameters()).device
         stages = []
-        for chunk, module in zip(self.chunks, self.stage_modules()):
-            stage = [s for s, c in zip(self.placement.stages, self.chunks) if c is chunk][0]
+        for stage, chunk, module in zip(self.placement.stages, self.chunks, self.stage_modules()):
             inputs = (meta((microbatch, seq), torch.long),) if chunk.is_first else boundary
             stages.append(
                 PipelineStage(
-                    module, stage, self.placement.num_stages, torch.device("cpu"),
+                    module, stage, self.placement.num_stages, device,
                     input_args=inputs, output_args=logits if chunk.is_last else boundary, group=self.state.pp_group,
                 )
             )
