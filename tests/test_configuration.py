@@ -193,7 +193,16 @@ def test_parameter_counts(name, millions):
 # ---------------------------------------------------------------------------------- ParallelConfig
 def test_parallel_config_defaults():
     parallel = ParallelConfig()
-    assert parallel.to_dict() == dict(tp_size=1, tp_style="btp", rmsnorm="online", group_linears=True, activation_checkpointing="none")
+    assert parallel.to_dict() == dict(tp_size=1, tp_style="btp", rmsnorm="online", group_linears=True, activation_checkpointing="none",
+                                      pp_size=1, pp_schedule="1f1b", pp_microbatches=None, pp_stages_per_rank=None, pp_layer_split=None)
+
+
+def test_parallel_config_pipeline_defaults_and_layer_split():
+    assert ParallelConfig(pp_size=4).microbatches == 4
+    interleaved = ParallelConfig(pp_size=2, pp_schedule="interleaved-1f1b")
+    assert (interleaved.stages_per_rank, interleaved.num_stages, interleaved.microbatches) == (2, 4, 4)
+    assert ParallelConfig(pp_size=3).stage_layers(8) == [range(0, 3), range(3, 6), range(6, 8)]
+    assert ParallelConfig(pp_size=2, pp_layer_split=[1, 3]).stage_layers(4) == [range(0, 1), range(1, 4)]
 
 
 @pytest.mark.parametrize(
@@ -206,6 +215,13 @@ def test_parallel_config_defaults():
         (dict(rmsnorm="approx"), "rmsnorm"),
         (dict(activation_checkpointing="selective"), "activation_checkpointing"),
         (dict(group_linears="yes"), "group_linears"),
+        (dict(pp_size=0), "pp_size"),
+        (dict(pp_size=2, pp_schedule="dualpipe"), "pp_schedule"),
+        (dict(pp_size=2, pp_microbatches=1), "pp_microbatches"),
+        (dict(pp_size=2, pp_stages_per_rank=2), "pp_stages_per_rank"),
+        (dict(pp_size=2, pp_schedule="zbv"), "pp_schedule"),
+        (dict(pp_size=2, pp_layer_split=(2, 2, 2)), "pp_layer_split"),
+        (dict(pp_size=2, pp_layer_split=(0, 4)), "pp_layer_split"),
     ],
 )
 def test_parallel_config_rejects(fields, name):

@@ -1,4 +1,4 @@
-"""``ParallelConfig``: how a model is laid out across the tensor-parallel group.
+"""``ParallelConfig``: how a model is laid out across the tensor-parallel group and the pipeline stages.
 
 All fields are validated here, once, with errors that say what to change.
 """
@@ -12,6 +12,11 @@ TPStyle = Literal["btp", "vanilla", "megatron"]
 RMSNormMode = Literal["online", "sync", "local"]
 CheckpointingMode = Literal["none", "full", "lowrank"]
 SEQUENCE_PARALLEL_STYLES: tuple[str, ...] = ("megatron", "btp")
+PipelineSchedule = Literal["1f1b", "gpipe", "interleaved-1f1b", "looped-bfs", "interleaved-zb", "zbv"]
+#: schedules running several stages per rank (``pp_stages_per_rank`` defaults to 2 for them)
+MULTI_STAGE_SCHEDULES = ("interleaved-1f1b", "looped-bfs", "interleaved-zb", "zbv")
+#: schedules splitting backward into input and weight parts: refused (see ``_check_pipeline``)
+ZERO_BUBBLE_SCHEDULES = ("interleaved-zb", "zbv")
 
 
 @dataclass(frozen=True)
@@ -45,6 +50,15 @@ class ParallelConfig:
             feeds the B's (the residual stays sharded along ``d``). The sequence length of each micro-batch
             must be divisible by ``tp_size`` (checked at each forward); for generation (one new token per
             step) turn it off. A no-op at ``tp_size=1``; not supported by ``"vanilla"``.
+        pp_size: pipeline ranks (``tp_size x pp_size`` must divide the world size; the ranks are laid out as
+            ``("pp", "dp", "tp")``, pipeline outermost, TP ranks adjacent). See :mod:`boost_hf.parallel.pipeline`.
+        pp_schedule: ``"1f1b"`` (default), ``"gpipe"``, ``"interleaved-1f1b"``, ``"looped-bfs"`` (several stages
+            per rank). The zero-bubble schedules (``"interleaved-zb"``, ``"zbv"``) are refused with the reason.
+        pp_microbatches: micro-batches a pipeline step splits its batch into (default: the number of stages;
+            1F1B needs at least that many).
+        pp_stages_per_rank: model chunks each pipeline rank holds (default 2 for the interleaved schedules, else 1).
+        pp_layer_split: decoder layers of each stage, first to last (default: as even as possible); e.g.
+            ``(3, 5, 5, 3)`` gives the first and last stages fewer layers for the embedding and the head and loss.
     """
 
     tp_size: int = 1
@@ -53,6 +67,11 @@ class ParallelConfig:
     group_linears: bool = True
     activation_checkpointing: CheckpointingMode = "none"
     sequence_parallel: bool = False
+    pp_size: int = 1
+    pp_schedule: PipelineSchedule = "1f1b"
+    pp_microbatches: int | None = None
+    pp_stages_per_rank: int | None = None
+    pp_layer_split: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.tp_size, int) or self.tp_size < 1:
@@ -69,6 +88,76 @@ class ParallelConfig:
                 f"sequence_parallel=True is not supported by tp_style={self.tp_style!r} yet (only by "
                 f"{', '.join(map(repr, SEQUENCE_PARALLEL_STYLES))}): set sequence_parallel=False."
             )
+        self._check_pipeline()
+        if self.sequence_parallel and self.pp_size > 1:
+            raise ValueError(
+                "sequence_parallel=True with pp_size > 1 is not supported yet (a stage would have to send its N/p-token "
+                "shard): set sequence_parallel=False, or pp_size=1."
+            )
+
+    def _check_pipeline(self) -> None:
+        for field in ("pp_size", "pp_microbatches", "pp_stages_per_rank"):
+            value = getattr(self, field)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise ValueError(f"{field} must be a positive integer, got {value!r}.")
+        if self.pp_schedule not in get_args(PipelineSchedule):
+            raise ValueError(f"Unknown pp_schedule {self.pp_schedule!r}: use one of {', '.join(get_args(PipelineSchedule))}.")
+        if self.pp_schedule in ZERO_BUBBLE_SCHEDULES:
+            raise ValueError(
+                f"pp_schedule={self.pp_schedule!r} is not supported: zero-bubble schedules split each backward into an "
+                "input part and a later weight part, and PyTorch's engine detaches the stage's intermediate tensors in "
+                "place between the two, which the saved tensors of boost-hf's layers do not survive (seen at PP2 x TP2 "
+                "with LaX: 'Trying to use a saved tensor that has been detached in-place'). Use "
+                "pp_schedule='interleaved-1f1b' (a smaller bubble than '1f1b' with 2 stages per rank)."
+            )
+        if self.pp_layer_split is not None:
+            split = tuple(self.pp_layer_split)
+            if not all(isinstance(n, int) and n >= 1 for n in split):
+                raise ValueError(f"pp_layer_split must list a positive number of layers per stage, got {self.pp_layer_split!r}.")
+            object.__setattr__(self, "pp_layer_split", split)
+        per_rank = self.stages_per_rank
+        if self.pp_schedule not in MULTI_STAGE_SCHEDULES and per_rank != 1:
+            raise ValueError(
+                f"pp_schedule={self.pp_schedule!r} runs one stage per rank, got pp_stages_per_rank={per_rank}: use "
+                "pp_schedule='interleaved-1f1b' for several stages per rank, or pp_stages_per_rank=1."
+            )
+        if self.pp_schedule == "1f1b" and self.microbatches < self.num_stages:
+            raise ValueError(
+                f"pp_schedule='1f1b' needs at least as many micro-batches as stages ({self.num_stages}), got "
+                f"pp_microbatches={self.microbatches}: set pp_microbatches >= {self.num_stages} (more shrink the bubble)."
+            )
+        if self.pp_layer_split is not None and len(self.pp_layer_split) != self.num_stages:
+            raise ValueError(
+                f"pp_layer_split lists {len(self.pp_layer_split)} stages, but pp_size={self.pp_size} x "
+                f"{per_rank} stage(s) per rank makes {self.num_stages}: give one layer count per stage."
+            )
+
+    @property
+    def stages_per_rank(self) -> int:
+        """Model chunks per pipeline rank (``pp_stages_per_rank`` or the schedule's default)."""
+        if self.pp_stages_per_rank is not None:
+            return self.pp_stages_per_rank
+        return 2 if self.pp_schedule in MULTI_STAGE_SCHEDULES and self.pp_size > 1 else 1
+
+    @property
+    def num_stages(self) -> int:
+        """Pipeline stages in all (``pp_size x stages_per_rank``)."""
+        return self.pp_size * self.stages_per_rank
+
+    @property
+    def microbatches(self) -> int:
+        """Micro-batches per pipeline step (``pp_microbatches``, default the number of stages)."""
+        return self.pp_microbatches if self.pp_microbatches is not None else self.num_stages
+
+    def stage_layers(self, num_hidden_layers: int) -> list[range]:
+        """The decoder layers of each stage, first to last (``pp_layer_split`` or an even split, earlier
+        stages taking the remainder)."""
+        split = self.pp_layer_split
+        if split is None:
+            base, extra = divmod(num_hidden_layers, self.num_stages)
+            split = tuple(base + (1 if stage < extra else 0) for stage in range(self.num_stages))
+        starts = [sum(split[:stage]) for stage in range(len(split))]
+        return [range(start, start + count) for start, count in zip(starts, split)]
 
     @property
     def shards_tokens(self) -> bool:
@@ -80,6 +169,10 @@ class ParallelConfig:
         from .parallelize import layout_for
 
         layout_for(config, self)
+        if self.pp_size > 1:
+            from .pipeline import check_pipeline_model
+
+            check_pipeline_model(config, self)
 
     # The single-device model file calls these three (it never imports boost-hf itself).
     def single_device_skeleton(self):
@@ -105,4 +198,4 @@ class ParallelConfig:
         return asdict(self)
 
 
-__all__ = ["ParallelConfig", "TPStyle", "RMSNormMode", "CheckpointingMode"]
+__all__ = ["ParallelConfig", "TPStyle", "RMSNormMode", "CheckpointingMode", "PipelineSchedule", "MULTI_STAGE_SCHEDULES", "ZERO_BUBBLE_SCHEDULES"]

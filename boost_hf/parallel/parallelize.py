@@ -25,6 +25,7 @@ from .cross_entropy import vocab_parallel_causal_lm_loss
 from .layouts import LAYOUTS, Layout
 from .modules import VocabParallelEmbedding, VocabParallelHead, adopt, check_token_ids, parallel_class, shard_parameter
 from .norms import FusedRMSNorm, GatheredRMSNorm
+from .pipeline import Pipeline, keep_this_ranks_stages
 from .primitives import split_to_tp
 from .rotary import ComputeDtypeRotaryEmbedding
 from .decoder_layer import ParallelDecoderLayer
@@ -98,32 +99,37 @@ def parallelize(model: nn.Module, parallel: ParallelConfig, *, initialize: bool 
             f"parallelize needs a model built entirely on the meta device or entirely materialised; {on_meta[:3]} are on "
             "the meta device and others are not: build it with BoostLlamaForCausalLM(config, parallel_config=...) or load it."
         )
-    check_world(parallel.tp_size)
+    check_world(parallel.tp_size, parallel.pp_size)
     layout = layout_for(config, parallel)
-    plan = TensorParallelPlan(parallel, layout, get_parallel_state(parallel.tp_size))
+    parallel.check_model(config)
+    plan = TensorParallelPlan(parallel, layout, get_parallel_state(parallel.tp_size, parallel.pp_size))
     seed = _shared_seed()
+    placement = None
+    if parallel.pp_size > 1:  # cut before sharding: this rank keeps its stages' parts only
+        placement = keep_this_ranks_stages(model, parallel, plan.state.pp_rank)
     base = model.model
-    embedding_dim = layout.embedding_split() if plan.tp_size > 1 else None
-    shard_parameter(base.embed_tokens, "weight", embedding_dim, plan)
-    if plan.tp_size > 1:
-        adopt(base.embed_tokens, VocabParallelEmbedding if embedding_dim == 0 else HiddenShardedEmbedding, group=plan.group)
+    if base.embed_tokens is not None:
+        embedding_dim = layout.embedding_split() if plan.tp_size > 1 else None
+        shard_parameter(base.embed_tokens, "weight", embedding_dim, plan)
+        if plan.tp_size > 1:
+            adopt(base.embed_tokens, VocabParallelEmbedding if embedding_dim == 0 else HiddenShardedEmbedding, group=plan.group)
     if not (plan.tp_size == 1 and parallel.activation_checkpointing == "none"):
         for layer in base.layers:
             layout.parallelize_layer(layer, plan)
         adopt(base.rotary_emb, ComputeDtypeRotaryEmbedding)  # the tables the parallel attention rotates with
-        if plan.residual_sharded:
+        if base.norm is not None and plan.residual_sharded:
             adopt(base.norm, GatheredRMSNorm, group=plan.group)
-        elif plan.residual_tokens_sharded:
+        elif base.norm is not None and plan.residual_tokens_sharded:
             adopt(base.layers[0], ParallelDecoderLayer, token_shard_entry=plan.group)
             adopt(base.norm, TokenGatheringRMSNorm, group=plan.group)
-        else:
+        elif base.norm is not None:
             adopt(base.norm, FusedRMSNorm)
-    tied = config.tie_word_embeddings
-    if tied:
-        model.lm_head.weight = base.embed_tokens.weight
-    else:
-        shard_parameter(model.lm_head, "weight", 0, plan)
-    adopt(model.lm_head, VocabParallelHead, group=plan.group, input_gathered=plan.residual_tokens_sharded)
+    if model.lm_head is not None:
+        if config.tie_word_embeddings:
+            model.lm_head.weight = base.embed_tokens.weight
+        else:
+            shard_parameter(model.lm_head, "weight", 0, plan)
+        adopt(model.lm_head, VocabParallelHead, group=plan.group, input_gathered=plan.residual_tokens_sharded)
     for module in model.modules():
         for name, param in list(module.named_parameters(recurse=False)):
             if not hasattr(param, "shard_spec"):
@@ -138,6 +144,8 @@ def parallelize(model: nn.Module, parallel: ParallelConfig, *, initialize: bool 
     model.loss_function = functools.partial(vocab_parallel_causal_lm_loss, group=plan.group)
     if initialize and on_meta:
         initialize_shards(model, seed)
+    if placement is not None:
+        model.pipeline = Pipeline(model, plan, placement)
     return model
 
 
@@ -197,7 +205,7 @@ class TensorParallelCausalLM:
     * ``logits``: the full ``[B, S, V]`` (one all-gather) when no labels are given (``generate`` works),
       at ``tp_size=1`` or when ``return_logits=True``; otherwise ``None``.
     * ``save_pretrained``: call on every rank; the canonical unsharded checkpoint is gathered over the TP
-      group and global rank 0 writes it.
+      group (and the pipeline stages) and global rank 0 writes it.
     """
 
     plan: TensorParallelPlan
@@ -245,6 +253,8 @@ class TensorParallelCausalLM:
 
         if state_dict is None:
             state_dict = canonical_state_dict(self, self.plan.group)
+            if getattr(self, "pipeline", None) is not None:  # every stage's tensors, on global rank 0
+                state_dict = self.pipeline.whole_state_dict(state_dict)
         if is_main_process is None:
             is_main_process = not dist.is_initialized() or dist.get_rank() == 0
         if is_main_process:

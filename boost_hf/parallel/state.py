@@ -1,7 +1,9 @@
-"""Process groups: a ("dp", "tp") device mesh over the launched world, TP ranks adjacent.
+"""Process groups: a ("pp", "dp", "tp") device mesh over the launched world, TP ranks adjacent.
 
-World rank ``g`` sits at ``dp_rank = g // tp_size``, ``tp_rank = g % tp_size``: the ranks of one
-tensor-parallel group are consecutive (on one node), data-parallel peers are ``tp_size`` apart.
+World rank ``g`` sits at ``pp_rank = g // (dp_size tp_size)``, ``dp_rank = (g // tp_size) % dp_size``,
+``tp_rank = g % tp_size``: the ranks of one tensor-parallel group are consecutive (on one node),
+data-parallel peers are ``tp_size`` apart and pipeline stages ``dp_size x tp_size`` apart (across nodes).
+At ``pp_size=1`` this is the (dp, tp) layout.
 
 Every group is created by :func:`new_group_with_timeout`, which gives it the run's collective timeout
 (:func:`collective_timeout`, the default group's: ``init_process_group(timeout=...)``, under the trainer
@@ -21,9 +23,9 @@ import torch.distributed as dist
 
 @dataclass(frozen=True)
 class ParallelState:
-    """This rank's place in the (dp, tp) mesh and the groups to communicate in.
+    """This rank's place in the (pp, dp, tp) mesh and the groups to communicate in.
 
-    ``tp_group`` / ``dp_group`` are ``None`` when that dimension has size 1 (no communication).
+    ``tp_group`` / ``dp_group`` / ``pp_group`` are ``None`` when that dimension has size 1 (no communication).
     """
 
     tp_size: int = 1
@@ -33,13 +35,16 @@ class ParallelState:
     tp_group: dist.ProcessGroup | None = None
     dp_group: dist.ProcessGroup | None = None
     mesh: object | None = None
+    pp_size: int = 1
+    pp_rank: int = 0
+    pp_group: dist.ProcessGroup | None = None
 
     @property
     def is_distributed(self) -> bool:
-        return self.tp_size * self.dp_size > 1
+        return self.tp_size * self.dp_size * self.pp_size > 1
 
 
-_STATES: dict[int, ParallelState] = {}
+_STATES: dict[tuple[int, int], ParallelState] = {}
 _GROUP_DESCRIPTIONS: dict[str, str] = {}
 """``group_name`` -> what the group is, for :func:`describe_group`."""
 
@@ -79,13 +84,14 @@ def mesh_device_type() -> str:
     return "cuda" if torch.cuda.is_available() and dist.get_backend() == "nccl" else "cpu"
 
 
-def check_world(tp_size: int) -> None:
-    """Raise ``ValueError`` (no collective) unless ``tp_size`` fits the launched world."""
+def check_world(tp_size: int, pp_size: int = 1) -> None:
+    """Raise ``ValueError`` (no collective) unless ``tp_size x pp_size`` fits the launched world."""
+    ranks = tp_size * pp_size
     if not dist.is_available() or not dist.is_initialized():
-        if tp_size != 1:
+        if ranks != 1:
             raise ValueError(
-                f"tp_size={tp_size} needs torch.distributed: launch with `torchrun --nproc-per-node {tp_size} ...` "
-                "or `accelerate launch`, and call torch.distributed.init_process_group first."
+                f"tp_size={tp_size} x pp_size={pp_size} needs torch.distributed: launch with `torchrun --nproc-per-node "
+                f"{ranks} ...` or `accelerate launch`, and call torch.distributed.init_process_group first."
             )
         return
     world = dist.get_world_size()
@@ -94,39 +100,60 @@ def check_world(tp_size: int) -> None:
             f"tp_size ({tp_size}) does not divide the world size ({world}): launch a multiple of {tp_size} processes "
             "or choose a tp_size that divides the number of processes."
         )
+    if world % ranks != 0:
+        raise ValueError(
+            f"pp_size ({pp_size}) x tp_size ({tp_size}) = {ranks} does not divide the world size ({world}): launch a "
+            f"multiple of {ranks} processes or choose a pp_size that divides {world // tp_size}."
+        )
 
 
-def get_parallel_state(tp_size: int = 1) -> ParallelState:
-    """Build (once per ``tp_size``) and return this rank's :class:`ParallelState`.
+def get_parallel_state(tp_size: int = 1, pp_size: int = 1) -> ParallelState:
+    """Build (once per ``(tp_size, pp_size)``) and return this rank's :class:`ParallelState`.
 
-    Raises ``ValueError`` before any collective when ``tp_size`` does not divide the world size, or when
-    ``tp_size > 1`` and ``torch.distributed`` is not initialised.
+    Raises ``ValueError`` before any collective when ``tp_size x pp_size`` does not divide the world size,
+    or when it is above 1 and ``torch.distributed`` is not initialised. Every group is made by
+    :func:`new_group_with_timeout` (the run's collective timeout), in the same order on every rank.
     """
-    check_world(tp_size)
+    check_world(tp_size, pp_size)
     if not dist.is_available() or not dist.is_initialized():
         return ParallelState()
     world = dist.get_world_size()
-    if tp_size in _STATES:
-        return _STATES[tp_size]
+    if (tp_size, pp_size) in _STATES:
+        return _STATES[tp_size, pp_size]
     from torch.distributed.device_mesh import DeviceMesh
 
-    dp_size = world // tp_size
+    dp_size = world // (tp_size * pp_size)
     rank = dist.get_rank()
-    layout = torch.arange(world, device="cpu").view(dp_size, tp_size)  # also inside a caller's meta-device context
-    tp_groups = [new_group_with_timeout(row.tolist(), "the TP group") for row in layout]
-    dp_groups = [new_group_with_timeout(column.tolist(), "the DP group") for column in layout.t()]
-    tp_group, dp_group = tp_groups[rank // tp_size], dp_groups[rank % tp_size]
-    mesh = DeviceMesh.from_group([dp_group, tp_group], mesh_device_type(), layout, mesh_dim_names=("dp", "tp"))
+    pp_rank, dp_rank, tp_rank = rank // (dp_size * tp_size), (rank // tp_size) % dp_size, rank % tp_size
+    layout = torch.arange(world, device="cpu").view(pp_size, dp_size, tp_size)  # also inside a meta-device context
+    tp_groups = {(p, d): new_group_with_timeout(layout[p, d, :].tolist(), "the TP group")
+                 for p in range(pp_size) for d in range(dp_size)}
+    dp_groups = {(p, t): new_group_with_timeout(layout[p, :, t].tolist(), "the DP group")
+                 for p in range(pp_size) for t in range(tp_size)}
+    tp_group, dp_group = tp_groups[pp_rank, dp_rank], dp_groups[pp_rank, tp_rank]
+    if pp_size == 1:
+        mesh = DeviceMesh.from_group([dp_group, tp_group], mesh_device_type(), layout[0], mesh_dim_names=("dp", "tp"))
+        pp_group = None
+    else:
+        pp_groups = {(d, t): new_group_with_timeout(layout[:, d, t].tolist(), "the PP group")
+                     for d in range(dp_size) for t in range(tp_size)}
+        pp_group = pp_groups[dp_rank, tp_rank]
+        mesh = DeviceMesh.from_group(
+            [pp_group, dp_group, tp_group], mesh_device_type(), layout, mesh_dim_names=("pp", "dp", "tp")
+        )
     state = ParallelState(
         tp_size=tp_size,
         dp_size=dp_size,
-        tp_rank=rank % tp_size,
-        dp_rank=rank // tp_size,
+        tp_rank=tp_rank,
+        dp_rank=dp_rank,
         tp_group=tp_group if tp_size > 1 else None,
         dp_group=dp_group if dp_size > 1 else None,
         mesh=mesh,
+        pp_size=pp_size,
+        pp_rank=pp_rank,
+        pp_group=pp_group,
     )
-    _STATES[tp_size] = state
+    _STATES[tp_size, pp_size] = state
     return state
 
 

@@ -67,7 +67,8 @@ def load_canonical_checkpoint(model: nn.Module, files: list[str]) -> None:
     missing = sorted(set(params) - set(where))
     tied = getattr(model, "all_tied_weights_keys", {}) or {}
     missing = [m for m in missing if m not in tied]
-    unexpected = sorted(set(where) - set(params))
+    pipeline = getattr(model, "pipeline", None)  # under pipeline parallelism other stages' tensors are not read here
+    unexpected = sorted(set(where) - set(params) - (pipeline.placement.absent if pipeline is not None else set()))
     wrong = []
     for name, param in params.items():
         if name in where:
@@ -116,7 +117,7 @@ def load_pretrained(model_class, pretrained_model_name_or_path, parallel, *model
     """
     from .parallelize import parallelize
 
-    if parallel.tp_size == 1 and parallel.activation_checkpointing == "none":
+    if parallel.tp_size == 1 and parallel.pp_size == 1 and parallel.activation_checkpointing == "none":
         loaded = model_class.from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
         model, info = loaded if isinstance(loaded, tuple) else (loaded, None)
         parallelize(model, parallel)

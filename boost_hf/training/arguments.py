@@ -4,7 +4,8 @@ The defaults are the CoLA pre-training recipe (BOOST.md section 1): AdamW, weigh
 clipping at 0.5, linear warm-up over 10 % of the steps, then cosine decay to 0.1 x the peak learning
 rate. ``per_device_train_batch_size`` is per *process*: with ``tp_size`` ranks sharing each batch the
 global batch is ``per_device_train_batch_size x dp x gradient_accumulation_steps``,
-``dp = world_size / tp_size``.
+``dp = world_size / (tp_size x pp_size)``. Under pipeline parallelism it is the batch one pipeline replica
+trains per step, split into ``pp_microbatches`` micro-batches.
 """
 
 from __future__ import annotations
@@ -75,6 +76,10 @@ class BoostTrainingArguments(TrainingArguments):
             (BOOST's low-rank checkpointing; no collective recomputed under BTP). It replaces the Trainer's
             ``activation_checkpointing`` flag, which boost-hf models do not use: passing that flag selects
             ``"full"``.
+        pp_size: pipeline stages' ranks (the world is ``pp_size x dp x tp_size``; PP outermost, TP adjacent).
+        pp_schedule: ``1f1b`` (default), ``gpipe``, ``interleaved-1f1b``, ``looped-bfs`` (zero-bubble ones refused).
+        pp_microbatches: micro-batches per pipeline step (default: the number of stages).
+        pp_stages_per_rank: model chunks per pipeline rank of the interleaved schedules (default 2).
         peak_tflops: dense peak TFLOP/s of one device, the denominator of MFU (default: the GPU preset of
             :mod:`boost_hf.perf.hardware`, or a rough CPU guess).
         sample_prompt / sample_max_new_tokens: the greedy sample printed at the end of training.
@@ -107,6 +112,14 @@ class BoostTrainingArguments(TrainingArguments):
     group_linears: bool = field(default=True, metadata={"help": "Fuse the A's sharing an input into one GEMM and one collective."})
     activation_checkpointing_mode: str = field(
         default="none", metadata={"help": "none, full (recompute each layer) or lowrank (recompute between r-dim latents)."}
+    )
+    pp_size: int = field(default=1, metadata={"help": "Pipeline ranks (the world is pp_size x dp x tp_size)."})
+    pp_schedule: str = field(
+        default="1f1b", metadata={"help": "Pipeline schedule: 1f1b, gpipe, interleaved-1f1b or looped-bfs."}
+    )
+    pp_microbatches: int | None = field(default=None, metadata={"help": "Micro-batches per pipeline step (default: stages)."})
+    pp_stages_per_rank: int | None = field(
+        default=None, metadata={"help": "Model chunks per pipeline rank (interleaved schedules; default 2)."}
     )
     peak_tflops: float | None = field(
         default=None, metadata={"help": "Dense peak TFLOP/s per device for MFU (default: GPU preset or a CPU guess)."}
@@ -175,6 +188,18 @@ class BoostTrainingArguments(TrainingArguments):
         if self.peak_tflops <= 0:
             raise ValueError(f"peak_tflops must be > 0, got {self.peak_tflops}.")
         self.to_parallel_config()  # validate the layout fields now, not after the model is built
+        if self.pp_size > 1 and self.gradient_accumulation_steps != 1:
+            raise ValueError(
+                f"gradient_accumulation_steps={self.gradient_accumulation_steps} with pp_size={self.pp_size}: a pipeline "
+                "step already accumulates the gradients of its micro-batches. Use gradient_accumulation_steps=1 and raise "
+                "per_device_train_batch_size (split into pp_microbatches micro-batches) instead."
+            )
+        if self.pp_size > 1 and self.deepspeed:
+            raise ValueError(
+                f"DeepSpeed cannot run with pp_size={self.pp_size}: the pipeline schedule runs each micro-batch's backward "
+                "itself, which DeepSpeed's engine must own (DeepSpeed's own pipeline engine refuses ZeRO-2/3 for the same "
+                "reason). Drop --deepspeed: boost-hf trains pipelines with DDP over the data-parallel group."
+            )
 
     @cached_property
     def _setup_devices(self) -> torch.device:
@@ -199,6 +224,10 @@ class BoostTrainingArguments(TrainingArguments):
             rmsnorm=self.rmsnorm,
             group_linears=self.group_linears,
             activation_checkpointing=self.activation_checkpointing_mode,
+            pp_size=self.pp_size,
+            pp_schedule=self.pp_schedule,
+            pp_microbatches=self.pp_microbatches,
+            pp_stages_per_rank=self.pp_stages_per_rank,
         )
 
 

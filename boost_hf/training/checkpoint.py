@@ -57,8 +57,11 @@ class OutputDirInUseError(RuntimeError):
     """Another run holds the lock of this ``output_dir``."""
 
 
-def optimizer_file_name(tp_rank: int, tp_size: int) -> str:
-    """The optimizer state file of one TP rank (``transformers``' own name at tp_size 1)."""
+def optimizer_file_name(tp_rank: int, tp_size: int, pp_rank: int = 0, pp_size: int = 1) -> str:
+    """The optimizer state file of one TP rank (``transformers``' own name at tp_size 1), and of one pipeline rank
+    under pipeline parallelism (``optimizer_pp<rank>_tp<rank>.pt``)."""
+    if pp_size > 1:
+        return f"optimizer_pp{pp_rank:02d}_tp{tp_rank:02d}.pt"
     return OPTIMIZER_NAME if tp_size == 1 else f"optimizer_tp{tp_rank:02d}.pt"
 
 

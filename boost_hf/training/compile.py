@@ -12,12 +12,12 @@ from __future__ import annotations
 from torch import nn
 
 
-def decoder_layers(model: nn.Module) -> nn.ModuleList:
+def decoder_layers(model: nn.Module) -> nn.ModuleList | nn.ModuleDict:
     """The decoder layers of a ``BoostLlamaForCausalLM`` / ``BoostLlamaModel`` (or any HF causal LM whose
     base model keeps them in ``.layers``)."""
     base = getattr(model, "model", model)
     layers = getattr(base, "layers", None)
-    if not isinstance(layers, nn.ModuleList):
+    if not isinstance(layers, (nn.ModuleList, nn.ModuleDict)):  # a ModuleDict: a pipeline rank's layers by index
         raise ValueError(f"{type(model).__name__} has no decoder layers at .model.layers to compile per layer.")
     return layers
 

@@ -2,7 +2,8 @@
 
 Training: ``accelerate`` shards a prepared dataloader over *all* processes. :func:`shard_by_data_parallel_rank`
 re-points that sharding to the DP group (``num_processes = dp``, ``process_index = dp_rank``), so that the
-ranks of one TP group (same ``dp_rank``) draw the same batches and different DP ranks draw disjoint ones
+ranks of one TP group and the pipeline stages of one replica (same ``dp_rank``) draw the same batches and
+different DP ranks draw disjoint ones
 (``transformers``' Trainer adjusts the same wrapper for its own rank-aware samplers). Everything else of
 accelerate's loader is kept: the seeded sampler (one permutation per epoch on every rank), device placement
 and ``skip_first_batches`` on resume. With ``dataloader_drop_last`` (the boost-hf default) every DP rank
@@ -29,8 +30,7 @@ IGNORE_INDEX = -100
 
 def shard_by_data_parallel_rank(dataloader: DataLoader, state: ParallelState) -> DataLoader:
     """Make an ``accelerate``-prepared dataloader shard by data-parallel rank instead of global rank."""
-    world = state.tp_size * state.dp_size
-    if state.tp_size == 1 or world == 1:
+    if state.tp_size * state.pp_size == 1:
         return dataloader  # the DP group is the whole world: accelerate's sharding is already right
     shard = getattr(dataloader, "batch_sampler", None)
     if not isinstance(shard, BatchSamplerShard):

@@ -45,8 +45,9 @@ def parameter_names(model, optimizer) -> list[str]:
     return [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
 
 
-def training_layout(*, tp_size: int, dp_size: int, zero_stage: int | None, args, model=None, optimizer=None) -> dict:
+def training_layout(*, tp_size: int, dp_size: int, zero_stage: int | None, args, model=None, optimizer=None, pp_size: int = 1) -> dict:
     layout = {
+        "pp_size": pp_size,
         "tp_size": tp_size,
         "dp_size": dp_size,
         "zero_stage": zero_stage,
@@ -54,7 +55,7 @@ def training_layout(*, tp_size: int, dp_size: int, zero_stage: int | None, args,
         "per_device_train_batch_size": args.per_device_train_batch_size,
         "gradient_accumulation_steps": args.gradient_accumulation_steps,
     }
-    if zero_stage is None and optimizer is not None:
+    if zero_stage is None and optimizer is not None and pp_size == 1:
         params = {n: p for n, p in model.named_parameters()}
         layout["optimizer_files"] = [optimizer_file_name(r, tp_size) for r in range(tp_size)]
         layout["optimizer_groups"] = [len(group["params"]) for group in optimizer.param_groups]
@@ -96,6 +97,13 @@ def check_resume_layout(checkpoint: str, current: dict) -> None:
             f"({_describe(saved)}), this run has {current['global_batch_size']} ({_describe(current)}): the data position "
             "and the learning-rate schedule count steps of one global batch. Resume with per_device_train_batch_size x "
             f"gradient_accumulation_steps x dp = {saved['global_batch_size']}, or {weights_only}."
+        )
+    if saved.get("pp_size", 1) != current.get("pp_size", 1) or (current.get("pp_size", 1) > 1 and saved["tp_size"] != current["tp_size"]):
+        raise ResumeLayoutError(
+            f"{checkpoint} was saved at pp_size={saved.get('pp_size', 1)} x {_describe(saved)} and this run is pp_size="
+            f"{current.get('pp_size', 1)} x {_describe(current)}: the optimizer state of a pipeline run is resumed at its own "
+            f"pp_size and tp_size only (any dp). Resume at pp_size={saved.get('pp_size', 1)} and tp_size={saved['tp_size']}, "
+            f"or {weights_only}."
         )
     if saved["zero_stage"] is None and current["zero_stage"] is None:
         return  # any TP x DP: the optimizer state is resharded
@@ -165,11 +173,12 @@ def reshard_optimizer_state(saved: list[dict], saved_parameters: list[dict], nam
     return {"state": state, "param_groups": param_groups}
 
 
-def load_optimizer_state(optimizer, model, checkpoint: str, tp_rank: int, tp_size: int, device) -> None:
-    """Load ``checkpoint``'s optimizer state into ``optimizer`` (this rank: ``tp_rank`` of ``tp_size``), resharded
-    when the checkpoint was saved at another TP size. A missing file raises ``FileNotFoundError`` naming it."""
+def load_optimizer_state(optimizer, model, checkpoint: str, tp_rank: int, tp_size: int, device, pp_rank: int = 0, pp_size: int = 1) -> None:
+    """Load ``checkpoint``'s optimizer state into ``optimizer`` (this rank: ``tp_rank`` of ``tp_size``, ``pp_rank`` of
+    ``pp_size``), resharded when the checkpoint was saved at another TP size (without pipeline parallelism). A missing
+    file raises ``FileNotFoundError`` naming it."""
     layout = read_training_layout(checkpoint)
-    own = os.path.join(checkpoint, optimizer_file_name(tp_rank, tp_size))
+    own = os.path.join(checkpoint, optimizer_file_name(tp_rank, tp_size, pp_rank, pp_size))
     same_tp = layout is None or layout["tp_size"] == tp_size
     if same_tp:
         if not os.path.isfile(own):

@@ -17,13 +17,14 @@ Trainer hook                           boost-hf behaviour
 ``create_optimizer`` /                 ``--lowrank_optimizer loro``: LORO on the factors of an svd model, AdamW on the rest,
 ``create_scheduler``                   the schedule restarting after each exact step (:mod:`boost_hf.optim.loro`)
 ``get_tp_size``                        our TP size: global batch and loss scaling count DP ranks only
-``_wrap_model``                        (tp > 1, no DeepSpeed) DDP over the DP group, never across TP ranks
+``_wrap_model``                        (tp > 1, no DeepSpeed) DDP over the DP group, never across TP ranks;
+                                       (pp > 1) no DDP here: the pipeline wraps each stage (:mod:`.pipeline_steps`)
 ``_prepare_for_training``              (DeepSpeed) ``deepspeed.initialize`` gets our groups as ``mpu``: ZeRO
                                        shards over DP only (:mod:`boost_hf.training.deepspeed`)
 ``_clip_grad_norm`` / ``_get_grad_norm``  (no DeepSpeed) the true global norm: TP shards summed over the TP
                                        group, replicated parameters once (DeepSpeed does the same via ``mpu``)
 ``training_step`` / ``log``            tokens/s, MFU, communication per step (:mod:`boost_hf.training.metrics`),
-                                       skipped non-finite steps
+                                       skipped non-finite steps; (pp > 1) the step runs the pipeline schedule
 ``compute_loss`` / ``_get_grad_norm``  non-finite loss or grad norm: stop or skip the step
                                        (:mod:`boost_hf.training.health`)
 ``save_model`` / ``_save_checkpoint``  canonical checkpoint from every rank's shard, publishable (remote code,
@@ -89,6 +90,7 @@ from .deepspeed import ModelParallelUnit, configure_deepspeed, deepspeed_initial
 from .grad_norm import clip_grad_norm_, global_grad_norm
 from .health import is_finite, nonfinite_error, poison_nonfinite_loss
 from .metrics import TrainingMetrics
+from .pipeline_steps import PipelineReplica, on_one_process, pipeline_evaluation_sums, pipeline_of, pipeline_training_step
 from .preflight import TokenIdCheckingCollator, check_dataset
 from .resume import check_resume_layout, load_optimizer_state, missing_file_error, training_layout, write_training_layout
 from .watchdog import HangWatchdog, exit_with_launcher, naming_collective_timeouts
@@ -112,11 +114,17 @@ class BoostTrainer(Trainer):
     def __init__(self, model=None, args=None, **kwargs):
         exit_with_launcher()
         self.parallel_state = model.plan.state if hasattr(model, "plan") else ParallelState()  # a plain model: one device
-        tp_size = getattr(args, "tp_size", self.parallel_state.tp_size)
-        if tp_size != self.parallel_state.tp_size:
+        for field in ("tp_size", "pp_size"):
+            built, asked = getattr(self.parallel_state, field), getattr(args, field, getattr(self.parallel_state, field))
+            if asked != built:
+                raise ValueError(
+                    f"the model was built with {field}={built} but args.{field}={asked}: build it with args.to_parallel_config(config)."
+                )
+        if pipeline_of(model) is not None and kwargs.get("compute_metrics") is not None:
             raise ValueError(
-                f"the model was built with tp_size={self.parallel_state.tp_size} but args.tp_size={tp_size}: "
-                "build it with args.to_parallel_config(config)."
+                "compute_metrics is not supported under pipeline parallelism yet (the logits live on the last stage's ranks): "
+                "evaluate the saved model at pp_size=1 for it, or drop compute_metrics (loss, perplexity and bits per byte "
+                "are computed through the pipeline)."
             )
         vocab_size = model.config.vocab_size
         kwargs["data_collator"] = TokenIdCheckingCollator(kwargs.get("data_collator") or default_data_collator, vocab_size)
@@ -139,7 +147,7 @@ class BoostTrainer(Trainer):
         state = self.parallel_state
         self.metrics = TrainingMetrics(
             model.config,
-            world_size=state.tp_size * state.dp_size,
+            world_size=state.tp_size * state.dp_size * state.pp_size,
             dp_size=state.dp_size,
             peak_tflops=getattr(self.args, "peak_tflops", None) or default_peak_tflops(),
             dp_grad_bytes=0 if state.dp_size == 1 else sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad),
@@ -195,6 +203,8 @@ class BoostTrainer(Trainer):
         return self.accelerator.state.deepspeed_plugin.zero_stage if self.is_deepspeed_enabled else None
 
     def _wrap_model(self, model, training: bool = True, dataloader=None):
+        if pipeline_of(self.model) is not None:
+            return model if isinstance(model, PipelineReplica) else PipelineReplica(model)
         if not training or self.is_deepspeed_enabled or self.parallel_state.tp_size == 1:
             return super()._wrap_model(model, training, dataloader)
         if self.accelerator.unwrap_model(model, keep_torch_compile=False) is not model:
@@ -216,7 +226,7 @@ class BoostTrainer(Trainer):
     # ------------------------------------------------------------------ data
     def get_train_dataloader(self) -> DataLoader:
         state = self.parallel_state
-        if state.tp_size > 1 and isinstance(self.train_dataset, torch.utils.data.IterableDataset):
+        if state.tp_size * state.pp_size > 1 and isinstance(self.train_dataset, torch.utils.data.IterableDataset):
             return streaming_loader(
                 self.train_dataset, state, batch_size=self._train_batch_size, collate_fn=self.data_collator,
                 num_workers=self.args.dataloader_num_workers, pin_memory=self.args.dataloader_pin_memory,
@@ -254,9 +264,13 @@ class BoostTrainer(Trainer):
         wants_predictions = self.compute_metrics is not None
         full_logits = {"return_logits": True} if hasattr(self.model, "plan") else {}  # TP: gather the vocabulary shards
         predictions, label_ids = [], []
+        pipeline = pipeline_of(self.model)
         with torch.no_grad():
             for batch in dataloader:
                 batch = self._prepare_inputs(batch)
+                if pipeline is not None:  # summed over DP already
+                    totals += pipeline_evaluation_sums(pipeline, batch, self.processing_class)
+                    continue
                 if not wants_predictions:
                     totals += sums_of_batch(model, batch, self.processing_class)
                     continue
@@ -267,7 +281,7 @@ class BoostTrainer(Trainer):
                     logits = self.preprocess_logits_for_metrics(logits, batch["labels"])
                 predictions.append(logits.cpu())
                 label_ids.append(batch["labels"].cpu())
-        if self.parallel_state.dp_group is not None:
+        if self.parallel_state.dp_group is not None and pipeline is None:
             dist.all_reduce(totals, group=self.parallel_state.dp_group)
         metrics = metrics_from_sums(totals.cpu(), metric_key_prefix)
         if wants_predictions:
@@ -305,7 +319,13 @@ class BoostTrainer(Trainer):
         if bos is not None:
             self._bos_seen = (inputs["input_ids"] == bos).any() | self._bos_seen
         with self.metrics.comm:
-            loss = super().training_step(model, inputs, num_items_in_batch)
+            pipeline = pipeline_of(self.model)
+            if pipeline is None:
+                loss = super().training_step(model, inputs, num_items_in_batch)
+            else:
+                model.train()
+                with self.compute_loss_context_manager():
+                    loss = poison_nonfinite_loss(pipeline_training_step(pipeline, self._prepare_inputs(inputs)))
         self._nonfinite_loss_logged = ~torch.isfinite(loss) | self._nonfinite_loss_logged  # no sync
         return loss
 
@@ -313,13 +333,14 @@ class BoostTrainer(Trainer):
         if self.is_deepspeed_enabled:
             return super()._clip_grad_norm(model)
         self.accelerator.unscale_gradients()
-        return clip_grad_norm_(model.parameters(), self.args.max_grad_norm, self.parallel_state.tp_group)
+        state = self.parallel_state
+        return clip_grad_norm_(model.parameters(), self.args.max_grad_norm, state.tp_group, state.pp_group)
 
     def _get_grad_norm(self, model, grad_norm=None):
         """The global grad norm, checked on every step (the same value on every rank, see
         :mod:`boost_hf.training.health`): ``--nonfinite stop`` raises, ``skip_step`` drops the gradients."""
         if grad_norm is None and not self.is_deepspeed_enabled:
-            grad_norm = global_grad_norm(model.parameters(), self.parallel_state.tp_group)
+            grad_norm = global_grad_norm(model.parameters(), self.parallel_state.tp_group, self.parallel_state.pp_group)
         grad_norm = super()._get_grad_norm(model, grad_norm)
         if not is_finite(grad_norm):
             if getattr(self.args, "nonfinite", "stop") == "stop":
@@ -339,14 +360,16 @@ class BoostTrainer(Trainer):
 
     def _track_num_input_tokens(self, inputs) -> None:
         before = self.state.num_input_tokens_seen
-        super()._track_num_input_tokens(inputs)  # gathered over all processes: TP peers counted tp_size times
-        self.state.num_input_tokens_seen = before + (self.state.num_input_tokens_seen - before) // self.parallel_state.tp_size
+        super()._track_num_input_tokens(inputs)  # gathered over all processes: TP and PP peers counted tp x pp times
+        state = self.parallel_state
+        self.state.num_input_tokens_seen = before + (self.state.num_input_tokens_seen - before) // (state.tp_size * state.pp_size)
 
     def floating_point_ops(self, inputs) -> int:
-        """Analytic training FLOPs of this rank's share of the micro-batch (its TP group splits the work)."""
+        """Analytic training FLOPs of this rank's share of the micro-batch (its TP group and pipeline stages split the
+        work)."""
         input_ids = inputs["input_ids"]
         per_token = training_flops_per_token(self.model.config, input_ids.shape[-1])
-        return input_ids.numel() * per_token // self.parallel_state.tp_size
+        return input_ids.numel() * per_token // (self.parallel_state.tp_size * self.parallel_state.pp_size)
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         if "loss" in logs:
@@ -386,7 +409,7 @@ class BoostTrainer(Trainer):
         layout, recipe and last held-out metrics. ``card_metadata`` sets its ``license`` and ``datasets``."""
         state, args = self.parallel_state, self.args
         layout = args.to_parallel_config(self.model.config) if hasattr(args, "to_parallel_config") else None
-        parallel = {"tp_size": state.tp_size, "dp_size": state.dp_size}
+        parallel = {"pp_size": state.pp_size, "tp_size": state.tp_size, "dp_size": state.dp_size}
         if layout is not None:
             parallel.update(tp_style=layout.tp_style, rmsnorm=layout.rmsnorm, group_linears=layout.group_linears,
                             activation_checkpointing=layout.activation_checkpointing)
@@ -511,7 +534,7 @@ class BoostTrainer(Trainer):
         """This run's TP x DP sizes, ZeRO stage, global batch and optimizer parameters (:mod:`boost_hf.training.resume`)."""
         state = self.parallel_state
         optimizer = None if self.is_deepspeed_enabled else self.optimizer
-        return training_layout(tp_size=state.tp_size, dp_size=state.dp_size, zero_stage=self._zero_stage, args=self.args,
+        return training_layout(tp_size=state.tp_size, dp_size=state.dp_size, pp_size=state.pp_size, zero_stage=self._zero_stage, args=self.args,
                                model=self.model, optimizer=optimizer)
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
@@ -521,7 +544,8 @@ class BoostTrainer(Trainer):
         if self.is_deepspeed_enabled:
             super()._save_optimizer_and_scheduler(output_dir)
         elif state.dp_rank == 0:  # DP replicas hold the same optimizer state
-            torch.save(self.optimizer.state_dict(), os.path.join(output_dir, optimizer_file_name(state.tp_rank, state.tp_size)))
+            name = optimizer_file_name(state.tp_rank, state.tp_size, state.pp_rank, state.pp_size)
+            torch.save(self.optimizer.state_dict(), os.path.join(output_dir, name))
         if self.args.should_save:
             if not self.is_deepspeed_enabled:
                 torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
@@ -539,7 +563,7 @@ class BoostTrainer(Trainer):
             return super()._load_optimizer_and_scheduler(checkpoint)
         state = self.parallel_state
         device = "cpu" if self.args.device.type == "cpu" else self.args.device  # torch cannot restore to "cpu:0"
-        load_optimizer_state(self.optimizer, self.model, checkpoint, state.tp_rank, state.tp_size, device)
+        load_optimizer_state(self.optimizer, self.model, checkpoint, state.tp_rank, state.tp_size, device, state.pp_rank, state.pp_size)
         if not os.path.isfile(scheduler):
             raise missing_file_error(scheduler, checkpoint, "learning-rate scheduler state")
         self.lr_scheduler.load_state_dict(torch.load(scheduler, weights_only=True))
@@ -569,17 +593,23 @@ class BoostTrainer(Trainer):
         max_new_tokens = max_new_tokens if max_new_tokens is not None else getattr(self.args, "sample_max_new_tokens", 40)
         tokenizer = self.processing_class
         input_ids = tokenizer(prompt, return_tensors="pt").input_ids.to(self.args.device)
-        self.model.eval()
-        with torch.no_grad():
-            output = self.model.generate(
-                input_ids,
-                max_new_tokens=max_new_tokens,
-                do_sample=False,
-                use_cache=True,
-                pad_token_id=tokenizer.pad_token_id,
-                eos_token_id=tokenizer.eos_token_id,
-            )
-        return tokenizer.decode(output[0], skip_special_tokens=True)
+
+        def sample(model) -> str:
+            model.eval()
+            with torch.no_grad():
+                output = model.generate(
+                    input_ids,
+                    max_new_tokens=max_new_tokens,
+                    do_sample=False,
+                    use_cache=True,
+                    pad_token_id=tokenizer.pad_token_id,
+                    eos_token_id=tokenizer.eos_token_id,
+                )
+            return tokenizer.decode(output[0], skip_special_tokens=True)
+
+        if pipeline_of(self.model) is not None:
+            return on_one_process(self.model, sample)
+        return sample(self.model)
 
 
 __all__ = ["BoostTrainer"]

@@ -1,0 +1,333 @@
+"""Pipeline parallelism on PyTorch's engine (``torch.distributed.pipelining``), composed with TP and DP.
+
+The one module of boost-hf that touches the (alpha) engine. :func:`keep_this_ranks_stages` cuts the
+single-device skeleton *before* tensor parallelism is applied (a deep copy of a parallelized model would
+hold process groups): this rank keeps the decoder layers of its stages, under their canonical names
+(``model.layers.{i}``, :class:`StageLayers`), the embedding if it runs the first stage and the final norm
+and LM head if it runs the last; everything else is deleted. The Layout machinery then shards what is
+left, as for a whole model. :class:`Pipeline` runs one :class:`PipelineChunk` per stage as a
+``PipelineStage`` with static shapes (no shape-inference forward) under the configured schedule.
+
+What crosses a stage boundary, per micro-batch of ``mb`` sequences of ``S`` tokens, from each rank to
+the rank of the same ``(dp, tp)`` coordinates on the next stage (and the same shapes back as gradients):
+
+* the residual stream as the layout holds it: under BTP this TP rank's ``[mb, S, d/p]`` shard (no
+  gather), under Megatron and vanilla the replicated ``[mb, S, d]``;
+* LaX only: the handed-on latent of each of the 7 projections, ``[mb, S, r]``, replicated over TP under
+  BTP and vanilla (which gathers it for the crossing): every TP rank sends its own copy.
+
+The loss is the single-process one: each micro-batch's vocab-parallel cross-entropy *sum* divided by
+the token count of the whole step (all DP replicas), times ``dp_size`` because DDP averages gradients
+over DP (``scale_grads=False``, as torchtitan); the reported loss is broadcast from the last stage and
+summed over DP, so every rank returns the same value.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .config import MULTI_STAGE_SCHEDULES, ParallelConfig
+from .cross_entropy import IGNORE_INDEX, vocab_parallel_causal_lm_loss
+
+
+def check_pipeline_model(config, parallel: ParallelConfig) -> None:
+    """Raise ``ValueError`` (no collective) naming the fix when ``config`` cannot run as ``parallel``'s pipeline."""
+    stages = parallel.num_stages
+    if stages > config.num_hidden_layers:
+        raise ValueError(
+            f"pp_size={parallel.pp_size} x {parallel.stages_per_rank} stage(s) per rank makes {stages} pipeline stages, "
+            f"more than the model's {config.num_hidden_layers} decoder layers: lower pp_size or pp_stages_per_rank."
+        )
+    split = parallel.pp_layer_split
+    if split is not None and sum(split) != config.num_hidden_layers:
+        raise ValueError(
+            f"pp_layer_split {split} holds {sum(split)} layers, the model has {config.num_hidden_layers}: give layer "
+            "counts that add up to num_hidden_layers."
+        )
+    if config.tie_word_embeddings:
+        raise ValueError(
+            "tie_word_embeddings=True cannot run under pipeline parallelism (the embedding lives on the first stage, the "
+            "LM head on the last, and one weight cannot be in both): set tie_word_embeddings=False or use pp_size=1."
+        )
+
+
+def stage_ranks(parallel: ParallelConfig) -> list[int]:
+    """The pipeline rank running each stage: looped, stage ``s`` on rank ``s mod pp``."""
+    return [s % parallel.pp_size for s in range(parallel.num_stages)]
+
+
+class StageLayers(nn.ModuleDict):
+    """The decoder layers one pipeline rank holds, keyed by their index in the whole model (so parameter
+    names stay ``model.layers.{i}...``); iterates over the layers, in order, like the ``nn.ModuleList`` it replaces."""
+
+    def __iter__(self):
+        return iter(self.values())
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Which stages (and their decoder layers) run on this pipeline rank, and the canonical names of the
+    parameters other pipeline ranks hold (``absent``: a checkpoint's tensors this rank does not read)."""
+
+    stages: tuple[int, ...]
+    layers: tuple[range, ...]  # per stage of this rank
+    num_stages: int
+    absent: frozenset[str]
+
+
+def keep_this_ranks_stages(model: nn.Module, parallel: ParallelConfig, pp_rank: int) -> Placement:
+    """Delete from ``model`` (a single-device ``BoostLlamaForCausalLM``, usually a meta skeleton) every
+    part no stage of pipeline rank ``pp_rank`` runs; return what it keeps. No communication."""
+    every_stage = parallel.stage_layers(model.config.num_hidden_layers)
+    stages = tuple(s for s, rank in enumerate(stage_ranks(parallel)) if rank == pp_rank)
+    layers = tuple(every_stage[s] for s in stages)
+    before = {name for name, _ in model.named_parameters()}
+    base = model.model
+    base.layers = StageLayers({str(i): base.layers[i] for held in layers for i in held})
+    if 0 not in stages:
+        base.embed_tokens = None
+    if parallel.num_stages - 1 not in stages:
+        base.norm = None
+        model.lm_head = None
+    absent = frozenset(before - {name for name, _ in model.named_parameters()})
+    return Placement(stages, layers, parallel.num_stages, absent)
+
+
+class _ContiguousGradient(torch.autograd.Function):
+    """Identity whose backward makes the gradient contiguous (it is sent to the previous stage, and gloo
+    refuses strided tensors)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.contiguous()
+
+
+class PipelineChunk(nn.Module):
+    """One pipeline stage of the model: ``(input_ids)`` or ``(hidden, *latents)`` in, ``(hidden, *latents)``
+    or the vocab-parallel logits ``[mb, S, V/p]`` (last stage) out.
+
+    ``hidden``: the residual as the layout holds it; ``latents``: LaX's handed-on latents in
+    :data:`PROJECTIONS` order (none for other models). Registers the model's own modules (no copy).
+    """
+
+    def __init__(self, model: nn.Module, stage: int, layers: range, num_stages: int):
+        super().__init__()
+        base = model.model
+        self.config = model.config
+        self.is_first, self.is_last = stage == 0, stage == num_stages - 1
+        self.embed_tokens = base.embed_tokens if self.is_first else None
+        self.layers = nn.ModuleList(base.layers[str(i)] for i in layers)
+        self.rotary_emb = base.rotary_emb
+        self.norm = base.norm if self.is_last else None
+        self.lm_head = model.lm_head if self.is_last else None
+        self.latent_names = latent_names(model.config)
+
+    def forward(self, *inputs: torch.Tensor, attention_mask: torch.Tensor | None = None):
+        from transformers.masking_utils import create_causal_mask
+
+        if self.is_first:
+            (input_ids,) = inputs
+            hidden = self.embed_tokens(input_ids)
+            latents = None
+        else:
+            hidden, *previous = (_ContiguousGradient.apply(x) for x in inputs)
+            latents = dict(zip(self.latent_names, previous)) or None
+        position_ids = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
+        mask = create_causal_mask(
+            config=self.config, inputs_embeds=hidden, attention_mask=attention_mask, past_key_values=None, position_ids=position_ids
+        )
+        position_embeddings = self.rotary_emb(hidden, position_ids=position_ids)
+        for layer in self.layers:
+            hidden, latents = layer(
+                hidden, attention_mask=mask, position_embeddings=position_embeddings, position_ids=position_ids, lax_latents=latents
+            )
+        if self.is_last:
+            return self.lm_head(self.norm(hidden))
+        return (hidden.contiguous(), *(latents[name].contiguous() for name in self.latent_names))
+
+
+def latent_names(config) -> tuple[str, ...]:
+    """The LaX latents crossing each stage boundary (none for other models)."""
+    from ..modeling_boost_llama import PROJECTIONS
+
+    return PROJECTIONS if config.bottleneck == "lax" else ()
+
+
+def boundary_shapes(config, layout, microbatch: int, seq: int) -> list[tuple[int, ...]]:
+    """Shapes of the tensors one rank sends across a stage boundary per micro-batch: the residual as the
+    layout holds it, then each LaX latent (whole ``r``: see the module docstring)."""
+    residual = (microbatch, seq, layout.widths(config).residual)
+    return [residual] + [(microbatch, seq, config.rank)] * len(latent_names(config))
+
+
+def _schedule_class(name: str):
+    from torch.distributed import pipelining
+
+    return {
+        "1f1b": pipelining.Schedule1F1B,
+        "gpipe": pipelining.ScheduleGPipe,
+        "interleaved-1f1b": pipelining.ScheduleInterleaved1F1B,
+        "looped-bfs": pipelining.ScheduleLoopedBFS,
+    }[name]
+
+
+class Pipeline:
+    """This rank's stages of a pipelined model and the schedule running them.
+
+    Built by :func:`~boost_hf.parallel.parallelize.parallelize` when ``pp_size > 1``; the model object keeps
+    this rank's parameters under canonical names (``model.pipeline`` is this object). The stages (each
+    chunk wrapped in DDP over the DP group when ``dp_size > 1``) and schedules are built at the first step
+    (the weights are final by then) and once per micro-batch shape.
+    """
+
+    def __init__(self, model: nn.Module, plan, placement: Placement):
+        self.model, self.plan, self.placement = model, plan, placement
+        self.parallel: ParallelConfig = plan.parallel
+        self.state = plan.state
+        self.chunks = [
+            PipelineChunk(model, stage, layers, placement.num_stages) for stage, layers in zip(placement.stages, placement.layers)
+        ]
+        self._wrapped: list[nn.Module] | None = None
+        self._schedules: dict[tuple[int, int, torch.dtype], object] = {}
+
+    def whole_state_dict(self, own: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
+        """Every stage's canonical tensors, from each pipeline rank's ``own`` ones (full over TP): on global rank 0
+        the whole model's, elsewhere ``None``. Collective over the pipeline group of the ``dp 0, tp 0`` ranks
+        (one object gather to global rank 0); the other ranks communicate nothing."""
+        if self.state.dp_rank != 0 or self.state.tp_rank != 0:
+            return None
+        parts = [None] * self.parallel.pp_size if self.state.pp_rank == 0 else None
+        dist.gather_object(own, parts, dst=dist.get_global_rank(self.state.pp_group, 0), group=self.state.pp_group)
+        return {name: tensor for part in parts for name, tensor in part.items()} if parts is not None else None
+
+    @property
+    def holds_last_stage(self) -> bool:
+        return self.placement.num_stages - 1 in self.placement.stages
+
+    # ------------------------------------------------------------------ building
+    def stage_modules(self) -> list[nn.Module]:
+        """The chunks, each wrapped in DDP over the DP group when there is one (built once)."""
+        if self._wrapped is None:
+            if self.state.dp_group is None:
+                self._wrapped = list(self.chunks)
+            else:
+                self._wrapped = [
+                    nn.parallel.DistributedDataParallel(chunk, process_group=self.state.dp_group, broadcast_buffers=False)
+                    for chunk in self.chunks
+                ]
+        return self._wrapped
+
+    def _schedule(self, microbatch: int, seq: int, dtype: torch.dtype):
+        key = (microbatch, seq, dtype)
+        if key not in self._schedules:
+            self._schedules[key] = self._build_schedule(microbatch, seq, dtype)
+        return self._schedules[key]
+
+    def _build_schedule(self, microbatch: int, seq: int, dtype: torch.dtype):
+        from torch.distributed.pipelining import PipelineStage
+
+        config, parallel = self.model.config, self.parallel
+
+        def meta(shape, dtype=dtype):
+            return torch.empty(shape, dtype=dtype, device="meta", requires_grad=dtype.is_floating_point)
+
+        boundary = tuple(meta(shape) for shape in boundary_shapes(config, self.plan.layout, microbatch, seq))
+        logits = meta((microbatch, seq, config.vocab_size // self.plan.tp_size))
+        device = next(self.model.parameters()).device
+        stages = []
+        for stage, chunk, module in zip(self.placement.stages, self.chunks, self.stage_modules()):
+            inputs = (meta((microbatch, seq), torch.long),) if chunk.is_first else boundary
+            stages.append(
+                PipelineStage(
+                    module, stage, self.placement.num_stages, device,
+                    input_args=inputs, output_args=logits if chunk.is_last else boundary, group=self.state.pp_group,
+                )
+            )
+        kwargs = dict(n_microbatches=parallel.microbatches, loss_fn=self._loss, scale_grads=False)
+        cls = _schedule_class(parallel.pp_schedule)
+        if parallel.pp_schedule in MULTI_STAGE_SCHEDULES:
+            return cls(stages, **kwargs)
+        return cls(stages[0], **kwargs)
+
+    def _loss(self, logits: torch.Tensor, labels: torch.Tensor, *, normaliser: float) -> torch.Tensor:
+        """One micro-batch's summed vocab-parallel cross-entropy divided by ``normaliser``."""
+        return vocab_parallel_causal_lm_loss(logits, labels, group=self.plan.group, num_items_in_batch=normaliser)
+
+    # ------------------------------------------------------------------ running
+    def _check_batch(self, input_ids: torch.Tensor) -> None:
+        batch, m = input_ids.shape[0], self.parallel.microbatches
+        if batch % m != 0:
+            raise ValueError(
+                f"a pipeline step splits its batch of {batch} sequences into pp_microbatches={m} micro-batches of equal "
+                f"size: use a batch size that is a multiple of {m} (per_device_train_batch_size) or change pp_microbatches."
+            )
+
+    def _run(self, input_ids, labels, attention_mask, *, train: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run the schedule on this DP replica's batch; returns ``(loss sum over the step, target tokens)``,
+        both summed over DP and identical on every rank."""
+        self._check_batch(input_ids)
+        tokens = count_targets(labels)
+        if self.state.dp_group is not None:
+            dist.all_reduce(tokens, group=self.state.dp_group)
+        dtype = _activation_dtype(self.model)
+        schedule = self._schedule(input_ids.shape[0] // self.parallel.microbatches, input_ids.shape[1], dtype)
+        losses: list[torch.Tensor] = []
+        normaliser = float(tokens) / self.state.dp_size if train else 1.0
+        args = (input_ids,) if 0 in self.placement.stages else ()
+        kwargs = {"attention_mask": attention_mask} if attention_mask is not None else {}
+        target = labels if self.holds_last_stage else None
+        run = schedule.step if train else schedule.eval
+        run(*args, target=target, losses=losses, return_outputs=False, loss_kwargs={"normaliser": normaliser}, **kwargs)
+        total = torch.stack([loss.detach().float() for loss in losses]).sum() if losses else torch.zeros(())
+        if train:
+            total = total * (1.0 / self.state.dp_size) * float(tokens)  # back to a plain sum of token losses
+        if self.state.pp_group is not None:
+            last = stage_ranks(self.parallel)[-1]
+            dist.broadcast(total, src=dist.get_global_rank(self.state.pp_group, last), group=self.state.pp_group)
+        if self.state.dp_group is not None:
+            dist.all_reduce(total, group=self.state.dp_group)
+        return total, tokens
+
+    def train_step(self, input_ids: torch.Tensor, labels: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Forward and backward of one step through the pipeline (gradients accumulate into this rank's
+        parameters, averaged over DP). Returns the token-weighted mean loss over every DP replica's batch,
+        the same on every rank."""
+        total, tokens = self._run(input_ids, labels, attention_mask, train=True)
+        return total / tokens.clamp(min=1)
+
+    @torch.no_grad()
+    def eval_step(self, input_ids: torch.Tensor, labels: torch.Tensor, attention_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Forward only: ``(sum of token losses, target tokens)`` over every DP replica's batch, on every rank."""
+        return self._run(input_ids, labels, attention_mask, train=False)
+
+
+def _activation_dtype(model: nn.Module) -> torch.dtype:
+    """The dtype of the tensors crossing stage boundaries (that of the model's floating-point weights)."""
+    return next(p.dtype for p in model.parameters() if p.dtype.is_floating_point)
+
+
+def count_targets(labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
+    """Next-token targets in ``labels [B, S]`` (position t predicts ``labels[t+1]``), as an fp64 scalar."""
+    return (labels[..., 1:] != ignore_index).sum().to(torch.float64)
+
+
+__all__ = [
+    "Pipeline",
+    "PipelineChunk",
+    "Placement",
+    "StageLayers",
+    "boundary_shapes",
+    "check_pipeline_model",
+    "count_targets",
+    "keep_this_ranks_stages",
+    "latent_names",
+    "stage_ranks",
+]
