@@ -194,7 +194,7 @@ def test_parameter_counts(name, millions):
 def test_parallel_config_defaults():
     parallel = ParallelConfig()
     assert parallel.to_dict() == dict(tp_size=1, tp_style="btp", rmsnorm="online", group_linears=True, activation_checkpointing="none",
-                                      pp_size=1, pp_schedule="1f1b", pp_microbatches=None, pp_stages_per_rank=None, pp_layer_split=None)
+                                      sequence_parallel=False, pp_size=1, pp_schedule="1f1b", pp_microbatches=None, pp_stages_per_rank=None, pp_layer_split=None)
 
 
 def test_parallel_config_pipeline_defaults_and_layer_split():

@@ -320,9 +320,10 @@ def _tmpfs(path, size: str) -> bool:
 
 
 def test_disk_full_keeps_the_previous_checkpoint_and_no_partial_folder(tmp_path, monkeypatch):
-    """On a 240 KiB tmpfs (or, without mount rights, a simulated ENOSPC) the second ~150 KiB checkpoint does not fit."""
+    """On a 360 KiB tmpfs (or, without mount rights, a simulated ENOSPC) the first ~220 KiB checkpoint (with its remote-code
+    files, in 4 KiB blocks) fits and the second does not."""
     disk = tmp_path / "disk"
-    mounted = _tmpfs(disk, "240k")
+    mounted = _tmpfs(disk, "360k")
     try:
         t = trainer(disk, max_steps=4)
         if not mounted:
