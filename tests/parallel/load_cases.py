@@ -7,14 +7,13 @@ seed: a loader that re-draws the initial weights (instead of reading the checkpo
 
 from __future__ import annotations
 
-import tempfile
 
 import torch
 import torch.distributed as dist
 
 from boost_hf import BoostLlamaForCausalLM, ParallelConfig
 
-from .tp_cases import SEED, batch, rel, tiny_config
+from .tp_cases import SEED, batch, rel, shared_temporary_directory, tiny_config
 
 # (model fields, the TP styles that hold it at tp_size > 1)
 MODELS = (
@@ -70,9 +69,6 @@ def load_matrix(folder: str) -> dict:
 
 
 def everything(world_size: int) -> dict:
-    with tempfile.TemporaryDirectory() as tmp:
-        shared = [tmp]
-        dist.broadcast_object_list(shared, src=0)
-        results = load_matrix(shared[0])
-        dist.barrier()
+    with shared_temporary_directory() as tmp:
+        results = load_matrix(tmp)
     return results

@@ -13,7 +13,6 @@ LaX, first layer after the stage cut), whose relative L2 difference is within th
 
 from __future__ import annotations
 
-import tempfile
 
 import torch
 import torch.distributed as dist
@@ -21,7 +20,7 @@ import torch.distributed as dist
 from boost_hf import BoostLlamaForCausalLM, ParallelConfig
 from boost_hf.parallel.sharding import gather_full, shard_spec_of
 from boost_hf.training.grad_norm import clip_grad_norm_
-from tests.parallel.tp_cases import SEED, rel, tiny_config
+from tests.parallel.tp_cases import SEED, rel, shared_temporary_directory, tiny_config
 
 LAYERS = 4
 BATCH, SEQ = 4, 8
@@ -206,11 +205,8 @@ def _step(parallel):
 
 
 def everything() -> dict:
-    with tempfile.TemporaryDirectory() as tmp:
-        shared = [tmp]
-        dist.broadcast_object_list(shared, src=0)
-        round_trip = checkpoint_round_trip(shared[0] + "/ckpt")
-        dist.barrier()
+    with shared_temporary_directory() as tmp:
+        round_trip = checkpoint_round_trip(tmp + "/ckpt")
     return {
         "round_trip": round_trip,
         "bad": bad_configurations(),

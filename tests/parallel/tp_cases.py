@@ -5,6 +5,7 @@ Each rank builds the single-device reference from the same seed itself, so every
 
 from __future__ import annotations
 
+import contextlib
 import tempfile
 
 import torch
@@ -290,12 +291,20 @@ def hugging_face_contract() -> dict:
     return out
 
 
-def everything(world_size: int) -> dict:
+@contextlib.contextmanager
+def shared_temporary_directory():
+    """Global rank 0's temporary directory, the same path on every rank (one machine); removed after every rank
+    has left the block."""
     with tempfile.TemporaryDirectory() as tmp:
         shared = [tmp]
         dist.broadcast_object_list(shared, src=0)
-        round_trip = checkpoint_round_trip(shared[0] + "/ckpt")
+        yield shared[0]
         dist.barrier()
+
+
+def everything(world_size: int) -> dict:
+    with shared_temporary_directory() as tmp:
+        round_trip = checkpoint_round_trip(tmp + "/ckpt")
     return {
         "parity": parity_cases(all_cases(world_size)),
         "round_trip": round_trip,
