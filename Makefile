@@ -20,7 +20,7 @@ demo: $(STAMP)
 	$(VENV)/bin/boost-hf demo
 
 test: $(STAMP)
-	$(PY) -m pytest -q tests; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
+	$(PY) -m pytest -q --durations=30 tests; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
 
 bench: $(STAMP)
 	$(PY) benchmarks/run_all.py
