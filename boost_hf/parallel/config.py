@@ -89,11 +89,6 @@ class ParallelConfig:
                 f"{', '.join(map(repr, SEQUENCE_PARALLEL_STYLES))}): set sequence_parallel=False."
             )
         self._check_pipeline()
-        if self.sequence_parallel and self.pp_size > 1:
-            raise ValueError(
-                "sequence_parallel=True with pp_size > 1 is not supported yet (a stage would have to send its N/p-token "
-                "shard): set sequence_parallel=False, or pp_size=1."
-            )
 
     def _check_pipeline(self) -> None:
         for field in ("pp_size", "pp_microbatches", "pp_stages_per_rank"):
