@@ -8,13 +8,29 @@ and LM head if it runs the last; everything else is deleted. The Layout machiner
 left, as for a whole model. :class:`Pipeline` runs one :class:`PipelineChunk` per stage as a
 ``PipelineStage`` with static shapes (no shape-inference forward) under the configured schedule.
 
-What crosses a stage boundary, per micro-batch of ``mb`` sequences of ``S`` tokens, from each rank to
-the rank of the same ``(dp, tp)`` coordinates on the next stage (and the same shapes back as gradients):
+What crosses a stage boundary, per micro-batch of ``mb`` sequences of ``S`` tokens (``N = mb S``), from each rank
+to the rank of the same ``(dp, tp)`` coordinates on the next stage (and the same shapes back as gradients), as the
+layout's :meth:`~boost_hf.parallel.layouts.Layout.stage_boundary` states it (the formula,
+:func:`~boost_hf.perf.comm_formula.stage_boundary_communication`, and the engine's static shapes both read it):
 
-* the residual stream as the layout holds it: under BTP this TP rank's ``[mb, S, d/p]`` shard (no
-  gather), under Megatron and vanilla the replicated ``[mb, S, d]``;
-* LaX only: the handed-on latent of each of the 7 projections, ``[mb, S, r]``, replicated over TP under
-  BTP and vanilla (which gathers it for the crossing): every TP rank sends its own copy.
+* the residual stream as the layout holds it: under BTP this TP rank's ``[mb, S, d/p]`` shard (no gather), under
+  Megatron with sequence parallelism its ``[mb, S/p, d]`` token shard, otherwise (Megatron, vanilla) the
+  replicated ``[mb, S, d]``;
+* LaX only: the handed-on latents of the 7 projections packed side by side, ``[rows, 7 r]`` (one send). Under BTP's
+  latent sequence parallelism they are this rank's ``N/p`` token rows already. Otherwise (BTP, vanilla) they are
+  replicated over TP, and each TP rank sends only its ``1/p`` share of the ``N`` rows; the receiving stage
+  all-gathers the shares over TP (:func:`receive_latents`); backward is the mirror image (each rank sends back its
+  share of the gradient, which is the same on every TP rank, and the sending stage all-gathers it,
+  :func:`send_latents`). Where ``p`` does not divide ``N`` every rank sends the whole ``N`` rows.
+
+Why a share: the boundary is what crosses nodes (TP inside a node, PP across), and the latents dominate it. At
+lax-7b's shapes (d 4096, r 1024) at TP4, each TP rank would send ``d/p + 7r = 8192`` elements per token across the
+network whole, ``d/p + 7r/p = 2816`` with the share, plus an all-gather of ``7r = 7168`` inside the node. With the
+estimator's A100 numbers (25 GB/s network per GPU, 230 GB/s NVLink bus bandwidth) and a micro-batch of 4 x 4096
+tokens in bf16, one direction takes 268 MB / 25 GB/s = 10.7 ms whole, against 92 MB / 25 GB/s = 3.7 ms plus
+the all-gather's 176 MB of ring traffic / 230 GB/s = 0.8 ms, 4.5 ms (2.4x less). When both stages share a node the
+share saves ``(p-1)/p`` of the latents' P2P bytes and the all-gather moves as many ring bytes, so it about breaks
+even; the runtime does not know the topology, so it always shares.
 
 The loss is the single-process one: each micro-batch's vocab-parallel cross-entropy *sum* divided by
 the token count of the whole step (all DP replicas), times ``dp_size`` because DDP averages gradients

@@ -175,7 +175,7 @@ def test_interleaving_shrinks_the_bubble_and_gpipe_times_like_1f1b():
     assert steps["interleaved-1f1b"].breakdown_s["pp_comm"] > steps["1f1b"].breakdown_s["pp_comm"]  # twice the boundaries
 
 
-@pytest.mark.parametrize("preset, layout, sends", [("cola-13b", "btp", 1), ("llama-13b", "megatron", 1), ("lax-13b", "btp", 8)])
+@pytest.mark.parametrize("preset, layout, sends", [("cola-13b", "btp", 1), ("llama-13b", "megatron", 1), ("lax-13b", "btp", 2)])
 def test_pipeline_transfers_come_from_the_formula(preset, layout, sends):
     config = BoostLlamaConfig.from_preset(preset)
     workload, m = Workload(tp=4, pp=2, num_micro_batches=3), 3
