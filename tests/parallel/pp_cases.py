@@ -43,12 +43,12 @@ def config_of(case: dict):
     return tiny_config(num_hidden_layers=LAYERS, **case.get("model", {}))
 
 
-def batches():
-    """The global batch of each step: ``(input_ids, labels)`` ``[BATCH, SEQ]``, some targets ignored."""
+def batches(seq: int = SEQ):
+    """The global batch of each step: ``(input_ids, labels)`` ``[BATCH, seq]``, some targets ignored."""
     gen = torch.Generator().manual_seed(11)
     out = []
     for _ in range(STEPS):
-        ids = torch.randint(0, 128, (BATCH, SEQ), generator=gen)
+        ids = torch.randint(0, 128, (BATCH, seq), generator=gen)
         labels = ids.clone()
         labels[0, :3] = -100
         labels[-1, 5:] = -100
@@ -63,14 +63,14 @@ def optimizer_of(model):
     return torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01, eps=1e-3)
 
 
-def reference_run(config, pieces: int) -> dict:
+def reference_run(config, pieces: int, seq: int = SEQ) -> dict:
     """One process; each step's batch in ``pieces`` micro-batches of consecutive rows, gradients accumulated."""
     torch.manual_seed(SEED)
     model = BoostLlamaForCausalLM(config)
     model.train()
     optimizer = optimizer_of(model)
     losses, norms, grads = [], [], None
-    for step, (ids, labels) in enumerate(batches()):
+    for step, (ids, labels) in enumerate(batches(seq)):
         tokens = int((labels[:, 1:] != -100).sum())
         loss = 0.0
         for part_ids, part_labels in zip(ids.chunk(pieces), labels.chunk(pieces)):
@@ -107,7 +107,7 @@ def counting_point_to_point():
         schedules._batch_p2p = original
 
 
-def pipeline_run(config, parallel: ParallelConfig) -> dict:
+def pipeline_run(config, parallel: ParallelConfig, seq: int = SEQ) -> dict:
     torch.manual_seed(SEED)
     model = BoostLlamaForCausalLM(config, parallel_config=parallel)
     model.train()
@@ -115,7 +115,7 @@ def pipeline_run(config, parallel: ParallelConfig) -> dict:
     optimizer = optimizer_of(model)
     rows = BATCH // state.dp_size
     losses, norms, grads = [], [], None
-    for step, (ids, labels) in enumerate(batches()):
+    for step, (ids, labels) in enumerate(batches(seq)):
         mine = slice(state.dp_rank * rows, (state.dp_rank + 1) * rows)
         with counting_point_to_point() as sent, CommCounter() as collectives:  # (only the first step's are kept)
             loss = pipeline.train_step(ids[mine], labels[mine])
@@ -130,14 +130,14 @@ def pipeline_run(config, parallel: ParallelConfig) -> dict:
     return {"losses": losses, "norms": norms, "grads": grads, "params": params, "pp_rank": state.pp_rank, **first_step}
 
 
-def expected_boundary_traffic(config, parallel: ParallelConfig, pp_rank: int, dp_size: int) -> dict:
+def expected_boundary_traffic(config, parallel: ParallelConfig, pp_rank: int, dp_size: int, seq: int) -> dict:
     """What this pipeline rank sends point-to-point in one step by the formula, ``m`` micro-batches: each of its
     stages sends one boundary's tensors forward (all but the last) and one backward (all but the first); and,
     under btp and vanilla (whose all-gathers outside the layers, if any, are the last stage's), the elements its
     all-gathers over TP move: the boundary's shared latents (the receiving stage forward, the sending stage
     backward), the layers' it holds and the last stage's."""
     m = parallel.microbatches
-    tokens = BATCH // dp_size // m * SEQ
+    tokens = BATCH // dp_size // m * seq
     boundary = stage_boundary_communication(config, parallel, tokens)
     stages = [s for s, rank in enumerate(stage_ranks(parallel)) if rank == pp_rank]
     crossings = sum(int(s < parallel.num_stages - 1) + int(s > 0) for s in stages)
@@ -156,14 +156,15 @@ def parity_case(case: dict) -> dict:
     config = config_of(case)
     parallel = ParallelConfig(**case["parallel"])
     dp_size = dist.get_world_size() // (parallel.tp_size * parallel.pp_size)
-    reference = reference_run(config, dp_size * parallel.microbatches)
-    ours = pipeline_run(config, parallel)
+    seq = case.get("seq", SEQ)
+    reference = reference_run(config, dp_size * parallel.microbatches, seq)
+    ours = pipeline_run(config, parallel, seq)
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, {"losses": ours["losses"], "norms": ours["norms"], "names": sorted(ours["params"])})
     held = set().union(*(set(r["names"]) for r in everyone))
     grads = {n: rel(g, reference["grads"][n]) for n, g in ours["grads"].items()}
     params = {n: rel(p, reference["params"][n]) for n, p in ours["params"].items()}
-    expected = expected_boundary_traffic(config, parallel, ours["pp_rank"], dp_size)
+    expected = expected_boundary_traffic(config, parallel, ours["pp_rank"], dp_size, seq)
     counted_gathers = parallel.tp_style != "megatron"  # megatron's outside all-gathers sit on both end stages
     return {
         "case": case,
@@ -202,7 +203,7 @@ def pp2_tp2_cases() -> list[dict]:
 
 
 def other_cases() -> list[dict]:
-    """4 processes: PP2 x DP2, PP4, interleaved and the other schedules."""
+    """4 processes: PP2 x DP2, PP4, interleaved and the other schedules; LaX latents that cannot be shared."""
     return [
         {"model": {"bottleneck": "lax"}, "parallel": {"pp_size": 2, "pp_microbatches": 2}},  # PP2 x DP2
         {"model": {"bottleneck": "cola"}, "parallel": {"pp_size": 2, "pp_microbatches": 2, "pp_schedule": "gpipe"}},  # PP2 x DP2
@@ -210,6 +211,8 @@ def other_cases() -> list[dict]:
         {"model": {"bottleneck": "cola"}, "parallel": {"pp_size": 4, "pp_microbatches": 4, "pp_layer_split": (1, 1, 1, 1)}},
         {"model": {"bottleneck": "lax"}, "parallel": {"pp_size": 2, "pp_schedule": "interleaved-1f1b", "pp_microbatches": 2}},  # x DP2
         {"model": {"bottleneck": "lax"}, "parallel": {"pp_size": 2, "tp_size": 2, "pp_schedule": "interleaved-1f1b", "pp_microbatches": 2}},
+        # micro-batches of 1 x 7 tokens: TP2 does not divide them, so every TP rank sends LaX's latents whole
+        {"model": {"bottleneck": "lax"}, "parallel": {"pp_size": 2, "tp_size": 2, "pp_microbatches": 4}, "seq": 7},
     ]
 
 
