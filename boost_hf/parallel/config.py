@@ -49,7 +49,8 @@ class ParallelConfig:
             reduce-scatter over tokens, the latent element-wise work runs on ``N/p`` tokens, and an all-gather
             feeds the B's (the residual stays sharded along ``d``). The sequence length of each micro-batch
             must be divisible by ``tp_size`` (checked at each forward); for generation (one new token per
-            step) turn it off. A no-op at ``tp_size=1``; not supported by ``"vanilla"``.
+            step) turn it off. A no-op at ``tp_size=1``; not supported by ``"vanilla"``. Under pipeline
+            parallelism a stage sends its token shards to the next (:mod:`boost_hf.parallel.pipeline`).
         pp_size: pipeline ranks (``tp_size x pp_size`` must divide the world size; the ranks are laid out as
             ``("pp", "dp", "tp")``, pipeline outermost, TP ranks adjacent). See :mod:`boost_hf.parallel.pipeline`.
         pp_schedule: ``"1f1b"`` (default), ``"gpipe"``, ``"interleaved-1f1b"``, ``"looped-bfs"`` (several stages
@@ -89,11 +90,6 @@ class ParallelConfig:
                 f"{', '.join(map(repr, SEQUENCE_PARALLEL_STYLES))}): set sequence_parallel=False."
             )
         self._check_pipeline()
-        if self.sequence_parallel and self.pp_size > 1:
-            raise ValueError(
-                "sequence_parallel=True with pp_size > 1 is not supported yet (a stage would have to send its N/p-token "
-                "shard): set sequence_parallel=False, or pp_size=1."
-            )
 
     def _check_pipeline(self) -> None:
         for field in ("pp_size", "pp_microbatches", "pp_stages_per_rank"):

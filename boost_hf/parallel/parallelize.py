@@ -117,10 +117,11 @@ def parallelize(model: nn.Module, parallel: ParallelConfig, *, initialize: bool 
         for layer in base.layers:
             layout.parallelize_layer(layer, plan)
         adopt(base.rotary_emb, ComputeDtypeRotaryEmbedding)  # the tables the parallel attention rotates with
+        if plan.residual_tokens_sharded and base.embed_tokens is not None:  # (under PP: the first stage's) layer 0
+            adopt(next(iter(base.layers)), ParallelDecoderLayer, token_shard_entry=plan.group)
         if base.norm is not None and plan.residual_sharded:
             adopt(base.norm, GatheredRMSNorm, group=plan.group)
         elif base.norm is not None and plan.residual_tokens_sharded:
-            adopt(base.layers[0], ParallelDecoderLayer, token_shard_entry=plan.group)
             adopt(base.norm, TokenGatheringRMSNorm, group=plan.group)
         elif base.norm is not None:
             adopt(base.norm, FusedRMSNorm)

@@ -8,13 +8,29 @@ and LM head if it runs the last; everything else is deleted. The Layout machiner
 left, as for a whole model. :class:`Pipeline` runs one :class:`PipelineChunk` per stage as a
 ``PipelineStage`` with static shapes (no shape-inference forward) under the configured schedule.
 
-What crosses a stage boundary, per micro-batch of ``mb`` sequences of ``S`` tokens, from each rank to
-the rank of the same ``(dp, tp)`` coordinates on the next stage (and the same shapes back as gradients):
+What crosses a stage boundary, per micro-batch of ``mb`` sequences of ``S`` tokens (``N = mb S``), from each rank
+to the rank of the same ``(dp, tp)`` coordinates on the next stage (and the same shapes back as gradients), as the
+layout's :meth:`~boost_hf.parallel.layouts.Layout.stage_boundary` states it (the formula,
+:func:`~boost_hf.perf.comm_formula.stage_boundary_communication`, and the engine's static shapes both read it):
 
-* the residual stream as the layout holds it: under BTP this TP rank's ``[mb, S, d/p]`` shard (no
-  gather), under Megatron and vanilla the replicated ``[mb, S, d]``;
-* LaX only: the handed-on latent of each of the 7 projections, ``[mb, S, r]``, replicated over TP under
-  BTP and vanilla (which gathers it for the crossing): every TP rank sends its own copy.
+* the residual stream as the layout holds it: under BTP this TP rank's ``[mb, S, d/p]`` shard (no gather), under
+  Megatron with sequence parallelism its ``[mb, S/p, d]`` token shard, otherwise (Megatron, vanilla) the
+  replicated ``[mb, S, d]``;
+* LaX only: the handed-on latents of the 7 projections packed side by side, ``[rows, 7 r]`` (one send). Under BTP's
+  latent sequence parallelism they are this rank's ``N/p`` token rows already. Otherwise (BTP, vanilla) they are
+  replicated over TP, and each TP rank sends only its ``1/p`` share of the ``N`` rows; the receiving stage
+  all-gathers the shares over TP (:func:`receive_latents`); backward is the mirror image (each rank sends back its
+  share of the gradient, which is the same on every TP rank, and the sending stage all-gathers it,
+  :func:`send_latents`). Where ``p`` does not divide ``N`` every rank sends the whole ``N`` rows.
+
+Why a share: the boundary is what crosses nodes (TP inside a node, PP across), and the latents dominate it. At
+lax-7b's shapes (d 4096, r 1024) at TP4, each TP rank would send ``d/p + 7r = 8192`` elements per token across the
+network whole, ``d/p + 7r/p = 2816`` with the share, plus an all-gather of ``7r = 7168`` inside the node. With the
+estimator's A100 numbers (25 GB/s network per GPU, 230 GB/s NVLink bus bandwidth) and a micro-batch of 4 x 4096
+tokens in bf16, one direction takes 268 MB / 25 GB/s = 10.7 ms whole, against 92 MB / 25 GB/s = 3.7 ms plus
+the all-gather's 176 MB of ring traffic / 230 GB/s = 0.8 ms, 4.5 ms (2.4x less). When both stages share a node the
+share saves ``(p-1)/p`` of the latents' P2P bytes and the all-gather moves as many ring bytes, so it about breaks
+even; the runtime does not know the topology, so it always shares.
 
 The loss is the single-process one: each micro-batch's vocab-parallel cross-entropy *sum* divided by
 the token count of the whole step (all DP replicas), times ``dp_size`` because DDP averages gradients
@@ -32,6 +48,8 @@ from torch import nn
 
 from .config import MULTI_STAGE_SCHEDULES, ParallelConfig
 from .cross_entropy import IGNORE_INDEX, vocab_parallel_causal_lm_loss
+from .primitives import gather_from_tp, split_to_tp
+from .sequence_parallel import check_sequence_length
 
 
 def check_pipeline_model(config, parallel: ParallelConfig) -> None:
@@ -111,17 +129,19 @@ class _ContiguousGradient(torch.autograd.Function):
 
 
 class PipelineChunk(nn.Module):
-    """One pipeline stage of the model: ``(input_ids)`` or ``(hidden, *latents)`` in, ``(hidden, *latents)``
+    """One pipeline stage of the model: ``(input_ids)`` or ``(hidden, [latents])`` in, ``(hidden, [latents])``
     or the vocab-parallel logits ``[mb, S, V/p]`` (last stage) out.
 
-    ``hidden``: the residual as the layout holds it; ``latents``: LaX's handed-on latents in
-    :data:`PROJECTIONS` order (none for other models). Registers the model's own modules (no copy).
+    ``hidden``: the residual as the layout holds it; ``latents``: LaX only, the handed-on latents of the 7
+    projections packed ``[rows, 7 r]`` as the layout's :meth:`~boost_hf.parallel.layouts.Layout.stage_boundary`
+    says (this rank's share of the replicated latents is taken before sending and all-gathered over TP on
+    arrival: :func:`send_latents`, :func:`receive_latents`). Registers the model's own modules (no copy).
     """
 
     def __init__(self, model: nn.Module, stage: int, layers: range, num_stages: int):
         super().__init__()
         base = model.model
-        self.config = model.config
+        self.config, self.plan = model.config, model.plan
         self.is_first, self.is_last = stage == 0, stage == num_stages - 1
         self.embed_tokens = base.embed_tokens if self.is_first else None
         self.layers = nn.ModuleList(base.layers[str(i)] for i in layers)
@@ -136,22 +156,31 @@ class PipelineChunk(nn.Module):
         if self.is_first:
             (input_ids,) = inputs
             hidden = self.embed_tokens(input_ids)
+            microbatch, seq = input_ids.shape
             latents = None
         else:
-            hidden, *previous = (_ContiguousGradient.apply(x) for x in inputs)
-            latents = dict(zip(self.latent_names, previous)) or None
-        position_ids = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
+            hidden, *packed = (_ContiguousGradient.apply(x) for x in inputs)
+            microbatch, seq = hidden.shape[0], hidden.shape[1] * (self.plan.tp_size if self.plan.residual_tokens_sharded else 1)
+            latents = receive_latents(packed[0], self._boundary(microbatch, seq), self.latent_names, microbatch, self.plan.group) if packed else None
+        sequence = hidden.new_empty((microbatch, seq, 0))  # the whole sequence's shape (the residual may hold a token shard)
+        position_ids = torch.arange(seq, device=hidden.device).unsqueeze(0)
         mask = create_causal_mask(
-            config=self.config, inputs_embeds=hidden, attention_mask=attention_mask, past_key_values=None, position_ids=position_ids
+            config=self.config, inputs_embeds=sequence, attention_mask=attention_mask, past_key_values=None, position_ids=position_ids
         )
-        position_embeddings = self.rotary_emb(hidden, position_ids=position_ids)
+        position_embeddings = self.rotary_emb(sequence, position_ids=position_ids)
         for layer in self.layers:
             hidden, latents = layer(
                 hidden, attention_mask=mask, position_embeddings=position_embeddings, position_ids=position_ids, lax_latents=latents
             )
         if self.is_last:
             return self.lm_head(self.norm(hidden))
-        return (hidden.contiguous(), *(latents[name].contiguous() for name in self.latent_names))
+        if not self.latent_names:
+            return (hidden.contiguous(),)
+        packed = send_latents(latents, self._boundary(microbatch, seq), self.latent_names, self.plan.group)
+        return hidden.contiguous(), packed
+
+    def _boundary(self, microbatch: int, seq: int):
+        return self.plan.layout.stage_boundary(self.config, microbatch, seq)
 
 
 def latent_names(config) -> tuple[str, ...]:
@@ -161,11 +190,23 @@ def latent_names(config) -> tuple[str, ...]:
     return PROJECTIONS if config.bottleneck == "lax" else ()
 
 
-def boundary_shapes(config, layout, microbatch: int, seq: int) -> list[tuple[int, ...]]:
-    """Shapes of the tensors one rank sends across a stage boundary per micro-batch: the residual as the
-    layout holds it, then each LaX latent (whole ``r``: see the module docstring)."""
-    residual = (microbatch, seq, layout.widths(config).residual)
-    return [residual] + [(microbatch, seq, config.rank)] * len(latent_names(config))
+def send_latents(latents: dict[str, torch.Tensor], boundary, names: tuple[str, ...], group) -> torch.Tensor:
+    """LaX's handed-on latents ``{name: [mb, S or S/p, r]}`` packed ``[rows, 7 r]`` for the next stage; when
+    ``boundary.latents_shared`` (replicated over TP) only this rank's ``1/p`` of the rows, whose gradient is
+    all-gathered over TP in backward (every rank then holds the whole replicated gradient again)."""
+    packed = torch.cat([latents[name].reshape(-1, latents[name].shape[-1]) for name in names], dim=-1)
+    if boundary.latents_shared:
+        packed = split_to_tp(packed, 0, group)
+    return packed.contiguous()
+
+
+def receive_latents(packed: torch.Tensor, boundary, names: tuple[str, ...], microbatch: int, group) -> dict[str, torch.Tensor]:
+    """The inverse of :func:`send_latents`: ``[rows, 7 r]`` -> ``{name: [mb, rows' / mb, r]}`` (views), the rows
+    all-gathered over TP first when ``boundary.latents_shared`` (backward: each rank keeps its share of the
+    gradient, the same on every rank, and sends it back)."""
+    if boundary.latents_shared:
+        packed = gather_from_tp(packed, 0, group)
+    return {name: part.view(microbatch, -1, part.shape[-1]) for name, part in zip(names, packed.chunk(len(names), dim=-1))}
 
 
 def _schedule_class(name: str):
@@ -239,7 +280,7 @@ class Pipeline:
         def meta(shape, dtype=dtype):
             return torch.empty(shape, dtype=dtype, device="meta", requires_grad=dtype.is_floating_point)
 
-        boundary = tuple(meta(shape) for shape in boundary_shapes(config, self.plan.layout, microbatch, seq))
+        boundary = tuple(meta(shape) for shape in self.plan.layout.stage_boundary(config, microbatch, seq).shapes)
         logits = meta((microbatch, seq, config.vocab_size // self.plan.tp_size))
         device = next(self.model.parameters()).device
         stages = []
@@ -264,6 +305,8 @@ class Pipeline:
     # ------------------------------------------------------------------ running
     def _check_batch(self, input_ids: torch.Tensor) -> None:
         batch, m = input_ids.shape[0], self.parallel.microbatches
+        if self.parallel.shards_tokens:
+            check_sequence_length(input_ids.shape[1], self.parallel.tp_size)
         if batch % m != 0:
             raise ValueError(
                 f"a pipeline step splits its batch of {batch} sequences into pp_microbatches={m} micro-batches of equal "
@@ -324,10 +367,11 @@ __all__ = [
     "PipelineChunk",
     "Placement",
     "StageLayers",
-    "boundary_shapes",
     "check_pipeline_model",
     "count_targets",
     "keep_this_ranks_stages",
     "latent_names",
+    "receive_latents",
+    "send_latents",
     "stage_ranks",
 ]

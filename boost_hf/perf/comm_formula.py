@@ -75,27 +75,34 @@ def model_communication(
 
 
 class PointToPoint(NamedTuple):
-    """Point-to-point sends of one TP rank to its peer in the neighbouring pipeline stage: ``sends``
-    tensors holding ``elements`` in total."""
+    """Point-to-point sends of one TP rank to its peer in the neighbouring pipeline stage: ``sends`` tensors
+    holding ``elements`` in total; ``tp_collectives``: what the boundary adds inside the TP group in the same
+    direction (the all-gather of LaX's shared latents: on the receiving stage forward, the sending stage
+    backward)."""
 
     sends: int
     elements: int
+    tp_collectives: Communication = Communication()
 
     def bytes(self, dtype_bytes: int = 2) -> int:
-        """Volume in bytes: ``elements * dtype_bytes`` (2 for bf16)."""
+        """Point-to-point volume in bytes: ``elements * dtype_bytes`` (2 for bf16)."""
         return self.elements * dtype_bytes
 
 
 def stage_boundary_communication(config, parallel: ParallelConfig, tokens: int) -> PointToPoint:
     """What crosses one pipeline-stage boundary for a micro-batch of ``tokens`` tokens, per TP rank and per
     direction: forward, TP rank ``t`` of stage ``s`` sends the tensors of the layout's
-    :meth:`~boost_hf.parallel.layouts.Layout.stage_boundary_widths` to TP rank ``t`` of stage ``s + 1``;
-    backward their gradients go back, the same sends and elements.
+    :meth:`~boost_hf.parallel.layouts.Layout.stage_boundary` to TP rank ``t`` of stage ``s + 1``; backward their
+    gradients go back, the same sends and elements.
 
-    Elements: ``N d/p`` under btp (its own residual shard, a ``1/p`` share of megatron's and vanilla's
-    replicated ``N d``), plus ``7 N r`` under LaX (one whole latent per projection type, in 7 more sends)."""
-    widths = layout_for(config, parallel).stage_boundary_widths(config)
-    return PointToPoint(len(widths), tokens * sum(widths.values()))
+    Elements: the residual, ``N d/p`` under btp (its own shard along ``d``) and under megatron with sequence
+    parallelism (its ``N/p`` tokens), else the replicated ``N d``; plus LaX's 7 handed-on latents in one more send,
+    ``7 N r / p`` (a token share: already this rank's under latent sequence parallelism; otherwise replicated, then
+    all-gathered over TP, ``7 N r`` elements, in ``tp_collectives``; ``7 N r`` whole when ``p`` does not divide
+    ``N``)."""
+    boundary = layout_for(config, parallel).stage_boundary(config, 1, tokens)
+    gathers = all_gather(1, boundary.gathered) if boundary.latents_shared else Communication()
+    return PointToPoint(len(boundary.shapes), boundary.elements, gathers)
 
 
 __all__ = [

@@ -42,8 +42,9 @@ Time of one decoder layer, forward (backward in parentheses)::
   and GPipe, a bubble of ``(pp-1)/(m+pp-1)``, and ``(pp-1)/(v m+pp-1)`` interleaved. Every stage pays one
   activation transfer and one gradient transfer per micro-batch,
   :func:`~boost_hf.perf.comm_formula.stage_boundary_communication` (``N d`` elements per rank, ``N d / p``
-  under btp where the residual is sharded, plus LaX's ``7 N r``), timed as ``latency * sends + bytes /
-  bandwidth`` over NVLink when the ``tp * pp`` GPUs fit in one node, else over the inter-node network.
+  under btp where the residual is sharded, plus LaX's ``7 N r / p`` share), timed as ``latency * sends + bytes /
+  bandwidth`` over NVLink when the ``tp * pp`` GPUs fit in one node, else over the inter-node network, plus the
+  all-gather of LaX's shared latents over TP (``7 N r``, as a TP collective).
   Peak activation memory per stage (``"full"`` and ``"lowrank"`` checkpointing,
   :func:`~boost_hf.perf.activation_memory.saved_elements_per_layer`) is the stage's saved elements per
   micro-batch times the micro-batches it keeps in flight (1F1B: ``min(m, pp - i)`` on stage ``i``; GPipe:
@@ -444,6 +445,7 @@ def estimate_layout(
     if pp > 1:
         bandwidth = hardware.point_to_point_gbps(same_node=p * pp <= hardware.gpus_per_node)
         send = boundary.sends * hardware.latency_us * 1e-6 + boundary.bytes(workload.dtype_bytes) / (bandwidth * 1e9)
+        send += _comm_time(boundary.tp_collectives, workload, hardware)  # LaX: all-gather of the shared latents over TP
         p2p = {"pp_comm": 2 * send}
     last = len(counts) - 1
     stages = [

@@ -18,6 +18,7 @@ low-rank checkpointing) cuts between them:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import ClassVar, NamedTuple
 
@@ -65,6 +66,38 @@ class ResidualWidths:
     k: int
     mlp: int
     latent: int
+
+
+@dataclass(frozen=True)
+class StageBoundary:
+    """The tensors one TP rank sends the same TP rank of the next pipeline stage per micro-batch (forward; their
+    gradients, the same shapes, come back in backward).
+
+    ``residual``: the residual stream's shape as the layout holds it. ``latents``: LaX only, the handed-on latents
+    of the 7 projections side by side, ``[rows, 7 r]`` (rows: the micro-batch's tokens, flattened). ``gathered``:
+    elements of the all-gather over TP the boundary adds in each direction (``7 N r``) when the latents are
+    replicated over TP and the rows are this rank's ``1/p`` share (:attr:`latents_shared`): the receiving stage
+    all-gathers the ``p`` shares; in backward each rank sends back its share of the (replicated) gradient and the
+    sending stage all-gathers it."""
+
+    residual: tuple[int, ...]
+    latents: tuple[int, ...] | None = None
+    gathered: int = 0
+
+    @property
+    def latents_shared(self) -> bool:
+        """Each TP rank sends a ``1/p`` share of the replicated latents (all-gathered over TP on arrival)."""
+        return self.gathered > 0
+
+    @property
+    def shapes(self) -> list[tuple[int, ...]]:
+        """The shapes sent, in order: the residual, then the packed latents (LaX)."""
+        return [self.residual] + ([self.latents] if self.latents is not None else [])
+
+    @property
+    def elements(self) -> int:
+        """Elements sent in all."""
+        return sum(math.prod(shape) for shape in self.shapes)
 
 
 class ProjectionGroup:
@@ -228,16 +261,28 @@ class Layout:
         """Per-rank widths of the element-wise work."""
         raise NotImplementedError
 
-    def stage_boundary_widths(self, config) -> dict[str, int]:
-        """What one TP rank hands the same TP rank of the next pipeline stage, per token of a micro-batch:
-        name -> width of each ``[mb, S, width]`` tensor sent forward (their gradients come back in
-        backward, the same sizes). The residual stream as this layout holds it (``d``, or ``d/p`` when it
-        is sharded: no gather at the boundary); under LaX also the last block's latent of each projection
-        type (``r`` each, replicated across TP: every TP rank sends its own whole copy)."""
-        widths = {"hidden_states": self.widths(config).residual}
-        if config.bottleneck == "lax":
-            widths.update({name: config.rank for name in config.projection_shapes()})
-        return widths
+    def stage_boundary(self, config, microbatch: int, seq: int) -> StageBoundary:
+        """What one TP rank hands the same TP rank of the next pipeline stage for a micro-batch of ``microbatch``
+        sequences of ``seq`` tokens (their gradients come back in backward, the same shapes); see
+        :class:`StageBoundary`. The residual stream as this layout holds it: ``[mb, S, d/p]`` when it is sharded
+        along ``d`` (no gather at the boundary), ``[mb, S/p, d]`` under Megatron's sequence parallelism, else the
+        replicated ``[mb, S, d]``. LaX also hands on the last block's latent of each of the 7 projections, packed
+        ``[rows, 7 r]``: this rank's ``N/p`` token rows under latent sequence parallelism (they are token shards
+        already); otherwise they are replicated over TP and each rank sends a ``1/p`` share of the ``N = mb S``
+        rows (``latents_shared``; the whole ``N`` rows when ``p`` does not divide ``N``)."""
+        p, d = self.parallel.tp_size, config.hidden_size
+        if self.parallel.shards_tokens and not self.residual_sharded:
+            residual = (microbatch, seq // p, d)
+        else:
+            residual = (microbatch, seq, self.widths(config).residual)
+        if config.bottleneck != "lax":
+            return StageBoundary(residual)
+        width, rows = len(config.projection_shapes()) * config.rank, microbatch * seq
+        if self.parallel.shards_tokens:
+            return StageBoundary(residual, (rows // p, width))
+        if p > 1 and rows % p == 0:
+            return StageBoundary(residual, (rows // p, width), gathered=rows * width)
+        return StageBoundary(residual, (rows, width))
 
 
 def split_latents(z: torch.Tensor, count: int) -> tuple[torch.Tensor, ...]:
@@ -272,4 +317,4 @@ def low_rank_a_gemms(config, n: int, r_local: int, local: dict[str, int], groupe
     return [Gemm(f"{name}.A", n, local[width], r_local, "A") for name, width in inputs.items()]
 
 
-__all__ = ["Layout", "ProjectionGroup", "Gemm", "ResidualWidths", "GROUPS", "READS_NORM", "split_latents", "apply_latent_functions", "low_rank_a_gemms"]
+__all__ = ["Layout", "ProjectionGroup", "StageBoundary", "Gemm", "ResidualWidths", "GROUPS", "READS_NORM", "split_latents", "apply_latent_functions", "low_rank_a_gemms"]
