@@ -8,12 +8,13 @@ broadcasts its updated parameters over the DP group (the gradients were all-redu
 without ZeRO). The update of every parameter is the same AdamW arithmetic as without sharding; the Trainer's
 gradient clipping (the global norm over PP x TP, from the full gradients every DP rank holds) and the learning-rate
 scheduler (which sets the ``lr`` of the wrapper's parameter groups, copied to the local optimizer at each step)
-run unchanged. Memory: the optimizer state of a rank is ``1/dp`` of its stage's, plus torch's per-step parameter
-broadcast over DP.
+run unchanged. Memory: a rank keeps about ``1/dp`` of its stage's optimizer state (whole tensors, so the split is
+as even as their sizes allow); communication: each step adds one broadcast of every parameter over DP from its
+owner.
 
 Checkpoints are the same files as without ZeRO-1: before saving, every DP rank's share is consolidated on DP rank 0
-(:meth:`~torch.distributed.optim.ZeroRedundancyOptimizer.consolidate_state_dict`, point-to-point broadcasts over the
-DP group), which writes the whole state dict of its (pipeline, TP) rank; so a run resumes with or without
+(:meth:`~torch.distributed.optim.ZeroRedundancyOptimizer.consolidate_state_dict`: one object broadcast per DP rank
+over the DP group), which writes the whole state dict of its (pipeline, TP) rank; so a run resumes with or without
 ``--zero1_optimizer`` and at any PP x TP x DP (:mod:`boost_hf.training.resume`), each rank keeping its share on load.
 """
 

@@ -13,8 +13,8 @@ loading the checkpoint (its ZeRO-1 share only under ``--zero1_optimizer``) and t
 * ``four``: ``pp2-tp2`` (checkpoint at 3); ``pp2-tp2-from-single`` (``single/checkpoint-3`` resumed at pp 2 x tp 2);
   ``tp2-dp2-from-pp2`` (``pp2-tp2/checkpoint-3`` at pp 1 x tp 2 x dp 2); ``pp2-dp2-interleaved-from-pp2`` (the same at
   pp 2 x dp 2, interleaved 1F1B: 2 stages per rank, other layers per pipeline rank); ``pp2-dp2`` (1F1B, no ZeRO-1);
-  ``pp2-dp2-zero1`` (the same with ``--zero1_optimizer``, checkpoint at 3); ``dp4-zero1-from-zero1`` (its checkpoint at
-  pp 1 x tp 1 x dp 4, ZeRO-1 over 4 ranks).
+  ``pp2-dp2-zero1`` (the same with ``--zero1_optimizer``, checkpoint at 3); ``pp2-dp2-zero1-resumed`` (its checkpoint
+  at the same layout); ``dp4-zero1-from-zero1`` (its checkpoint at pp 1 x tp 1 x dp 4, ZeRO-1 over 4 ranks).
 * ``one``: ``single-from-pp2`` (``pp2-tp2/checkpoint-3`` in one process) and ``single-from-zero1``
   (``pp2-dp2-zero1/checkpoint-3`` in one process, without ZeRO-1).
 """
@@ -87,6 +87,7 @@ def main(mode: str, out: str, *common: str) -> None:
               "--pp_microbatches", "4", "--per_device_train_batch_size", "4", resume="pp2-tp2")
         train(out, "pp2-dp2", common, *pp2_dp2)
         train(out, "pp2-dp2-zero1", common, *pp2_dp2, "--zero1_optimizer", "true", save=True)
+        train(out, "pp2-dp2-zero1-resumed", common, *pp2_dp2, "--zero1_optimizer", "true", resume="pp2-dp2-zero1")
         train(out, "dp4-zero1-from-zero1", common, "--tp_size", "1", "--per_device_train_batch_size", "2", "--zero1_optimizer", "true",
               resume="pp2-dp2-zero1")
     else:

@@ -5,7 +5,8 @@ at another pp x tp x dp: every resumed run's per-step losses equal the uninterru
 the optimizer state each rank holds right after loading is bit-identical to its slice of the saved state
 reassembled from the checkpoint's files (pp 2 x tp 2 -> one process, -> pp 1 x tp 2 x dp 2, -> pp 2 x dp 2
 interleaved; one process -> pp 2 x tp 2). ``--zero1_optimizer`` at pp 2 x dp 2 matches one process and the same
-run without it; its checkpoint (consolidated) resumes at pp 1 x dp 4 with ZeRO-1 and in one process without.
+run without it; its checkpoint (consolidated) resumes at its layout and at pp 1 x dp 4 with ZeRO-1, and in one
+process without.
 Runs: :mod:`tests.training.pipeline_resume_cases`, three launches (about 4 minutes on 2 cores).
 """
 
@@ -36,6 +37,7 @@ RESUMED = {  # resumed run -> the run whose checkpoint-3 it resumed
     "tp2-dp2-from-pp2": "pp2-tp2",
     "pp2-dp2-interleaved-from-pp2": "pp2-tp2",
     "single-from-pp2": "pp2-tp2",
+    "pp2-dp2-zero1-resumed": "pp2-dp2-zero1",
     "dp4-zero1-from-zero1": "pp2-dp2-zero1",
     "single-from-zero1": "pp2-dp2-zero1",
 }
