@@ -7,7 +7,9 @@ reassembled from the checkpoint's files (pp 2 x tp 2 -> one process, -> pp 1 x t
 interleaved; one process -> pp 2 x tp 2). ``--zero1_optimizer`` at pp 2 x dp 2 matches one process and the same
 run without it; its checkpoint (consolidated) resumes at its layout and at pp 1 x dp 4 with ZeRO-1, and in one
 process without.
-Runs: :mod:`tests.training.pipeline_resume_cases`, three launches (about 4 minutes on 2 cores).
+Runs: :mod:`tests.training.pipeline_resume_cases`, three launches (about 3-4 minutes on 2 cores). In one process:
+the resharding across pipeline ranks, the layout checks and the refusals (``--zero1_optimizer`` with DeepSpeed, LORO
+or a given optimizer); at dp 1 ``--zero1_optimizer`` is the plain optimizer.
 """
 
 from __future__ import annotations
@@ -219,3 +221,27 @@ def test_zero1_refusals(tmp_path, fields, words):
 
     with pytest.raises(ValueError, match=words):
         BoostTrainingArguments(output_dir=str(tmp_path), report_to="none", **fields)
+
+
+def test_zero1_with_a_given_optimizer_is_refused(tmp_path):
+    from boost_hf.training import BoostTrainer
+
+    from .test_reliability import arguments, blocks, tiny_model
+
+    model = tiny_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="an optimizer was passed in optimizers=.*optimizer_cls_and_kwargs"):
+        BoostTrainer(model=model, args=arguments(tmp_path, zero1_optimizer=True), optimizers=(optimizer, None),
+                     train_dataset=blocks(32), eval_dataset=blocks(4))
+
+
+def test_zero1_in_one_process_is_the_plain_optimizer(tmp_path):
+    """At dp 1 there is nothing to shard: the run is the one without ``--zero1_optimizer``, bit for bit."""
+    from .test_reliability import trainer
+
+    with_zero1, without = trainer(tmp_path / "zero1", zero1_optimizer=True), trainer(tmp_path / "plain")
+    for t in (with_zero1, without):
+        t.train()
+        t._output_dir_lock.release()
+    assert not isinstance(getattr(with_zero1.optimizer, "optimizer", None), torch.distributed.optim.ZeroRedundancyOptimizer)
+    assert all(torch.equal(a, b) for a, b in zip(with_zero1.model.parameters(), without.model.parameters()))
