@@ -581,11 +581,11 @@ class BoostTrainer(Trainer):
             super()._save_optimizer_and_scheduler(output_dir)
         else:
             zero = sharded_over_data_parallel(self.optimizer)
-            if zero is not None:
-                zero.consolidate_state_dict(to=0)  # DP rank 0 of this (pipeline, TP) rank receives every DP rank's part
-            if state.dp_rank == 0:  # DP replicas hold the same optimizer state
+            # DP replicas hold the same optimizer state; ZeRO-1 shares are gathered on DP rank 0 (collective over DP)
+            whole = zero.consolidated_state_dict() if zero is not None else self.optimizer.state_dict() if state.dp_rank == 0 else None
+            if state.dp_rank == 0:
                 name = optimizer_file_name(state.tp_rank, state.tp_size, state.pp_rank, state.pp_size)
-                torch.save(self.optimizer.state_dict(), os.path.join(output_dir, name))
+                torch.save(whole, os.path.join(output_dir, name))
         if self.args.should_save:
             if not self.is_deepspeed_enabled:
                 torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))

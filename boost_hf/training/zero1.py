@@ -48,7 +48,8 @@ class DataParallelShardedOptimizer(ZeroRedundancyOptimizer):
     """torch's ``ZeroRedundancyOptimizer`` whose ``state_dict()`` also answers before its first step or load, when
     no rank holds any state yet (the empty state dict: nothing to consolidate). accelerate asks for it when it
     wraps the optimizer (``AcceleratedOptimizer`` moves the state to the device); torch would raise. After a step or
-    a load, ``state_dict()`` needs :meth:`consolidate_state_dict` first, as in torch."""
+    a load, ``state_dict()`` needs :meth:`consolidate_state_dict` first, as in torch; :meth:`consolidated_state_dict`
+    does both."""
 
     def step(self, closure=None, **kwargs):
         self.holds_state = True
@@ -62,6 +63,17 @@ class DataParallelShardedOptimizer(ZeroRedundancyOptimizer):
         if not getattr(self, "holds_state", False) and not self._all_state_dicts:
             return Optimizer.state_dict(self)
         return super().state_dict()
+
+    def consolidated_state_dict(self) -> dict | None:
+        """Collective over the DP group: the whole state dict (torch's format, as the unsharded optimizer's) on DP
+        rank 0, ``None`` on the others. The gathered shares are dropped afterwards (torch would keep them on DP
+        rank 0 until the next consolidation: a second copy of the whole state)."""
+        self.consolidate_state_dict(to=0)
+        if self.rank != 0:
+            return None
+        state = self.state_dict()
+        self._all_state_dicts = []
+        return state
 
 
 def zero1_class_and_kwargs(optimizer_cls, optimizer_kwargs: dict, dp_group) -> tuple[type, dict]:
