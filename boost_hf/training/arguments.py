@@ -22,6 +22,7 @@ from transformers import TrainingArguments
 from ..parallel.config import ParallelConfig
 from ..optim.loro import LORO_WITHOUT_DEEPSPEED, LOWRANK_OPTIMIZERS
 from .health import NONFINITE_POLICIES
+from .zero1 import check_zero1
 
 logger = logging.getLogger(__name__)
 
@@ -97,6 +98,10 @@ class BoostTrainingArguments(TrainingArguments):
             the Adam moments are reset and the learning rate warms up again after each.
         loro_lr_scale: the factors' learning rate on lazy steps, relative to ``learning_rate`` (default ``r / d``).
         loro_restart_warmup_steps: steps of the linear warm-up after each exact step (the authors: 5; 0: none).
+        zero1_optimizer: ZeRO-1 without DeepSpeed: each data-parallel rank keeps the optimizer state of a share of the
+            parameters (torch's ``ZeroRedundancyOptimizer`` over the DP group; :mod:`boost_hf.training.zero1`), at any
+            layout including ``pp_size > 1``; checkpoints hold the consolidated state (resumable at any layout, with or
+            without it). At dp 1 there is nothing to shard: the plain optimizer. Not with DeepSpeed or LORO.
 
     Without CUDA, ``use_cpu`` is set (and ``ddp_backend="gloo"`` when launched on several processes), so
     ``accelerate launch`` runs on CPU processes with or without DeepSpeed. ``ddp_timeout`` bounds every collective
@@ -142,6 +147,10 @@ class BoostTrainingArguments(TrainingArguments):
         default=None, metadata={"help": "LORO: the factors' lazy-step learning rate relative to learning_rate (default r/d)."}
     )
     loro_restart_warmup_steps: int = field(default=5, metadata={"help": "LORO: warm-up steps after each exact step."})
+    zero1_optimizer: bool = field(
+        default=False,
+        metadata={"help": "ZeRO-1 without DeepSpeed: the optimizer state sharded over the data-parallel group (any pp_size)."},
+    )
 
     # CoLA recipe defaults (BOOST.md section 1)
     weight_decay: float = 0.01
@@ -167,6 +176,7 @@ class BoostTrainingArguments(TrainingArguments):
             )
             self.activation_checkpointing = self.gradient_checkpointing = False
         check_lowrank_optimizer(self)
+        check_zero1(self)
         super().__post_init__()
         if self.peak_tflops is None:
             self.peak_tflops = default_peak_tflops()
@@ -198,7 +208,8 @@ class BoostTrainingArguments(TrainingArguments):
             raise ValueError(
                 f"DeepSpeed cannot run with pp_size={self.pp_size}: the pipeline schedule runs each micro-batch's backward "
                 "itself, which DeepSpeed's engine must own (DeepSpeed's own pipeline engine refuses ZeRO-2/3 for the same "
-                "reason). Drop --deepspeed: boost-hf trains pipelines with DDP over the data-parallel group."
+                "reason). Drop --deepspeed: boost-hf trains pipelines with DDP over the data-parallel group, and "
+                "--zero1_optimizer shards the optimizer state over it (ZeRO-1 with torch's ZeroRedundancyOptimizer)."
             )
 
     @cached_property

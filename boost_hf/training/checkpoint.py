@@ -4,13 +4,16 @@ A checkpoint folder ``checkpoint-<step>`` holds
 
 * the model as the canonical, unsharded ``model.safetensors`` + ``config.json`` + tokenizer (loadable with
   ``from_pretrained`` at any TP size; written by global rank 0 after a TP all-gather);
-* the optimizer: without DeepSpeed, one file per TP rank (``optimizer.pt`` at tp_size 1,
-  ``optimizer_tp<rank>.pt`` otherwise; DP ranks hold identical copies, DP rank 0 writes); with
-  DeepSpeed, its own ``global_step<N>/`` folder (ZeRO partitions per DP rank and TP rank);
+* the optimizer: without DeepSpeed, one file per (pipeline rank, TP rank) over that pipeline rank's parameters
+  (:func:`optimizer_file_name`: ``optimizer.pt`` at pp 1 x tp 1, ``optimizer_tp<rank>.pt`` at pp 1,
+  ``optimizer_pp<rank>_tp<rank>.pt`` under PP; DP ranks hold identical copies, or ZeRO-1 shares consolidated
+  first, and DP rank 0 writes); with DeepSpeed, its own ``global_step<N>/`` folder (ZeRO partitions per DP rank
+  and TP rank);
 * ``scheduler.pt``, ``rng_state_<rank>.pth`` (every rank) and ``trainer_state.json`` (step, epoch, logs:
   the data position follows from the step and the seeded sampler);
-* ``training_layout.json``: TP x DP sizes, ZeRO stage, global batch and the optimizer's parameters with their
-  sharding, which lets a run at another layout reshard the optimizer state (:mod:`boost_hf.training.resume`);
+* ``training_layout.json``: PP x TP x DP sizes, ZeRO stage, global batch and, per pipeline rank, the optimizer's
+  parameters (canonical names) with their sharding, which lets a run at another layout reshard the optimizer state
+  (:mod:`boost_hf.training.resume`);
 * ``manifest.json``, written last by rank 0 once every rank has written (:mod:`boost_hf.checkpoint_integrity`):
   size and SHA-256 of every file and the model's architecture record. A folder without it is incomplete;
   resuming verifies it.

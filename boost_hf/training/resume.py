@@ -1,18 +1,23 @@
-"""Resuming at any layout: the checkpoint's training layout, optimizer state resharded to another TP size, and
-the checks that refuse what cannot be resumed exactly.
+"""Resuming at any layout: the checkpoint's training layout, optimizer state resharded to another PP x TP layout,
+and the checks that refuse what cannot be resumed exactly.
 
-Every checkpoint holds ``training_layout.json`` (written by :func:`write_training_layout`): the TP and DP sizes, the
-ZeRO stage (``None`` without DeepSpeed), the global batch and, without DeepSpeed, the optimizer's parameters in
-its state-dict order with their canonical names and sharding (``partition_dim``). The optimizer state itself is
-one ``torch`` state dict per TP rank (``optimizer.pt`` at tp_size 1, ``optimizer_tp<rank>.pt`` otherwise; DP ranks
-hold identical copies).
+Every checkpoint holds ``training_layout.json`` (written by :func:`write_training_layout`): the PP, TP and DP sizes,
+the ZeRO stage (``None`` without DeepSpeed), the global batch and, without DeepSpeed, the optimizer record
+(``"optimizer"``, :func:`saved_optimizer_record`): for each pipeline rank, the files of its TP ranks, its optimizer's
+group sizes and its parameters in state-dict order with their canonical names and sharding (``partition_dim``).
+The optimizer state itself is one ``torch`` state dict per (pipeline rank, TP rank)
+(:func:`~boost_hf.training.checkpoint.optimizer_file_name`: ``optimizer.pt`` at pp 1 x tp 1,
+``optimizer_tp<rank>.pt`` at pp 1, ``optimizer_pp<rank>_tp<rank>.pt`` under PP), over that pipeline rank's
+parameters; DP ranks hold identical copies (with ``--zero1_optimizer`` they are consolidated first, so the files
+are the same). Together the files hold every parameter's state under its canonical name.
 
-* **Same TP size**: each rank loads its own file as saved (bit-identical resume).
-* **Another TP size** (no DeepSpeed): :func:`reshard_optimizer_state` rebuilds each per-parameter tensor
-  (AdamW's ``exp_avg`` / ``exp_avg_sq``) as the canonical tensor (the saved TP ranks' shards concatenated along
-  ``partition_dim``, as the weights are) and takes this rank's slice with the parameter's
-  :class:`~boost_hf.parallel.sharding.ShardSpec`; scalars (``step``) and the hyper-parameters of the
-  parameter groups are copied. The DP size of a run without DeepSpeed does not enter the optimizer state.
+* **Same TP size, same parameters per pipeline rank**: each rank loads its own file as saved (bit-identical).
+* **Any other PP x TP** (no DeepSpeed): :func:`reshard_optimizer_state` reads the files of the saved pipeline
+  ranks that hold this rank's parameters only, rebuilds each per-parameter tensor (AdamW's ``exp_avg`` /
+  ``exp_avg_sq``) as the canonical tensor (the saved TP ranks' shards concatenated along ``partition_dim``, as the
+  weights are) and takes this rank's slice with the parameter's :class:`~boost_hf.parallel.sharding.ShardSpec`;
+  scalars (``step``) and the hyper-parameters of the parameter groups are copied. Exact (no arithmetic). The DP
+  size of a run without DeepSpeed does not enter the optimizer state.
 * **DeepSpeed**: ZeRO partitions over the DP group are resumed by DeepSpeed at the same TP x DP size and
   ZeRO stage only; another layout raises :class:`ResumeLayoutError`.
 * **Data position**: the trainer resumes at ``global_step`` and skips ``global_step x global batch`` samples of
@@ -24,6 +29,8 @@ hold identical copies).
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import json
 import os
 
@@ -45,7 +52,26 @@ def parameter_names(model, optimizer) -> list[str]:
     return [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
 
 
-def training_layout(*, tp_size: int, dp_size: int, zero_stage: int | None, args, model=None, optimizer=None, pp_size: int = 1) -> dict:
+def optimizer_record(model, optimizer) -> dict:
+    """This rank's part of a checkpoint's optimizer record: the parameter count of each of ``optimizer``'s groups and
+    its parameters in state-dict order, each ``{"name": canonical name, "partition_dim": TP split or None}``. The
+    same on every TP and DP rank of one pipeline rank."""
+    params = dict(model.named_parameters())
+
+    def partition_dim(name: str) -> int | None:
+        spec = shard_spec_of(params[name])
+        return spec.partition_dim if spec.is_sharded else None
+
+    return {
+        "groups": [len(group["params"]) for group in optimizer.param_groups],
+        "parameters": [{"name": name, "partition_dim": partition_dim(name)} for name in parameter_names(model, optimizer)],
+    }
+
+
+def training_layout(*, tp_size: int, dp_size: int, zero_stage: int | None, args, pp_size: int = 1,
+                    optimizer_records: list[dict] | None = None) -> dict:
+    """The layout a checkpoint records; ``optimizer_records``: :func:`optimizer_record` of each pipeline rank (without
+    DeepSpeed), stored under ``"optimizer"`` with the files of its TP ranks."""
     layout = {
         "pp_size": pp_size,
         "tp_size": tp_size,
@@ -55,15 +81,24 @@ def training_layout(*, tp_size: int, dp_size: int, zero_stage: int | None, args,
         "per_device_train_batch_size": args.per_device_train_batch_size,
         "gradient_accumulation_steps": args.gradient_accumulation_steps,
     }
-    if zero_stage is None and optimizer is not None and pp_size == 1:
-        params = {n: p for n, p in model.named_parameters()}
-        layout["optimizer_files"] = [optimizer_file_name(r, tp_size) for r in range(tp_size)]
-        layout["optimizer_groups"] = [len(group["params"]) for group in optimizer.param_groups]
-        layout["optimizer_parameters"] = [
-            {"name": name, "partition_dim": shard_spec_of(params[name]).partition_dim if shard_spec_of(params[name]).is_sharded else None}
-            for name in parameter_names(model, optimizer)
+    if zero_stage is None and optimizer_records is not None:
+        layout["optimizer"] = [
+            {"files": [optimizer_file_name(t, tp_size, p, pp_size) for t in range(tp_size)], **record}
+            for p, record in enumerate(optimizer_records)
         ]
     return layout
+
+
+def saved_optimizer_record(layout: dict | None) -> list[dict] | None:
+    """The checkpoint's optimizer record, one entry per pipeline rank (``files`` per TP rank, ``groups``,
+    ``parameters``); a checkpoint of an earlier version without pipeline ranks has one; ``None`` without a record."""
+    if layout is None:
+        return None
+    if "optimizer" in layout:
+        return layout["optimizer"]
+    if "optimizer_files" in layout:  # written before pipeline parallelism: one pipeline rank
+        return [{"files": layout["optimizer_files"], "groups": layout["optimizer_groups"], "parameters": layout["optimizer_parameters"]}]
+    return None
 
 
 def write_training_layout(checkpoint: str, layout: dict) -> None:
@@ -81,7 +116,8 @@ def read_training_layout(checkpoint: str) -> dict | None:
 
 def _describe(layout: dict) -> str:
     zero = f", ZeRO-{layout['zero_stage']}" if layout.get("zero_stage") is not None else ", no DeepSpeed"
-    return f"tp_size={layout['tp_size']} x dp={layout['dp_size']}{zero}, global batch {layout['global_batch_size']}"
+    pp = f"pp_size={layout['pp_size']} x " if layout.get("pp_size", 1) > 1 else ""
+    return f"{pp}tp_size={layout['tp_size']} x dp={layout['dp_size']}{zero}, global batch {layout['global_batch_size']}"
 
 
 def check_resume_layout(checkpoint: str, current: dict) -> None:
@@ -98,15 +134,16 @@ def check_resume_layout(checkpoint: str, current: dict) -> None:
             "and the learning-rate schedule count steps of one global batch. Resume with per_device_train_batch_size x "
             f"gradient_accumulation_steps x dp = {saved['global_batch_size']}, or {weights_only}."
         )
-    if saved.get("pp_size", 1) != current.get("pp_size", 1) or (current.get("pp_size", 1) > 1 and saved["tp_size"] != current["tp_size"]):
+    saved_pp, saved_tp = saved.get("pp_size", 1), saved["tp_size"]
+    if (saved["zero_stage"] is None and saved_optimizer_record(saved) is None and saved_pp > 1
+            and (saved_pp, saved_tp) != (current.get("pp_size", 1), current["tp_size"])):
         raise ResumeLayoutError(
-            f"{checkpoint} was saved at pp_size={saved.get('pp_size', 1)} x {_describe(saved)} and this run is pp_size="
-            f"{current.get('pp_size', 1)} x {_describe(current)}: the optimizer state of a pipeline run is resumed at its own "
-            f"pp_size and tp_size only (any dp). Resume at pp_size={saved.get('pp_size', 1)} and tp_size={saved['tp_size']}, "
-            f"or {weights_only}."
+            f"{checkpoint} was saved at {_describe(saved)} by a boost-hf version that did not record its optimizer's "
+            f"parameters per pipeline rank, so its optimizer state cannot be resharded to this run's {_describe(current)}. "
+            f"Resume at pp_size={saved_pp} and tp_size={saved_tp} (any dp), or {weights_only}."
         )
     if saved["zero_stage"] is None and current["zero_stage"] is None:
-        return  # any TP x DP: the optimizer state is resharded
+        return  # any PP x TP x DP: the optimizer state is resharded
     if saved["zero_stage"] is None or current["zero_stage"] is None:
         which = "with DeepSpeed" if saved["zero_stage"] is not None else "without DeepSpeed"
         raise ResumeLayoutError(
@@ -130,27 +167,49 @@ def missing_file_error(path: str, checkpoint: str, what: str) -> FileNotFoundErr
     )
 
 
-def reshard_optimizer_state(saved: list[dict], saved_parameters: list[dict], names: list[str], specs: list, groups: list[dict]) -> dict:
-    """The state dict of an optimizer over parameters ``names`` (with :class:`ShardSpec` ``specs``, grouped as
-    ``groups`` = the optimizer's ``param_groups``) from the state dicts ``saved`` of every TP rank of another run,
-    whose parameters are ``saved_parameters`` (``{"name", "partition_dim"}`` in state-dict order).
+def _group_of(counts: list[int], position: int) -> int:
+    """The group holding the ``position``-th parameter of an optimizer whose groups hold ``counts`` parameters."""
+    return bisect.bisect_right(list(itertools.accumulate(counts)), position)
 
-    Per-parameter tensors are concatenated along the saved ``partition_dim`` (the canonical tensor) and sliced
-    with this rank's spec; scalar entries (``step``) come from TP rank 0. Exact: no arithmetic on the values.
+
+def reshard_optimizer_state(load, record: list[dict], names: list[str], specs: list, groups: list[dict],
+                            held_elsewhere: frozenset[str] = frozenset()) -> dict:
+    """The state dict of an optimizer over parameters ``names`` (with :class:`ShardSpec` ``specs``, grouped as
+    ``groups`` = the optimizer's ``param_groups``) from a checkpoint of any PP x TP layout.
+
+    ``record``: the checkpoint's :func:`saved_optimizer_record` (per pipeline rank: its parameters in state-dict order,
+    ``{"name", "partition_dim"}``, and its groups' sizes); ``load(q)``: the state dicts of pipeline rank ``q``'s TP
+    ranks, called only for the pipeline ranks holding one of ``names``. ``held_elsewhere``: canonical names of the
+    parameters other pipeline ranks of this run hold (a saved parameter in neither is an error).
+
+    Per-parameter tensors (AdamW's ``exp_avg`` / ``exp_avg_sq``) are concatenated over the saved TP ranks along the
+    saved ``partition_dim`` (the canonical tensor) and sliced with this rank's spec; scalar entries (``step``) come
+    from TP rank 0; each group's hyper-parameters from the first pipeline rank read. Exact: no arithmetic on values.
     """
-    index = {p["name"]: i for i, p in enumerate(saved_parameters)}
-    unknown = [n for n in names if n not in index]
-    if unknown or len(names) != len(saved_parameters):
-        extra = sorted(set(index) - set(names))
+    where = {p["name"]: (q, j) for q, entry in enumerate(record) for j, p in enumerate(entry["parameters"])}
+    missing = [n for n in names if n not in where]
+    unexpected = sorted(set(where) - set(names) - set(held_elsewhere))
+    if missing or unexpected:
         raise ResumeLayoutError(
-            f"the checkpoint's optimizer state is over other parameters: missing {unknown[:5]}, unexpected {extra[:5]}."
+            f"the checkpoint's optimizer state is over other parameters: missing {missing[:5]}, unexpected {unexpected[:5]}."
         )
+    other_groups = ResumeLayoutError(
+        "the checkpoint's optimizer has other parameter groups (weight decay or learning rates per group): resume with "
+        "the optimizer settings it was saved with, or start from its weights only with --init_from."
+    )
+    counts = [len(group["params"]) for group in groups]
+    loaded: dict[int, list[dict]] = {}
     state = {}
     for i, (name, spec) in enumerate(zip(names, specs)):
-        j = index[name]
+        q, j = where[name]
+        if len(record[q]["groups"]) != len(groups) or _group_of(record[q]["groups"], j) != _group_of(counts, i):
+            raise other_groups
+        if q not in loaded:
+            loaded[q] = load(q)
+        saved = loaded[q]
         if j not in saved[0]["state"]:
             continue  # never stepped (no gradient yet)
-        pdim = saved_parameters[j]["partition_dim"]
+        pdim = record[q]["parameters"][j]["partition_dim"]
         entry = {}
         for key, value in saved[0]["state"][j].items():
             if isinstance(value, torch.Tensor) and value.dim() > 0:
@@ -163,9 +222,7 @@ def reshard_optimizer_state(saved: list[dict], saved_parameters: list[dict], nam
                 value = spec.local_slice(full).clone()
             entry[key] = value
         state[i] = entry
-    saved_groups = saved[0]["param_groups"]
-    if len(saved_groups) != len(groups) or any(len(g["params"]) != len(s["params"]) for g, s in zip(groups, saved_groups)):
-        raise ResumeLayoutError("the checkpoint's optimizer has other parameter groups (weight decay or learning rates per group).")
+    saved_groups = loaded[where[names[0]][0]][0]["param_groups"]
     start, param_groups = 0, []
     for group, saved_group in zip(groups, saved_groups):
         param_groups.append({**saved_group, "params": list(range(start, start + len(group["params"])))})
@@ -173,14 +230,21 @@ def reshard_optimizer_state(saved: list[dict], saved_parameters: list[dict], nam
     return {"state": state, "param_groups": param_groups}
 
 
-def load_optimizer_state(optimizer, model, checkpoint: str, tp_rank: int, tp_size: int, device, pp_rank: int = 0, pp_size: int = 1) -> None:
+def load_optimizer_state(optimizer, model, checkpoint: str, tp_rank: int, tp_size: int, device, pp_rank: int = 0,
+                         pp_size: int = 1, held_elsewhere: frozenset[str] = frozenset()) -> None:
     """Load ``checkpoint``'s optimizer state into ``optimizer`` (this rank: ``tp_rank`` of ``tp_size``, ``pp_rank`` of
-    ``pp_size``), resharded when the checkpoint was saved at another TP size (without pipeline parallelism). A missing
-    file raises ``FileNotFoundError`` naming it."""
+    ``pp_size``; ``held_elsewhere``: the parameters of the other pipeline ranks). The rank's own file as saved when the
+    checkpoint has this TP size and this pipeline rank held the same parameters; otherwise resharded
+    (:func:`reshard_optimizer_state`) from the files of the saved pipeline ranks holding this rank's parameters (each
+    read memory-mapped). A missing file raises ``FileNotFoundError`` naming it."""
     layout = read_training_layout(checkpoint)
+    record = saved_optimizer_record(layout)
+    names = parameter_names(model, optimizer)
     own = os.path.join(checkpoint, optimizer_file_name(tp_rank, tp_size, pp_rank, pp_size))
-    same_tp = layout is None or layout["tp_size"] == tp_size
-    if same_tp:
+    same_files = record is None or (
+        layout["tp_size"] == tp_size and len(record) == pp_size and [p["name"] for p in record[pp_rank]["parameters"]] == names
+    )
+    if same_files:
         if not os.path.isfile(own):
             others = sorted(n for n in os.listdir(checkpoint) if n.startswith("optimizer"))
             if layout is None and others:
@@ -192,21 +256,27 @@ def load_optimizer_state(optimizer, model, checkpoint: str, tp_rank: int, tp_siz
             raise missing_file_error(own, checkpoint, "optimizer state")
         optimizer.load_state_dict(torch.load(own, map_location=device, weights_only=True))
         return
-    files = [os.path.join(checkpoint, name) for name in layout["optimizer_files"]]
-    for path in files:
-        if not os.path.isfile(path):
-            raise missing_file_error(path, checkpoint, "optimizer state")
-    saved = [torch.load(path, map_location="cpu", weights_only=True, mmap=True) for path in files]
+
+    def load(q: int) -> list[dict]:
+        files = [os.path.join(checkpoint, name) for name in record[q]["files"]]
+        for path in files:
+            if not os.path.isfile(path):
+                raise missing_file_error(path, checkpoint, "optimizer state")
+        return [torch.load(path, map_location="cpu", weights_only=True, mmap=True) for path in files]
+
     params = dict(model.named_parameters())
-    names = parameter_names(model, optimizer)
-    state = reshard_optimizer_state(saved, layout["optimizer_parameters"], names, [shard_spec_of(params[n]) for n in names], optimizer.param_groups)
+    specs = [shard_spec_of(params[n]) for n in names]
+    state = reshard_optimizer_state(load, record, names, specs, optimizer.param_groups, held_elsewhere)
     optimizer.load_state_dict(state)  # moves the tensors to each parameter's device
 
 
 __all__ = [
     "LAYOUT_NAME",
     "ResumeLayoutError",
+    "parameter_names",
+    "optimizer_record",
     "training_layout",
+    "saved_optimizer_record",
     "write_training_layout",
     "read_training_layout",
     "check_resume_layout",

@@ -15,7 +15,8 @@ Trainer hook                           boost-hf behaviour
 ``create_accelerator_and_postprocess``  ``--torch_compile``: each decoder layer compiled in place
                                        (:mod:`boost_hf.training.compile`), not the whole model
 ``create_optimizer`` /                 ``--lowrank_optimizer loro``: LORO on the factors of an svd model, AdamW on the rest,
-``create_scheduler``                   the schedule restarting after each exact step (:mod:`boost_hf.optim.loro`)
+``create_scheduler``                   the schedule restarting after each exact step (:mod:`boost_hf.optim.loro`);
+                                       ``--zero1_optimizer``: the optimizer sharded over DP (:mod:`boost_hf.training.zero1`)
 ``get_tp_size``                        our TP size: global batch and loss scaling count DP ranks only
 ``_wrap_model``                        (tp > 1, no DeepSpeed) DDP over the DP group, never across TP ranks;
                                        (pp > 1) no DDP here: the pipeline wraps each stage (:mod:`.pipeline_steps`)
@@ -32,7 +33,7 @@ Trainer hook                           boost-hf behaviour
                                        :mod:`boost_hf.training.publish`); the Trainer's checkpoint files written
                                        to a staging folder, manifest, rename, then rotation
 ``_save_optimizer_and_scheduler``      inside a guard that writes the manifest and removes a failed save;
-                                       optimizer state per TP rank and ``training_layout.json``
+                                       optimizer state per (PP, TP) rank and ``training_layout.json``
                                        (:mod:`boost_hf.training.checkpoint`, :mod:`boost_hf.training.resume`)
 ``train``                              resume from the last *complete* checkpoint, refused at a layout it cannot
                                        resume exactly (another global batch; DeepSpeed at another tp x dp);
@@ -43,7 +44,7 @@ Trainer hook                           boost-hf behaviour
 ``_load_from_checkpoint`` /            resume (``train`` verified manifest and architecture once, on rank 0,
                                        also under DeepSpeed), then this rank's slice of
 ``_load_optimizer_and_scheduler``      the canonical weights and of the optimizer state (resharded when saved
-                                       at another TP size); a missing optimizer or scheduler file raises
+                                       at another PP x TP layout); a missing optimizer or scheduler file raises
 =====================================  ======================================================================
 
 Launch with ``accelerate launch`` (``world = dp x tp_size`` processes; TP ranks are adjacent, see
@@ -92,8 +93,16 @@ from .health import is_finite, nonfinite_error, poison_nonfinite_loss
 from .metrics import TrainingMetrics
 from .pipeline_steps import PipelineReplica, on_one_process, pipeline_evaluation_sums, pipeline_of, pipeline_training_step
 from .preflight import TokenIdCheckingCollator, check_dataset
-from .resume import check_resume_layout, load_optimizer_state, missing_file_error, training_layout, write_training_layout
+from .resume import (
+    check_resume_layout,
+    load_optimizer_state,
+    missing_file_error,
+    optimizer_record,
+    training_layout,
+    write_training_layout,
+)
 from .watchdog import HangWatchdog, exit_with_launcher, naming_collective_timeouts
+from .zero1 import sharded_over_data_parallel, zero1_class_and_kwargs
 from .publish import inference_settings, model_card, publish_special_tokens, save_tokenizer
 
 
@@ -125,6 +134,11 @@ class BoostTrainer(Trainer):
                 "compute_metrics is not supported under pipeline parallelism yet (the logits live on the last stage's ranks): "
                 "evaluate the saved model at pp_size=1 for it, or drop compute_metrics (loss, perplexity and bits per byte "
                 "are computed through the pipeline)."
+            )
+        if getattr(args, "zero1_optimizer", False) and (kwargs.get("optimizers") or (None, None))[0] is not None:
+            raise ValueError(
+                "--zero1_optimizer builds the optimizer sharded over the data-parallel group, but an optimizer was passed in "
+                "optimizers=(...): pass optimizer_cls_and_kwargs=(class, kwargs) instead, or drop --zero1_optimizer."
             )
         vocab_size = model.config.vocab_size
         kwargs["data_collator"] = TokenIdCheckingCollator(kwargs.get("data_collator") or default_data_collator, vocab_size)
@@ -186,6 +200,14 @@ class BoostTrainer(Trainer):
                 weight_decay=args.weight_decay, exact_every=args.loro_exact_every, lr_scale=args.loro_lr_scale,
                 decay_parameter_names=self.get_decay_parameter_names(model),
             )
+        if self.optimizer is None and getattr(self.args, "zero1_optimizer", False) and self.parallel_state.dp_size > 1:
+            chosen = self.optimizer_cls_and_kwargs
+            optimizer_cls, kwargs = chosen or self.get_optimizer_cls_and_kwargs(self.args, self.model if model is None else model)
+            self.optimizer_cls_and_kwargs = zero1_class_and_kwargs(optimizer_cls, kwargs, self.parallel_state.dp_group)
+            try:
+                return super().create_optimizer(model)
+            finally:
+                self.optimizer_cls_and_kwargs = chosen
         return super().create_optimizer(model)
 
     def create_scheduler(self, num_training_steps: int, optimizer=None):
@@ -530,29 +552,47 @@ class BoostTrainer(Trainer):
         with naming_collective_timeouts(lambda: self.state.global_step):
             return super().evaluate(*args, **kwargs)
 
-    def training_layout(self) -> dict:
-        """This run's TP x DP sizes, ZeRO stage, global batch and optimizer parameters (:mod:`boost_hf.training.resume`)."""
+    def training_layout(self, optimizer_records: list[dict] | None = None) -> dict:
+        """This run's PP x TP x DP sizes, ZeRO stage, global batch and, given, the optimizer record of each pipeline
+        rank (:func:`optimizer_records`; :mod:`boost_hf.training.resume`)."""
         state = self.parallel_state
-        optimizer = None if self.is_deepspeed_enabled else self.optimizer
-        return training_layout(tp_size=state.tp_size, dp_size=state.dp_size, pp_size=state.pp_size, zero_stage=self._zero_stage, args=self.args,
-                               model=self.model, optimizer=optimizer)
+        return training_layout(tp_size=state.tp_size, dp_size=state.dp_size, pp_size=state.pp_size, zero_stage=self._zero_stage,
+                               args=self.args, optimizer_records=optimizer_records)
+
+    def optimizer_records(self) -> list[dict] | None:
+        """:func:`~boost_hf.training.resume.optimizer_record` of every pipeline rank, in pipeline order (``None`` under
+        DeepSpeed). Collective under pipeline parallelism: one ``all_gather_object`` over the PP group."""
+        if self.is_deepspeed_enabled:
+            return None
+        own = optimizer_record(self.model, self.optimizer)
+        if self.parallel_state.pp_group is None:
+            return [own]
+        records = [None] * self.parallel_state.pp_size
+        dist.all_gather_object(records, own, group=self.parallel_state.pp_group)
+        return records
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
-        """One optimizer file per TP rank (written by DP rank 0; DeepSpeed: its own folder), the scheduler and
-        ``training_layout.json``, which lets a later run at another TP x DP size reshard the optimizer state."""
+        """One optimizer file per (pipeline rank, TP rank), written by DP rank 0 (``--zero1_optimizer``: consolidated
+        there first; DeepSpeed: its own folder), the scheduler and ``training_layout.json`` with the optimizer record,
+        which lets a later run at another PP x TP x DP layout reshard the optimizer state. Collective."""
         state = self.parallel_state
+        records = self.optimizer_records()
         if self.is_deepspeed_enabled:
             super()._save_optimizer_and_scheduler(output_dir)
-        elif state.dp_rank == 0:  # DP replicas hold the same optimizer state
-            name = optimizer_file_name(state.tp_rank, state.tp_size, state.pp_rank, state.pp_size)
-            torch.save(self.optimizer.state_dict(), os.path.join(output_dir, name))
+        else:
+            zero = sharded_over_data_parallel(self.optimizer)
+            # DP replicas hold the same optimizer state; ZeRO-1 shares are gathered on DP rank 0 (collective over DP)
+            whole = zero.consolidated_state_dict() if zero is not None else self.optimizer.state_dict() if state.dp_rank == 0 else None
+            if state.dp_rank == 0:
+                name = optimizer_file_name(state.tp_rank, state.tp_size, state.pp_rank, state.pp_size)
+                torch.save(whole, os.path.join(output_dir, name))
         if self.args.should_save:
             if not self.is_deepspeed_enabled:
                 torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
-            write_training_layout(output_dir, self.training_layout())
+            write_training_layout(output_dir, self.training_layout(records))
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
-        """The optimizer state of this rank (resharded if the checkpoint has another TP size) and the scheduler; a
+        """The optimizer state of this rank (resharded if the checkpoint has another PP x TP layout) and the scheduler; a
         missing file is an error naming it (``--init_from`` starts from the weights only)."""
         if checkpoint is None:
             return
@@ -563,7 +603,9 @@ class BoostTrainer(Trainer):
             return super()._load_optimizer_and_scheduler(checkpoint)
         state = self.parallel_state
         device = "cpu" if self.args.device.type == "cpu" else self.args.device  # torch cannot restore to "cpu:0"
-        load_optimizer_state(self.optimizer, self.model, checkpoint, state.tp_rank, state.tp_size, device, state.pp_rank, state.pp_size)
+        pipeline = pipeline_of(self.model)
+        load_optimizer_state(self.optimizer, self.model, checkpoint, state.tp_rank, state.tp_size, device, state.pp_rank, state.pp_size,
+                             held_elsewhere=pipeline.placement.absent if pipeline is not None else frozenset())
         if not os.path.isfile(scheduler):
             raise missing_file_error(scheduler, checkpoint, "learning-rate scheduler state")
         self.lr_scheduler.load_state_dict(torch.load(scheduler, weights_only=True))

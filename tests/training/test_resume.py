@@ -57,22 +57,23 @@ def test_optimizer_state_reshards_exactly(checkpoint):
     original = optimizer.state_dict()
     dims = {n: (0 if params[n].shape[0] % 4 == 0 else None) if params[n].dim() == 1 else 1 for n in names}
     saved = split(original, names, dims, 2)
-    saved_parameters = [{"name": n, "partition_dim": dims[n]} for n in names]
+    record = [{"files": [], "groups": [len(g["params"]) for g in optimizer.param_groups],
+               "parameters": [{"name": n, "partition_dim": dims[n]} for n in names]}]
     full_specs = [ShardSpec(tuple(params[n].shape)) for n in names]
-    at_tp1 = reshard_optimizer_state(saved, saved_parameters, names, full_specs, optimizer.param_groups)
+    at_tp1 = reshard_optimizer_state(lambda q: saved, record, names, full_specs, optimizer.param_groups)
     for i, entry in original["state"].items():
         for key, value in entry.items():
             assert torch.equal(at_tp1["state"][i][key], value), (names[i], key)
     assert at_tp1["param_groups"] == original["param_groups"]
     for rank in range(4):
         specs = [ShardSpec(tuple(params[n].shape), dims[n], rank, 4) for n in names]
-        at_tp4 = reshard_optimizer_state(saved, saved_parameters, names, specs, optimizer.param_groups)
+        at_tp4 = reshard_optimizer_state(lambda q: saved, record, names, specs, optimizer.param_groups)
         for i, entry in original["state"].items():
             expected = entry["exp_avg_sq"].chunk(4, dims[names[i]])[rank] if dims[names[i]] is not None else entry["exp_avg_sq"]
             assert torch.equal(at_tp4["state"][i]["exp_avg_sq"], expected), names[i]
             assert torch.equal(at_tp4["state"][i]["step"], entry["step"])
     with pytest.raises(ResumeLayoutError, match=r"optimizer state is over other parameters: missing \['lm_head.extra'\]"):
-        reshard_optimizer_state(saved, saved_parameters, names[:-1] + ["lm_head.extra"], full_specs, optimizer.param_groups)
+        reshard_optimizer_state(lambda q: saved, record, names[:-1] + ["lm_head.extra"], full_specs, optimizer.param_groups)
 
 
 def test_missing_optimizer_or_scheduler_file_is_an_error(checkpoint, tmp_path):

@@ -1,0 +1,99 @@
+"""Training runs of ``recipes/pretrain.py`` that save and resume across pipeline layouts, for
+``test_pipeline_resume.py``, a few per launch (process start-up costs more than these tiny runs):
+
+    python tests/training/pipeline_resume_cases.py single OUT RECIPE.yaml [ARGS]        # one process
+    accelerate launch --config_file accelerate_configs/cpu-4proc.yaml tests/training/pipeline_resume_cases.py four OUT ...
+    python tests/training/pipeline_resume_cases.py one OUT RECIPE.yaml [ARGS]           # one process, after ``four``
+
+Every run has the global batch 8 and writes under ``OUT/<run>``; a resumed run also writes
+``loaded-optimizer/rank<r>.pt``: per canonical parameter name, the optimizer state this rank holds right after
+loading the checkpoint (its ZeRO-1 share only under ``--zero1_optimizer``) and the parameter's shard spec.
+
+* ``single``: ``single`` (tp 1, one process; checkpoint at step 3).
+* ``four``: ``pp2-tp2`` (checkpoint at 3); ``pp2-tp2-from-single`` (``single/checkpoint-3`` resumed at pp 2 x tp 2);
+  ``tp2-dp2-from-pp2`` (``pp2-tp2/checkpoint-3`` at pp 1 x tp 2 x dp 2); ``pp2-dp2-interleaved-from-pp2`` (the same at
+  pp 2 x dp 2, interleaved 1F1B: 2 stages per rank, other layers per pipeline rank); ``pp2-dp2`` (1F1B, no ZeRO-1);
+  ``pp2-dp2-zero1`` (the same with ``--zero1_optimizer``, checkpoint at 3); ``pp2-dp2-zero1-resumed`` (its checkpoint
+  at the same layout); ``dp4-zero1-from-zero1`` (its checkpoint at pp 1 x tp 1 x dp 4, ZeRO-1 over 4 ranks).
+* ``one``: ``single-from-pp2`` (``pp2-tp2/checkpoint-3`` in one process) and ``single-from-zero1``
+  (``pp2-dp2-zero1/checkpoint-3`` in one process, without ZeRO-1).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "recipes"))
+import pretrain  # noqa: E402
+
+from boost_hf.parallel.sharding import shard_spec_of  # noqa: E402
+from boost_hf.training import BoostTrainer  # noqa: E402
+from boost_hf.training.zero1 import sharded_over_data_parallel  # noqa: E402
+
+_load_optimizer_and_scheduler = BoostTrainer._load_optimizer_and_scheduler
+
+
+def _recording_load(self, checkpoint):
+    """Load, then write what this rank's optimizer holds per canonical parameter name."""
+    _load_optimizer_and_scheduler(self, checkpoint)
+    if checkpoint is None:
+        return
+    optimizer = getattr(self.optimizer, "optimizer", self.optimizer)
+    zero = sharded_over_data_parallel(optimizer)
+    held = zero.optim.state if zero is not None else optimizer.state
+    record = {}
+    for name, param in self.model.named_parameters():
+        if param in held:
+            spec = shard_spec_of(param)
+            record[name] = {"state": {k: v.clone() for k, v in held[param].items()},
+                            "spec": [list(spec.full_shape), spec.partition_dim, spec.tp_rank, spec.tp_size]}
+    folder = Path(self.args.output_dir) / "loaded-optimizer"
+    folder.mkdir(parents=True, exist_ok=True)
+    torch.save(record, folder / f"rank{dist.get_rank() if dist.is_initialized() else 0}.pt")
+
+
+BoostTrainer._load_optimizer_and_scheduler = _recording_load
+
+
+def train(out: Path, run: str, common: list[str], *layout: str, save: bool = False, resume: str | None = None) -> None:
+    argv = [*common, *layout, "--output_dir", str(out / run)]
+    if save:
+        argv += ["--save_strategy", "steps", "--save_steps", "3"]
+    if resume:
+        argv += ["--resume_from_checkpoint", str(out / resume / "checkpoint-3")]
+    pretrain.main(argv)
+
+
+def main(mode: str, out: str, *common: str) -> None:
+    out, common = Path(out), list(common)
+    single = ["--tp_size", "1", "--per_device_train_batch_size", "8"]
+    if mode == "single":
+        train(out, "single", common, *single, save=True)
+    elif mode == "one":
+        train(out, "single-from-pp2", common, *single, resume="pp2-tp2")
+        train(out, "single-from-zero1", common, *single, resume="pp2-dp2-zero1")
+    elif mode == "four":
+        pp2_tp2 = ["--pp_size", "2", "--tp_size", "2", "--pp_microbatches", "2", "--per_device_train_batch_size", "8"]
+        pp2_dp2 = ["--pp_size", "2", "--tp_size", "1", "--pp_microbatches", "2", "--per_device_train_batch_size", "4"]
+        train(out, "pp2-tp2", common, *pp2_tp2, save=True)
+        train(out, "pp2-tp2-from-single", common, *pp2_tp2, resume="single")
+        train(out, "tp2-dp2-from-pp2", common, "--tp_size", "2", "--per_device_train_batch_size", "4", resume="pp2-tp2")
+        train(out, "pp2-dp2-interleaved-from-pp2", common, "--pp_size", "2", "--tp_size", "1", "--pp_schedule", "interleaved-1f1b",
+              "--pp_microbatches", "4", "--per_device_train_batch_size", "4", resume="pp2-tp2")
+        train(out, "pp2-dp2", common, *pp2_dp2)
+        train(out, "pp2-dp2-zero1", common, *pp2_dp2, "--zero1_optimizer", "true", save=True)
+        train(out, "pp2-dp2-zero1-resumed", common, *pp2_dp2, "--zero1_optimizer", "true", resume="pp2-dp2-zero1")
+        train(out, "dp4-zero1-from-zero1", common, "--tp_size", "1", "--per_device_train_batch_size", "2", "--zero1_optimizer", "true",
+              resume="pp2-dp2-zero1")
+    else:
+        raise ValueError(f"unknown mode {mode!r}")
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    main(*sys.argv[1:])

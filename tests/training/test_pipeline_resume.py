@@ -1,0 +1,247 @@
+"""Resume across pipeline layouts with the optimizer (no DeepSpeed), and ZeRO-1 under pipeline parallelism.
+
+``recipes/demo.yaml`` (shrunk, see ``launcher.TINY``, with 4 layers; global batch 8) saved at step 3 and resumed
+at another pp x tp x dp: every resumed run's per-step losses equal the uninterrupted single process's (1e-4), and
+the optimizer state each rank holds right after loading is bit-identical to its slice of the saved state
+reassembled from the checkpoint's files (pp 2 x tp 2 -> one process, -> pp 1 x tp 2 x dp 2, -> pp 2 x dp 2
+interleaved; one process -> pp 2 x tp 2). ``--zero1_optimizer`` at pp 2 x dp 2 matches one process and the same
+run without it; its checkpoint (consolidated) resumes at its layout and at pp 1 x dp 4 with ZeRO-1, and in one
+process without.
+Runs: :mod:`tests.training.pipeline_resume_cases`, three launches (about 3-4 minutes on 2 cores). In one process:
+the resharding across pipeline ranks, the layout checks and the refusals (``--zero1_optimizer`` with DeepSpeed, LORO
+or a given optimizer); at dp 1 ``--zero1_optimizer`` is the plain optimizer.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from boost_hf.parallel.sharding import ShardSpec
+from boost_hf.training.resume import (
+    LAYOUT_NAME,
+    ResumeLayoutError,
+    check_resume_layout,
+    reshard_optimizer_state,
+    saved_optimizer_record,
+    write_training_layout,
+)
+
+from .launcher import DEMO_RECIPE, REPO, TINY, accelerate_command, python_command, run_command
+
+RELATIVE_TOLERANCE = 1e-4
+CASES = REPO / "tests" / "training" / "pipeline_resume_cases.py"
+RESUMED = {  # resumed run -> the run whose checkpoint-3 it resumed
+    "pp2-tp2-from-single": "single",
+    "tp2-dp2-from-pp2": "pp2-tp2",
+    "pp2-dp2-interleaved-from-pp2": "pp2-tp2",
+    "single-from-pp2": "pp2-tp2",
+    "pp2-dp2-zero1-resumed": "pp2-dp2-zero1",
+    "dp4-zero1-from-zero1": "pp2-dp2-zero1",
+    "single-from-zero1": "pp2-dp2-zero1",
+}
+
+
+@pytest.fixture(scope="module")
+def runs(training_env, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("pipeline_resume")
+    common = [DEMO_RECIPE, *TINY, "--num_hidden_layers", "4", "--dataset", training_env["CORPUS"]]
+    run_command(python_command(CASES, "single", out, *common), training_env, timeout=300)
+    run_command(accelerate_command("cpu-4proc.yaml", CASES, "four", out, *common), training_env, timeout=900)
+    run_command(python_command(CASES, "one", out, *common), training_env, timeout=300)
+    return out
+
+
+def losses(run: Path) -> dict[int, float]:
+    history = json.loads((run / "trainer_state.json").read_text())["log_history"]
+    return {entry["step"]: entry["loss"] for entry in history if "loss" in entry}
+
+
+def assert_close(actual: dict, expected: dict) -> None:
+    assert sorted(actual) == sorted(expected)
+    for step, value in expected.items():
+        assert abs(actual[step] - value) <= RELATIVE_TOLERANCE * abs(value), (step, actual[step], value)
+
+
+@pytest.mark.parametrize("run", ["pp2-tp2", "pp2-dp2", "pp2-dp2-zero1", *RESUMED])
+def test_losses_match_one_process(runs, run):
+    """Steps 1-3 of a resumed run's log come from its checkpoint, steps 4-6 are its own."""
+    assert len(losses(runs / "single")) == 6
+    assert_close(losses(runs / run), losses(runs / "single"))
+
+
+def test_zero1_matches_the_same_run_without_it(runs):
+    assert_close(losses(runs / "pp2-dp2-zero1"), losses(runs / "pp2-dp2"))
+
+
+def canonical_optimizer_state(checkpoint: Path) -> dict[str, dict]:
+    """Every parameter's saved optimizer state, reassembled from the checkpoint's files: per canonical name, each
+    tensor's TP shards concatenated along its ``partition_dim``."""
+    record = saved_optimizer_record(json.loads((checkpoint / LAYOUT_NAME).read_text()))
+    canonical = {}
+    for entry in record:
+        files = [torch.load(checkpoint / name, weights_only=True) for name in entry["files"]]
+        for j, parameter in enumerate(entry["parameters"]):
+            dim = parameter["partition_dim"]
+            canonical[parameter["name"]] = {
+                key: torch.cat([f["state"][j][key] for f in files], dim) if value.dim() > 0 and dim is not None else value
+                for key, value in files[0]["state"][j].items()
+            }
+    return canonical
+
+
+@pytest.mark.parametrize("run", list(RESUMED))
+def test_loaded_optimizer_state_is_the_saved_one(runs, run):
+    """Right after loading, every rank holds exactly its slice of the saved moments (and the saved step count) of
+    its parameters; together the ranks hold every saved parameter's state."""
+    saved = canonical_optimizer_state(runs / RESUMED[run] / "checkpoint-3")
+    seen, held = set(), []
+    ranks = sorted((runs / run / "loaded-optimizer").glob("rank*.pt"))
+    assert len(ranks) == (1 if run.startswith("single") else 4)
+    for path in ranks:
+        rank = torch.load(path, weights_only=True)
+        held.append(set(rank))
+        for name, loaded in rank.items():
+            full_shape, dim, tp_rank, tp_size = loaded["spec"]
+            spec = ShardSpec(tuple(full_shape), dim, tp_rank, tp_size)
+            assert sorted(loaded["state"]) == sorted(saved[name]), name
+            for key, value in saved[name].items():
+                expected = spec.local_slice(value) if value.dim() > 0 else value
+                assert torch.equal(loaded["state"][key], expected), (path.name, name, key)
+            seen.add(name)
+    assert seen == set(saved)
+    if "zero1" in run.split("-from-")[0]:  # ZeRO-1 over the 4 DP ranks: each holds its own share only
+        assert all(held) and sum(map(len, held)) == len(saved)
+
+
+def test_checkpoints_record_every_pipeline_rank(runs):
+    layout = json.loads((runs / "pp2-tp2" / "checkpoint-3" / LAYOUT_NAME).read_text())
+    assert [entry["files"] for entry in layout["optimizer"]] == [
+        [f"optimizer_pp{p:02d}_tp{t:02d}.pt" for t in (0, 1)] for p in (0, 1)
+    ]
+    stage_names = [{p["name"] for p in entry["parameters"]} for entry in layout["optimizer"]]
+    assert "model.embed_tokens.weight" in stage_names[0] and "lm_head.weight" in stage_names[1]
+    assert not stage_names[0] & stage_names[1]
+    assert stage_names[0] | stage_names[1] == set(canonical_optimizer_state(runs / "single" / "checkpoint-3"))
+
+
+# ---------------------------------------------------------------------------- in one process
+def split_by_pipeline_rank(optimizer, names: list[str], held_by: dict[str, int], pp_size: int):
+    """The state dict of ``optimizer`` (over ``names``) as ``pp_size`` pipeline ranks would save it: rank ``q`` holds
+    the parameters ``held_by[name] == q``, in the same group order, renumbered."""
+    full = optimizer.state_dict()
+    records, files = [], []
+    for q in range(pp_size):
+        state, groups, parameters, index = {}, [], [], 0
+        for group in full["param_groups"]:
+            held = [i for i in group["params"] if held_by[names[i]] == q]
+            for i in held:
+                state[index] = full["state"][i]
+                parameters.append({"name": names[i], "partition_dim": None})
+                index += 1
+            groups.append(len(held))
+        files.append([{"state": state, "param_groups": [dict(g, params=[]) for g in full["param_groups"]]}])
+        records.append({"files": [f"pp{q}"], "groups": groups, "parameters": parameters})
+    return records, files
+
+
+def stepped_adamw():
+    torch.manual_seed(0)
+    params = {f"layer{i}.weight": torch.nn.Parameter(torch.randn(4, 6)) for i in range(4)}
+    params["norm.weight"] = torch.nn.Parameter(torch.randn(6))
+    names = list(params)
+    optimizer = torch.optim.AdamW([{"params": [params[n] for n in names[:4]], "weight_decay": 0.1},
+                                   {"params": [params[names[4]]], "weight_decay": 0.0}], lr=1e-2)
+    for _ in range(2):
+        sum((p ** 2).sum() for p in params.values()).backward()
+        optimizer.step()
+    return optimizer, names, params
+
+
+def test_reshard_across_pipeline_ranks_in_one_process():
+    """Saved by 2 pipeline ranks (layers 0-1 + norm on rank 1, as a last stage), loaded by one rank holding everything,
+    and by a rank holding layers 1-2 of TP 2 (sharded along dim 1): the saved moments, exactly; a saved parameter in
+    another group, or one this run does not hold anywhere, is refused."""
+    optimizer, names, params = stepped_adamw()
+    held_by = {"layer0.weight": 0, "layer1.weight": 0, "layer2.weight": 1, "layer3.weight": 1, "norm.weight": 1}
+    records, files = split_by_pipeline_rank(optimizer, names, held_by, 2)
+    asked = []
+
+    def load(q):
+        asked.append(q)
+        return files[q]
+
+    full = reshard_optimizer_state(load, records, names, [ShardSpec(tuple(params[n].shape)) for n in names], optimizer.param_groups)
+    original = optimizer.state_dict()
+    assert all(torch.equal(full["state"][i][k], v) for i, entry in original["state"].items() for k, v in entry.items())
+    assert [g["weight_decay"] for g in full["param_groups"]] == [0.1, 0.0] and full["param_groups"][1]["params"] == [4]
+    asked.clear()
+    stage = ["layer1.weight", "layer2.weight"]
+    specs = [ShardSpec((4, 6), 1, 1, 2)] * 2
+    part = reshard_optimizer_state(load, records, stage, specs, [{"params": stage}, {"params": []}],
+                                   held_elsewhere=frozenset(set(names) - set(stage)))
+    assert sorted(asked) == [0, 1]
+    for i, name in enumerate(stage):
+        assert torch.equal(part["state"][i]["exp_avg_sq"], original["state"][names.index(name)]["exp_avg_sq"][:, 3:])
+    with pytest.raises(ResumeLayoutError, match="unexpected \\['layer3.weight'"):
+        reshard_optimizer_state(load, records, stage, specs, [{"params": stage}, {"params": []}],
+                                held_elsewhere=frozenset({"layer0.weight", "norm.weight"}))
+    with pytest.raises(ResumeLayoutError, match="other parameter groups"):
+        reshard_optimizer_state(load, records, stage, specs, [{"params": stage[:1]}, {"params": stage[1:]}],
+                                held_elsewhere=frozenset(set(names) - set(stage)))
+
+
+def layout(pp: int, tp: int, dp: int, batch: int = 8, **extra) -> dict:
+    return {"pp_size": pp, "tp_size": tp, "dp_size": dp, "zero_stage": None, "global_batch_size": batch, **extra}
+
+
+def test_resume_layout_checks_under_pipeline_parallelism(tmp_path):
+    record = {"optimizer": [{"files": ["optimizer_pp00_tp00.pt"], "groups": [1], "parameters": []}]}
+    write_training_layout(str(tmp_path), layout(2, 2, 1, **record))
+    for current in (layout(1, 1, 1), layout(1, 2, 2), layout(2, 1, 2), layout(4, 1, 1)):
+        check_resume_layout(str(tmp_path), current)  # any pp x tp x dp with the same global batch
+    with pytest.raises(ResumeLayoutError, match=r"global batch of 8 .* this run has 4 .* = 8"):
+        check_resume_layout(str(tmp_path), layout(1, 1, 1, batch=4))
+    write_training_layout(str(tmp_path), layout(2, 2, 1))  # a pipeline checkpoint of a version without the record
+    check_resume_layout(str(tmp_path), layout(2, 2, 2))
+    with pytest.raises(ResumeLayoutError, match="did not record its optimizer's parameters per pipeline rank.*Resume at pp_size=2 and tp_size=2"):
+        check_resume_layout(str(tmp_path), layout(1, 1, 1))
+
+
+@pytest.mark.parametrize("fields, words", [
+    ({"zero1_optimizer": True, "deepspeed": {"zero_optimization": {"stage": 1}}}, "use either DeepSpeed's ZeRO"),
+    ({"zero1_optimizer": True, "lowrank_optimizer": "loro"}, "LORO's exact step needs both factors"),
+    ({"pp_size": 2, "deepspeed": {"zero_optimization": {"stage": 1}}}, "--zero1_optimizer shards the optimizer state"),
+])
+def test_zero1_refusals(tmp_path, fields, words):
+    from boost_hf.training import BoostTrainingArguments
+
+    with pytest.raises(ValueError, match=words):
+        BoostTrainingArguments(output_dir=str(tmp_path), report_to="none", **fields)
+
+
+def test_zero1_with_a_given_optimizer_is_refused(tmp_path):
+    from boost_hf.training import BoostTrainer
+
+    from .test_reliability import arguments, blocks, tiny_model
+
+    model = tiny_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="an optimizer was passed in optimizers=.*optimizer_cls_and_kwargs"):
+        BoostTrainer(model=model, args=arguments(tmp_path, zero1_optimizer=True), optimizers=(optimizer, None),
+                     train_dataset=blocks(32), eval_dataset=blocks(4))
+
+
+def test_zero1_in_one_process_is_the_plain_optimizer(tmp_path):
+    """At dp 1 there is nothing to shard: the run is the one without ``--zero1_optimizer``, bit for bit."""
+    from .test_reliability import trainer
+
+    with_zero1, without = trainer(tmp_path / "zero1", zero1_optimizer=True), trainer(tmp_path / "plain")
+    for t in (with_zero1, without):
+        t.train()
+        t._output_dir_lock.release()
+    assert not isinstance(getattr(with_zero1.optimizer, "optimizer", None), torch.distributed.optim.ZeroRedundancyOptimizer)
+    assert all(torch.equal(a, b) for a, b in zip(with_zero1.model.parameters(), without.model.parameters()))
