@@ -11,7 +11,7 @@ key                            meaning (averaged over the optimizer steps since 
 ``step_time``                  seconds per optimizer step (data loading included; evaluation, checkpoints
                                and logging excluded)
 ``tokens_per_second``          trained tokens per second, whole job (a TP group's shared batch counts once)
-``tokens_per_second_per_device``  the same divided by the number of processes (dp x tp)
+``tokens_per_second_per_device``  the same divided by the number of processes (pp x dp x tp)
 ``mfu``                        model FLOPs utilisation: ``training_flops_per_token x tokens/s /
                                (processes x peak_tflops)``, analytic FLOPs of the (low-rank) model
                                (:func:`boost_hf.perf.flops.training_flops_per_token`)

@@ -7,8 +7,8 @@ single-process reference they are compared with (``test_pipeline_training.py`` l
 ``single`` trains ``OUT/single`` and evaluates ``OUT/single/final`` with ``compute_metrics``
 (``OUT/metrics-single.json``). ``pipelines`` trains ``pp2-tp2`` (checkpoint at step 3), ``pp2-tp2-resumed`` (from
 it), ``pp2-dp2-interleaved`` (interleaved 1F1B, 2 stages per rank) and ``pp2-tp2-compiled`` (``--torch_compile``),
-then evaluates ``OUT/single/final`` at pp 2 x tp 2 with the same ``compute_metrics`` (``OUT/metrics-pp2-tp2.json``:
-every rank's metrics).
+then evaluates ``OUT/single/final`` with the same ``compute_metrics`` at pp 2 x tp 2 and at pp 2 x dp 2 interleaved
+(``OUT/metrics-pp2-tp2.json``, ``OUT/metrics-pp2-dp2-interleaved.json``: every rank's metrics).
 
 Every run writes ``<run>/p2p.json``: per rank, the bytes of the tensors its pipeline stages handed to the engine's
 sends in each training step (counted in ``PipelineStage.get_fwd_send_ops`` / ``get_bwd_send_ops``), the
@@ -143,6 +143,8 @@ def main(mode: str, out: str, *common: str) -> None:
     train([*common, *PP_DP_INTERLEAVED, "--output_dir", str(out / "pp2-dp2-interleaved")])
     train([*common, *PP_TP, "--output_dir", str(out / "pp2-tp2-compiled"), "--torch_compile", "true"])
     evaluate_with_metrics([*common, *PP_TP, *trained, "--output_dir", str(out / "metrics-pp2-tp2")], out / "metrics-pp2-tp2.json")
+    evaluate_with_metrics([*common, *PP_DP_INTERLEAVED, *trained, "--output_dir", str(out / "metrics-pp2-dp2-interleaved")],
+                          out / "metrics-pp2-dp2-interleaved.json")
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ single process's, and so are ``compute_metrics``'s metrics (the same on every ra
 are the formula's and what the stages handed to the engine's sends; the end-of-training sample is the final model's
 greedy continuation; ``final/`` loads in plain ``transformers``. See ``pipeline_cases.py``.
 
-Two launches (about 5 minutes on 2 cores).
+Two launches (about 4 minutes on 2 cores).
 """
 
 from __future__ import annotations
@@ -98,11 +98,13 @@ def test_pipeline_refuses_deepspeed_and_gradient_accumulation(tmp_path, fields, 
         BoostTrainingArguments(output_dir=str(tmp_path), pp_size=2, report_to="none", **fields)
 
 
-def test_compute_metrics_under_pipeline_match_one_process(runs):
-    """pp 2 x tp 2: ``compute_metrics`` on the last stage's full-vocabulary logits gives the single process's
-    metrics, and every rank (first stage included) returns the same ones."""
+@pytest.mark.parametrize("run", ["pp2-tp2", "pp2-dp2-interleaved"])
+def test_compute_metrics_under_pipeline_match_one_process(runs, run):
+    """``compute_metrics`` on the last stage's full-vocabulary logits (gathered over TP; of both DP replicas, the
+    interleaved schedule's 4 micro-batches in order) gives the single process's metrics, and every rank (first
+    stage included) returns the same ones."""
     single = json.loads((runs / "metrics-single.json").read_text())[0]
-    every_rank = json.loads((runs / "metrics-pp2-tp2.json").read_text())
+    every_rank = json.loads((runs / f"metrics-{run}.json").read_text())
     keys = ["eval_accuracy", "eval_mean_logsumexp", "eval_label_weighted_logsumexp", "eval_blocks", "eval_loss"]
     assert single["eval_blocks"] == 24 and single["eval_accuracy"] > 0
     assert len(every_rank) == 4 and all({k: m[k] for k in keys} == {k: every_rank[0][k] for k in keys} for m in every_rank)
