@@ -11,7 +11,7 @@ key                            meaning (averaged over the optimizer steps since 
 ``step_time``                  seconds per optimizer step (data loading included; evaluation, checkpoints
                                and logging excluded)
 ``tokens_per_second``          trained tokens per second, whole job (a TP group's shared batch counts once)
-``tokens_per_second_per_device``  the same divided by the number of processes (dp x tp)
+``tokens_per_second_per_device``  the same divided by the number of processes (pp x dp x tp)
 ``mfu``                        model FLOPs utilisation: ``training_flops_per_token x tokens/s /
                                (processes x peak_tflops)``, analytic FLOPs of the (low-rank) model
                                (:func:`boost_hf.perf.flops.training_flops_per_token`)
@@ -22,6 +22,10 @@ key                            meaning (averaged over the optimizer steps since 
 ``comm_dp_grad_bytes_per_step``  payload of the data-parallel gradient reduction of this rank (its local
                                gradients once per step; 0 without data parallelism). Ring all-reduce moves
                                about twice this over the wire; ZeRO-3's parameter all-gathers come on top.
+``comm_p2p_bytes_per_step``     bytes this rank sends to its pipeline neighbours (each micro-batch's stage
+                               output forward, its input gradient backward; it receives as much), counted
+                               from :func:`~boost_hf.perf.comm_formula.stage_boundary_communication` for the
+                               schedule's micro-batches (0 without pipeline parallelism)
 =============================  ============================================================================
 """
 
@@ -41,7 +45,7 @@ class TrainingMetrics(TrainerCallback):
 
     Args:
         model_config: the model's ``BoostLlamaConfig`` (for the analytic FLOPs per token).
-        world_size: processes of the job (dp x tp).
+        world_size: processes of the job (pp x dp x tp).
         dp_size: data-parallel ranks (distinct micro-batches per micro-step).
         peak_tflops: dense peak of one device.
         dp_grad_bytes: bytes of this rank's trainable gradients, reduced over DP each step (0 if dp == 1).
@@ -58,6 +62,7 @@ class TrainingMetrics(TrainerCallback):
 
     def _reset(self) -> None:
         self.steps, self.seconds, self.tokens, self.flops = 0, 0.0, 0, 0.0
+        self.p2p_bytes = 0
         self.comm.reset()
 
     def count_micro_batch(self, input_ids: torch.Tensor) -> None:
@@ -65,6 +70,10 @@ class TrainingMetrics(TrainerCallback):
         tokens = input_ids.numel() * self.dp_size
         self.tokens += tokens
         self.flops += tokens * training_flops_per_token(self.model_config, input_ids.shape[-1])
+
+    def count_p2p_bytes(self, sent: int) -> None:
+        """Record the bytes this rank sent to its pipeline neighbours in one step."""
+        self.p2p_bytes += sent
 
     def pop_logs(self) -> dict[str, float]:
         """Metrics of the steps since the previous call (empty if none)."""
@@ -80,6 +89,7 @@ class TrainingMetrics(TrainerCallback):
             "comm_tp_bytes_per_step": self.comm.bytes / self.steps,
             "comm_tp_calls_per_step": self.comm.calls / self.steps,
             "comm_dp_grad_bytes_per_step": float(self.dp_grad_bytes),
+            "comm_p2p_bytes_per_step": self.p2p_bytes / self.steps,
         }
         self._reset()
         return logs

@@ -5,10 +5,15 @@ instead of calling the model (whose stages live on several ranks).
   micro-batches; returns the token-weighted mean loss over every DP replica's batch (the same on every rank).
 * :func:`pipeline_evaluation_sums`: ``[nll sum, tokens, bytes]`` of one evaluation batch, already summed over DP;
   a batch that does not split into the micro-batches is padded with fully ignored rows (exact: they add nothing).
+* :func:`last_stage_logits` / :func:`from_last_stage`: ``compute_metrics`` under PP: the logits of each evaluation
+  batch, where they live (the last stage's ranks), and what those ranks computed from them, on every rank.
+* :func:`boundary_bytes_per_step`: the point-to-point bytes this rank sends in one training step.
 * :func:`on_one_process`: what needs the whole model in one process (the end-of-training sample).
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 import torch.distributed as dist
@@ -17,6 +22,8 @@ from torch import nn
 
 from ..evaluation import target_bytes
 from ..parallel.cross_entropy import IGNORE_INDEX
+from ..parallel.pipeline import _activation_dtype, stage_ranks
+from ..perf.comm_formula import stage_boundary_communication
 
 
 def pipeline_of(model):
@@ -62,6 +69,44 @@ def pipeline_evaluation_sums(pipeline, batch: dict, tokenizer=None) -> torch.Ten
     return torch.stack([nll.double(), tokens.double(), size])
 
 
+@contextlib.contextmanager
+def last_stage_logits(pipeline):
+    """Yield a list that collects the logits of every micro-batch the last stage runs while the context is open,
+    in micro-batch order: vocab-parallel ``[mb, S, V/tp]`` (the last stage's output, before the loss), on the last
+    stage's ranks; elsewhere yield ``None`` (nothing to collect). A forward hook on the last stage's chunk."""
+    last = next((chunk for chunk in pipeline.chunks if chunk.is_last), None)
+    if last is None:
+        yield None
+        return
+    collected: list[torch.Tensor] = []
+    handle = last.register_forward_hook(lambda module, args, output: collected.append(output.detach()))
+    try:
+        yield collected
+    finally:
+        handle.remove()
+
+
+def from_last_stage(pipeline, value):
+    """``value`` as the last stage's rank of this rank's pipeline (same ``dp``, ``tp``) holds it, on every rank of
+    the pipeline (a picklable object; one ``broadcast_object_list`` over the PP group)."""
+    holder = [value]
+    source = dist.get_global_rank(pipeline.state.pp_group, stage_ranks(pipeline.parallel)[-1])
+    dist.broadcast_object_list(holder, src=source, group=pipeline.state.pp_group)
+    return holder[0]
+
+
+def boundary_bytes_per_step(pipeline, batch_shape: tuple[int, int]) -> int:
+    """Bytes this rank sends to its pipeline neighbours in one training step of a ``[B, S]`` batch: per
+    micro-batch, each of its stages sends its output forward (all but the last stage) and the gradient of its
+    input backward (all but the first), each crossing the tensors of
+    :func:`~boost_hf.perf.comm_formula.stage_boundary_communication` (it receives the same amount)."""
+    parallel, last = pipeline.parallel, pipeline.placement.num_stages - 1
+    rows, seq = batch_shape
+    crossing = stage_boundary_communication(pipeline.model.config, parallel, rows // parallel.microbatches * seq)
+    crossings = sum(int(stage > 0) + int(stage < last) for stage in pipeline.placement.stages) * parallel.microbatches
+    return crossings * crossing.bytes(_activation_dtype(pipeline.model).itemsize)
+
+
 def on_one_process(model, run):
     """``run(single_device_model)`` on global rank 0, with the whole model gathered from every stage (canonical
     weights, as ``save_pretrained`` gathers them); its result broadcast to every rank. Collective."""
@@ -78,4 +123,13 @@ def on_one_process(model, run):
     return result[0]
 
 
-__all__ = ["PipelineReplica", "on_one_process", "pipeline_of", "pipeline_training_step", "pipeline_evaluation_sums"]
+__all__ = [
+    "PipelineReplica",
+    "boundary_bytes_per_step",
+    "from_last_stage",
+    "last_stage_logits",
+    "on_one_process",
+    "pipeline_evaluation_sums",
+    "pipeline_of",
+    "pipeline_training_step",
+]

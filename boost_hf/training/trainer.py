@@ -11,7 +11,9 @@ Trainer hook                           boost-hf behaviour
                                        (:mod:`boost_hf.training.data`)
 ``get_eval_dataloader`` /              DP-sharded validation, exact token-weighted loss all-reduced over DP;
 ``evaluation_loop``                    ``eval_perplexity = exp(eval_loss)``, ``eval_bits_per_byte`` (with a
-                                       tokenizer), through the local ``evaluate`` metric (:mod:`boost_hf.evaluation`)
+                                       tokenizer), through the local ``evaluate`` metric (:mod:`boost_hf.evaluation`);
+                                       (pp > 1) forward only through the pipeline, ``compute_metrics`` on the
+                                       last stage's logits, its metrics broadcast to every stage
 ``create_accelerator_and_postprocess``  ``--torch_compile``: each decoder layer compiled in place
                                        (:mod:`boost_hf.training.compile`), not the whole model
 ``create_optimizer`` /                 ``--lowrank_optimizer loro``: LORO on the factors of an svd model, AdamW on the rest,
@@ -25,7 +27,8 @@ Trainer hook                           boost-hf behaviour
 ``_clip_grad_norm`` / ``_get_grad_norm``  (no DeepSpeed) the true global norm: TP shards summed over the TP
                                        group, replicated parameters once (DeepSpeed does the same via ``mpu``)
 ``training_step`` / ``log``            tokens/s, MFU, communication per step (:mod:`boost_hf.training.metrics`),
-                                       skipped non-finite steps; (pp > 1) the step runs the pipeline schedule
+                                       skipped non-finite steps; (pp > 1) the step runs the pipeline schedule,
+                                       its point-to-point bytes logged
 ``compute_loss`` / ``_get_grad_norm``  non-finite loss or grad norm: stop or skip the step
                                        (:mod:`boost_hf.training.health`)
 ``save_model`` / ``_save_checkpoint``  canonical checkpoint from every rank's shard, publishable (remote code,
@@ -91,7 +94,16 @@ from .deepspeed import ModelParallelUnit, configure_deepspeed, deepspeed_initial
 from .grad_norm import clip_grad_norm_, global_grad_norm
 from .health import is_finite, nonfinite_error, poison_nonfinite_loss
 from .metrics import TrainingMetrics
-from .pipeline_steps import PipelineReplica, on_one_process, pipeline_evaluation_sums, pipeline_of, pipeline_training_step
+from .pipeline_steps import (
+    PipelineReplica,
+    boundary_bytes_per_step,
+    from_last_stage,
+    last_stage_logits,
+    on_one_process,
+    pipeline_evaluation_sums,
+    pipeline_of,
+    pipeline_training_step,
+)
 from .preflight import TokenIdCheckingCollator, check_dataset
 from .resume import (
     check_resume_layout,
@@ -117,7 +129,8 @@ class BoostTrainer(Trainer):
     ``compute_metrics`` (with ``preprocess_logits_for_metrics``) is honoured: evaluation gathers each batch's
     full-vocabulary logits (one all-gather over TP), hands them to ``preprocess_logits_for_metrics`` on each rank,
     and calls ``compute_metrics`` on every rank with the predictions of all DP ranks; the loss, perplexity and bits
-    per byte stay the exact sums. Without ``compute_metrics`` no logits are gathered.
+    per byte stay the exact sums. Without ``compute_metrics`` no logits are gathered. Under pipeline parallelism
+    the logits come out of the last stage: its ranks do the above and broadcast the metrics to the other stages.
     """
 
     def __init__(self, model=None, args=None, **kwargs):
@@ -129,12 +142,6 @@ class BoostTrainer(Trainer):
                 raise ValueError(
                     f"the model was built with {field}={built} but args.{field}={asked}: build it with args.to_parallel_config(config)."
                 )
-        if pipeline_of(model) is not None and kwargs.get("compute_metrics") is not None:
-            raise ValueError(
-                "compute_metrics is not supported under pipeline parallelism yet (the logits live on the last stage's ranks): "
-                "evaluate the saved model at pp_size=1 for it, or drop compute_metrics (loss, perplexity and bits per byte "
-                "are computed through the pipeline)."
-            )
         if getattr(args, "zero1_optimizer", False) and (kwargs.get("optimizers") or (None, None))[0] is not None:
             raise ValueError(
                 "--zero1_optimizer builds the optimizer sharded over the data-parallel group, but an optimizer was passed in "
@@ -287,18 +294,24 @@ class BoostTrainer(Trainer):
         full_logits = {"return_logits": True} if hasattr(self.model, "plan") else {}  # TP: gather the vocabulary shards
         predictions, label_ids = [], []
         pipeline = pipeline_of(self.model)
-        with torch.no_grad():
+        collecting = last_stage_logits(pipeline) if pipeline is not None and wants_predictions else contextlib.nullcontext()
+        with torch.no_grad(), collecting as last_stage_outputs:
             for batch in dataloader:
                 batch = self._prepare_inputs(batch)
                 if pipeline is not None:  # summed over DP already
                     totals += pipeline_evaluation_sums(pipeline, batch, self.processing_class)
-                    continue
-                if not wants_predictions:
+                    if last_stage_outputs is None:  # no compute_metrics, or not the last stage: no logits here
+                        continue
+                    rows = batch["labels"].shape[0]  # without the rows that padded it to whole micro-batches
+                    logits = self.model.lm_head.gather_logits(torch.cat(last_stage_outputs)[:rows])
+                    last_stage_outputs.clear()
+                elif not wants_predictions:
                     totals += sums_of_batch(model, batch, self.processing_class)
                     continue
-                outputs = model(**batch, num_items_in_batch=1, **full_logits)
-                totals += batch_sums(outputs.loss, batch["labels"], self.processing_class)
-                logits = outputs.logits
+                else:
+                    outputs = model(**batch, num_items_in_batch=1, **full_logits)
+                    totals += batch_sums(outputs.loss, batch["labels"], self.processing_class)
+                    logits = outputs.logits
                 if self.preprocess_logits_for_metrics is not None:
                     logits = self.preprocess_logits_for_metrics(logits, batch["labels"])
                 predictions.append(logits.cpu())
@@ -313,15 +326,21 @@ class BoostTrainer(Trainer):
     def user_metrics(self, predictions: list, label_ids: list, prefix: str) -> dict:
         """``compute_metrics(EvalPrediction)`` on the predictions and labels of every DP rank (in DP-rank order,
         gathered as objects over the DP group); keys get ``prefix``. The fully masked rows that pad the DP shards
-        to equal length (:class:`~boost_hf.training.data.EvalShard`) are dropped."""
-        labels = torch.cat(label_ids)
-        real = (labels != -100).flatten(1).any(-1)
-        local = (torch.cat(predictions)[real].numpy(), labels[real].numpy())
-        if self.parallel_state.dp_group is not None:
-            shards = [None] * self.parallel_state.dp_size
-            dist.all_gather_object(shards, local, group=self.parallel_state.dp_group)
-            local = tuple(np.concatenate([shard[i] for shard in shards]) for i in range(2))
-        computed = self.compute_metrics(EvalPrediction(predictions=local[0], label_ids=local[1]))
+        to equal length (:class:`~boost_hf.training.data.EvalShard`) are dropped. Under pipeline parallelism the
+        last stage's ranks compute it (they alone hold predictions) and broadcast the metrics over the PP group."""
+        pipeline = pipeline_of(self.model)
+        computed = None
+        if pipeline is None or pipeline.holds_last_stage:
+            labels = torch.cat(label_ids)
+            real = (labels != -100).flatten(1).any(-1)
+            local = (torch.cat(predictions)[real].numpy(), labels[real].numpy())
+            if self.parallel_state.dp_group is not None:
+                shards = [None] * self.parallel_state.dp_size
+                dist.all_gather_object(shards, local, group=self.parallel_state.dp_group)
+                local = tuple(np.concatenate([shard[i] for shard in shards]) for i in range(2))
+            computed = self.compute_metrics(EvalPrediction(predictions=local[0], label_ids=local[1]))
+        if pipeline is not None:
+            computed = from_last_stage(pipeline, computed)
         return {key if key.startswith(f"{prefix}_") else f"{prefix}_{key}": value for key, value in computed.items()}
 
     # ------------------------------------------------------------------ steps, gradients, metrics
@@ -348,6 +367,7 @@ class BoostTrainer(Trainer):
                 model.train()
                 with self.compute_loss_context_manager():
                     loss = poison_nonfinite_loss(pipeline_training_step(pipeline, self._prepare_inputs(inputs)))
+                self.metrics.count_p2p_bytes(boundary_bytes_per_step(pipeline, tuple(inputs["input_ids"].shape)))
         self._nonfinite_loss_logged = ~torch.isfinite(loss) | self._nonfinite_loss_logged  # no sync
         return loss
 

@@ -23,7 +23,7 @@ def test_run_all_quick(tmp_path):
         text=True,
     )
     assert completed.returncode == 0, completed.stdout[-4000:] + completed.stderr[-4000:]
-    for stem in ("comm_per_layer", "step_time", "memory", "rank_cost"):
+    for stem in ("comm_per_layer", "step_time", "memory", "rank_cost", "pipeline"):
         text = (tmp_path / f"{stem}.md").read_text()
         assert "QUICK MODE" in text and "machine:" in text
         assert (tmp_path / f"{stem}.png").exists()
