@@ -167,10 +167,8 @@ def measured_run(args, runs: dict) -> MeasuredRun:
     m, layers = args.measure, []
     for name in runs["eager"]:
         preset, _, parallel = variant_case(name, m["size"], args.low_rank, args.tp, args.checkpointing, **m["overrides"])
-        if parallel.sequence_parallel:
-            continue  # the estimator does not model sequence parallelism (MeasuredLayer has no field for it)
         ms = {mode: runs[mode][name].get("ms_per_layer") for mode in runs}
-        layers.append(MeasuredLayer(preset, parallel.tp_style, parallel.rmsnorm, parallel.group_linears,
+        layers.append(MeasuredLayer(preset, parallel.tp_style, parallel.rmsnorm, parallel.group_linears, parallel.sequence_parallel,
                                     eager_ms=ms.get("eager"), compiled_ms=ms.get("compiled")))
     return MeasuredRun(f"{device_name(args.device)} ({args.device})", args.tp, m["batch"], m["seq"], args.checkpointing, tuple(layers))
 

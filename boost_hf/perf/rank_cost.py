@@ -14,7 +14,7 @@ A training step is what ``transformers.Trainer`` runs: forward with labels and n
   and collectives (:class:`~boost_hf.parallel.comm_counter.CommCounter`). Fake tensors have no storage,
   so real 7B shapes run on a laptop. The model is built on the ``meta`` device (outside fake mode: setting
   up the process-group mesh reads real values) and its parameters and buffers are then replaced by fake
-  tensors of the same shapes, keeping the Python attributes (sharding metadata) of each parameter and which
+  tensors of the same shapes, keeping the Python attributes (sharding metadata) and gradient hooks of each parameter and which
   parameters share one storage (:mod:`boost_hf.parallel.shared_storage`).
 * :func:`measure_rank_layer` / :func:`measure_rank_layers` time real training steps (forward, backward,
   AdamW) on the local device, eager or with ``torch.compile``-d decoder layers, variants interleaved, medians.
@@ -101,7 +101,8 @@ def _build(config, parallel):
 def build_fake_model(config, parallel, fake_mode) -> nn.Module:
     """A ``BoostLlamaForCausalLM`` whose parameters and buffers are CPU fake tensors of ``fake_mode`` (a
     ``FakeTensorMode``). Call it outside fake mode: the model is first built on ``meta`` (see the module
-    docstring)."""
+    docstring). The parameters' gradient hooks (e.g. the all-reduce of a replicated parameter that sees only
+    this rank's tokens under sequence parallelism) are registered on their fakes."""
     with torch.device("meta"):
         model = _build(config, parallel)
     fakes: dict[int, torch.Tensor] = {}  # tied tensors stay tied
@@ -120,6 +121,8 @@ def build_fake_model(config, parallel, fake_mode) -> nn.Module:
                         fake = storages[key].as_strided(tensor.shape, tensor.stride(), tensor.storage_offset())
                         if isinstance(tensor, nn.Parameter):
                             fake = nn.Parameter(fake, requires_grad=tensor.requires_grad)
+                            for hook in (tensor._backward_hooks or {}).values():  # e.g. a gradient all-reduce
+                                fake.register_hook(hook)
                         fake.__dict__.update(tensor.__dict__)
                         fakes[id(tensor)] = fake
                     table[name] = fakes[id(tensor)]
