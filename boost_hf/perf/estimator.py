@@ -32,7 +32,7 @@ Time of one decoder layer, forward (backward in parentheses)::
   repeats on every rank runs on ``N/p`` tokens, megatron's norms and residual adds, btp's latent
   element-wise work; the GEMMs are unchanged (the tokens are gathered before them); the collectives are the
   layout's (each all-reduce a reduce-scatter plus an all-gather of the same ring bytes, twice the calls); the
-  saved activations are :func:`~boost_hf.perf.activation_memory.saved_elements_per_layer`'s.
+  saved activations are :func:`~boost_hf.perf.activation_memory.saved_bytes_per_layer`'s.
 * **Communication**: :func:`boost_hf.perf.comm_formula.layer_communication` and
   :func:`~boost_hf.perf.comm_formula.outside_layers_communication` (the only source of volumes),
   timed as ``latency * calls + ring_traffic_bytes / bandwidth`` with the bandwidth of
@@ -50,7 +50,8 @@ Time of one decoder layer, forward (backward in parentheses)::
   under btp where the residual is sharded, plus LaX's ``7 N r``), timed as ``latency * sends + bytes /
   bandwidth`` over NVLink when the ``tp * pp`` GPUs fit in one node, else over the inter-node network.
   Peak activation memory per stage (``"full"`` and ``"lowrank"`` checkpointing,
-  :func:`~boost_hf.perf.activation_memory.saved_elements_per_layer`) is the stage's saved elements per
+  :func:`~boost_hf.perf.activation_memory.saved_bytes_per_layer`: the residual stream in fp32, as mixed
+  precision keeps it, the latents in ``dtype_bytes``) is the stage's saved bytes per
   micro-batch times the micro-batches it keeps in flight (1F1B: ``min(m, pp - i)`` on stage ``i``; GPipe:
   ``m``; interleaved: torch's warm-up, :func:`~boost_hf.perf.pipeline.micro_batches_in_flight`). Without
   checkpointing it is not modelled.
@@ -97,7 +98,7 @@ from ..parallel.config import SEQUENCE_PARALLEL_STYLES, ParallelConfig
 from ..parallel.layouts import Gemm
 from ..parallel.parallelize import layout_for
 from ..parallel.sequence_parallel import check_sequence_length
-from .activation_memory import saved_elements_per_layer
+from .activation_memory import saved_bytes_per_layer
 from .comm_formula import Communication, layer_communication, outside_layers_communication, stage_boundary_communication
 from .flops import attention_flops_per_token, training_flops_per_token
 from .hardware import Hardware, get_hardware
@@ -249,7 +250,8 @@ class Workload:
         num_micro_batches: micro-batches per iteration (the pipeline's ``m``; gradient accumulation at pp=1).
         pp_schedule: ``"1f1b"``, ``"gpipe"`` or ``"interleaved-1f1b"`` (:mod:`boost_hf.perf.pipeline`).
         stages_per_rank: model chunks per pipeline rank (interleaved only; default 2 there, else 1).
-        dtype_bytes: bytes per activation element (2: bf16).
+        dtype_bytes: bytes per activation element (2: bf16); the saved residual stream is counted in fp32, as
+            mixed precision (fp32 weights, bf16 autocast) keeps it.
         rmsnorm, group_linears, activation_checkpointing: as in :class:`ParallelConfig`.
         sequence_parallel: as in :class:`ParallelConfig`, for the layouts that have it (megatron: Megatron-LM's;
             btp: latent sequence parallelism); vanilla, which has none, is estimated without it. Needs
@@ -331,7 +333,8 @@ class LayoutEstimate:
     ``sequence_parallel``: whether the layout ran with it (:class:`Workload`). ``elementwise_bytes_per_layer_fwd``:
     the modelled element-wise traffic of one layer's forward (:func:`elementwise_elements_per_token`).
     ``saved_bytes_per_layer``: what one layer (block 1) keeps for backward per micro-batch under the
-    checkpointing mode (:func:`~boost_hf.perf.activation_memory.saved_elements_per_layer`; ``None`` without
+    checkpointing mode (:func:`~boost_hf.perf.activation_memory.saved_bytes_per_layer`: fp32 residual, latents
+    in ``dtype_bytes``; ``None`` without
     checkpointing).
     """
 
@@ -536,7 +539,7 @@ def estimate_layout(
         comm_sent_bytes_per_layer_bwd=comm.backward.ring_traffic_bytes(p, workload.dtype_bytes) if p > 1 else 0.0,
         elementwise_bytes_per_layer_fwd=elementwise_bytes,
         saved_bytes_per_layer=None if parallel.activation_checkpointing == "none"
-        else saved_elements_per_layer(config, parallel, n) * workload.dtype_bytes,
+        else saved_bytes_per_layer(config, parallel, n, latent_bytes=workload.dtype_bytes),
         layer_time_fwd_s=sum(forward.values()),
         layer_time_bwd_s=sum(backward.values()),
         stage_times_s=tuple(totals),
@@ -562,10 +565,10 @@ def _peak_activation_bytes(config, parallel: ParallelConfig, workload: Workload,
     per_micro_batch = [0] * workload.pp
     for j, (start, count) in enumerate(zip(starts, counts)):
         per_micro_batch[j % workload.pp] += sum(
-            saved_elements_per_layer(config, parallel, workload.tokens, layer_idx)
+            saved_bytes_per_layer(config, parallel, workload.tokens, layer_idx, latent_bytes=workload.dtype_bytes)
             for layer_idx in range(start, start + count)
         )
-    return tuple(round(elements * flight * workload.dtype_bytes) for elements, flight in zip(per_micro_batch, in_flight))
+    return tuple(round(nbytes * flight) for nbytes, flight in zip(per_micro_batch, in_flight))
 
 
 def _layout_model(config, layout: str):

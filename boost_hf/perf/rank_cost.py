@@ -40,6 +40,7 @@ from ..parallel.comm_counter import CommCounter
 from ..parallel.communication import COLLECTIVE_KINDS
 from ..parallel.state import reset_parallel_states
 from ..training.compile import compile_decoder_layers
+from .activation_memory import SavedTensorsProbe
 from .op_counter import OpCounter
 
 DEFAULT_LAYERS = (1, 3)
@@ -149,12 +150,14 @@ def _count_model(config, parallel, micro_batch: int, seq: int, autocast_dtype) -
     passes = {}
     fake_mode = FakeTensorMode()
     model = build_fake_model(config, parallel, fake_mode)
+    saved = SavedTensorsProbe(model)
     with fake_mode, _rows_are_unpacked():
         input_ids = torch.zeros(micro_batch, seq, dtype=torch.long)
         with OpCounter() as ops, CommCounter() as comm:
             with torch.autocast("cpu", dtype=autocast_dtype, enabled=autocast_dtype is not None):
                 loss = model(input_ids, labels=input_ids, use_cache=False).loss
-        passes["forward"] = _flat(ops, comm)
+        passes["forward"] = {**_flat(ops, comm), "saved_bytes": saved.saved_bytes}
+        saved.remove()
         with OpCounter() as ops, CommCounter() as comm:
             loss.backward()
         passes["backward"] = _flat(ops, comm)
@@ -200,6 +203,7 @@ def _summary(flat: dict[str, float]) -> dict:
         "non_gemm_ops": sum(v["ops"] for v in by_op.values()),
         "non_gemm_by_op": by_op,
         "collectives": dict(sorted(collectives.items())),
+        "saved_bytes": flat.get("saved_bytes", 0),
     }
 
 
@@ -219,7 +223,9 @@ def count_rank_layer(
     Returns ``{"forward", "backward", "total"}``, each a dict with the per-layer ``gemm_flops``,
     ``attention_flops``, ``non_gemm_bytes``, ``non_gemm_ops``, ``non_gemm_by_op`` (``{op: {"bytes",
     "ops"}}``, most bytes first) and ``collectives`` (``{kind: {"calls", "elements", "bytes"}}``, comparable
-    with ``comm_formula.layer_communication``); plus ``"tokens"`` and ``"layers"``. See
+    with ``comm_formula.layer_communication``) and ``saved_bytes`` (what the forward keeps for backward:
+    unique storages, parameters excluded, :class:`~boost_hf.perf.activation_memory.SavedTensorsProbe`; 0 in
+    ``"backward"``); plus ``"tokens"`` and ``"layers"``. See
     :mod:`boost_hf.perf.op_counter` for what each count includes.
     """
     parallel.check_model(config)

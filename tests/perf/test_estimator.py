@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 
 from boost_hf.configuration_boost_llama import BoostLlamaConfig
-from boost_hf.perf.activation_memory import saved_elements_per_layer
+from boost_hf.perf.activation_memory import saved_bytes_per_layer
 from boost_hf.perf.comm_formula import layer_communication, stage_boundary_communication
 from boost_hf.perf.estimator import (
     CALIBRATED_EFFICIENCY,
@@ -197,8 +197,8 @@ def test_peak_activation_memory_per_stage(schedule, in_flight):
     parallel = workload.parallel("btp")
     layers = [range(0, 16), range(16, 32)] if schedule != "interleaved-1f1b" else [
         [*range(0, 8), *range(16, 24)], [*range(8, 16), *range(24, 32)]]
-    saved = [sum(saved_elements_per_layer(config, parallel, workload.tokens, i) for i in rank) for rank in layers]
-    assert e.peak_activation_bytes == tuple(round(2 * n * k) for n, k in zip(saved, in_flight))
+    saved = [sum(saved_bytes_per_layer(config, parallel, workload.tokens, i) for i in rank) for rank in layers]
+    assert e.peak_activation_bytes == tuple(round(n * k) for n, k in zip(saved, in_flight))
     unchecked = estimate(config, Workload(tp=4, pp=2, num_micro_batches=4), "a100", layouts=("btp",)).layouts["btp"]
     assert unchecked.peak_activation_bytes is None  # without checkpointing: not modelled
 
@@ -307,12 +307,13 @@ def test_sequence_parallel_activation_memory_is_activation_memorys(mode):
     est = estimate(config, workload, "h100", layouts=("megatron", "btp"))
     for layout, e in est.layouts.items():
         model = config if layout == "btp" else BoostLlamaConfig.from_preset("llama-7b")
-        assert e.saved_bytes_per_layer == 2 * saved_elements_per_layer(model, workload.parallel(layout), workload.tokens)
-    # megatron keeps N d / p (full checkpointing, its only one); btp's low-rank checkpoint keeps 1/p of the latents
-    assert est.layouts["megatron"].saved_bytes_per_layer == 2 * workload.tokens * 4096 // 4
+        assert e.saved_bytes_per_layer == saved_bytes_per_layer(model, workload.parallel(layout), workload.tokens)
+    # megatron keeps N d / p of its fp32 residual (full checkpointing, its only one); btp's low-rank checkpoint
+    # keeps 1/p of the bf16 latents
+    assert est.layouts["megatron"].saved_bytes_per_layer == 4 * workload.tokens * 4096 // 4
     if mode == "lowrank":
         n, r = workload.tokens, config.rank
-        assert est.layouts["btp"].saved_bytes_per_layer == 2 * (2 * n * 4096 // 4 + (7 * n * r + 16 * n) // 4 + 7 * n * r // 4)
+        assert est.layouts["btp"].saved_bytes_per_layer == 4 * 2 * n * 4096 // 4 + 2 * ((7 * n * r + 16 * n) // 4 + 7 * n * r // 4)
 
 
 def test_sequence_parallel_workload_errors():

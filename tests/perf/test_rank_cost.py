@@ -12,7 +12,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from boost_hf import BoostLlamaConfig, ParallelConfig
-from boost_hf.perf.activation_memory import saved_elements_per_layer
+from boost_hf.perf.activation_memory import saved_bytes_per_layer
 from boost_hf.perf.comm_formula import layer_communication
 from boost_hf.perf.estimator import Workload, estimate_layout
 from boost_hf.perf.hardware import get_hardware
@@ -155,8 +155,7 @@ def test_sequence_parallelism_moves_fewer_element_wise_bytes(counted, name):
 def test_estimator_models_the_counted_sequence_parallel_layer(counted, name):
     """``boost-hf estimate --sequence_parallel`` per layer: the counted collectives (calls; volume, where the fp32
     gradients of replicated parameters that see N/p tokens are counted at 4 bytes and estimated at the bf16
-    activations' 2), GEMM FLOPs (LaX's crossings on N/p tokens) and the saved activations of
-    ``activation_memory``."""
+    activations' 2), GEMM FLOPs (LaX's crossings on N/p tokens) and saved activations."""
     config, parallel = _case(name)
     workload = Workload(tp=TP, micro_batch=BATCH, seq_len=SEQ, sequence_parallel=True,
                         activation_checkpointing=parallel.activation_checkpointing)
@@ -173,7 +172,16 @@ def test_estimator_models_the_counted_sequence_parallel_layer(counted, name):
         assert cost["total"]["gemm_flops"] == 3 * estimated.gemm_flops_per_layer_fwd
         assert estimated.saved_bytes_per_layer is None
     else:
-        assert estimated.saved_bytes_per_layer == 2 * saved_elements_per_layer(config, parallel, TOKENS)
+        assert estimated.saved_bytes_per_layer == cost["forward"]["saved_bytes"]
+
+
+@pytest.mark.parametrize("name", [n for n, (_, fields) in LAYOUTS.items() if fields.get("activation_checkpointing")])
+def test_saved_bytes_equal_activation_memory(counted, name):
+    """What the counted forward keeps for backward (fake tensors, ``SavedTensorsProbe``) is ``saved_bytes_per_layer``:
+    the fp32 residual stream and the bf16 latents."""
+    config, parallel = _case(name)
+    assert counted[name]["forward"]["saved_bytes"] == counted[name]["total"]["saved_bytes"] == saved_bytes_per_layer(config, parallel, TOKENS)
+    assert counted[name]["backward"]["saved_bytes"] == 0
 
 
 def test_per_layer_cost_does_not_depend_on_the_layers_differenced(counted):
