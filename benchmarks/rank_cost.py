@@ -24,7 +24,7 @@ from common import base_parser, parse, save_figure, table, write_result
 from boost_hf import BoostLlamaConfig, ParallelConfig
 from boost_hf.perf.comm_formula import layer_communication
 from boost_hf.perf.measured import MeasuredLayer, MeasuredRun
-from boost_hf.perf.activation_memory import saved_elements_per_layer
+from boost_hf.perf.activation_memory import saved_bytes_per_layer
 from boost_hf.perf.rank_cost import count_rank_layer, device_name, fake_process_group, measure_rank_layers, predicted_h100_eager_ms
 
 # name -> (preset family: "llama" or the low-rank family of --low-rank, ParallelConfig fields)
@@ -71,32 +71,41 @@ def _equals_formula(cost: dict, config, parallel) -> str:
 
 
 def _saved_mb(config, parallel, tokens: int, checkpointing: str) -> str:
-    """Bytes (bf16) one layer keeps for backward under ``checkpointing``, in MB ("" where not applicable)."""
+    """Bytes one layer keeps for backward under ``checkpointing`` (fp32 residual, bf16 latents), in MB ("-" where
+    not applicable)."""
     if checkpointing == "lowrank" and config.bottleneck is None:
-        return ""
+        return "-"
     checkpointed = ParallelConfig(**{**parallel.to_dict(), "activation_checkpointing": checkpointing})
-    return _num(2 * saved_elements_per_layer(config, checkpointed, tokens) / MB)
+    return _num(saved_bytes_per_layer(config, checkpointed, tokens) / MB)
+
+
+def _predicted_ms(total: dict, config, *, floor: bool = False) -> float:
+    """REVIEW-2's H100 eager fit of a counted layer; ``floor``: its GEMM and attention terms only."""
+    if floor:
+        total = {**total, "non_gemm_bytes": 0, "non_gemm_ops": 0}
+    return predicted_h100_eager_ms(total, low_rank=config.bottleneck is not None)
 
 
 def counted_section(args, names: list[str]) -> tuple[list[str], dict]:
-    """Count every variant; return the Markdown lines and ``{name: total summary}`` for the plot."""
-    rows, totals = [], {}
+    """Count every variant; return the Markdown lines and ``{name: (config, parallel, count)}``."""
+    rows, counted = [], {}
     for name in names:
         preset, config, parallel = variant_case(name, args.size, args.low_rank, args.tp, args.checkpointing)
         try:
             parallel.check_model(config)
         except ValueError as err:
-            rows.append([name, preset, f"not applicable: {err}", "", "", "", "", "", "", "", "", ""])
+            rows.append([name, preset, f"not applicable: {err}", *[""] * 10])
             continue
         cost = count_rank_layer(config, parallel, args.batch, args.seq, layers=tuple(args.layers))
-        total = totals[name] = cost["total"]
+        counted[name] = (config, parallel, cost)
+        total = cost["total"]
         movers = ", ".join(f"{op} {_num(v['bytes'] / GB)}" for op, v in list(total["non_gemm_by_op"].items())[:5])
         rows.append([
             name, preset, _num(total["gemm_flops"] / GB), _num(total["attention_flops"] / GB),
             _num(total["non_gemm_bytes"] / GB), f"{total['non_gemm_ops']:g}",
             f"{_collectives(cost['forward'])} / {_collectives(cost['backward'])}", _equals_formula(cost, config, parallel),
-            f"{predicted_h100_eager_ms(total, low_rank=config.bottleneck is not None):.2f}", _saved_mb(config, parallel, cost["tokens"], "full"),
-            _saved_mb(config, parallel, cost["tokens"], "lowrank"), movers,
+            f"{_predicted_ms(total, config):.2f}", _num(total["saved_bytes"] / MB),
+            _saved_mb(config, parallel, cost["tokens"], "full"), _saved_mb(config, parallel, cost["tokens"], "lowrank"), movers,
         ])
         print(f"counted {name}: {rows[-1][2:6]}", flush=True)
     lines = [
@@ -112,15 +121,63 @@ def counted_section(args, names: list[str]) -> tuple[list[str], dict]:
         "collectives excluded: they are the next column, from `CommCounter`, forward / backward). Predicted H100 "
         "eager ms: REVIEW-2's fit (`boost_hf.perf.rank_cost.H100_EAGER_FIT`: GEMM at 650 / 450 TFLOP/s full-rank / "
         "low-rank, attention at 412 TFLOP/s, non-GEMM bytes at 2.5 TB/s, 5 us per non-GEMM op; within ~10 % of five "
-        "measured layouts at 7B TP4 N = 8192). Kept per layer: what full / low-rank activation checkpointing saves "
-        "per layer and rank, bf16 (`boost_hf.perf.activation_memory`; layer 1, so LaX's handed-on latents count).",
+        "measured layouts at 7B TP4 N = 8192; it has no communication term). Kept per layer: what the counted forward "
+        f"saves for backward ({args.checkpointing} checkpointing; unique storages, parameters excluded, "
+        "`SavedTensorsProbe`), and what full / low-rank activation checkpointing keeps per layer and rank "
+        "(`boost_hf.perf.activation_memory.saved_bytes_per_layer`, equal to the count: the fp32 residual stream and "
+        "the bf16 latents; layer 1, so LaX's handed-on latents count).",
         "",
         *table(["layout", "preset", "GEMM GFLOP", "attention GFLOP", "non-GEMM GB", "non-GEMM ops",
                 "collectives fwd / bwd (calls, bytes)", "= comm formula", "predicted H100 eager ms",
-                "kept per layer, full ckpt (MB)", "kept per layer, low-rank ckpt (MB)", "biggest movers (GB)"], rows),
+                f"kept per layer, counted, {args.checkpointing} ckpt (MB)", "kept per layer, full ckpt (MB)",
+                "kept per layer, low-rank ckpt (MB)", "biggest movers (GB)"], rows),
         "",
     ]
-    return lines, totals
+    return lines, counted
+
+
+# (full-rank baseline, the best BTP variant) of the headline ratio, each with sequence parallelism
+HEADLINE = ("megatron sp", "btp online grouped sp")
+
+
+def sequence_parallel_section(args, counted: dict) -> list[str]:
+    """Every layout with and without sequence parallelism side by side, and the headline ratio: BTP against
+    megatron *with* sequence parallelism, next to the GEMM + attention floor."""
+    rows = []
+    for name in [n for n in counted if not n.endswith(" sp") and f"{n} sp" in counted]:
+        for variant in (name, f"{name} sp"):
+            config, parallel, cost = counted[variant]
+            total = cost["total"]
+            calls = [sum(c["calls"] for c in cost[d]["collectives"].values()) for d in ("forward", "backward")]
+            rows.append([variant, "yes" if parallel.sequence_parallel else "no",
+                         f"{_num(total['non_gemm_bytes'] / GB)} / {total['non_gemm_ops']:g}", f"{calls[0]} / {calls[1]}",
+                         f"{_predicted_ms(total, config):.2f}", _num(total["saved_bytes"] / MB),
+                         f"{_saved_mb(config, parallel, cost['tokens'], 'full')} / {_saved_mb(config, parallel, cost['tokens'], 'lowrank')}"])
+    lines = [
+        "## Sequence parallelism, side by side",
+        "",
+        "Megatron-LM's sequence parallelism for megatron, latent sequence parallelism for BTP (the same counts as "
+        "above; collectives: calls forward / backward, the same ring bytes per rank with and without SP).",
+        "",
+        *table(["layout", "sequence parallel", "non-GEMM GB / ops", "collectives fwd / bwd (calls)", "predicted H100 eager ms",
+                f"kept per layer, counted, {args.checkpointing} ckpt (MB)", "kept per layer, full / low-rank ckpt (MB)"], rows),
+        "",
+    ]
+    if all(name in counted for name in (*HEADLINE, "megatron")):
+        (mc, _, megatron_sp), (bc, _, btp_sp), (_, _, megatron) = (counted[n] for n in (*HEADLINE, "megatron"))
+        fastest = min((n for n in counted if counted[n][0].bottleneck is not None),
+                      key=lambda n: _predicted_ms(counted[n][2]["total"], counted[n][0]))
+        ms = {n: _predicted_ms(counted[n][2]["total"], counted[n][0]) for n in (*HEADLINE, "megatron")}
+        floor = _predicted_ms(megatron_sp["total"], mc, floor=True) / _predicted_ms(btp_sp["total"], bc, floor=True)
+        lines += [
+            f"**Headline** (predicted H100 eager, per layer): {HEADLINE[1]} {ms[HEADLINE[1]]:.2f} ms vs {HEADLINE[0]} "
+            f"{ms[HEADLINE[0]]:.2f} ms: **{ms[HEADLINE[0]] / ms[HEADLINE[1]]:.2f}x**, next to the GEMM + attention "
+            f"floor's {floor:.2f}x (the fit's GEMM and attention terms only). Against megatron without sequence "
+            f"parallelism ({ms['megatron']:.2f} ms) it would read {ms['megatron'] / ms[HEADLINE[1]]:.2f}x: not the "
+            f"honest baseline. Fastest low-rank variant counted: {fastest}.",
+            "",
+        ]
+    return lines
 
 
 def _ms(result: dict) -> str:
@@ -167,10 +224,8 @@ def measured_run(args, runs: dict) -> MeasuredRun:
     m, layers = args.measure, []
     for name in runs["eager"]:
         preset, _, parallel = variant_case(name, m["size"], args.low_rank, args.tp, args.checkpointing, **m["overrides"])
-        if parallel.sequence_parallel:
-            continue  # the estimator does not model sequence parallelism (MeasuredLayer has no field for it)
         ms = {mode: runs[mode][name].get("ms_per_layer") for mode in runs}
-        layers.append(MeasuredLayer(preset, parallel.tp_style, parallel.rmsnorm, parallel.group_linears,
+        layers.append(MeasuredLayer(preset, parallel.tp_style, parallel.rmsnorm, parallel.group_linears, parallel.sequence_parallel,
                                     eager_ms=ms.get("eager"), compiled_ms=ms.get("compiled")))
     return MeasuredRun(f"{device_name(args.device)} ({args.device})", args.tp, m["batch"], m["seq"], args.checkpointing, tuple(layers))
 
@@ -182,16 +237,20 @@ def plot(counted: dict, runs: dict, args, out) -> str:
     import matplotlib.pyplot as plt
 
     panels = [
-        ("GEMM + attention TFLOP", lambda t: (t["gemm_flops"] + t["attention_flops"]) / 1e12),
-        ("non-GEMM GB", lambda t: t["non_gemm_bytes"] / GB),
-        ("non-GEMM ops (eager kernels)", lambda t: t["non_gemm_ops"]),
+        ("GEMM + attention TFLOP", lambda c, t: (t["gemm_flops"] + t["attention_flops"]) / 1e12),
+        ("non-GEMM GB", lambda c, t: t["non_gemm_bytes"] / GB),
+        ("non-GEMM ops (eager kernels)", lambda c, t: t["non_gemm_ops"]),
+        ("predicted H100 eager ms", lambda c, t: _predicted_ms(t, c)),
+        (f"kept per layer MB ({args.checkpointing} ckpt)", lambda c, t: t["saved_bytes"] / MB),
     ]
-    fig, axes = plt.subplots(1, len(panels) + bool(runs), figsize=(4.2 * (len(panels) + bool(runs)), 4))
+    fig, axes = plt.subplots(1, len(panels) + bool(runs), figsize=(3.6 * (len(panels) + bool(runs)), 4))
     names = list(counted)
-    for ax, (title, value) in zip(axes, panels):
-        ax.barh(names, [value(counted[n]) for n in names], color="tab:blue")
+    for i, (ax, (title, value)) in enumerate(zip(axes, panels)):
+        ax.barh(names, [value(counted[n][0], counted[n][2]["total"]) for n in names], color="tab:blue")
         ax.set_title(f"counted: {title}", fontsize=9)
         ax.invert_yaxis()
+        if i:  # the layouts are named on the first panel
+            ax.set_yticklabels([])
     if runs:
         ax = axes[-1]
         width = 0.8 / len(runs)
@@ -239,6 +298,7 @@ def main() -> None:
 
     with fake_process_group(args.tp):
         lines, counted = counted_section(args, args.variants)
+        lines += sequence_parallel_section(args, counted)
         runs: dict = {}
         if not args.no_measure:
             measured, runs = measured_section(args, args.variants)

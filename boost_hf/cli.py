@@ -43,6 +43,9 @@ def _add_estimate_arguments(parser: argparse.ArgumentParser) -> None:
                        help="do not fuse A_qkv / A_gate_up (and megatron's qkv / gate_up)")
     model.add_argument("--checkpointing", choices=("none", "full", "lowrank"), default="none",
                        help="activation checkpointing (megatron turns lowrank into full)")
+    model.add_argument("--sequence-parallel", "--sequence_parallel", dest="sequence_parallel", action="store_true",
+                       help="sequence parallelism for megatron (Megatron-LM's) and btp (latent); vanilla has none "
+                            "(the sequence length must be a multiple of --tp; pp 1 only)")
     model.add_argument("--layouts", nargs="+", choices=("megatron", "vanilla", "btp"),
                        default=["megatron", "vanilla", "btp"], help="layouts to compare")
 
@@ -89,6 +92,9 @@ def _estimate_table(est, preset: str, model_config) -> str:
         ("comm per layer bwd (GiB)", lambda e: f"{e.comm_bytes_per_layer_bwd / GIB:.3f}"),
         ("collectives per layer fwd", lambda e: str(e.collectives_per_layer_fwd)),
         ("collectives per layer bwd", lambda e: str(e.collectives_per_layer_bwd)),
+        ("sent per rank per layer f+b (GiB)", lambda e: f"{(e.comm_sent_bytes_per_layer_fwd + e.comm_sent_bytes_per_layer_bwd) / GIB:.3f}"),
+        ("element-wise per layer fwd (GiB)", lambda e: f"{e.elementwise_bytes_per_layer_fwd / GIB:.3f}"),
+        ("kept per layer (MiB)", lambda e: "n/a" if e.saved_bytes_per_layer is None else f"{e.saved_bytes_per_layer / 2**20:,.1f}"),
         ("GFLOP per layer fwd per rank", lambda e: f"{e.flops_per_layer_fwd / 1e9:,.1f}"),
         ("  of which attention", lambda e: f"{e.attention_flops_per_layer_fwd / 1e9:,.1f}"),
         ("smallest GEMM dimension", lambda e: str(e.min_gemm_dim)),
@@ -128,7 +134,7 @@ def _estimate_table(est, preset: str, model_config) -> str:
         f"  efficiency: GEMM {e.gemm_max:g} x 1/(1 + {e.gemm_half_dim:g} (1/M + 1/K + 1/N)), attention {e.attention:g}, "
         f"elementwise {e.memory:g} of HBM",
         f"  layout options: rmsnorm={w.rmsnorm}, group_linears={w.group_linears}, "
-        f"activation_checkpointing={w.activation_checkpointing}, bf16 activations ({w.dtype_bytes} bytes)",
+        f"activation_checkpointing={w.activation_checkpointing}, sequence_parallel={w.sequence_parallel}, bf16 activations ({w.dtype_bytes} bytes)",
         *(f"  {note}" for note in est.notes),
     ]
     return "\n".join(lines)
@@ -198,6 +204,7 @@ def _run_estimate(args: argparse.Namespace) -> int:
         rmsnorm=args.rmsnorm,
         group_linears=args.group_linears,
         activation_checkpointing=args.checkpointing,
+        sequence_parallel=args.sequence_parallel,
     )
     hardware = get_hardware(
         args.gpu,

@@ -14,15 +14,17 @@ quantity with :class:`SavedTensorsProbe` and compare it with :func:`saved_elemen
 from __future__ import annotations
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from ..parallel.config import ParallelConfig
 from ..parallel.parallelize import layout_for
 
 
-def saved_elements_per_layer(config, parallel: ParallelConfig, tokens: int, layer_idx: int = 1) -> int:
-    """Elements saved for backward by one decoder layer (``layer_idx``) on one rank, for
-    ``activation_checkpointing`` ``"full"`` or ``"lowrank"`` (``"none"`` keeps every intermediate:
-    not modelled here)."""
+def saved_parts_per_layer(config, parallel: ParallelConfig, tokens: int, layer_idx: int = 1) -> tuple[int, int]:
+    """``(residual, latent)`` elements saved for backward by one decoder layer (``layer_idx``) on one rank, for
+    ``activation_checkpointing`` ``"full"`` or ``"lowrank"`` (``"none"`` keeps every intermediate: not
+    modelled here): the residual stream's copies, and the latents (reduced, with the online norm's statistics,
+    and LaX's handed-on ones)."""
     layout = layout_for(config, parallel)
     residual = layout.residual_elements(config, tokens)
     carries = 7 * tokens * config.rank if config.bottleneck == "lax" and layer_idx > 0 else 0
@@ -30,18 +32,33 @@ def saved_elements_per_layer(config, parallel: ParallelConfig, tokens: int, laye
         carries //= parallel.tp_size  # BTP's latent sequence parallelism hands on token shards
     mode = parallel.activation_checkpointing
     if mode == "full":
-        return residual + carries
+        return residual, carries
     if mode != "lowrank":
         raise ValueError(f"saved_elements_per_layer models 'full' and 'lowrank' checkpointing, not {mode!r}")
-    return 2 * residual + layout.saved_latent_elements(config, tokens) + carries
+    return 2 * residual, layout.saved_latent_elements(config, tokens) + carries
+
+
+def saved_elements_per_layer(config, parallel: ParallelConfig, tokens: int, layer_idx: int = 1) -> int:
+    """Elements saved for backward by one decoder layer (``layer_idx``) on one rank (:func:`saved_parts_per_layer`)."""
+    return sum(saved_parts_per_layer(config, parallel, tokens, layer_idx))
+
+
+def saved_bytes_per_layer(config, parallel: ParallelConfig, tokens: int, layer_idx: int = 1, *,
+                          residual_bytes: int = 4, latent_bytes: int = 2) -> int:
+    """Bytes saved for backward by one decoder layer on one rank: the residual at ``residual_bytes`` per element
+    and the latents at ``latent_bytes``. The defaults are mixed-precision training (fp32 weights, bf16 autocast):
+    the residual stream stays fp32, the latents are GEMM outputs in bf16."""
+    residual, latent = saved_parts_per_layer(config, parallel, tokens, layer_idx)
+    return residual * residual_bytes + latent * latent_bytes
 
 
 class SavedTensorsProbe:
     """Measures what one module's forward saves for backward: the unique storages (parameters excluded)
-    seen by ``saved_tensors_hooks`` between the module's forward pre-hook and forward hook."""
+    seen by ``saved_tensors_hooks`` between the module's forward pre-hook and forward hook (real or fake
+    tensors: storages are told apart by identity, not by address)."""
 
     def __init__(self, module: torch.nn.Module):
-        self.storages: dict[int, int] = {}
+        self.storages: dict[StorageWeakRef, int] = {}
         self.hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
         self._handles = [module.register_forward_pre_hook(self._enter), module.register_forward_hook(self._exit)]
 
@@ -54,7 +71,7 @@ class SavedTensorsProbe:
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         if not isinstance(t, torch.nn.Parameter):
             storage = t.untyped_storage()
-            self.storages[storage.data_ptr()] = storage.nbytes()
+            self.storages[StorageWeakRef(storage)] = storage.nbytes()
         return t
 
     @property
@@ -66,4 +83,4 @@ class SavedTensorsProbe:
             handle.remove()
 
 
-__all__ = ["saved_elements_per_layer", "SavedTensorsProbe"]
+__all__ = ["saved_bytes_per_layer", "saved_elements_per_layer", "saved_parts_per_layer", "SavedTensorsProbe"]

@@ -28,6 +28,11 @@ Time of one decoder layer, forward (backward in parentheses)::
   the replicated residual, vanilla everything between chunks replicated at full width. btp's online
   RMSNorm adds two passes over the ``5r``-wide outputs of A_qkv and A_gate_up (scale the partial
   output by the local rms, divide the reduced one by the global rms).
+* **Sequence parallelism** (``Workload.sequence_parallel``; megatron and btp): the work each layout
+  repeats on every rank runs on ``N/p`` tokens, megatron's norms and residual adds, btp's latent
+  element-wise work; the GEMMs are unchanged (the tokens are gathered before them); the collectives are the
+  layout's (each all-reduce a reduce-scatter plus an all-gather of the same ring bytes, twice the calls); the
+  saved activations are :func:`~boost_hf.perf.activation_memory.saved_bytes_per_layer`'s.
 * **Communication**: :func:`boost_hf.perf.comm_formula.layer_communication` and
   :func:`~boost_hf.perf.comm_formula.outside_layers_communication` (the only source of volumes),
   timed as ``latency * calls + ring_traffic_bytes / bandwidth`` with the bandwidth of
@@ -46,7 +51,8 @@ Time of one decoder layer, forward (backward in parentheses)::
   bandwidth`` over NVLink when the ``tp * pp`` GPUs fit in one node, else over the inter-node network, plus the
   all-gather of LaX's shared latents over TP (``7 N r``, as a TP collective).
   Peak activation memory per stage (``"full"`` and ``"lowrank"`` checkpointing,
-  :func:`~boost_hf.perf.activation_memory.saved_elements_per_layer`) is the stage's saved elements per
+  :func:`~boost_hf.perf.activation_memory.saved_bytes_per_layer`: the residual stream in fp32, as mixed
+  precision keeps it, the latents in ``dtype_bytes``) is the stage's saved bytes per
   micro-batch times the micro-batches it keeps in flight (1F1B: ``min(m, pp - i)`` on stage ``i``; GPipe:
   ``m``; interleaved: torch's warm-up, :func:`~boost_hf.perf.pipeline.micro_batches_in_flight`). Without
   checkpointing it is not modelled.
@@ -89,10 +95,11 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, replace
 from typing import Literal
 
-from ..parallel.config import ParallelConfig
+from ..parallel.config import SEQUENCE_PARALLEL_STYLES, ParallelConfig
 from ..parallel.layouts import Gemm
 from ..parallel.parallelize import layout_for
-from .activation_memory import saved_elements_per_layer
+from ..parallel.sequence_parallel import check_sequence_length
+from .activation_memory import saved_bytes_per_layer
 from .comm_formula import Communication, layer_communication, outside_layers_communication, stage_boundary_communication
 from .flops import attention_flops_per_token, training_flops_per_token
 from .hardware import Hardware, get_hardware
@@ -146,8 +153,10 @@ CALIBRATED_EFFICIENCY = KernelEfficiency(gemm_max=0.75, gemm_half_dim=320.0, att
 def layer_gemms(config, parallel: ParallelConfig, tokens: int, *, crossing: bool = True) -> list[Gemm]:
     """The GEMMs of one decoder layer's forward on one rank, with their local shapes (the layout's,
     :meth:`~boost_hf.parallel.layouts.Layout.local_gemms`), plus LaX's crossings (``crossing`` and
-    ``bottleneck == "lax"``), which act on the full, replicated ``r``."""
-    return layout_for(config, parallel).local_gemms(config, tokens) + _crossing_gemms(config, tokens, crossing)
+    ``bottleneck == "lax"``), which act on the full, replicated ``r`` (on this rank's ``N/p`` tokens under
+    BTP's latent sequence parallelism)."""
+    crossing_tokens = tokens // parallel.tp_size if parallel.shards_tokens else tokens
+    return layout_for(config, parallel).local_gemms(config, tokens) + _crossing_gemms(config, crossing_tokens, crossing)
 
 
 def _crossing_gemms(config, tokens: int, crossing: bool) -> list[Gemm]:
@@ -164,30 +173,41 @@ def _crossing_gemms(config, tokens: int, crossing: bool) -> list[Gemm]:
     return gemms
 
 
-def elementwise_elements_per_token(config, parallel: ParallelConfig) -> int:
-    """Elements read + written per token by one layer's elementwise forward ops on one rank.
+def elementwise_elements_per_token(config, parallel: ParallelConfig) -> float:
+    """Elements read + written per token of the micro-batch by one layer's elementwise forward ops on one
+    rank.
 
     2 RMSNorms (read, write) and 2 residual adds (2 reads, 1 write) on the residual width the layout
     holds; RoPE on the local q and k; the latent activation of each of the 7 latents; LaX crossing add
     (3) and latent LayerNorm (2) on the full ``r``; the SwiGLU product (3) and gate activation (2, when
     kept) on the local ``f``; with the online norm of a sharded residual, the scaling of the reduced
     A_qkv and A_gate_up latents by ``1/rms`` (read, write).
+
+    Sequence parallelism runs the work the layout otherwise repeats on every rank on ``N/p`` tokens: the
+    norms and residual adds of megatron's replicated residual, and BTP's latent work (activation, LaX
+    crossing and LayerNorm, ``1/rms`` scale); per token of the micro-batch that is ``1/p`` of it.
     """
     layout = layout_for(config, parallel)
     widths, r = layout.widths(config), config.rank
-    total = 2 * 2 * widths.residual + 2 * 3 * widths.residual + 2 * (widths.q + widths.k) + 3 * widths.mlp
+    residual = 2 * 2 * widths.residual + 2 * 3 * widths.residual
+    rest = 2 * (widths.q + widths.k) + 3 * widths.mlp
     if config.mlp_activation is not None:
-        total += 2 * widths.mlp
-    latent = widths.latent
+        rest += 2 * widths.mlp
+    latent_width, latent = widths.latent, 0
     if config.bottleneck == "lax":
         # the crossing and LayerNorm act on the full r (vanilla gathers it)
-        total += 7 * (3 + (2 if config.lax_latent_norm else 0)) * r
-        latent = r
+        latent += 7 * (3 + (2 if config.lax_latent_norm else 0)) * r
+        latent_width = r
     if config.latent_activation is not None:
-        total += 7 * 2 * latent
+        latent += 7 * 2 * latent_width
     if layout.residual_sharded and parallel.rmsnorm == "online" and parallel.tp_size > 1:
-        total += 2 * (3 * r + 2 * r)
-    return total
+        latent += 2 * (3 * r + 2 * r)
+    if parallel.shards_tokens:
+        if layout.residual_sharded:
+            latent /= parallel.tp_size
+        else:
+            residual /= parallel.tp_size
+    return residual + rest + latent
 
 
 def parameter_count(config) -> int:
@@ -231,8 +251,12 @@ class Workload:
         num_micro_batches: micro-batches per iteration (the pipeline's ``m``; gradient accumulation at pp=1).
         pp_schedule: ``"1f1b"``, ``"gpipe"`` or ``"interleaved-1f1b"`` (:mod:`boost_hf.perf.pipeline`).
         stages_per_rank: model chunks per pipeline rank (interleaved only; default 2 there, else 1).
-        dtype_bytes: bytes per activation element (2: bf16).
+        dtype_bytes: bytes per activation element (2: bf16); the saved residual stream is counted in fp32, as
+            mixed precision (fp32 weights, bf16 autocast) keeps it.
         rmsnorm, group_linears, activation_checkpointing: as in :class:`ParallelConfig`.
+        sequence_parallel: as in :class:`ParallelConfig`, for the layouts that have it (megatron: Megatron-LM's;
+            btp: latent sequence parallelism); vanilla, which has none, is estimated without it. Needs
+            ``seq_len`` divisible by ``tp``; not with ``pp > 1`` (the runtime refuses it there).
     """
 
     tp: int = 1
@@ -246,12 +270,21 @@ class Workload:
     rmsnorm: str = "online"
     group_linears: bool = True
     activation_checkpointing: str = "none"
+    sequence_parallel: bool = False
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "micro_batch", "seq_len", "num_micro_batches", "dtype_bytes"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"Workload.{name} must be a positive integer, got {getattr(self, name)!r}.")
         object.__setattr__(self, "stages_per_rank", check_schedule(self.pp_schedule, self.stages_per_rank))
+        if self.sequence_parallel:
+            if self.pp > 1:
+                raise ValueError(
+                    "sequence_parallel with pp > 1 is not modelled: the runtime refuses it (a stage would send its "
+                    "N/p-token shard). Estimate it with pp=1, or without sequence_parallel."
+                )
+            if self.tp > 1:
+                check_sequence_length(self.seq_len, self.tp)
 
     @property
     def tokens(self) -> int:
@@ -260,7 +293,7 @@ class Workload:
 
     def parallel(self, layout: str) -> ParallelConfig:
         """The :class:`ParallelConfig` of ``layout`` (megatron turns ``"lowrank"`` checkpointing, which it
-        cannot do, into ``"full"``)."""
+        cannot do, into ``"full"``; vanilla runs without ``sequence_parallel``, which it does not have)."""
         checkpointing = self.activation_checkpointing
         if layout == "megatron" and checkpointing == "lowrank":
             checkpointing = "full"
@@ -270,6 +303,7 @@ class Workload:
             rmsnorm=self.rmsnorm,
             group_linears=self.group_linears,
             activation_checkpointing=checkpointing,
+            sequence_parallel=self.sequence_parallel and layout in SEQUENCE_PARALLEL_STYLES,
         )
 
 
@@ -287,19 +321,29 @@ class LayoutEstimate:
 
     ``*_per_layer_*`` numbers are per rank, per micro-batch, for one decoder layer with a LaX crossing
     (if any). ``comm_bytes_per_layer_*`` is the communication *volume* (``elements * dtype_bytes``, as
-    in BOOST.md's "GB per layer"); the time model uses the ring traffic per rank. ``breakdown_s``
+    in BOOST.md's "GB per layer"; a reduce-scatter counts its whole input, as the counters do);
+    ``comm_sent_bytes_per_layer_*`` is what each rank sends with ring algorithms, which the time model uses
+    (the same for an all-reduce as for the reduce-scatter and all-gather that replace it under sequence
+    parallelism). ``breakdown_s``
     splits ``step_time_s`` along the critical path (the pipeline bubble included) into
     :data:`COMPONENTS`; ``bubble_s`` is the part of it spent waiting on other stages, ``bubble_fraction``
     its share of the step without the optimizer. Per pipeline rank: ``stage_times_s`` (forward + backward of
     one micro-batch), ``micro_batches_in_flight`` and ``peak_activation_bytes`` (decoder layers' saved
     activations at the schedule's peak; ``None`` without activation checkpointing, which is not modelled).
     ``p2p_bytes_per_boundary``: what each TP rank sends across a stage boundary per micro-batch, each way.
+    ``sequence_parallel``: whether the layout ran with it (:class:`Workload`). ``elementwise_bytes_per_layer_fwd``:
+    the modelled element-wise traffic of one layer's forward (:func:`elementwise_elements_per_token`).
+    ``saved_bytes_per_layer``: what one layer (block 1) keeps for backward per micro-batch under the
+    checkpointing mode (:func:`~boost_hf.perf.activation_memory.saved_bytes_per_layer`: fp32 residual, latents
+    in ``dtype_bytes``; ``None`` without
+    checkpointing).
     """
 
     layout: str
     model: str
     tp: int
     pp: int
+    sequence_parallel: bool
     parameters: int
     flops_per_layer_fwd: int
     gemm_flops_per_layer_fwd: int
@@ -309,6 +353,10 @@ class LayoutEstimate:
     comm_bytes_per_layer_bwd: int
     collectives_per_layer_fwd: int
     collectives_per_layer_bwd: int
+    comm_sent_bytes_per_layer_fwd: float
+    comm_sent_bytes_per_layer_bwd: float
+    elementwise_bytes_per_layer_fwd: int
+    saved_bytes_per_layer: int | None
     layer_time_fwd_s: float
     layer_time_bwd_s: float
     stage_times_s: tuple[float, ...]
@@ -403,6 +451,7 @@ def estimate_layout(
     heads_per_rank = 1 / p if layout_for(config, parallel).heads_split else 1  # vanilla: every head on every rank
     attention_flops = round(attention_flops_per_token(config, workload.seq_len) * n * heads_per_rank)
     comm = layer_communication(config, parallel, n)
+    elementwise_bytes = round(elementwise_elements_per_token(config, parallel) * n * workload.dtype_bytes)
     comm_time = {"tp_comm": _comm_time(comm.forward, workload, hardware)}
     comm_time_bwd = {"tp_comm": _comm_time(comm.backward, workload, hardware)}
 
@@ -415,7 +464,7 @@ def estimate_layout(
         compute = {
             "gemm": gemm_time(gemms),
             "attention": attention_flops / (efficiency.attention * peak),
-            "memory": elementwise_elements_per_token(config, parallel) * n * workload.dtype_bytes / hbm,
+            "memory": elementwise_bytes / hbm,
         }
         if parallel.activation_checkpointing == "full":
             recompute = compute
@@ -478,6 +527,7 @@ def estimate_layout(
         model=_describe(config),
         tp=p,
         pp=pp,
+        sequence_parallel=parallel.sequence_parallel,
         parameters=parameter_count(config),
         flops_per_layer_fwd=gemm_flops + attention_flops,
         gemm_flops_per_layer_fwd=gemm_flops,
@@ -487,6 +537,11 @@ def estimate_layout(
         comm_bytes_per_layer_bwd=comm.backward.bytes(workload.dtype_bytes),
         collectives_per_layer_fwd=comm.forward.calls,
         collectives_per_layer_bwd=comm.backward.calls,
+        comm_sent_bytes_per_layer_fwd=comm.forward.ring_traffic_bytes(p, workload.dtype_bytes) if p > 1 else 0.0,
+        comm_sent_bytes_per_layer_bwd=comm.backward.ring_traffic_bytes(p, workload.dtype_bytes) if p > 1 else 0.0,
+        elementwise_bytes_per_layer_fwd=elementwise_bytes,
+        saved_bytes_per_layer=None if parallel.activation_checkpointing == "none"
+        else saved_bytes_per_layer(config, parallel, n, latent_bytes=workload.dtype_bytes),
         layer_time_fwd_s=sum(forward.values()),
         layer_time_bwd_s=sum(backward.values()),
         stage_times_s=tuple(totals),
@@ -512,10 +567,10 @@ def _peak_activation_bytes(config, parallel: ParallelConfig, workload: Workload,
     per_micro_batch = [0] * workload.pp
     for j, (start, count) in enumerate(zip(starts, counts)):
         per_micro_batch[j % workload.pp] += sum(
-            saved_elements_per_layer(config, parallel, workload.tokens, layer_idx)
+            saved_bytes_per_layer(config, parallel, workload.tokens, layer_idx, latent_bytes=workload.dtype_bytes)
             for layer_idx in range(start, start + count)
         )
-    return tuple(round(elements * flight * workload.dtype_bytes) for elements, flight in zip(per_micro_batch, in_flight))
+    return tuple(round(nbytes * flight) for nbytes, flight in zip(per_micro_batch, in_flight))
 
 
 def _layout_model(config, layout: str):
@@ -561,6 +616,10 @@ def estimate(
             notes.append(f"torch.distributed.pipelining would refuse this: {refusal} (timed all the same)")
     if measured_layer_s:
         notes.append(f"measured layer time (compute, with recomputation and the layers' AdamW) for: {', '.join(measured_layer_s)}")
+    if workload.sequence_parallel:
+        with_sp = [layout for layout in layouts if layout in SEQUENCE_PARALLEL_STYLES]
+        notes.append(f"sequence parallelism on for {', '.join(with_sp) or 'no layout'}"
+                     + ("; vanilla has none: estimated without it" if "vanilla" in layouts else ""))
     if workload.activation_checkpointing == "lowrank" and "megatron" in layouts:
         notes.append("megatron has no low-rank checkpointing: it uses full-layer checkpointing")
     return Estimate(results, workload, hardware, efficiency, tuple(notes))

@@ -6,10 +6,10 @@ a fake process group, so without communication) on the local device and writes::
     {"device": "NVIDIA H100 80GB HBM3", "tp": 4, "micro_batch": 2, "seq": 4096,
      "activation_checkpointing": "none",
      "layers": [{"preset": "cola-7b", "tp_style": "btp", "rmsnorm": "online", "group_linears": true,
-                 "eager_ms": 4.1, "compiled_ms": 3.2}, ...]}
+                 "sequence_parallel": false, "eager_ms": 4.1, "compiled_ms": 3.2}, ...]}
 
 :func:`measured_layer_seconds` finds the entry that ran exactly the estimated workload (same preset,
-layout and layout options, TP size, micro-batch, sequence and checkpointing) and refuses anything else,
+layout and layout options (sequence parallelism included), TP size, micro-batch, sequence and checkpointing) and refuses anything else,
 naming the field that differs: a time measured on another shape predicts nothing.
 """
 
@@ -24,12 +24,14 @@ MODES = ("eager", "compiled")
 
 @dataclass(frozen=True)
 class MeasuredLayer:
-    """One layout's measured layer time (milliseconds per layer per training step; ``None``: not measured)."""
+    """One layout's measured layer time (milliseconds per layer per training step; ``None``: not measured).
+    ``sequence_parallel`` defaults to ``False``, as in files written before it was recorded."""
 
     preset: str
     tp_style: str
     rmsnorm: str
     group_linears: bool
+    sequence_parallel: bool = False
     eager_ms: float | None = None
     compiled_ms: float | None = None
 
@@ -80,6 +82,7 @@ def measured_layer_seconds(run: MeasuredRun, preset: str, parallel, micro_batch:
                 f"that workload (benchmarks/rank_cost.py --json) or estimate the measured one."
             )
     options = {"rmsnorm": parallel.rmsnorm, "group_linears": parallel.group_linears} if parallel.tp_style == "btp" else {}
+    options["sequence_parallel"] = parallel.sequence_parallel
     for layer in run.layers:
         if layer.preset == preset and layer.tp_style == parallel.tp_style and all(getattr(layer, k) == v for k, v in options.items()):
             ms = getattr(layer, f"{mode}_ms")
@@ -87,7 +90,8 @@ def measured_layer_seconds(run: MeasuredRun, preset: str, parallel, micro_batch:
                 raise ValueError(f"{preset} {parallel.tp_style} has no {mode} time in the measured run: measure it "
                                  f"({'--compile' if mode == 'compiled' else 'eager'}) or choose the other mode.")
             return ms / 1e3
-    have = ", ".join(f"{layer.preset} {layer.tp_style}" for layer in run.layers) or "nothing"
+    have = ", ".join(f"{layer.preset} {layer.tp_style}{' (sequence parallel)' if layer.sequence_parallel else ''}"
+                     for layer in run.layers) or "nothing"
     raise ValueError(
         f"The measured run has no {preset} {parallel.tp_style} layer with {options or 'its options'} (it has: {have}): "
         "measure it with benchmarks/rank_cost.py --json, or estimate only the measured layouts (--layouts)."

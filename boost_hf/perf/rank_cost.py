@@ -14,7 +14,7 @@ A training step is what ``transformers.Trainer`` runs: forward with labels and n
   and collectives (:class:`~boost_hf.parallel.comm_counter.CommCounter`). Fake tensors have no storage,
   so real 7B shapes run on a laptop. The model is built on the ``meta`` device (outside fake mode: setting
   up the process-group mesh reads real values) and its parameters and buffers are then replaced by fake
-  tensors of the same shapes, keeping the Python attributes (sharding metadata) of each parameter and which
+  tensors of the same shapes, keeping the Python attributes (sharding metadata) and gradient hooks of each parameter and which
   parameters share one storage (:mod:`boost_hf.parallel.shared_storage`).
 * :func:`measure_rank_layer` / :func:`measure_rank_layers` time real training steps (forward, backward,
   AdamW) on the local device, eager or with ``torch.compile``-d decoder layers, variants interleaved, medians.
@@ -40,6 +40,7 @@ from ..parallel.comm_counter import CommCounter
 from ..parallel.communication import COLLECTIVE_KINDS
 from ..parallel.state import reset_parallel_states
 from ..training.compile import compile_decoder_layers
+from .activation_memory import SavedTensorsProbe
 from .op_counter import OpCounter
 
 DEFAULT_LAYERS = (1, 3)
@@ -101,7 +102,8 @@ def _build(config, parallel):
 def build_fake_model(config, parallel, fake_mode) -> nn.Module:
     """A ``BoostLlamaForCausalLM`` whose parameters and buffers are CPU fake tensors of ``fake_mode`` (a
     ``FakeTensorMode``). Call it outside fake mode: the model is first built on ``meta`` (see the module
-    docstring)."""
+    docstring). The parameters' gradient hooks (e.g. the all-reduce of a replicated parameter that sees only
+    this rank's tokens under sequence parallelism) are registered on their fakes."""
     with torch.device("meta"):
         model = _build(config, parallel)
     fakes: dict[int, torch.Tensor] = {}  # tied tensors stay tied
@@ -120,6 +122,8 @@ def build_fake_model(config, parallel, fake_mode) -> nn.Module:
                         fake = storages[key].as_strided(tensor.shape, tensor.stride(), tensor.storage_offset())
                         if isinstance(tensor, nn.Parameter):
                             fake = nn.Parameter(fake, requires_grad=tensor.requires_grad)
+                            for hook in (tensor._backward_hooks or {}).values():  # e.g. a gradient all-reduce
+                                fake.register_hook(hook)
                         fake.__dict__.update(tensor.__dict__)
                         fakes[id(tensor)] = fake
                     table[name] = fakes[id(tensor)]
@@ -146,12 +150,14 @@ def _count_model(config, parallel, micro_batch: int, seq: int, autocast_dtype) -
     passes = {}
     fake_mode = FakeTensorMode()
     model = build_fake_model(config, parallel, fake_mode)
+    saved = SavedTensorsProbe(model)
     with fake_mode, _rows_are_unpacked():
         input_ids = torch.zeros(micro_batch, seq, dtype=torch.long)
         with OpCounter() as ops, CommCounter() as comm:
             with torch.autocast("cpu", dtype=autocast_dtype, enabled=autocast_dtype is not None):
                 loss = model(input_ids, labels=input_ids, use_cache=False).loss
-        passes["forward"] = _flat(ops, comm)
+        passes["forward"] = {**_flat(ops, comm), "saved_bytes": saved.saved_bytes}
+        saved.remove()
         with OpCounter() as ops, CommCounter() as comm:
             loss.backward()
         passes["backward"] = _flat(ops, comm)
@@ -197,6 +203,7 @@ def _summary(flat: dict[str, float]) -> dict:
         "non_gemm_ops": sum(v["ops"] for v in by_op.values()),
         "non_gemm_by_op": by_op,
         "collectives": dict(sorted(collectives.items())),
+        "saved_bytes": flat.get("saved_bytes", 0),
     }
 
 
@@ -216,7 +223,9 @@ def count_rank_layer(
     Returns ``{"forward", "backward", "total"}``, each a dict with the per-layer ``gemm_flops``,
     ``attention_flops``, ``non_gemm_bytes``, ``non_gemm_ops``, ``non_gemm_by_op`` (``{op: {"bytes",
     "ops"}}``, most bytes first) and ``collectives`` (``{kind: {"calls", "elements", "bytes"}}``, comparable
-    with ``comm_formula.layer_communication``); plus ``"tokens"`` and ``"layers"``. See
+    with ``comm_formula.layer_communication``) and ``saved_bytes`` (what the forward keeps for backward:
+    unique storages, parameters excluded, :class:`~boost_hf.perf.activation_memory.SavedTensorsProbe`; 0 in
+    ``"backward"``); plus ``"tokens"`` and ``"layers"``. See
     :mod:`boost_hf.perf.op_counter` for what each count includes.
     """
     parallel.check_model(config)

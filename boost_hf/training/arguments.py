@@ -77,6 +77,10 @@ class BoostTrainingArguments(TrainingArguments):
             (BOOST's low-rank checkpointing; no collective recomputed under BTP). It replaces the Trainer's
             ``activation_checkpointing`` flag, which boost-hf models do not use: passing that flag selects
             ``"full"``.
+        sequence_parallel: sequence parallelism over the tensor-parallel group (megatron: Megatron-LM's, the
+            residual on ``N/p`` tokens; btp: latent sequence parallelism); vanilla has none. Needs ``block_size``
+            divisible by ``tp_size``, ``pp_size=1`` and ``sample_max_new_tokens=0`` (generation runs one token
+            per step, which cannot be split over the ranks).
         pp_size: pipeline stages' ranks (the world is ``pp_size x dp x tp_size``; PP outermost, TP adjacent).
         pp_schedule: ``1f1b`` (default), ``gpipe``, ``interleaved-1f1b``, ``looped-bfs`` (zero-bubble ones refused).
         pp_microbatches: micro-batches per pipeline step (default: the number of stages).
@@ -117,6 +121,10 @@ class BoostTrainingArguments(TrainingArguments):
     group_linears: bool = field(default=True, metadata={"help": "Fuse the A's sharing an input into one GEMM and one collective."})
     activation_checkpointing_mode: str = field(
         default="none", metadata={"help": "none, full (recompute each layer) or lowrank (recompute between r-dim latents)."}
+    )
+    sequence_parallel: bool = field(
+        default=False, metadata={"help": "Sequence parallelism over the TP group (megatron, btp); needs block_size divisible "
+                                         "by tp_size and --sample_max_new_tokens 0."}
     )
     pp_size: int = field(default=1, metadata={"help": "Pipeline ranks (the world is pp_size x dp x tp_size)."})
     pp_schedule: str = field(
@@ -198,6 +206,13 @@ class BoostTrainingArguments(TrainingArguments):
         if self.peak_tflops <= 0:
             raise ValueError(f"peak_tflops must be > 0, got {self.peak_tflops}.")
         self.to_parallel_config()  # validate the layout fields now, not after the model is built
+        if self.sequence_parallel and self.tp_size > 1 and self.sample_max_new_tokens > 0:
+            raise ValueError(
+                f"sequence_parallel=True cannot generate the end-of-training sample (sample_max_new_tokens="
+                f"{self.sample_max_new_tokens}): generation feeds one token per step, which does not split over "
+                f"tp_size={self.tp_size} ranks. Pass --sample_max_new_tokens 0, or generate from the saved final model "
+                "(it loads at any TP size, without sequence parallelism)."
+            )
         if self.pp_size > 1 and self.gradient_accumulation_steps != 1:
             raise ValueError(
                 f"gradient_accumulation_steps={self.gradient_accumulation_steps} with pp_size={self.pp_size}: a pipeline "
@@ -235,6 +250,7 @@ class BoostTrainingArguments(TrainingArguments):
             rmsnorm=self.rmsnorm,
             group_linears=self.group_linears,
             activation_checkpointing=self.activation_checkpointing_mode,
+            sequence_parallel=self.sequence_parallel,
             pp_size=self.pp_size,
             pp_schedule=self.pp_schedule,
             pp_microbatches=self.pp_microbatches,

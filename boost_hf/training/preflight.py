@@ -13,9 +13,16 @@ import torch
 from ..configuration_boost_llama import check_int
 
 
-def check_model_and_data(config, tokenizer, block_size) -> None:
-    """``block_size`` fits the model's positions, and every token id of ``tokenizer`` fits its vocabulary."""
+def check_model_and_data(config, tokenizer, block_size, parallel=None) -> None:
+    """``block_size`` fits the model's positions (and, under the sequence parallelism of ``parallel``, a
+    ``ParallelConfig``, splits evenly over its TP ranks), and every token id of ``tokenizer`` fits its vocabulary."""
     check_int("block_size", block_size, minimum=2)
+    if parallel is not None and parallel.shards_tokens and block_size % parallel.tp_size:
+        p = parallel.tp_size
+        raise ValueError(
+            f"block_size ({block_size}) is not divisible by tp_size ({p}), over which sequence_parallel=True splits each "
+            f"sequence: choose a multiple of {p} (e.g. {block_size // p * p or p}), or sequence_parallel=False."
+        )
     if block_size > config.max_position_embeddings:
         raise ValueError(
             f"block_size ({block_size}) exceeds the model's max_position_embeddings ({config.max_position_embeddings}): "

@@ -19,7 +19,8 @@ from .trainer import BoostTrainer
 def main(argv: list[str]) -> None:
     model_args, data_args, training_args = parse_recipe(argv)
     tokenizer = build_tokenizer(data_args)
-    check_model_and_data(build_config(model_args, tokenizer), tokenizer, data_args.block_size)  # before any collective
+    config = build_config(model_args, tokenizer)
+    check_model_and_data(config, tokenizer, data_args.block_size, training_args.to_parallel_config(config))  # before any collective
     datasets = build_datasets(data_args, tokenizer, training_args)
     model = build_model(model_args, training_args, tokenizer)
     trainer = BoostTrainer(

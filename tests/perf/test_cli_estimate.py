@@ -74,3 +74,23 @@ def test_subcommand_registry():
     assert "estimate" in SUBCOMMANDS
     with pytest.raises(SystemExit):
         main([])
+
+
+def test_sequence_parallel_flag(capsys):
+    argv = ["estimate", "--preset", "cola-7b", "--tp", "4", "--micro-batch", "2", "--gpu", "h100", "--json"]
+    main(argv)
+    plain = json.loads(capsys.readouterr().out)
+    main([*argv, "--sequence_parallel"])
+    sp = json.loads(capsys.readouterr().out)
+    assert sp["assumptions"]["workload"]["sequence_parallel"] is True
+    for layout in ("megatron", "btp"):
+        assert sp["layouts"][layout]["sequence_parallel"] is True
+        assert sp["layouts"][layout]["collectives_per_layer_fwd"] == 2 * plain["layouts"][layout]["collectives_per_layer_fwd"]
+        assert sp["layouts"][layout]["step_time_s"] < plain["layouts"][layout]["step_time_s"]
+    assert sp["layouts"]["vanilla"]["sequence_parallel"] is False
+    main([*argv[:-1], "--sequence-parallel", "--checkpointing", "lowrank"])
+    out = capsys.readouterr().out
+    assert "sequence_parallel=True" in out and "kept per layer (MiB)" in out and "vanilla has none" in out
+    with pytest.raises(SystemExit):
+        main([*argv, "--sequence_parallel", "--seq", "4098"])
+    assert "pad it to a multiple of 4" in capsys.readouterr().err

@@ -12,7 +12,7 @@ from boost_hf.perf.estimator import Workload, estimate
 from boost_hf.perf.measured import MeasuredLayer, MeasuredRun, measured_layer_seconds
 
 WORKLOAD = Workload(tp=4, micro_batch=2, seq_len=4096)
-BTP_MS, MEGATRON_MS = 4.0, 10.0
+BTP_MS, MEGATRON_MS, BTP_SP_MS, MEGATRON_SP_MS = 4.0, 10.0, 3.5, 8.0
 
 
 @pytest.fixture
@@ -21,6 +21,8 @@ def measured(tmp_path):
         MeasuredLayer("cola-7b", "btp", "online", True, eager_ms=BTP_MS, compiled_ms=3.0),
         MeasuredLayer("cola-7b", "btp", "sync", True, eager_ms=99.0),
         MeasuredLayer("llama-7b", "megatron", "online", True, eager_ms=MEGATRON_MS),
+        MeasuredLayer("llama-7b", "megatron", "online", True, True, eager_ms=MEGATRON_SP_MS),
+        MeasuredLayer("cola-7b", "btp", "online", True, True, eager_ms=BTP_SP_MS),
     ))
     path = tmp_path / "measured.json"
     run.save(path)
@@ -76,3 +78,21 @@ def test_cli_uses_the_measured_file(measured):
     assert out["layouts"]["btp"]["breakdown_s"]["measured"] == pytest.approx(32 * BTP_MS / 1e3)
     refused = subprocess.run(args[:-3] + ["--measured", str(measured), "--seq", "2048"], capture_output=True, text=True)
     assert refused.returncode != 0 and "seq=4096" in refused.stderr
+
+
+def test_sequence_parallel_layers_are_told_apart(measured, tmp_path):
+    """A layer measured with sequence parallelism times only an SP workload, and a file written before the
+    field existed reads as measured without it."""
+    run = MeasuredRun.load(measured)
+    sp = Workload(tp=4, micro_batch=2, seq_len=4096, sequence_parallel=True)
+    for layout, preset, ms in (("btp", "cola-7b", BTP_SP_MS), ("megatron", "llama-7b", MEGATRON_SP_MS)):
+        assert measured_layer_seconds(run, preset, sp.parallel(layout), 2, 4096) == ms / 1e3
+    without = MeasuredRun(run.device, 4, 2, 4096, "none", run.layers[:1])
+    with pytest.raises(ValueError, match="no cola-7b btp layer"):
+        measured_layer_seconds(without, "cola-7b", sp.parallel("btp"), 2, 4096)
+    old = json.loads(measured.read_text())
+    for layer in old["layers"]:
+        del layer["sequence_parallel"]
+    old["layers"] = old["layers"][:1]
+    (tmp_path / "old.json").write_text(json.dumps(old))
+    assert MeasuredRun.load(tmp_path / "old.json").layers[0].sequence_parallel is False

@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 
 from boost_hf.configuration_boost_llama import BoostLlamaConfig
-from boost_hf.perf.activation_memory import saved_elements_per_layer
+from boost_hf.perf.activation_memory import saved_bytes_per_layer
 from boost_hf.perf.comm_formula import layer_communication, stage_boundary_communication
 from boost_hf.perf.estimator import (
     CALIBRATED_EFFICIENCY,
@@ -201,8 +201,8 @@ def test_peak_activation_memory_per_stage(schedule, in_flight):
     parallel = workload.parallel("btp")
     layers = [range(0, 16), range(16, 32)] if schedule != "interleaved-1f1b" else [
         [*range(0, 8), *range(16, 24)], [*range(8, 16), *range(24, 32)]]
-    saved = [sum(saved_elements_per_layer(config, parallel, workload.tokens, i) for i in rank) for rank in layers]
-    assert e.peak_activation_bytes == tuple(round(2 * n * k) for n, k in zip(saved, in_flight))
+    saved = [sum(saved_bytes_per_layer(config, parallel, workload.tokens, i) for i in rank) for rank in layers]
+    assert e.peak_activation_bytes == tuple(round(n * k) for n, k in zip(saved, in_flight))
     unchecked = estimate(config, Workload(tp=4, pp=2, num_micro_batches=4), "a100", layouts=("btp",)).layouts["btp"]
     assert unchecked.peak_activation_bytes is None  # without checkpointing: not modelled
 
@@ -281,3 +281,48 @@ def test_json_ready():
 def test_unknown_layout():
     with pytest.raises(ValueError, match="Unknown layout"):
         estimate(BoostLlamaConfig.from_preset("cola-7b"), Workload(tp=4), "a100", layouts=("zero",))
+
+
+def test_sequence_parallelism_runs_the_repeated_work_on_token_shards():
+    """Per token, SP takes megatron's 2 norms (read, write) and 2 residual adds (2 reads, 1 write) on d to d/p,
+    and BTP's latent work (7 activations, read + write of r; the online norm's 1/rms scale of the 5r-wide qkv
+    and gate/up latents) to 1/p of it; the GEMMs, attention and the ring bytes stay; vanilla has no SP."""
+    config = BoostLlamaConfig.from_preset("cola-7b")
+    p, d, r, n = 4, config.hidden_size, config.rank, 8192
+    plain, sp = (estimate(config, Workload(tp=p, micro_batch=2, sequence_parallel=on), "h100").layouts for on in (False, True))
+    latent = 7 * 2 * r + 2 * 5 * r
+    for layout, repeated in (("megatron", 10 * d), ("btp", latent)):
+        assert sp[layout].sequence_parallel and not plain[layout].sequence_parallel
+        saved = plain[layout].elementwise_bytes_per_layer_fwd - sp[layout].elementwise_bytes_per_layer_fwd
+        assert saved == repeated * (p - 1) // p * n * 2
+        assert sp[layout].gemm_flops_per_layer_fwd == plain[layout].gemm_flops_per_layer_fwd
+        assert sp[layout].attention_flops_per_layer_fwd == plain[layout].attention_flops_per_layer_fwd
+        assert sp[layout].comm_sent_bytes_per_layer_fwd == pytest.approx(plain[layout].comm_sent_bytes_per_layer_fwd, rel=0.01)
+        assert 2 * plain[layout].collectives_per_layer_fwd == sp[layout].collectives_per_layer_fwd
+        assert sp[layout].step_time_s < plain[layout].step_time_s
+    assert not sp["vanilla"].sequence_parallel and sp["vanilla"].step_time_s == plain["vanilla"].step_time_s
+    assert any("vanilla has none" in note for note in estimate(config, Workload(tp=p, sequence_parallel=True), "h100").notes)
+
+
+@pytest.mark.parametrize("mode", ["full", "lowrank"])
+def test_sequence_parallel_activation_memory_is_activation_memorys(mode):
+    config = BoostLlamaConfig.from_preset("lax-7b")
+    workload = Workload(tp=4, micro_batch=2, activation_checkpointing=mode, sequence_parallel=True)
+    est = estimate(config, workload, "h100", layouts=("megatron", "btp"))
+    for layout, e in est.layouts.items():
+        model = config if layout == "btp" else BoostLlamaConfig.from_preset("llama-7b")
+        assert e.saved_bytes_per_layer == saved_bytes_per_layer(model, workload.parallel(layout), workload.tokens)
+    # megatron keeps N d / p of its fp32 residual (full checkpointing, its only one); btp's low-rank checkpoint
+    # keeps 1/p of the bf16 latents
+    assert est.layouts["megatron"].saved_bytes_per_layer == 4 * workload.tokens * 4096 // 4
+    if mode == "lowrank":
+        n, r = workload.tokens, config.rank
+        assert est.layouts["btp"].saved_bytes_per_layer == 4 * 2 * n * 4096 // 4 + 2 * ((7 * n * r + 16 * n) // 4 + 7 * n * r // 4)
+
+
+def test_sequence_parallel_workload_errors():
+    with pytest.raises(ValueError, match="pad it to a multiple of 4"):
+        Workload(tp=4, seq_len=4098, sequence_parallel=True)
+    with pytest.raises(ValueError, match="pp > 1 is not modelled"):
+        Workload(tp=4, pp=2, sequence_parallel=True)
+    assert Workload(tp=1, seq_len=4097, sequence_parallel=True).parallel("btp").shards_tokens is False

@@ -12,7 +12,10 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from boost_hf import BoostLlamaConfig, ParallelConfig
+from boost_hf.perf.activation_memory import saved_bytes_per_layer
 from boost_hf.perf.comm_formula import layer_communication
+from boost_hf.perf.estimator import Workload, estimate_layout
+from boost_hf.perf.hardware import get_hardware
 from boost_hf.perf.flops import attention_flops_per_token, crossing_flops_per_token, linear_flops_per_token
 from boost_hf.perf.op_counter import OpCounter
 from boost_hf.perf.rank_cost import count_rank_layer, fake_process_group, measure_rank_layer
@@ -33,6 +36,11 @@ LAYOUTS = {
     "btp-full-checkpointing": ("cola-60m", dict(tp_style="btp", activation_checkpointing="full")),
     "btp-lowrank-checkpointing": ("cola-60m", dict(tp_style="btp", activation_checkpointing="lowrank")),
     "vanilla-lowrank-checkpointing": ("cola-60m", dict(tp_style="vanilla", activation_checkpointing="lowrank")),
+    "megatron-sp": ("llama-60m", dict(tp_style="megatron", sequence_parallel=True)),
+    "btp-sp": ("cola-60m", dict(tp_style="btp", sequence_parallel=True)),
+    "btp-lax-sp": ("lax-60m", dict(tp_style="btp", sequence_parallel=True)),
+    "btp-lax-sp-lowrank-checkpointing": ("lax-60m", dict(tp_style="btp", sequence_parallel=True, activation_checkpointing="lowrank")),
+    "megatron-sp-full-checkpointing": ("llama-60m", dict(tp_style="megatron", sequence_parallel=True, activation_checkpointing="full")),
 }
 
 # Counted per layer when this test was written (forward + backward, bf16 autocast, no KV cache): (non-GEMM
@@ -43,7 +51,12 @@ NON_GEMM_BOUNDS = {
     "btp": (19_067_904, 83),
     "btp-sync": (22_801_408, 95),
     "btp-ungrouped": (19_080_192, 116),
+    "megatron-sp": (28_419_584, 40),
+    "btp-sp": (17_830_400, 83),
+    "btp-lax-sp": (20_421_376, 205),
 }
+# sequence-parallel layout -> the same layout without it
+WITHOUT_SEQUENCE_PARALLEL = {"megatron-sp": "megatron", "btp-sp": "btp", "btp-lax-sp": "btp-lax"}
 # Grouped layouts whose projections' weights are stored together: no step concatenates or stacks anything
 GROUPED_WITHOUT_COPIES = ("btp", "btp-sync", "vanilla", "btp-full-checkpointing", "btp-lowrank-checkpointing", "vanilla-lowrank-checkpointing")
 
@@ -81,12 +94,14 @@ def test_collectives_equal_formula(counted, name):
 @pytest.mark.parametrize("name", [n for n, (_, fields) in LAYOUTS.items() if "activation_checkpointing" not in fields])
 def test_flops_equal_formulas(counted, name):
     """Training = 3 x forward; the rank holds 1/p of the projections and, under BTP, the whole of LaX's
-    crossings (the r-dim latents are replicated); without padding, transformers' SDPA path runs the
+    crossings (the r-dim latents are replicated; on its N/p tokens under latent sequence parallelism, which
+    leaves every other GEMM as it was); without padding, transformers' SDPA path runs the
     causal kernel (``is_causal=True``: half the score matrix); vanilla runs every head on every rank."""
     config, parallel = _case(name)
     heads_share = 1 if parallel.tp_style == "vanilla" else TP
     total = counted[name]["total"]
-    per_token = linear_flops_per_token(config, crossing=False) // TP + crossing_flops_per_token(config)
+    crossing = crossing_flops_per_token(config) // (TP if parallel.sequence_parallel else 1)
+    per_token = linear_flops_per_token(config, crossing=False) // TP + crossing
     assert total["gemm_flops"] == 3 * TOKENS * per_token
     assert total["attention_flops"] == 3 * TOKENS * attention_flops_per_token(config, SEQ, causal=True) // heads_share
 
@@ -121,6 +136,52 @@ def test_boost_optimizations_do_not_cost_more_than_they_save(counted, better, wo
     more collectives); grouping no more than running each projection alone (which pays three more)."""
     assert counted[better]["total"]["non_gemm_bytes"] <= counted[worse]["total"]["non_gemm_bytes"]
     assert counted[better]["total"]["non_gemm_ops"] <= counted[worse]["total"]["non_gemm_ops"]
+
+
+@pytest.mark.parametrize("name", WITHOUT_SEQUENCE_PARALLEL)
+def test_sequence_parallelism_moves_fewer_element_wise_bytes(counted, name):
+    """Counted and modelled (``boost-hf estimate``): the work every rank repeated now runs on N/p tokens."""
+    with_sp, without = (counted[n]["total"]["non_gemm_bytes"] for n in (name, WITHOUT_SEQUENCE_PARALLEL[name]))
+    assert with_sp < without
+    modelled = {}
+    for n in (name, WITHOUT_SEQUENCE_PARALLEL[name]):
+        config, parallel = _case(n)
+        workload = Workload(tp=TP, micro_batch=BATCH, seq_len=SEQ, sequence_parallel=parallel.sequence_parallel)
+        modelled[n] = estimate_layout(config, parallel.tp_style, workload, get_hardware("h100")).elementwise_bytes_per_layer_fwd
+    assert modelled[name] < modelled[WITHOUT_SEQUENCE_PARALLEL[name]]
+
+
+@pytest.mark.parametrize("name", [n for n, (_, fields) in LAYOUTS.items() if fields.get("sequence_parallel")])
+def test_estimator_models_the_counted_sequence_parallel_layer(counted, name):
+    """``boost-hf estimate --sequence_parallel`` per layer: the counted collectives (calls; volume, where the fp32
+    gradients of replicated parameters that see N/p tokens are counted at 4 bytes and estimated at the bf16
+    activations' 2), GEMM FLOPs (LaX's crossings on N/p tokens) and saved activations."""
+    config, parallel = _case(name)
+    workload = Workload(tp=TP, micro_batch=BATCH, seq_len=SEQ, sequence_parallel=True,
+                        activation_checkpointing=parallel.activation_checkpointing)
+    assert workload.parallel(parallel.tp_style) == parallel
+    estimated = estimate_layout(config, parallel.tp_style, workload, get_hardware("h100"))
+    cost = counted[name]
+    gradients = cost["backward"]["collectives"].get("all_reduce", {"elements": 0, "bytes": 0})
+    assert gradients["bytes"] == 4 * gradients["elements"]
+    for direction, short, volume in (("forward", "fwd", 0), ("backward", "bwd", gradients["bytes"] // 2)):
+        collectives = cost[direction]["collectives"].values()
+        assert sum(c["calls"] for c in collectives) == getattr(estimated, f"collectives_per_layer_{short}")
+        assert sum(c["bytes"] for c in collectives) - volume == getattr(estimated, f"comm_bytes_per_layer_{short}")
+    if parallel.activation_checkpointing == "none":
+        assert cost["total"]["gemm_flops"] == 3 * estimated.gemm_flops_per_layer_fwd
+        assert estimated.saved_bytes_per_layer is None
+    else:
+        assert estimated.saved_bytes_per_layer == cost["forward"]["saved_bytes"]
+
+
+@pytest.mark.parametrize("name", [n for n, (_, fields) in LAYOUTS.items() if fields.get("activation_checkpointing")])
+def test_saved_bytes_equal_activation_memory(counted, name):
+    """What the counted forward keeps for backward (fake tensors, ``SavedTensorsProbe``) is ``saved_bytes_per_layer``:
+    the fp32 residual stream and the bf16 latents."""
+    config, parallel = _case(name)
+    assert counted[name]["forward"]["saved_bytes"] == counted[name]["total"]["saved_bytes"] == saved_bytes_per_layer(config, parallel, TOKENS)
+    assert counted[name]["backward"]["saved_bytes"] == 0
 
 
 def test_per_layer_cost_does_not_depend_on_the_layers_differenced(counted):

@@ -8,7 +8,7 @@ and it writes under ``OUT``: ``ddp``, ``ddp-resumed`` (from ``ddp/checkpoint-3``
 ``dp4-resumed`` (the same checkpoint resumed at tp 4 x dp 1 and tp 1 x dp 4, same global batch), ``zero1``,
 ``zero2``, ``zero2-resumed``, ``tp4-from-ddp`` (the DDP run's final model loaded at tp_size 4), ``ddp-lowrank``
 (low-rank activation checkpointing), ``ddp-accumulation`` and ``zero2-accumulation`` (2 micro-batches of
-2 per step), ``streaming`` (an iterable training set), ``data.json`` (every rank's training samples over one
+2 per step), ``ddp-sp`` (sequence parallelism, no end-of-training sample), ``streaming`` (an iterable training set), ``data.json`` (every rank's training samples over one
 epoch) and ``errors.json`` (the messages of resumes that must fail: a ZeRO-2 checkpoint at another TP x DP, a
 DDP checkpoint under ZeRO-2). Each run is tp 2 x dp 2 unless named otherwise, and writes
 ``<run>/trained_samples.json``: the rows of ``input_ids`` each rank trained, by step.
@@ -176,6 +176,7 @@ def main(mode: str, out: str, *common: str) -> None:
     accumulation = ["--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "2"]
     train(common + accumulation + ["--output_dir", str(out / "ddp-accumulation")])
     train(common + accumulation + ["--output_dir", str(out / "zero2-accumulation")], deepspeed_stage=2, out=out)
+    train(common + ["--output_dir", str(out / "ddp-sp"), "--sequence_parallel", "true", "--sample_max_new_tokens", "0"])
     train(common + ["--output_dir", str(out / "streaming"), "--streaming", "true"])
     record_epoch(common + ["--output_dir", str(out / "data")], out)
 

@@ -4,7 +4,7 @@ by data-parallel rank.
 
 Five launches (about 2.5 minutes on 2 cores): the single-process reference, one ``accelerate launch`` of
 ``distributed_cases.py`` (DDP, ZeRO-1, ZeRO-2, resumes at the same and at other TP x DP sizes, resumes that must
-fail, tp 4, low-rank checkpointing, gradient accumulation, streaming, data), a one-process resume at tp 1, one
+fail, tp 4, low-rank checkpointing, gradient accumulation, sequence parallelism, streaming, data), a one-process resume at tp 1, one
 launch with the ZeRO-3 accelerate config (train, resume) and two ``torchrun`` "nodes" of 2 processes each.
 """
 
@@ -80,7 +80,7 @@ def test_single_process_recipe_learns(runs):
         assert all(key in entry for entry in log_history(single) if "loss" in entry), key
 
 
-@pytest.mark.parametrize("run", ["ddp", "zero1", "zero2", "zero3", "ddp-lowrank", "ddp-accumulation", "zero2-accumulation"])
+@pytest.mark.parametrize("run", ["ddp", "zero1", "zero2", "zero3", "ddp-lowrank", "ddp-accumulation", "zero2-accumulation", "ddp-sp"])
 def test_tp2_dp2_matches_one_process(runs, run):
     assert_same_losses(losses(runs / run), losses(runs / "single"))
     assert_same_weights(runs / run / "final", runs / "single" / "final")

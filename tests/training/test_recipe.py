@@ -6,6 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from boost_hf import BoostLlamaConfig
 from boost_hf.training import BoostTrainingArguments
 from boost_hf.training.recipe import build_config, parse_recipe, recipe_to_argv
 
@@ -82,6 +83,29 @@ def test_parallel_config_from_arguments():
     assert args.to_parallel_config(SimpleNamespace(bottleneck=None)).tp_style == "megatron"
     with pytest.raises(ValueError, match="rmsnorm"):
         BoostTrainingArguments(output_dir="unused", rmsnorm="exact")
+
+
+def test_sequence_parallel_argument_and_its_refusals():
+    _, _, args = parse_recipe(["--tp_size", "2", "--sequence_parallel", "true", "--sample_max_new_tokens", "0", "--output_dir", "unused"])
+    for bottleneck, style in (("cola", "btp"), (None, "megatron")):
+        parallel = args.to_parallel_config(SimpleNamespace(bottleneck=bottleneck))
+        assert parallel.tp_style == style and parallel.shards_tokens
+    fields = dict(output_dir="unused", tp_size=2, sequence_parallel=True)
+    with pytest.raises(ValueError, match="cannot generate the end-of-training sample .* Pass --sample_max_new_tokens 0"):
+        BoostTrainingArguments(**fields)
+    with pytest.raises(ValueError, match="not supported by tp_style='vanilla'"):
+        BoostTrainingArguments(**fields, sample_max_new_tokens=0, tp_style="vanilla")
+    with pytest.raises(ValueError, match="pp_size > 1 is not supported yet"):
+        BoostTrainingArguments(**fields, sample_max_new_tokens=0, pp_size=2)
+    assert BoostTrainingArguments(output_dir="unused", sequence_parallel=True).sample_max_new_tokens > 0  # tp 1: nothing split
+
+    from boost_hf.training.preflight import check_model_and_data
+
+    config = BoostLlamaConfig.from_preset("cola-60m", vocab_size=512)
+    tokenizer = type("Tokenizer", (), {"__len__": lambda self: 512})()
+    with pytest.raises(ValueError, match=r"block_size \(33\) is not divisible by tp_size \(2\), over which sequence_parallel"):
+        check_model_and_data(config, tokenizer, 33, args.to_parallel_config(config))
+    check_model_and_data(config, tokenizer, 33, BoostTrainingArguments(output_dir="unused", tp_size=2).to_parallel_config(config))
 
 
 def test_trainer_activation_checkpointing_flag_selects_full_recompute():
