@@ -256,7 +256,7 @@ class Workload:
         rmsnorm, group_linears, activation_checkpointing: as in :class:`ParallelConfig`.
         sequence_parallel: as in :class:`ParallelConfig`, for the layouts that have it (megatron: Megatron-LM's;
             btp: latent sequence parallelism); vanilla, which has none, is estimated without it. Needs
-            ``seq_len`` divisible by ``tp``; not with ``pp > 1`` (the runtime refuses it there).
+            ``seq_len`` divisible by ``tp``; under ``pp > 1`` stages send their token shards (``Layout.stage_boundary``).
     """
 
     tp: int = 1
@@ -277,14 +277,8 @@ class Workload:
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"Workload.{name} must be a positive integer, got {getattr(self, name)!r}.")
         object.__setattr__(self, "stages_per_rank", check_schedule(self.pp_schedule, self.stages_per_rank))
-        if self.sequence_parallel:
-            if self.pp > 1:
-                raise ValueError(
-                    "sequence_parallel with pp > 1 is not modelled: the runtime refuses it (a stage would send its "
-                    "N/p-token shard). Estimate it with pp=1, or without sequence_parallel."
-                )
-            if self.tp > 1:
-                check_sequence_length(self.seq_len, self.tp)
+        if self.sequence_parallel and self.tp > 1:
+            check_sequence_length(self.seq_len, self.tp)
 
     @property
     def tokens(self) -> int:

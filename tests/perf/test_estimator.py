@@ -323,6 +323,16 @@ def test_sequence_parallel_activation_memory_is_activation_memorys(mode):
 def test_sequence_parallel_workload_errors():
     with pytest.raises(ValueError, match="pad it to a multiple of 4"):
         Workload(tp=4, seq_len=4098, sequence_parallel=True)
-    with pytest.raises(ValueError, match="pp > 1 is not modelled"):
-        Workload(tp=4, pp=2, sequence_parallel=True)
     assert Workload(tp=1, seq_len=4097, sequence_parallel=True).parallel("btp").shards_tokens is False
+
+
+def test_sequence_parallel_pipeline_sends_megatrons_token_shard():
+    """Under pp > 1 with sequence parallelism a megatron stage sends its ``[mb, S/p, d]`` residual shard (1/p of the
+    replicated residual); btp's boundary (already sharded along ``d``) is unchanged."""
+    config = BoostLlamaConfig.from_preset("cola-13b")
+    full_rank = BoostLlamaConfig.from_preset("llama-13b")
+    plain, sp = (Workload(tp=4, pp=2, num_micro_batches=8, sequence_parallel=on) for on in (False, True))
+    assert estimate(full_rank, sp, "h100", layouts=("megatron",)).layouts["megatron"].p2p_bytes_per_boundary * 4 == (
+        estimate(full_rank, plain, "h100", layouts=("megatron",)).layouts["megatron"].p2p_bytes_per_boundary)
+    assert estimate(config, sp, "h100", layouts=("btp",)).layouts["btp"].p2p_bytes_per_boundary == (
+        estimate(config, plain, "h100", layouts=("btp",)).layouts["btp"].p2p_bytes_per_boundary)

@@ -6,7 +6,8 @@ single-process reference they are compared with (``test_pipeline_training.py`` l
 
 ``single`` trains ``OUT/single`` and evaluates ``OUT/single/final`` with ``compute_metrics``
 (``OUT/metrics-single.json``). ``pipelines`` trains ``pp2-tp2`` (checkpoint at step 3), ``pp2-tp2-resumed`` (from
-it), ``pp2-dp2-interleaved`` (interleaved 1F1B, 2 stages per rank) and ``pp2-tp2-compiled`` (``--torch_compile``),
+it), ``pp2-dp2-interleaved`` (interleaved 1F1B, 2 stages per rank), ``pp2-tp2-compiled`` (``--torch_compile``) and
+``pp2-tp2-sp`` (``--sequence_parallel``: latent sequence parallelism, no end-of-training sample),
 then evaluates ``OUT/single/final`` with the same ``compute_metrics`` at pp 2 x tp 2 and at pp 2 x dp 2 interleaved
 (``OUT/metrics-pp2-tp2.json``, ``OUT/metrics-pp2-dp2-interleaved.json``: every rank's metrics).
 
@@ -142,6 +143,7 @@ def main(mode: str, out: str, *common: str) -> None:
     train([*common, *PP_TP, "--output_dir", str(out / "pp2-tp2-resumed"), "--resume_from_checkpoint", str(out / "pp2-tp2" / "checkpoint-3")])
     train([*common, *PP_DP_INTERLEAVED, "--output_dir", str(out / "pp2-dp2-interleaved")])
     train([*common, *PP_TP, "--output_dir", str(out / "pp2-tp2-compiled"), "--torch_compile", "true"])
+    train([*common, *PP_TP, "--output_dir", str(out / "pp2-tp2-sp"), "--sequence_parallel", "true", "--sample_max_new_tokens", "0"])
     evaluate_with_metrics([*common, *PP_TP, *trained, "--output_dir", str(out / "metrics-pp2-tp2")], out / "metrics-pp2-tp2.json")
     evaluate_with_metrics([*common, *PP_DP_INTERLEAVED, *trained, "--output_dir", str(out / "metrics-pp2-dp2-interleaved")],
                           out / "metrics-pp2-dp2-interleaved.json")

@@ -51,7 +51,7 @@ def assert_close(actual: dict, expected: dict) -> None:
         assert abs(actual[step] - value) <= RELATIVE_TOLERANCE * abs(value), (step, actual[step], value)
 
 
-@pytest.mark.parametrize("run", ["pp2-tp2", "pp2-dp2-interleaved", "pp2-tp2-compiled"])
+@pytest.mark.parametrize("run", ["pp2-tp2", "pp2-dp2-interleaved", "pp2-tp2-compiled", "pp2-tp2-sp"])
 def test_pipeline_losses_match_one_process(runs, run):
     assert len(losses(runs / "single")) == 6
     assert_close(losses(runs / run), losses(runs / "single"))
@@ -115,6 +115,7 @@ def test_compute_metrics_under_pipeline_match_one_process(runs, run):
 @pytest.mark.parametrize("run, tp_size, rows, microbatches, crossings_per_microbatch", [
     ("pp2-tp2", 2, 8, 2, 1),  # one stage per rank: the first sends activations, the last gradients
     ("pp2-dp2-interleaved", 1, 4, 4, 3),  # rank 0 runs stages 0 and 2 of 4 (1 + 2 sends), rank 1 stages 1 and 3 (2 + 1)
+    ("pp2-tp2-sp", 2, 8, 2, 1),  # latent sequence parallelism
 ])
 def test_logged_p2p_bytes_are_the_formula_and_the_engines_sends(runs, run, tp_size, rows, microbatches, crossings_per_microbatch):
     """Every rank logs, each step, the bytes its stages handed to the engine's sends: the formula's per crossing
@@ -124,7 +125,7 @@ def test_logged_p2p_bytes_are_the_formula_and_the_engines_sends(runs, run, tp_si
 
     config = BoostLlamaConfig.from_pretrained(runs / run / "final")
     tokens = rows // microbatches * 32
-    crossing = stage_boundary_communication(config, ParallelConfig(tp_size=tp_size), tokens).bytes(dtype_bytes=4)  # fp32
+    crossing = stage_boundary_communication(config, ParallelConfig(tp_size=tp_size, sequence_parallel=run.endswith("-sp")), tokens).bytes(dtype_bytes=4)  # fp32
     expected = crossings_per_microbatch * microbatches * crossing
     ranks = json.loads((runs / run / "p2p.json").read_text())
     assert len(ranks) == 4

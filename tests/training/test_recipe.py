@@ -95,8 +95,8 @@ def test_sequence_parallel_argument_and_its_refusals():
         BoostTrainingArguments(**fields)
     with pytest.raises(ValueError, match="not supported by tp_style='vanilla'"):
         BoostTrainingArguments(**fields, sample_max_new_tokens=0, tp_style="vanilla")
-    with pytest.raises(ValueError, match="pp_size > 1 is not supported yet"):
-        BoostTrainingArguments(**fields, sample_max_new_tokens=0, pp_size=2)
+    pipelined = BoostTrainingArguments(**fields, sample_max_new_tokens=0, pp_size=2).to_parallel_config(SimpleNamespace(bottleneck=None))
+    assert pipelined.pp_size == 2 and pipelined.shards_tokens  # stages send their N/p-token shards
     assert BoostTrainingArguments(output_dir="unused", sequence_parallel=True).sample_max_new_tokens > 0  # tp 1: nothing split
 
     from boost_hf.training.preflight import check_model_and_data
