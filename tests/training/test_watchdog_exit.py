@@ -49,18 +49,24 @@ store = SlowStore(int(sys.argv[1]))
 # Both cases in one interpreter (an interpreter start with boost_hf's imports is most of each case's time): the
 # replacement case first, then the exit case, whose watchdog is the one running (inside a store call) at exit.
 REPLACEMENT_CASE = """
-first = HangWatchdog(store, rank=0, world_size=2, timeout_s=300, interval_s=0.01)
-first.start()
-time.sleep(0.1)
-second = HangWatchdog(store, rank=0, world_size=2, timeout_s=300, interval_s=0.01)
-second.start()  # e.g. a second Trainer.train in the same process
-assert not first._thread.is_alive(), "the first watchdog still runs"
-assert second._thread.is_alive()
-assert store.inner.add("boost_hf/watchdog/done/0", 0) == 0, "rank 0 was marked done while still training"
-second.stop()
-assert not second._thread.is_alive()
-assert store.inner.add("boost_hf/watchdog/done/0", 0) == 1
-print("ok", flush=True)
+def replacement_case():
+    first = HangWatchdog(store, rank=0, world_size=2, timeout_s=300, interval_s=0.01)
+    first.start()
+    time.sleep(0.1)
+    second = HangWatchdog(store, rank=0, world_size=2, timeout_s=300, interval_s=0.01)
+    second.start()  # e.g. a second Trainer.train in the same process
+    assert not first._thread.is_alive(), "the first watchdog still runs"
+    assert second._thread.is_alive()
+    assert store.inner.add("boost_hf/watchdog/done/0", 0) == 0, "rank 0 was marked done while still training"
+    second.stop()
+    assert not second._thread.is_alive()
+    assert store.inner.add("boost_hf/watchdog/done/0", 0) == 1
+
+try:
+    replacement_case()
+    print("ok", flush=True)
+except AssertionError as error:  # reported by its test; the exit case still runs
+    print(f"replacement case failed: {error}", flush=True)
 """
 EXIT_CASE = """
 watchdog = HangWatchdog(store, rank=0, world_size=2, timeout_s=300, interval_s=0.01)
@@ -80,7 +86,7 @@ def result() -> subprocess.CompletedProcess:
 
 
 def test_a_second_watchdog_in_one_process_replaces_the_first_and_the_rank_stays_watched(result):
-    assert "ok" in result.stdout, result.stderr[-2000:]
+    assert "ok" in result.stdout.splitlines(), result.stdout[-2000:] + result.stderr[-2000:]
 
 
 def test_exit_while_the_watchdog_is_inside_a_store_call_is_clean(result):
