@@ -59,3 +59,13 @@ def variant(request) -> str:
 @pytest.fixture(params=LOW_RANK_VARIANTS)
 def low_rank_variant(request) -> str:
     return request.param
+
+
+@pytest.fixture(scope="session")
+def tp2_model_results() -> list[dict]:
+    """Per rank: the results of tests/parallel/tp2_model_cases.py, one 2-rank launch for the 2-rank cases of five test
+    files (read with ``tp2_model_cases.section``)."""
+    from tests.distributed import launch
+    from tests.parallel import tp2_model_cases
+
+    return launch(tp2_model_cases.everything, 2, 2, timeout=1800)

@@ -17,7 +17,7 @@ from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
 
 from boost_hf import BoostLlamaConfig, BoostLlamaForCausalLM, ParallelConfig
-from tests.distributed import launch
+from tests.parallel.tp2_model_cases import section
 
 # no GQA (their k/v projections are heads * head_dim wide); pad_token_id 0 as in their configs
 SHAPE = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, rank=8)
@@ -122,8 +122,20 @@ def _load_at_tp(folder: str) -> dict:
     return out
 
 
-def test_authors_checkpoint_at_tp2(tmp_path):
-    model = ours(attention_bias=True, mlp_bias=True)
-    write_authors_checkpoint(model, tmp_path)
-    for rank_result in launch(_load_at_tp, 2, str(tmp_path), timeout=600):
+def authors_checkpoint_at_tp() -> dict:
+    """Inside a launched group: rank 0 writes the authors' checkpoint of a model with biases; every rank loads it."""
+    import torch.distributed as dist
+
+    from tests.parallel.tp_cases import shared_temporary_directory
+
+    with shared_temporary_directory() as folder:
+        if dist.get_rank() == 0:
+            write_authors_checkpoint(ours(attention_bias=True, mlp_bias=True), Path(folder))
+        dist.barrier()
+        return _load_at_tp(folder)
+
+
+def test_authors_checkpoint_at_tp2(tp2_model_results):
+    """Run in the 2-rank launch shared with other files (tests/parallel/tp2_model_cases.py)."""
+    for rank_result in section(tp2_model_results, "authors"):
         assert rank_result["btp"] <= 1e-5 and rank_result["vanilla"] <= 1e-5, rank_result

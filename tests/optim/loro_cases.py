@@ -1,7 +1,8 @@
 """LORO cases run inside launched process groups (tests/distributed.py); imported by the children.
 
-Each rank trains the single-process reference itself (same seed, same batches, same optimizer with no TP group),
-so every comparison is local. ``EXACT_EVERY + 1`` steps: lazy steps, one exact step, a lazy step from reset moments.
+Each rank trains the single-process reference itself, once for all its cases (same seed, same batches, same optimizer
+with no TP group), so every comparison is local. ``EXACT_EVERY + 1`` steps: lazy steps, one exact step, a lazy step
+from reset moments.
 
 Adam's ``eps`` is ``1e-2``: Adam moves every weight whose gradient is not zero by about ``lr`` whatever the
 gradient's size, so with a small ``eps`` a gradient at the level of fp32 summation-order noise (two GEMM orders: TP
@@ -11,6 +12,8 @@ Adam's arithmetic itself is checked bitwise on one process (tests/optim/test_lor
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.distributed as dist
@@ -59,12 +62,18 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.detach().double() - b.double()).abs().max() / b.detach().double().abs().max().clamp_min(1e-12))
 
 
+@functools.cache
+def reference_parameters() -> dict[str, torch.Tensor]:
+    """The single-process LORO run's parameters after ``STEPS`` steps: the same for every case, trained once per rank."""
+    torch.manual_seed(SEED)
+    reference = BoostLlamaForCausalLM(BoostLlamaConfig(**TINY))
+    train(reference)
+    return {n: p.detach() for n, p in reference.named_parameters()}
+
+
 def parity_case(case: dict) -> dict:
     config = BoostLlamaConfig(**TINY)
-    torch.manual_seed(SEED)
-    reference = BoostLlamaForCausalLM(config)
-    train(reference)
-    expected = dict(reference.named_parameters())
+    expected = reference_parameters()
 
     tp_size = case["tp_size"]
     torch.manual_seed(SEED)

@@ -9,6 +9,7 @@ parameter, and whether each layer compiled to a graph that holds the collectives
 from __future__ import annotations
 
 import torch
+import torch._inductor.config
 import torch.distributed as dist
 
 from boost_hf import BoostLlamaConfig, BoostLlamaForCausalLM, ParallelConfig
@@ -51,6 +52,9 @@ def _step(case: dict, compiled: bool):
 
 def compile_parity() -> list[dict]:
     """One report per case: ``loss_rel``, ``grad_rel`` (worst over parameters), ``same_names``."""
+    # Inductor compiles in this process: its default on a 2-core machine, a pool of compile workers per rank (each a
+    # Python process importing torch), costs more than it saves when 2 ranks share the 2 cores.
+    torch._inductor.config.compile_threads = 1
     reports = []
     for case in CASES:
         eager_loss, eager_grads = _step(case, compiled=False)

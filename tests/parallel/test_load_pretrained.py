@@ -1,20 +1,21 @@
 """Loading keeps the weights in every layout: ``from_pretrained(dir, parallel_config=...)`` at TP 1 and 2, every
 style, every activation-checkpointing mode, computes the logits of the saved (perturbed, i.e. not freshly
-initialised) model, like a plain ``from_pretrained``. One 2-rank process group, about 40 s on 2 cores."""
+initialised) model, like a plain ``from_pretrained``. Run in the 2-rank launch shared with other files
+(tests/parallel/tp2_model_cases.py)."""
 
 from __future__ import annotations
 
 import pytest
 
-from tests.distributed import launch
 from tests.parallel import load_cases
+from tests.parallel.tp2_model_cases import section
 
 TOL = 1e-5
 
 
 @pytest.fixture(scope="module")
-def results():
-    return launch(load_cases.everything, 2, 2, timeout=900)
+def results(tp2_model_results):
+    return section(tp2_model_results, "load")
 
 
 def test_every_layout_loads_the_saved_weights(results):

@@ -13,7 +13,7 @@ from boost_hf.training.data import EvalShard
 from boost_hf.training.deepspeed import configure_deepspeed
 from boost_hf.training.grad_norm import clip_grad_norm_, global_grad_norm
 
-from ..distributed import launch
+from ..parallel.tp2_model_cases import section
 
 
 def _norm_case() -> list[float]:
@@ -37,8 +37,9 @@ def _norm_case() -> list[float]:
     return [norm.item(), expected.item(), (sharded.grad / full.chunk(2)[rank]).mean().item()]
 
 
-def test_global_grad_norm_sums_shards_once():
-    for norm, expected, scale in launch(_norm_case, 2):
+def test_global_grad_norm_sums_shards_once(tp2_model_results):
+    """Run in the 2-rank launch shared with other files (tests/parallel/tp2_model_cases.py)."""
+    for norm, expected, scale in section(tp2_model_results, "grad_norm"):
         assert norm == pytest.approx(expected, rel=1e-6)
         assert scale == pytest.approx(1.0 / expected, rel=1e-5)
 

@@ -1,6 +1,7 @@
 """``--init_from CHECKPOINT`` starts from the checkpoint's weights at any TP size: the validation loss logged at
 step 0 is the one the checkpoint's own run measured on the same blocks at its end. Three launches (about a
-minute on 2 cores): a short run, then ``--init_from <run>/final`` at tp 1 (one process) and tp 2 (``torchrun``)."""
+minute on 2 cores): a short run, then ``--init_from <run>/final`` at tp 1 (one process) and tp 2 (``torchrun``), these
+two at the same time (the one-process run alone would leave a core idle)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from .launcher import DEMO_RECIPE, TINY, python_command, run_command, torchrun_command
+from .launcher import DEMO_RECIPE, TINY, python_command, run_command, run_commands, torchrun_command
 
 RELATIVE_TOLERANCE = 1e-5
 
@@ -25,8 +26,9 @@ def trained(training_env, tmp_path_factory) -> Path:
     common = [DEMO_RECIPE, *TINY, "--dataset", training_env["CORPUS"], "--per_device_train_batch_size", "8"]
     run_command(python_command("recipes/pretrain.py", *common, "--tp_size", "1", "--output_dir", out / "first"), training_env, timeout=300)
     init = [*common, "--init_from", out / "first" / "final", "--max_steps", "1", "--seed", "7"]
-    run_command(python_command("recipes/pretrain.py", *init, "--tp_size", "1", "--output_dir", out / "tp1"), training_env, timeout=300)
-    run_command(torchrun_command(2, "recipes/pretrain.py", *init, "--tp_size", "2", "--output_dir", out / "tp2"), training_env, timeout=300)
+    run_commands([python_command("recipes/pretrain.py", *init, "--tp_size", "1", "--output_dir", out / "tp1"),
+                  torchrun_command(2, "recipes/pretrain.py", *init, "--tp_size", "2", "--output_dir", out / "tp2")],
+                 training_env, timeout=600)
     return out
 
 

@@ -4,7 +4,7 @@ checkpoint written right after the exact step at step 3 holds balanced factors a
 checkpoints of steps 2 and 4 (inside a period: moments set, the next exact step to come) at tp 4 x dp 1 and tp 1 x dp 4
 continues the same run (the LORO period and the moments travel with the optimizer state, resharded).
 
-Two launches (about 2 minutes on 2 cores): the single-process run and one ``accelerate launch`` of
+Two launches at the same time (about 2 minutes on 2 cores): the single-process run and one ``accelerate launch`` of
 ``loro_runs.py``.
 """
 
@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 
 from boost_hf.optim.loro import RESTART_FLOOR
 
-from .launcher import DEMO_RECIPE, TINY, accelerate_command, python_command, run_command
+from .launcher import DEMO_RECIPE, TINY, accelerate_command, python_command, run_commands
 from .test_distributed import assert_same_losses, assert_same_weights, log_history, losses
 
 LORO = ["--bottleneck", "svd", "--lowrank_optimizer", "loro", "--loro_exact_every", "3"]
@@ -26,13 +26,12 @@ LORO = ["--bottleneck", "svd", "--lowrank_optimizer", "loro", "--loro_exact_ever
 def runs(training_env, tmp_path_factory):
     out = tmp_path_factory.mktemp("loro_runs")
     common = [DEMO_RECIPE, *TINY, *LORO, "--dataset", training_env["CORPUS"]]
-    run_command(
+    distributed = [*common, "--tp_size", "2", "--per_device_train_batch_size", "4"]  # global batch 4 x dp 2 = 8
+    run_commands([  # independent: at the same time
         python_command("recipes/pretrain.py", *common, "--tp_size", "1", "--per_device_train_batch_size", "8",
                        "--save_strategy", "steps", "--save_steps", "3", "--output_dir", out / "single"),
-        training_env, timeout=300,
-    )
-    distributed = [*common, "--tp_size", "2", "--per_device_train_batch_size", "4"]  # global batch 4 x dp 2 = 8
-    run_command(accelerate_command("cpu-4proc.yaml", "tests/training/loro_runs.py", out, *distributed), training_env, timeout=900)
+        accelerate_command("cpu-4proc.yaml", "tests/training/loro_runs.py", out, *distributed),
+    ], training_env, timeout=900)
     return out
 
 

@@ -7,6 +7,7 @@ import errno
 import json
 import math
 import os
+import shutil
 import subprocess
 
 import pytest
@@ -188,12 +189,21 @@ def test_model_must_fit_block_size_and_tokenizer():
 
 
 # ---------------------------------------------------------------------------- checkpoints and the output folder
-@pytest.fixture
-def finished_run(tmp_path):
-    t = trainer(tmp_path / "run")
+@pytest.fixture(scope="module")
+def pristine_run(tmp_path_factory):
+    """A finished 4-step run (checkpoint-2, checkpoint-4, final), trained once for the module."""
+    folder = tmp_path_factory.mktemp("finished") / "run"
+    t = trainer(folder)
     t.train()
     t.save_final_model()
     t._output_dir_lock.release()
+    return folder
+
+
+@pytest.fixture
+def finished_run(pristine_run, tmp_path):
+    """A copy of the finished run of its own for each test to damage."""
+    shutil.copytree(pristine_run, tmp_path / "run")
     return tmp_path / "run"
 
 
