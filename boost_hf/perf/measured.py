@@ -51,7 +51,10 @@ class MeasuredRun:
         return {**asdict(self), "layers": [asdict(layer) for layer in self.layers]}
 
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+        """Write the run as JSON to ``path``, creating its folder if needed."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(self.to_dict(), indent=2) + "\n")
 
     @classmethod
     def load(cls, path: str | Path) -> MeasuredRun:

@@ -24,7 +24,7 @@ def measured(tmp_path):
         MeasuredLayer("llama-7b", "megatron", "online", True, True, eager_ms=MEGATRON_SP_MS),
         MeasuredLayer("cola-7b", "btp", "online", True, True, eager_ms=BTP_SP_MS),
     ))
-    path = tmp_path / "measured.json"
+    path = tmp_path / "runs" / "measured.json"  # save creates the folder
     run.save(path)
     return path
 
