@@ -320,7 +320,7 @@ class Pipeline:
         tokens = count_targets(labels)
         if self.state.dp_group is not None:
             dist.all_reduce(tokens, group=self.state.dp_group)
-        dtype = _activation_dtype(self.model)
+        dtype = activation_dtype(self.model)
         schedule = self._schedule(input_ids.shape[0] // self.parallel.microbatches, input_ids.shape[1], dtype)
         losses: list[torch.Tensor] = []
         normaliser = float(tokens) / self.state.dp_size if train else 1.0
@@ -352,7 +352,7 @@ class Pipeline:
         return self._run(input_ids, labels, attention_mask, train=False)
 
 
-def _activation_dtype(model: nn.Module) -> torch.dtype:
+def activation_dtype(model: nn.Module) -> torch.dtype:
     """The dtype of the tensors crossing stage boundaries (that of the model's floating-point weights)."""
     return next(p.dtype for p in model.parameters() if p.dtype.is_floating_point)
 

@@ -22,7 +22,7 @@ from torch import nn
 
 from ..evaluation import target_bytes
 from ..parallel.cross_entropy import IGNORE_INDEX
-from ..parallel.pipeline import _activation_dtype, stage_ranks
+from ..parallel.pipeline import activation_dtype, stage_ranks
 from ..perf.comm_formula import stage_boundary_communication
 
 
@@ -104,7 +104,7 @@ def boundary_bytes_per_step(pipeline, batch_shape: tuple[int, int]) -> int:
     rows, seq = batch_shape
     crossing = stage_boundary_communication(pipeline.model.config, parallel, rows // parallel.microbatches * seq)
     crossings = sum(int(stage > 0) + int(stage < last) for stage in pipeline.placement.stages) * parallel.microbatches
-    return crossings * crossing.bytes(_activation_dtype(pipeline.model).itemsize)
+    return crossings * crossing.bytes(activation_dtype(pipeline.model).itemsize)
 
 
 def on_one_process(model, run):
