@@ -16,7 +16,9 @@ from .recipe import build_config, build_datasets, build_model, build_tokenizer, 
 from .trainer import BoostTrainer
 
 
-def main(argv: list[str]) -> None:
+def build_trainer(argv: list[str], **trainer_kwargs) -> BoostTrainer:
+    """The :class:`BoostTrainer` of the recipe ``argv`` (model, tokenizer, training and validation sets), its model
+    and data checked before any collective; ``trainer_kwargs`` go to the trainer (e.g. ``compute_metrics``)."""
     model_args, data_args, training_args = parse_recipe(argv)
     tokenizer = build_tokenizer(data_args)
     config = build_config(model_args, tokenizer)
@@ -29,8 +31,15 @@ def main(argv: list[str]) -> None:
         train_dataset=datasets["train"],
         eval_dataset=datasets["validation"],
         processing_class=tokenizer,
+        **trainer_kwargs,
     )
     trainer.card_metadata["datasets"] = card_datasets(data_args)  # the model card in <output_dir>/final
+    return trainer
+
+
+def main(argv: list[str]) -> None:
+    trainer = build_trainer(argv)
+    training_args = trainer.args
     resume = training_args.resume_from_checkpoint
     training_args.eval_on_start = training_args.eval_on_start or not resume  # logged at step 0
     trainer.train(resume_from_checkpoint=True if resume == "last" else resume)
@@ -47,4 +56,4 @@ def main(argv: list[str]) -> None:
         print(f"model and tokenizer saved to {final}")
 
 
-__all__ = ["main"]
+__all__ = ["build_trainer", "main"]

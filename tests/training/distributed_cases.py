@@ -34,7 +34,8 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "recipes"))
 import pretrain  # noqa: E402
 
-from boost_hf.training import BoostTrainer, build_datasets, build_model, build_tokenizer, parse_recipe  # noqa: E402
+from boost_hf.training import BoostTrainer  # noqa: E402
+from boost_hf.training.pretrain import build_trainer  # noqa: E402
 
 USE_CPU = os.environ.get("ACCELERATE_USE_CPU", "false")
 TRAINED: list[dict] = []
@@ -113,19 +114,12 @@ def seen_by_compute_metrics(prediction) -> dict:
 def record_epoch(argv: list[str], out: Path) -> None:
     """Every rank's training samples (rows of input_ids) over one epoch, gathered into ``out/data.json``; and what
     ``compute_metrics`` sees on every rank when evaluating the validation set (``out/compute_metrics.json``)."""
-    model_args, data_args, training_args = parse_recipe(argv)
-    tokenizer = build_tokenizer(data_args)
-    datasets = build_datasets(data_args, tokenizer, training_args)
-    trainer = BoostTrainer(
-        model=build_model(model_args, training_args, tokenizer), args=training_args, train_dataset=datasets["train"],
-        eval_dataset=datasets["validation"], processing_class=tokenizer, compute_metrics=seen_by_compute_metrics,
-        preprocess_logits_for_metrics=lambda logits, labels: logits.argmax(-1),
-    )
+    trainer = build_trainer(argv, compute_metrics=seen_by_compute_metrics, preprocess_logits_for_metrics=lambda logits, labels: logits.argmax(-1))
     metrics = trainer.evaluate()
     every_rank = [None] * dist.get_world_size()
     dist.all_gather_object(every_rank, {key: metrics[f"eval_{key}"] for key in ("label_rows", "max_prediction", "prediction_shape")})
     if dist.get_rank() == 0:
-        validation = [list(r) for r in datasets["validation"]["input_ids"]]
+        validation = [list(r) for r in trainer.eval_dataset["input_ids"]]
         (out / "compute_metrics.json").write_text(json.dumps({"ranks": every_rank, "validation": validation,
                                                               "vocab_size": trainer.model.config.vocab_size}))
     rows = [row for batch in trainer.get_train_dataloader() for row in batch["input_ids"].tolist()]
@@ -133,7 +127,7 @@ def record_epoch(argv: list[str], out: Path) -> None:
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, {"dp_rank": state.dp_rank, "tp_rank": state.tp_rank, "rows": rows})
     if dist.get_rank() == 0:
-        dataset_rows = [list(r) for r in datasets["train"]["input_ids"]]
+        dataset_rows = [list(r) for r in trainer.train_dataset["input_ids"]]
         (out / "data.json").write_text(json.dumps({"ranks": gathered, "dataset": dataset_rows}))
 
 

@@ -30,7 +30,8 @@ from torch.distributed.pipelining.stage import _PipelineStageBase
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "recipes"))
 import pretrain  # noqa: E402
 
-from boost_hf.training import BoostTrainer, build_datasets, build_model, build_tokenizer, parse_recipe  # noqa: E402
+from boost_hf.training import BoostTrainer  # noqa: E402
+from boost_hf.training.pretrain import build_trainer  # noqa: E402
 
 PIPELINE = ["--pp_size", "2", "--pp_microbatches", "2"]
 PP_TP = [*PIPELINE, "--tp_size", "2", "--per_device_train_batch_size", "8"]
@@ -118,14 +119,7 @@ def argmax_and_logsumexp(logits: torch.Tensor, labels: torch.Tensor) -> torch.Te
 
 def evaluate_with_metrics(argv: list[str], result: Path) -> None:
     """Evaluate the model ``argv`` builds with ``compute_metrics``; every rank's metrics into ``result``."""
-    model_args, data_args, training_args = parse_recipe(argv)
-    tokenizer = build_tokenizer(data_args)
-    datasets = build_datasets(data_args, tokenizer, training_args)
-    trainer = BoostTrainer(
-        model=build_model(model_args, training_args, tokenizer), args=training_args, train_dataset=datasets["train"],
-        eval_dataset=datasets["validation"], processing_class=tokenizer, compute_metrics=logit_statistics,
-        preprocess_logits_for_metrics=argmax_and_logsumexp,
-    )
+    trainer = build_trainer(argv, compute_metrics=logit_statistics, preprocess_logits_for_metrics=argmax_and_logsumexp)
     metrics = every_rank(trainer.evaluate())
     if not dist.is_initialized() or dist.get_rank() == 0:
         result.write_text(json.dumps(metrics))
