@@ -367,6 +367,7 @@ __all__ = [
     "PipelineChunk",
     "Placement",
     "StageLayers",
+    "activation_dtype",
     "check_pipeline_model",
     "count_targets",
     "keep_this_ranks_stages",
