@@ -117,13 +117,17 @@ class ProjectionGroup:
         """Grouping is on and the group has more than one projection (q/k/v, gate/up)."""
         return self.grouped and len(self.names) > 1
 
+    @staticmethod
+    def all_plain(projections: list[nn.Module], cls: type) -> bool:
+        """Every projection is still this layout's ``cls`` with nothing acting before its forward (a forward
+        pre-hook may change its input or gather its weight, e.g. DeepSpeed ZeRO-3), so the group may compute
+        its output for it."""
+        return all(isinstance(projection, cls) and not projection._forward_pre_hooks for projection in projections)
+
     def runs_together(self, projections: list[nn.Module], cls: type) -> bool:
         """Whether the group may run ``projections`` as one GEMM, or hand them one cast of their weights:
-        grouped, and every projection still this layout's ``cls`` with nothing acting before its forward
-        (a forward pre-hook may change its input or gather its weight, e.g. DeepSpeed ZeRO-3)."""
-        return self.several_grouped and all(
-            isinstance(projection, cls) and not projection._forward_pre_hooks for projection in projections
-        )
+        grouped, and every projection plain (:meth:`all_plain`)."""
+        return self.several_grouped and self.all_plain(projections, cls)
 
     def call_projections(self, projections: list[nn.Module], latents, cls: type) -> list[torch.Tensor]:
         """Each low-rank projection called as a module on its latent (B and any trailing collective); when the
