@@ -27,7 +27,9 @@ from __future__ import annotations
 from functools import partial
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from .modules import shard_parameter
 from .norms import FusedRMSNorm
@@ -141,11 +143,27 @@ def gathered_linear(x: torch.Tensor, weights, group) -> tuple[torch.Tensor, ...]
     ``[N, d]``) and awaited after them; the input gradient reduce-scattered over tokens (``N d``), started before
     the weight-gradient GEMMs (``g_i^T x_full``) and awaited after them. In eager the collectives are
     asynchronous (gloo and NCCL run them beside the GEMMs); under ``torch.compile`` they are the functional
-    collectives, awaited where first read. Without a gradient for any weight (frozen) nothing is re-gathered.
-    With a group of size 1: ``x @ W_i^T``, nothing communicated."""
+    collectives, and the same pattern is written as plain ops: :func:`~boost_hf.parallel.primitives.gather_tokens`
+    under selective activation checkpointing that makes the partitioner recompute the gather in backward (which
+    it would otherwise keep); inductor schedules the collectives. Without a gradient for any weight (frozen)
+    nothing is re-gathered (eager). With a group of size 1: ``x @ W_i^T``, nothing communicated."""
     if group_size(group) == 1:
-        return tuple(torch.nn.functional.linear(x, weight) for weight in weights)
+        return tuple(F.linear(x, weight) for weight in weights)
+    if torch.compiler.is_compiling():
+        full = checkpoint(gather_tokens, x, group, use_reentrant=False, context_fn=_gathers_recomputed)
+        return tuple(F.linear(full, weight) for weight in weights)
     return _GatheredLinear.apply(x, group, *weights)
+
+
+def _recompute_gathers(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    if op in (torch.ops._c10d_functional.all_gather_into_tensor.default, torch.ops._c10d_functional.wait_tensor.default):
+        return CheckpointPolicy.MUST_RECOMPUTE
+    return CheckpointPolicy.PREFER_SAVE
+
+
+def _gathers_recomputed():
+    """Selective checkpointing contexts under which the functional all-gather (and its wait) are recomputed."""
+    return create_selective_checkpoint_contexts(_recompute_gathers)
 
 
 def enter_token_shard(hidden_states: torch.Tensor, group) -> torch.Tensor:

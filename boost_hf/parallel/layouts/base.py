@@ -56,6 +56,15 @@ class Gemm(NamedTuple):
         return 2 * self.m * self.k * self.n
 
 
+class BackwardOverlap(NamedTuple):
+    """Collectives of a layer's backward (part of :meth:`Layout.layer_communication`'s) that run beside GEMMs:
+    ``communication``, and the forward ``gemms`` whose input-gradient GEMMs (the same shapes and FLOPs) run
+    meanwhile."""
+
+    communication: Communication
+    gemms: list[Gemm]
+
+
 @dataclass(frozen=True)
 class ResidualWidths:
     """Per-rank widths a layer's element-wise work runs on: residual stream, local q and k widths,
@@ -237,6 +246,10 @@ class Layout:
         parallelism)."""
         return NO_COMMUNICATION
 
+    def backward_overlaps(self, config, tokens: int) -> list[BackwardOverlap]:
+        """The backward collectives that run beside input-gradient GEMMs (none by default)."""
+        return []
+
     def recompute_communication(self, config, tokens: int) -> Communication:
         """Collectives re-issued in backward by ``activation_checkpointing``."""
         if self.parallel.activation_checkpointing == "full":
@@ -321,4 +334,4 @@ def low_rank_a_gemms(config, n: int, r_local: int, local: dict[str, int], groupe
     return [Gemm(f"{name}.A", n, local[width], r_local, "A") for name, width in inputs.items()]
 
 
-__all__ = ["Layout", "ProjectionGroup", "StageBoundary", "Gemm", "ResidualWidths", "GROUPS", "READS_NORM", "split_latents", "apply_latent_functions", "low_rank_a_gemms"]
+__all__ = ["Layout", "BackwardOverlap", "ProjectionGroup", "StageBoundary", "Gemm", "ResidualWidths", "GROUPS", "READS_NORM", "split_latents", "apply_latent_functions", "low_rank_a_gemms"]

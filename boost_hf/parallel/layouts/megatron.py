@@ -34,7 +34,7 @@ from ..fused import stacked_weight
 from ..modules import add_bias, adopt, compute_dtype, shard_parameter, shard_repr
 from ..primitives import copy_to_tp, gather_tokens, reduce_from_tp, reduce_scatter_tokens
 from ..sequence_parallel import gathered_linear, replicated_on_shard
-from .base import GROUPS, Gemm, Layout, ProjectionGroup, ResidualWidths
+from .base import GROUPS, BackwardOverlap, Gemm, Layout, ProjectionGroup, ResidualWidths
 
 COLUMN_GROUPS = ("qkv", "gate_up")
 
@@ -156,6 +156,18 @@ class MegatronLayout(Layout):
         forward = all_gather(2, 2 * n * d) + reduce_scatter(2, 2 * n * d)
         backward = reduce_scatter(2, 2 * n * d) + all_gather(4, 4 * n * d) + all_reduce(2 + row_biases, (2 + row_biases) * d)
         return PassCommunication(forward, backward)
+
+    def backward_overlaps(self, config, tokens):
+        """Sequence parallelism: each column group's re-gather of its input (``N d``) runs beside the group's
+        input-gradient GEMMs (:func:`~boost_hf.parallel.sequence_parallel.gathered_linear`, as Megatron-LM)."""
+        if not self.parallel.shards_tokens:
+            return []
+        gemms = self.local_gemms(config, tokens)
+        return [
+            BackwardOverlap(all_gather(1, tokens * config.hidden_size),
+                            [g for g in gemms if g.name in (f"{group}_proj", *GROUPS[group])])
+            for group in COLUMN_GROUPS
+        ]
 
     def outside_layers_communication(self, config, tokens):
         n, d = tokens, config.hidden_size
