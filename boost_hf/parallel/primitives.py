@@ -24,6 +24,10 @@ tokens``                tokens                  shards                     of a 
                                                 shards
 ======================  ======================  =========================  =============================
 
+``start_all_gather_rows`` and ``start_reduce_scatter_rows`` (no autograd) start a collective and return a
+``wait``: for the backward of an autograd Function that overlaps it with a GEMM
+(:func:`~boost_hf.parallel.sequence_parallel.gathered_linear`).
+
 Sequence parallelism shards the ``N = B S`` tokens of activations ``[B, S, ...]``: rank ``i`` holds rows
 ``[i N/p, (i+1) N/p)`` of the flattened ``[N, ...]``, viewed as ``[B, S/p, ...]`` (every op on the shard is
 per token, so which tokens share a row does not matter). The collectives then run on contiguous blocks of
@@ -32,6 +36,8 @@ size of its *full input* (the tensor an all-reduce would have reduced), an all-g
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -63,30 +69,58 @@ def _all_reduce_(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     return x
 
 
-def _all_gather(x: torch.Tensor, dim: int, group: ProcessGroup) -> torch.Tensor:
-    """Concatenate every rank's ``x`` along ``dim`` (a new tensor ``p`` times larger)."""
+def start_all_gather_rows(x: torch.Tensor, group: ProcessGroup) -> Callable[[], torch.Tensor]:
+    """Start concatenating every rank's ``x: [n, ...]`` along dim 0 (all-gather of ``p`` blocks into a new
+    ``[p n, ...]``); returns ``wait``, which finishes it and returns the gathered tensor. No autograd: for
+    autograd Functions that overlap the collective with compute (eager: gloo/NCCL ``async_op``; under
+    ``torch.compile`` the functional collective, which waits where the result is first read)."""
     p = dist.get_world_size(group)
     x = x.contiguous()
     if torch.compiler.is_compiling():
-        return funcol.all_gather_tensor(x, dim, group)
+        out = funcol.all_gather_tensor(x, 0, group)
+        return lambda: out
     out = torch.empty((p * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
     record_collective("all_gather", out)
-    _all_gather_into(out, x, group=group)
+    work = _all_gather_into(out, x, group=group, async_op=True)
+
+    def wait() -> torch.Tensor:
+        work.wait()
+        return out
+
+    return wait
+
+
+def start_reduce_scatter_rows(x: torch.Tensor, group: ProcessGroup) -> Callable[[], torch.Tensor]:
+    """Start summing ``x: [n, ...]`` over ``group`` keeping this rank's rows ``[rank n/p, (rank+1) n/p)`` (a new
+    tensor); returns ``wait``, which finishes it and returns them. No autograd; overlappable as
+    :func:`start_all_gather_rows`."""
+    p = dist.get_world_size(group)
+    x = x.contiguous()
+    if torch.compiler.is_compiling():
+        out = funcol.reduce_scatter_tensor(x, "sum", 0, group)
+        return lambda: out
+    out = torch.empty((x.shape[0] // p, *x.shape[1:]), dtype=x.dtype, device=x.device)
+    record_collective("reduce_scatter", x)
+    work = _reduce_scatter_into(out, x, group=group, async_op=True)
+
+    def wait() -> torch.Tensor:
+        work.wait()
+        return out
+
+    return wait
+
+
+def _all_gather(x: torch.Tensor, dim: int, group: ProcessGroup) -> torch.Tensor:
+    """Concatenate every rank's ``x`` along ``dim`` (a new tensor ``p`` times larger)."""
+    out = start_all_gather_rows(x, group)()
     if dim % x.dim() != 0:
-        out = torch.cat(out.chunk(p, dim=0), dim=dim)
+        out = torch.cat(out.chunk(dist.get_world_size(group), dim=0), dim=dim)
     return out
 
 
 def _reduce_scatter(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     """Sum ``x: [n, ...]`` over ``group`` and keep this rank's rows ``[rank n/p, (rank+1) n/p)`` (a new tensor)."""
-    p = dist.get_world_size(group)
-    x = x.contiguous()
-    if torch.compiler.is_compiling():
-        return funcol.reduce_scatter_tensor(x, "sum", 0, group)
-    out = torch.empty((x.shape[0] // p, *x.shape[1:]), dtype=x.dtype, device=x.device)
-    record_collective("reduce_scatter", x)
-    _reduce_scatter_into(out, x, group=group)
-    return out
+    return start_reduce_scatter_rows(x, group)()
 
 
 def _own_slice(x: torch.Tensor, dim: int, group: ProcessGroup) -> torch.Tensor:
@@ -158,12 +192,12 @@ class _SplitToTP(torch.autograd.Function):
         return _all_gather(grad, ctx.dim, ctx.group), None, None
 
 
-def _token_rows(x: torch.Tensor) -> torch.Tensor:
+def token_rows(x: torch.Tensor) -> torch.Tensor:
     """``[B, S, ...]`` -> ``[B S, ...]`` (a view of a contiguous ``x``)."""
     return x.reshape(-1, *x.shape[2:])
 
 
-def _as_tokens(rows: torch.Tensor, batch: int) -> torch.Tensor:
+def as_tokens(rows: torch.Tensor, batch: int) -> torch.Tensor:
     """``rows: [n, ...]`` viewed as ``[batch, n / batch, ...]``."""
     return rows.view(batch, -1, *rows.shape[1:])
 
@@ -172,22 +206,22 @@ class _GatherTokens(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
-        return _as_tokens(_all_gather(_token_rows(x), 0, group), x.shape[0])
+        return as_tokens(_all_gather(token_rows(x), 0, group), x.shape[0])
 
     @staticmethod
     def backward(ctx, grad):
-        return _as_tokens(_reduce_scatter(_token_rows(grad), ctx.group), grad.shape[0]), None
+        return as_tokens(_reduce_scatter(token_rows(grad), ctx.group), grad.shape[0]), None
 
 
 class _ReduceScatterTokens(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
-        return _as_tokens(_reduce_scatter(_token_rows(x), group), x.shape[0])
+        return as_tokens(_reduce_scatter(token_rows(x), group), x.shape[0])
 
     @staticmethod
     def backward(ctx, grad):
-        return _as_tokens(_all_gather(_token_rows(grad), 0, ctx.group), grad.shape[0]), None
+        return as_tokens(_all_gather(token_rows(grad), 0, ctx.group), grad.shape[0]), None
 
 
 def copy_to_tp(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
@@ -230,7 +264,7 @@ def reduce_scatter_tokens(x: torch.Tensor, group: ProcessGroup | None) -> torch.
 
 def split_tokens(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
     """This rank's token shard ``[B, S/p, ...]`` of a replicated ``[B, S, ...]``; backward all-gathers."""
-    return x if group_size(group) == 1 else _as_tokens(split_to_tp(_token_rows(x), 0, group), x.shape[0])
+    return x if group_size(group) == 1 else as_tokens(split_to_tp(token_rows(x), 0, group), x.shape[0])
 
 
 def all_reduce_gradient(grad: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
@@ -261,6 +295,10 @@ __all__ = [
     "split_tokens",
     "all_reduce_gradient",
     "all_reduce_max_",
+    "start_all_gather_rows",
+    "start_reduce_scatter_rows",
+    "token_rows",
+    "as_tokens",
     "group_size",
     "group_rank",
 ]

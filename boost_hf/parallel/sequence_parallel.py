@@ -5,7 +5,10 @@ Each rank holds the residual stream of ``N/p`` of the micro-batch's ``N = B S`` 
 :mod:`~boost_hf.parallel.primitives`); the norms and residual adds run on those tokens only. Around the
 tensor-parallel GEMMs (:mod:`boost_hf.parallel.layouts.megatron`):
 
-* before the column-parallel q/k/v and gate/up: all-gather of the token shards (backward: reduce-scatter);
+* the column-parallel q/k/v and gate/up read the token shard and gather it themselves
+  (:func:`gathered_linear`, Megatron-LM's ``LinearWithGradAccumulationAndAsyncCommunication``): all-gather of
+  the shards, the GEMM on all ``N`` tokens, and only the ``[N/p, d]`` shard kept for backward, which
+  all-gathers it again for the weight gradient and reduce-scatters the input gradient over tokens;
 * after the row-parallel o and down: reduce-scatter over tokens instead of the all-reduce (backward:
   all-gather); a row-parallel bias is added to the shard.
 
@@ -24,11 +27,23 @@ from __future__ import annotations
 from functools import partial
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from .modules import shard_parameter
 from .norms import FusedRMSNorm
-from .primitives import all_reduce_gradient, copy_to_tp, gather_tokens, split_tokens
+from .primitives import (
+    all_reduce_gradient,
+    as_tokens,
+    copy_to_tp,
+    gather_tokens,
+    group_size,
+    split_tokens,
+    start_all_gather_rows,
+    start_reduce_scatter_rows,
+    token_rows,
+)
 
 
 def check_sequence_length(seq_len: int, tp_size: int) -> None:
@@ -74,9 +89,86 @@ def reduce_gradients_over_tokens(module: nn.Module, names: list[str], plan) -> N
         param.register_hook(partial(all_reduce_gradient, group=plan.group))
 
 
+def _gemm_into(full: torch.Tensor, weight: torch.Tensor, batch: int) -> torch.Tensor:
+    """``full [N, d] @ weight^T`` as a fresh ``[batch, N / batch, w]`` tensor (no view of a local)."""
+    out = full.new_empty((batch, full.shape[0] // batch, weight.shape[0]))
+    torch.mm(full, weight.t(), out=out.view(-1, weight.shape[0]))
+    return out
+
+
+class _GatheredLinear(torch.autograd.Function):
+    """``(x, group, *weights) -> outputs``; see :func:`gathered_linear`."""
+
+    @staticmethod
+    def forward(ctx, x, group, *weights):
+        with torch.autocast(x.device.type, enabled=False):
+            full = start_all_gather_rows(token_rows(x), group)()
+            outputs = tuple(_gemm_into(full, weight, x.shape[0]) for weight in weights)
+        ctx.save_for_backward(x, *weights)  # the token shard, not the gathered tokens
+        ctx.group = group
+        return outputs
+
+    @staticmethod
+    def backward(ctx, *grads):
+        x, *weights = ctx.saved_tensors
+        needs_x, needs_weights = ctx.needs_input_grad[0], ctx.needs_input_grad[2:]
+        grads = [token_rows(grad) for grad in grads]  # [N, w_i]
+        grad_x, grad_weights = None, [None] * len(weights)
+        with torch.autocast(x.device.type, enabled=False):
+            # the re-gather runs while the input-gradient GEMMs run, the reduce-scatter of the input gradient
+            # while the weight-gradient GEMMs run
+            gathering = start_all_gather_rows(token_rows(x), ctx.group) if any(needs_weights) else None
+            if needs_x:
+                grad_full = torch.mm(grads[0], weights[0])
+                for grad, weight in zip(grads[1:], weights[1:]):
+                    grad_full.addmm_(grad, weight)
+                scattering = start_reduce_scatter_rows(grad_full, ctx.group)
+            if gathering is not None:
+                full = gathering()
+                grad_weights = [torch.mm(grad.t(), full) if needed else None for grad, needed in zip(grads, needs_weights)]
+            if needs_x:
+                grad_x = as_tokens(scattering(), x.shape[0])
+        return grad_x, None, *grad_weights
+
+
+def gathered_linear(x: torch.Tensor, weights, group) -> tuple[torch.Tensor, ...]:
+    """Column-parallel GEMMs on the gathered tokens that keep only this rank's token shard for backward
+    (Megatron-LM's column-parallel linear under sequence parallelism).
+
+    ``x``: this rank's tokens ``[B, S/p, d]`` in the compute dtype; ``weights``: ``[w_i, d]`` each (this rank's
+    columns, in the compute dtype: one stacked weight for a grouped GEMM, or one per projection). Returns
+    ``[B, S, w_i]`` for each weight, ``x_full @ W_i^T``. Forward: all-gather of the token shards (``N d``
+    elements), one GEMM per weight; saved: ``x`` (``N d / p``) and the weights. Backward: all-gather of ``x``
+    again (``N d``) for the weight gradients, started before the input-gradient GEMMs (``sum_i g_i W_i``,
+    ``[N, d]``) and awaited after them; the input gradient reduce-scattered over tokens (``N d``), started before
+    the weight-gradient GEMMs (``g_i^T x_full``) and awaited after them. In eager the collectives are
+    asynchronous (gloo and NCCL run them beside the GEMMs); under ``torch.compile`` they are the functional
+    collectives, and the same pattern is written as plain ops: :func:`~boost_hf.parallel.primitives.gather_tokens`
+    under selective activation checkpointing that makes the partitioner recompute the gather in backward (which
+    it would otherwise keep); inductor schedules the collectives. Without a gradient for any weight (frozen)
+    nothing is re-gathered (eager). With a group of size 1: ``x @ W_i^T``, nothing communicated."""
+    if group_size(group) == 1:
+        return tuple(F.linear(x, weight) for weight in weights)
+    if torch.compiler.is_compiling():
+        full = checkpoint(gather_tokens, x, group, use_reentrant=False, context_fn=_gathers_recomputed)
+        return tuple(F.linear(full, weight) for weight in weights)
+    return _GatheredLinear.apply(x, group, *weights)
+
+
+def _recompute_gathers(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    if op in (torch.ops._c10d_functional.all_gather_into_tensor.default, torch.ops._c10d_functional.wait_tensor.default):
+        return CheckpointPolicy.MUST_RECOMPUTE
+    return CheckpointPolicy.PREFER_SAVE
+
+
+def _gathers_recomputed():
+    """Selective checkpointing contexts under which the functional all-gather (and its wait) are recomputed."""
+    return create_selective_checkpoint_contexts(_recompute_gathers)
+
+
 def enter_token_shard(hidden_states: torch.Tensor, group) -> torch.Tensor:
     """The first layer's input ``[B, S, d]`` (replicated) -> this rank's ``[B, S/p, d]``; backward all-gather."""
     return split_tokens(hidden_states, group)
 
 
-__all__ = ["check_sequence_length", "replicated_on_shard", "reduce_gradients_over_tokens", "TokenShardedRMSNorm", "TokenGatheringRMSNorm", "enter_token_shard"]
+__all__ = ["check_sequence_length", "gathered_linear", "replicated_on_shard", "reduce_gradients_over_tokens", "TokenShardedRMSNorm", "TokenGatheringRMSNorm", "enter_token_shard"]

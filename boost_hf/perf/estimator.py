@@ -37,7 +37,12 @@ Time of one decoder layer, forward (backward in parentheses)::
   :func:`~boost_hf.perf.comm_formula.outside_layers_communication` (the only source of volumes),
   timed as ``latency * calls + ring_traffic_bytes / bandwidth`` with the bandwidth of
   :meth:`~boost_hf.perf.hardware.Hardware.collective_gbps` for ``p`` GPUs. Nothing overlaps with
-  compute.
+  compute but the collectives a layout declares beside GEMMs
+  (:meth:`~boost_hf.parallel.layouts.Layout.backward_overlaps`): megatron with sequence parallelism re-gathers
+  each column group's input in backward beside the group's input-gradient GEMMs (as Megatron-LM), so only
+  ``max(0, t_gather - t_dgrad)`` of it counts. The reduce-scatter of that input gradient, which Megatron-LM
+  (and :func:`~boost_hf.parallel.sequence_parallel.gathered_linear`) runs beside the weight-gradient GEMMs,
+  counts in full, as every other collective does.
 * **Outside the layers**: the LM head GEMM ``(N, d) x (d, V/p)`` and the outside collectives (with
   the vocab-parallel loss), counted on the last pipeline stage.
 * **Pipeline** (``pp > 1``, :mod:`boost_hf.perf.pipeline`): the layers split evenly over ``pp x v``
@@ -447,7 +452,9 @@ def estimate_layout(
     comm = layer_communication(config, parallel, n)
     elementwise_bytes = round(elementwise_elements_per_token(config, parallel) * n * workload.dtype_bytes)
     comm_time = {"tp_comm": _comm_time(comm.forward, workload, hardware)}
-    comm_time_bwd = {"tp_comm": _comm_time(comm.backward, workload, hardware)}
+    hidden = sum(min(_comm_time(overlap.communication, workload, hardware), gemm_time(overlap.gemms))
+                 for overlap in layout_for(config, parallel).backward_overlaps(config, n))
+    comm_time_bwd = {"tp_comm": _comm_time(comm.backward, workload, hardware) - hidden}
 
     def layer_times(crossing: bool) -> tuple[dict[str, float], dict[str, float]]:
         """Forward and backward time of one layer (with or without its LaX crossing)."""

@@ -58,18 +58,19 @@ LAYER_CASES = {
     ),
     # megatron with sequence parallelism: each all-reduce of N d = 640 becomes a reduce-scatter plus an
     # all-gather of N d (forward: gather before qkv and gate_up, scatter after o and down; backward the mirror),
-    # plus the all-reduce of the 2 norm weights' gradients (2 d = 128)
+    # plus, in backward, the re-gather of the qkv and gate_up inputs for their weight gradients (2 N d, as
+    # Megatron-LM keeps only the token shard) and the all-reduce of the 2 norm weights' gradients (2 d = 128)
     "megatron-sp": (
         None, dict(tp_style="megatron", sequence_parallel=True), comm(all_gather=(2, 1280), reduce_scatter=(2, 1280)),
-        comm((2, 128), (2, 1280), (2, 1280)),
+        comm((2, 128), (4, 2560), (2, 1280)),
     ),
     "megatron-sp-ungrouped": (
         None, dict(tp_style="megatron", sequence_parallel=True, group_linears=False),
-        comm(all_gather=(2, 1280), reduce_scatter=(2, 1280)), comm((2, 128), (2, 1280), (2, 1280)),
+        comm(all_gather=(2, 1280), reduce_scatter=(2, 1280)), comm((2, 128), (4, 2560), (2, 1280)),
     ),
     "megatron-sp-full-ckpt": (  # recomputation re-issues the forward's gathers and scatters
         None, dict(tp_style="megatron", sequence_parallel=True, activation_checkpointing="full"),
-        comm(all_gather=(2, 1280), reduce_scatter=(2, 1280)), comm((2, 128), (4, 2560), (4, 2560)),
+        comm(all_gather=(2, 1280), reduce_scatter=(2, 1280)), comm((2, 128), (6, 3840), (4, 2560)),
     ),
     # vanilla: forward N (dq + 2 dkv + d + 2f + d) = 10 * 448; backward grouped N (d + dq + d + f) = 10 * 288,
     # ungrouped N (3d + dq + 2d + f) = 10 * 480
@@ -212,13 +213,15 @@ def test_model_is_layers_plus_outside(p):
 
 def test_sequence_parallel_moves_the_same_ring_bytes_as_the_all_reduces_it_replaces(p):
     """Megatron with sequence parallelism: per layer, a reduce-scatter and an all-gather of N d per former
-    all-reduce of N d (plus the norm weights' gradients, d each): the same ring traffic, d-sized terms aside."""
+    all-reduce of N d (plus the norm weights' gradients, d each): the same ring traffic, d-sized terms aside,
+    and in backward the re-gather of the two column groups' inputs (2 N d), which buys keeping N d / p of each."""
     config = small(None)
     with_sp = layer_communication(config, ParallelConfig(tp_size=p, tp_style="megatron", sequence_parallel=True), N)
     without = layer_communication(config, ParallelConfig(tp_size=p, tp_style="megatron"), N)
     norms = ring_traffic_bytes("all_reduce", 2 * 2 * config.hidden_size, p)
+    regather = ring_traffic_bytes("all_gather", 2 * 2 * N * config.hidden_size, p)
     assert with_sp.forward.ring_traffic_bytes(p) == without.forward.ring_traffic_bytes(p)
-    assert with_sp.backward.ring_traffic_bytes(p) == without.backward.ring_traffic_bytes(p) + norms
+    assert with_sp.backward.ring_traffic_bytes(p) == pytest.approx(without.backward.ring_traffic_bytes(p) + norms + regather)
 
 
 def test_sequence_parallel_configuration_is_validated():

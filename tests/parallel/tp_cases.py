@@ -168,7 +168,8 @@ def all_cases(world_size: int) -> list[dict]:
 
 
 def sequence_parallel_cases() -> list[dict]:
-    """Megatron with sequence parallelism: grouped or not, with and without full checkpointing, with biases;
+    """Megatron with sequence parallelism: grouped or not, with and without full checkpointing, with biases
+    (grouped or not);
     BTP with latent sequence parallelism: svd, cola and LaX (every gate), every exact norm, grouped or not,
     every checkpointing."""
     sp = {"tp_style": "megatron", "sequence_parallel": True}
@@ -179,6 +180,7 @@ def sequence_parallel_cases() -> list[dict]:
     ]
     biases = {"attention_bias": True, "mlp_bias": True}
     cases.append({"model": {"bottleneck": None, **biases}, "parallel": {**sp, "activation_checkpointing": "full"}})
+    cases += [{"model": {"bottleneck": None, **biases}, "parallel": {**sp, "group_linears": g}} for g in (True, False)]
     for bottleneck, rmsnorm, group_linears in (("cola", "online", True), ("svd", "sync", False), ("cola", "sync", True), ("svd", "online", False)):
         for checkpointing in ("none", "full", "lowrank"):
             cases.append({"model": {"bottleneck": bottleneck}, "parallel": {

@@ -1,6 +1,6 @@
 """One :class:`~.base.Layout` per tensor-parallel style; ``LAYOUTS`` is the registry."""
 
-from .base import Gemm, Layout, ProjectionGroup, ResidualWidths, StageBoundary
+from .base import BackwardOverlap, Gemm, Layout, ProjectionGroup, ResidualWidths, StageBoundary
 from .btp import BottleneckAwareLayout
 from .megatron import MegatronLayout
 from .vanilla import VanillaLayout
@@ -11,4 +11,4 @@ LAYOUTS: dict[str, type[Layout]] = {
     BottleneckAwareLayout.name: BottleneckAwareLayout,
 }
 
-__all__ = ["LAYOUTS", "Layout", "ProjectionGroup", "Gemm", "ResidualWidths", "StageBoundary", "MegatronLayout", "VanillaLayout", "BottleneckAwareLayout"]
+__all__ = ["LAYOUTS", "Layout", "BackwardOverlap", "ProjectionGroup", "Gemm", "ResidualWidths", "StageBoundary", "MegatronLayout", "VanillaLayout", "BottleneckAwareLayout"]

@@ -56,6 +56,15 @@ class Gemm(NamedTuple):
         return 2 * self.m * self.k * self.n
 
 
+class BackwardOverlap(NamedTuple):
+    """Collectives of a layer's backward (part of :meth:`Layout.layer_communication`'s) that run beside GEMMs:
+    ``communication``, and the forward ``gemms`` whose input-gradient GEMMs (the same shapes and FLOPs) run
+    meanwhile."""
+
+    communication: Communication
+    gemms: list[Gemm]
+
+
 @dataclass(frozen=True)
 class ResidualWidths:
     """Per-rank widths a layer's element-wise work runs on: residual stream, local q and k widths,
@@ -117,13 +126,17 @@ class ProjectionGroup:
         """Grouping is on and the group has more than one projection (q/k/v, gate/up)."""
         return self.grouped and len(self.names) > 1
 
+    @staticmethod
+    def all_plain(projections: list[nn.Module], cls: type) -> bool:
+        """Every projection is still this layout's ``cls`` with nothing acting before its forward (a forward
+        pre-hook may change its input or gather its weight, e.g. DeepSpeed ZeRO-3), so the group may compute
+        its output for it."""
+        return all(isinstance(projection, cls) and not projection._forward_pre_hooks for projection in projections)
+
     def runs_together(self, projections: list[nn.Module], cls: type) -> bool:
         """Whether the group may run ``projections`` as one GEMM, or hand them one cast of their weights:
-        grouped, and every projection still this layout's ``cls`` with nothing acting before its forward
-        (a forward pre-hook may change its input or gather its weight, e.g. DeepSpeed ZeRO-3)."""
-        return self.several_grouped and all(
-            isinstance(projection, cls) and not projection._forward_pre_hooks for projection in projections
-        )
+        grouped, and every projection plain (:meth:`all_plain`)."""
+        return self.several_grouped and self.all_plain(projections, cls)
 
     def call_projections(self, projections: list[nn.Module], latents, cls: type) -> list[torch.Tensor]:
         """Each low-rank projection called as a module on its latent (B and any trailing collective); when the
@@ -233,6 +246,10 @@ class Layout:
         parallelism)."""
         return NO_COMMUNICATION
 
+    def backward_overlaps(self, config, tokens: int) -> list[BackwardOverlap]:
+        """The backward collectives that run beside input-gradient GEMMs (none by default)."""
+        return []
+
     def recompute_communication(self, config, tokens: int) -> Communication:
         """Collectives re-issued in backward by ``activation_checkpointing``."""
         if self.parallel.activation_checkpointing == "full":
@@ -317,4 +334,4 @@ def low_rank_a_gemms(config, n: int, r_local: int, local: dict[str, int], groupe
     return [Gemm(f"{name}.A", n, local[width], r_local, "A") for name, width in inputs.items()]
 
 
-__all__ = ["Layout", "ProjectionGroup", "StageBoundary", "Gemm", "ResidualWidths", "GROUPS", "READS_NORM", "split_latents", "apply_latent_functions", "low_rank_a_gemms"]
+__all__ = ["Layout", "BackwardOverlap", "ProjectionGroup", "StageBoundary", "Gemm", "ResidualWidths", "GROUPS", "READS_NORM", "split_latents", "apply_latent_functions", "low_rank_a_gemms"]

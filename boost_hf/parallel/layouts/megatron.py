@@ -11,12 +11,17 @@ compute dtype, as in Megatron-LM). With ``sequence_parallel`` (:mod:`~boost_hf.p
 the residual holds ``N/p`` tokens: each group's input copy becomes an all-gather along tokens (backward
 reduce-scatter) and each row-parallel all-reduce a reduce-scatter along tokens (backward all-gather), plus
 the all-reduce of the gradients of the replicated parameters that act on the token shard (2 norm weights,
-row-parallel biases) in backward. With ``group_linears`` (the default), as in Megatron-LM, q/k/v and
-gate/up each run as one GEMM on their weights, which are stored as row blocks of one tensor
-(:mod:`~boost_hf.parallel.shared_storage`) and cast to the compute dtype in one op
+row-parallel biases) in backward. As in Megatron-LM, each column group then keeps only its ``[N/p, d]`` token
+shard for backward and all-gathers it again there for the weight gradients
+(:func:`~boost_hf.parallel.sequence_parallel.gathered_linear`: 2 more backward all-gathers of ``N d``, overlapped
+with the input-gradient GEMMs), instead of keeping the gathered ``[N, d]``. With ``group_linears`` (the
+default), as in Megatron-LM, q/k/v and gate/up each run as one GEMM on their weights, which are stored as row
+blocks of one tensor (:mod:`~boost_hf.parallel.shared_storage`) and cast to the compute dtype in one op
 (:func:`~boost_hf.parallel.fused.stacked_weight`); each projection is still called as a module on its
-columns of the output, so its hooks fire. A projection replaced by another module, or with forward
-pre-hooks (which may change its input or gather its weight), runs its own GEMM instead.
+columns of the output (under sequence parallelism with the token shard as its input, as Megatron-LM's
+column-parallel linear takes it), so its hooks fire. A projection replaced by another module, or with forward
+pre-hooks (which may change its input or gather its weight), runs its own GEMM instead, and the whole group
+with it: under sequence parallelism on the gathered tokens, which autograd then keeps (``N d``, no re-gather).
 """
 
 from __future__ import annotations
@@ -28,8 +33,8 @@ from ..communication import PassCommunication, all_gather, all_reduce, reduce_sc
 from ..fused import stacked_weight
 from ..modules import add_bias, adopt, compute_dtype, shard_parameter, shard_repr
 from ..primitives import copy_to_tp, gather_tokens, reduce_from_tp, reduce_scatter_tokens
-from ..sequence_parallel import replicated_on_shard
-from .base import GROUPS, Gemm, Layout, ProjectionGroup, ResidualWidths
+from ..sequence_parallel import gathered_linear, replicated_on_shard
+from .base import GROUPS, BackwardOverlap, Gemm, Layout, ProjectionGroup, ResidualWidths
 
 COLUMN_GROUPS = ("qkv", "gate_up")
 
@@ -64,9 +69,14 @@ class RowParallel:
 
 
 class DenseGroup(ProjectionGroup):
-    """Column groups cast their shared input to the compute dtype and copy it into the TP region once (with
-    ``tokens_sharded``: all-gather it along tokens, ``[B, S/p, d] -> [B, S, d]``), then (grouped) run one GEMM
-    for all their projections; row groups pass their input on to their one projection."""
+    """``tokens_sharded``: a column group whose input is this rank's token shard (sequence parallelism).
+
+    Column groups cast their shared input to the compute dtype; without sequence parallelism they copy it
+    into the TP region once and (grouped) run one GEMM for all their projections. With ``tokens_sharded`` the
+    input stays this rank's ``[B, S/p, d]`` tokens, and :func:`~boost_hf.parallel.sequence_parallel.gathered_linear`
+    gathers them for the projections' GEMMs (one for the group when grouped, one per projection otherwise) and
+    keeps only the shard for backward; a group with a replaced or pre-hooked projection all-gathers the tokens
+    (``[B, S, d]``) and calls each projection on them. Row groups pass their input on to their one projection."""
 
     def __init__(self, owner, names, *, group, grouped, column: bool, tokens_sharded: bool):
         super().__init__(owner, names, group=group, grouped=grouped)
@@ -75,17 +85,26 @@ class DenseGroup(ProjectionGroup):
     def down(self, x):
         if not self.column:
             return (x,)
-        enter = gather_tokens if self.tokens_sharded else copy_to_tp
-        return (enter(x.to(compute_dtype(x)), self.group),)
+        x = x.to(compute_dtype(x))
+        return (x if self.tokens_sharded else copy_to_tp(x, self.group),)
 
     def project(self, z, previous=None):
         (h,) = z
         projections = self.projections
-        if not self.runs_together(projections, ColumnParallel):
+        gathers = self.tokens_sharded and self.all_plain(projections, ColumnParallel)
+        if self.tokens_sharded and not gathers:
+            h = gather_tokens(h, self.group)
+        if not (gathers or self.runs_together(projections, ColumnParallel)):
             return [projection(h) for projection in projections], {}
-        weight = stacked_weight([projection.weight for projection in projections], compute_dtype(h))
-        fused = F.linear(h, weight).split([projection.weight.shape[0] for projection in projections], dim=-1)
-        return [projection(h, fused=out) for projection, out in zip(projections, fused)], {}
+        dtype = compute_dtype(h)
+        if self.several_grouped:
+            weights = [stacked_weight([projection.weight for projection in projections], dtype)]
+        else:
+            weights = [projection.weight.to(dtype) for projection in projections]
+        outputs = gathered_linear(h, weights, self.group) if gathers else [F.linear(h, w) for w in weights]
+        if self.several_grouped:
+            outputs = outputs[0].split([projection.weight.shape[0] for projection in projections], dim=-1)
+        return [projection(h, fused=out) for projection, out in zip(projections, outputs)], {}
 
 
 class MegatronLayout(Layout):
@@ -117,9 +136,10 @@ class MegatronLayout(Layout):
             adopt(projection, RowParallel, group=plan.group, tokens_sharded=self.parallel.shards_tokens)
 
     def projection_group(self, layer, owner, group_name, plan):
+        column = group_name in COLUMN_GROUPS
         return DenseGroup(
             owner, GROUPS[group_name], group=plan.group, grouped=self.parallel.group_linears,
-            column=group_name in COLUMN_GROUPS, tokens_sharded=self.parallel.shards_tokens,
+            column=column, tokens_sharded=column and self.parallel.shards_tokens,
         )
 
     def layer_communication(self, config, tokens):
@@ -128,13 +148,26 @@ class MegatronLayout(Layout):
             # Row-parallel o_proj and down_proj reduce their outputs; the column-parallel inputs of q/k/v
             # and gate/up reduce their input gradients.
             return PassCommunication(all_reduce(2, n * (d + d)), all_reduce(2, 2 * n * d))
-        # Sequence parallelism: the inputs of q/k/v and gate/up are all-gathered along tokens (backward
-        # reduce-scatter), the outputs of o_proj and down_proj reduce-scattered (backward all-gather); the
-        # gradients of the two block norms' weights and of the row-parallel biases are all-reduced.
+        # Sequence parallelism: the inputs of q/k/v and gate/up are all-gathered along tokens (backward: gathered
+        # again for the weight gradients, and their gradient reduce-scattered), the outputs of o_proj and
+        # down_proj reduce-scattered (backward all-gather); the gradients of the two block norms' weights and of
+        # the row-parallel biases are all-reduced.
         row_biases = int(config.attention_bias) + int(config.mlp_bias)
         forward = all_gather(2, 2 * n * d) + reduce_scatter(2, 2 * n * d)
-        backward = reduce_scatter(2, 2 * n * d) + all_gather(2, 2 * n * d) + all_reduce(2 + row_biases, (2 + row_biases) * d)
+        backward = reduce_scatter(2, 2 * n * d) + all_gather(4, 4 * n * d) + all_reduce(2 + row_biases, (2 + row_biases) * d)
         return PassCommunication(forward, backward)
+
+    def backward_overlaps(self, config, tokens):
+        """Sequence parallelism: each column group's re-gather of its input (``N d``) runs beside the group's
+        input-gradient GEMMs (:func:`~boost_hf.parallel.sequence_parallel.gathered_linear`, as Megatron-LM)."""
+        if not self.parallel.shards_tokens:
+            return []
+        gemms = self.local_gemms(config, tokens)
+        return [
+            BackwardOverlap(all_gather(1, tokens * config.hidden_size),
+                            [g for g in gemms if g.name in (f"{group}_proj", *GROUPS[group])])
+            for group in COLUMN_GROUPS
+        ]
 
     def outside_layers_communication(self, config, tokens):
         n, d = tokens, config.hidden_size
