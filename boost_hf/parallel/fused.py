@@ -341,6 +341,16 @@ def weight_views(weights, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
     return _tag_slots(_WeightViews.apply(dtype, slots, *weights), slots)
 
 
+def _weight_gradient(grad: torch.Tensor, x: torch.Tensor, slot, dtype: torch.dtype) -> torch.Tensor:
+    """``grad^T x`` (``grad: [N, rows]``, ``x: [N, cols]``) written into ``slot`` (``(slots, i)``: the weight's
+    rows of :func:`weight_views`' gradient buffer) when there is one, else a fresh tensor cast to ``dtype``."""
+    if slot is not None:
+        slots, i = slot
+        return torch.mm(grad.t(), x, out=slots.slot(i))
+    grad_weight = torch.mm(grad.t(), x)
+    return grad_weight if grad_weight.dtype == dtype else grad_weight.to(dtype)
+
+
 class _LatentLinear(torch.autograd.Function):
     """``latent [..., r] @ weight.T`` in the compute dtype; backward writes the latent's and the weight's
     gradients into their gradient slots (see :func:`split_latent`, :func:`weight_views`) when they have them."""
@@ -372,13 +382,8 @@ class _LatentLinear(torch.autograd.Function):
                 else:
                     grad_latent = torch.mm(g2, w).view(*grad.shape[:-1], w.shape[1])
             if ctx.needs_input_grad[1]:
-                x2 = x.reshape(-1, x.shape[-1])
-                if weight_slot is not None and ctx.weight_dtype == w.dtype:
-                    slots, i = weight_slot
-                    grad_weight = torch.mm(g2.t(), x2, out=slots.slot(i))
-                else:
-                    grad_weight = torch.mm(g2.t(), x2)
-                    grad_weight = grad_weight if grad_weight.dtype == ctx.weight_dtype else grad_weight.to(ctx.weight_dtype)
+                slot = weight_slot if ctx.weight_dtype == w.dtype else None
+                grad_weight = _weight_gradient(g2, x.reshape(-1, x.shape[-1]), slot, ctx.weight_dtype)
         return grad_latent, grad_weight, None, None
 
 
@@ -389,6 +394,81 @@ def latent_linear(latent: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return _LatentLinear.apply(latent, weight, getattr(latent, "_gradient_slot", None), getattr(weight, "_gradient_slot", None))
 
 
+def column_outputs(x: torch.Tensor, weights, lead, grouped: bool) -> tuple[torch.Tensor, ...]:
+    """``x [N, d] @ W_i^T`` as ``[*lead, w_i]`` for each ``W_i: [w_i, d]`` (``x``'s dtype, no autograd).
+    ``grouped``: one GEMM on ``[W_1; ...; W_k]`` (a view when the weights are consecutive rows of one tensor, as
+    :func:`weight_views` gives them) and its output's column blocks (views); else one GEMM per weight, each
+    into a fresh tensor."""
+    if grouped:
+        stacked = _stack(weights, weights[0].dtype)
+        out = x.new_empty((*lead, stacked.shape[0]))
+        torch.mm(x, stacked.t(), out=out.view(-1, stacked.shape[0]))
+        return tuple(out.split([w.shape[0] for w in weights], dim=-1))
+    outputs = tuple(x.new_empty((*lead, w.shape[0])) for w in weights)
+    for w, out in zip(weights, outputs):
+        torch.mm(x, w.t(), out=out.view(-1, w.shape[0]))
+    return outputs
+
+
+def column_input_gradient(grads, weights) -> torch.Tensor:
+    """``sum_i g_i W_i`` (``g_i: [N, w_i]``, ``W_i: [w_i, d]``) -> ``[N, d]``: one GEMM, then each further block
+    accumulated into it by ``addmm_`` (no ``[N, sum w_i]`` concatenation of the ``g_i``)."""
+    grad_x = torch.mm(grads[0], weights[0])
+    for grad, weight in zip(grads[1:], weights[1:]):
+        grad_x.addmm_(grad, weight)
+    return grad_x
+
+
+def column_weight_gradients(grads, x, slots, needed) -> list[torch.Tensor | None]:
+    """``g_i^T x`` (``[w_i, d]``) for each needed weight, into its rows of :func:`weight_views`' gradient buffer
+    where ``slots[i]`` is its slot, else fresh (``g_i``'s dtype)."""
+    return [_weight_gradient(grad, x, slot, grad.dtype) if need else None for grad, slot, need in zip(grads, slots, needed)]
+
+
+class _ColumnLinear(torch.autograd.Function):
+    """``(x, grouped, slots, *weights) -> outputs``; see :func:`column_linear`."""
+
+    @staticmethod
+    def forward(ctx, x, grouped, slots, *weights):
+        with torch.autocast(x.device.type, enabled=False):
+            outputs = column_outputs(x.reshape(-1, x.shape[-1]), weights, x.shape[:-1], grouped)
+        ctx.save_for_backward(x, *weights)
+        ctx.slots = slots
+        return outputs
+
+    @staticmethod
+    def backward(ctx, *grads):
+        x, *weights = ctx.saved_tensors
+        grads = [grad.reshape(-1, grad.shape[-1]) for grad in grads]
+        grad_x = None
+        with torch.autocast(x.device.type, enabled=False):
+            if ctx.needs_input_grad[0]:
+                grad_x = column_input_gradient(grads, weights).view(x.shape)
+            grad_weights = column_weight_gradients(grads, x.reshape(-1, x.shape[-1]), ctx.slots, ctx.needs_input_grad[3:])
+        return grad_x, None, None, *grad_weights
+
+
+def column_slots(weights) -> list:
+    """Each weight's gradient slot (``None`` where it has none; see :func:`weight_views`)."""
+    return [getattr(w, "_gradient_slot", None) for w in weights]
+
+
+def column_linear(x: torch.Tensor, weights, *, grouped: bool = False) -> tuple[torch.Tensor, ...]:
+    """Column-parallel GEMMs sharing one input: ``x [..., d] @ W_i^T -> [..., w_i]`` for each ``W_i: [w_i, d]``
+    (``x`` and the weights in the compute dtype). ``grouped``: one GEMM on the stacked weights (pass
+    :func:`weight_views`), the outputs its column blocks. Backward never concatenates the outputs' gradients:
+    the input gradient is ``sum_i g_i W_i`` (:func:`column_input_gradient`), each weight gradient ``g_i^T x``
+    is written into its rows of :func:`weight_views`' buffer, which is cast back in one op. Under
+    ``torch.compile``: ``F.linear`` on the concatenated weights and ``split`` (plain ops; inductor fuses)."""
+    weights = tuple(weights)
+    if torch.compiler.is_compiling():
+        if grouped:
+            return torch.nn.functional.linear(x, torch.cat(weights)).split([w.shape[0] for w in weights], dim=-1)
+        return tuple(torch.nn.functional.linear(x, w) for w in weights)
+    return _ColumnLinear.apply(x, grouped, column_slots(weights), *weights)
+
+
 __all__ = [
     "STATISTICS_WIDTH", "down_projection", "scale_latents", "split_latent", "stacked_weight", "weight_views", "latent_linear",
+    "column_linear", "column_outputs", "column_input_gradient", "column_weight_gradients", "column_slots",
 ]

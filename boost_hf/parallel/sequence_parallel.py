@@ -27,10 +27,10 @@ from __future__ import annotations
 from functools import partial
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from .fused import column_input_gradient, column_linear, column_outputs, column_slots, column_weight_gradients
 from .modules import shard_parameter
 from .norms import FusedRMSNorm
 from .primitives import (
@@ -89,29 +89,22 @@ def reduce_gradients_over_tokens(module: nn.Module, names: list[str], plan) -> N
         param.register_hook(partial(all_reduce_gradient, group=plan.group))
 
 
-def _gemm_into(full: torch.Tensor, weight: torch.Tensor, batch: int) -> torch.Tensor:
-    """``full [N, d] @ weight^T`` as a fresh ``[batch, N / batch, w]`` tensor (no view of a local)."""
-    out = full.new_empty((batch, full.shape[0] // batch, weight.shape[0]))
-    torch.mm(full, weight.t(), out=out.view(-1, weight.shape[0]))
-    return out
-
-
 class _GatheredLinear(torch.autograd.Function):
-    """``(x, group, *weights) -> outputs``; see :func:`gathered_linear`."""
+    """``(x, group, grouped, slots, *weights) -> outputs``; see :func:`gathered_linear`."""
 
     @staticmethod
-    def forward(ctx, x, group, *weights):
+    def forward(ctx, x, group, grouped, slots, *weights):
         with torch.autocast(x.device.type, enabled=False):
             full = start_all_gather_rows(token_rows(x), group)()
-            outputs = tuple(_gemm_into(full, weight, x.shape[0]) for weight in weights)
+            outputs = column_outputs(full, weights, (x.shape[0], full.shape[0] // x.shape[0]), grouped)
         ctx.save_for_backward(x, *weights)  # the token shard, not the gathered tokens
-        ctx.group = group
+        ctx.group, ctx.slots = group, slots
         return outputs
 
     @staticmethod
     def backward(ctx, *grads):
         x, *weights = ctx.saved_tensors
-        needs_x, needs_weights = ctx.needs_input_grad[0], ctx.needs_input_grad[2:]
+        needs_x, needs_weights = ctx.needs_input_grad[0], ctx.needs_input_grad[4:]
         grads = [token_rows(grad) for grad in grads]  # [N, w_i]
         grad_x, grad_weights = None, [None] * len(weights)
         with torch.autocast(x.device.type, enabled=False):
@@ -119,40 +112,40 @@ class _GatheredLinear(torch.autograd.Function):
             # while the weight-gradient GEMMs run
             gathering = start_all_gather_rows(token_rows(x), ctx.group) if any(needs_weights) else None
             if needs_x:
-                grad_full = torch.mm(grads[0], weights[0])
-                for grad, weight in zip(grads[1:], weights[1:]):
-                    grad_full.addmm_(grad, weight)
-                scattering = start_reduce_scatter_rows(grad_full, ctx.group)
+                scattering = start_reduce_scatter_rows(column_input_gradient(grads, weights), ctx.group)
             if gathering is not None:
-                full = gathering()
-                grad_weights = [torch.mm(grad.t(), full) if needed else None for grad, needed in zip(grads, needs_weights)]
+                grad_weights = column_weight_gradients(grads, gathering(), ctx.slots, needs_weights)
             if needs_x:
                 grad_x = as_tokens(scattering(), x.shape[0])
-        return grad_x, None, *grad_weights
+        return grad_x, None, None, None, *grad_weights
 
 
-def gathered_linear(x: torch.Tensor, weights, group) -> tuple[torch.Tensor, ...]:
+def gathered_linear(x: torch.Tensor, weights, group, *, grouped: bool = False) -> tuple[torch.Tensor, ...]:
     """Column-parallel GEMMs on the gathered tokens that keep only this rank's token shard for backward
     (Megatron-LM's column-parallel linear under sequence parallelism).
 
     ``x``: this rank's tokens ``[B, S/p, d]`` in the compute dtype; ``weights``: ``[w_i, d]`` each (this rank's
-    columns, in the compute dtype: one stacked weight for a grouped GEMM, or one per projection). Returns
-    ``[B, S, w_i]`` for each weight, ``x_full @ W_i^T``. Forward: all-gather of the token shards (``N d``
-    elements), one GEMM per weight; saved: ``x`` (``N d / p``) and the weights. Backward: all-gather of ``x``
-    again (``N d``) for the weight gradients, started before the input-gradient GEMMs (``sum_i g_i W_i``,
-    ``[N, d]``) and awaited after them; the input gradient reduce-scattered over tokens (``N d``), started before
-    the weight-gradient GEMMs (``g_i^T x_full``) and awaited after them. In eager the collectives are
-    asynchronous (gloo and NCCL run them beside the GEMMs); under ``torch.compile`` they are the functional
-    collectives, and the same pattern is written as plain ops: :func:`~boost_hf.parallel.primitives.gather_tokens`
+    columns, in the compute dtype; ``grouped``: the group's :func:`~boost_hf.parallel.fused.weight_views`, run as
+    one GEMM whose output's column blocks are returned). Returns ``[B, S, w_i]`` for each weight,
+    ``x_full @ W_i^T``. Forward: all-gather of the token shards (``N d`` elements), the GEMM(s); saved: ``x``
+    (``N d / p``) and the weights. Backward: all-gather of ``x`` again (``N d``) for the weight gradients,
+    started before the input-gradient GEMMs (``sum_i g_i W_i``, ``[N, d]``) and awaited after them; the input
+    gradient reduce-scattered over tokens (``N d``), started before the weight-gradient GEMMs (``g_i^T x_full``,
+    written into the rows of the stacked weights' gradient buffer when grouped) and awaited after them: the
+    outputs' gradients are never concatenated (:func:`~boost_hf.parallel.fused.column_linear`). In eager the
+    collectives are asynchronous (gloo and NCCL run them beside the GEMMs); under ``torch.compile`` they are the
+    functional collectives, and the same pattern is written as plain ops: :func:`~boost_hf.parallel.primitives.gather_tokens`
     under selective activation checkpointing that makes the partitioner recompute the gather in backward (which
-    it would otherwise keep); inductor schedules the collectives. Without a gradient for any weight (frozen)
-    nothing is re-gathered (eager). With a group of size 1: ``x @ W_i^T``, nothing communicated."""
+    it would otherwise keep), then :func:`~boost_hf.parallel.fused.column_linear`; inductor schedules the
+    collectives. Without a gradient for any weight (frozen) nothing is re-gathered (eager). With a group of size
+    1: :func:`~boost_hf.parallel.fused.column_linear` on ``x``, nothing communicated."""
+    weights = tuple(weights)
     if group_size(group) == 1:
-        return tuple(F.linear(x, weight) for weight in weights)
+        return column_linear(x, weights, grouped=grouped)
     if torch.compiler.is_compiling():
         full = checkpoint(gather_tokens, x, group, use_reentrant=False, context_fn=_gathers_recomputed)
-        return tuple(F.linear(full, weight) for weight in weights)
-    return _GatheredLinear.apply(x, group, *weights)
+        return column_linear(full, weights, grouped=grouped)
+    return _GatheredLinear.apply(x, group, grouped, column_slots(weights), *weights)
 
 
 def _recompute_gathers(ctx, op, *args, **kwargs) -> CheckpointPolicy:

@@ -9,6 +9,7 @@ from boost_hf.parallel.fused import (
     STATISTICS_WIDTH,
     _down_reference,
     _scale_reference,
+    column_linear,
     down_projection,
     latent_linear,
     scale_latents,
@@ -17,6 +18,7 @@ from boost_hf.parallel.fused import (
     weight_views,
 )
 from boost_hf.parallel.shared_storage import joined_rows, share_storage
+from boost_hf.perf.op_counter import OpCounter
 
 HIDDEN, EPS = 16, 1e-6
 
@@ -194,3 +196,37 @@ def test_split_latent_slice_without_gradient_gets_zeros():
     (latent_linear(parts[0], weights[0]).sum() + (parts[2] * 2).sum()).backward()  # parts[1] unused
     expected = torch.cat([torch.ones(2, 3, 5) @ weights[0], torch.zeros(2, 3, 4), torch.full((2, 3, 4), 2.0)], dim=-1)
     torch.testing.assert_close(latent.grad, expected)
+
+
+@pytest.mark.parametrize("grouped", [True, False])
+@pytest.mark.parametrize("together", [True, False])
+def test_column_linear_gradients_are_exact(grouped, together):
+    """q/k/v-style GEMMs sharing one input, on the group's weight views: exact, grouped or not, stored together or apart."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 4, dtype=torch.float64, requires_grad=True)
+    weights = _stored(rows=(5, 3, 3), together=together)
+
+    def outputs(x, *weights):
+        views = weight_views(weights, torch.float64) if grouped else weights
+        return tuple(out * 1.0 for out in column_linear(x, views, grouped=grouped))
+
+    assert torch.autograd.gradcheck(outputs, (x, *weights))
+
+
+def test_grouped_column_linear_runs_one_gemm_and_never_concatenates_the_output_gradients():
+    x = torch.randn(2, 3, 4, requires_grad=True)
+    weights = _stored(rows=(5, 3, 3), dtype=torch.float32)
+    outputs = column_linear(x, weight_views(weights, torch.float32), grouped=True)
+    assert [o.shape for o in outputs] == [(2, 3, 5), (2, 3, 3), (2, 3, 3)]
+    assert outputs[0]._base is not None and all(o._base is outputs[0]._base for o in outputs)  # one GEMM's column blocks
+    for out, w in zip(outputs, weights):
+        torch.testing.assert_close(out, x @ w.t())
+    loss = sum((out * (i + 2)).sum() for i, out in enumerate(outputs))
+    with OpCounter() as backward:
+        loss.backward()
+    assert backward.ops_by_op["cat"] == 0, backward.ops_by_op
+    assert joined_rows([w.grad for w in weights]) is not None  # written into the rows of one buffer
+    for i, w in enumerate(weights):
+        torch.testing.assert_close(w.grad, (i + 2) * torch.ones(6, w.shape[0]).t() @ x.detach().reshape(6, 4))
+    expected = sum((i + 2) * torch.ones(2, 3, w.shape[0]) @ w.detach() for i, w in enumerate(weights))
+    torch.testing.assert_close(x.grad, expected)

@@ -8,6 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from boost_hf.parallel.shared_storage import joined_rows
+from boost_hf.perf.op_counter import OpCounter
 from boost_hf.perf.rank_cost import fake_process_group
 from tests.distributed import launch
 from tests.parallel import sequence_parallel_cases
@@ -23,26 +25,38 @@ def _saved_shapes(fn, x, weights) -> list[tuple[int, ...]]:
     return shapes
 
 
+@pytest.mark.parametrize("grouped", [False, True], ids=["ungrouped", "grouped"])
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-def test_gathered_linear_keeps_the_token_shard_not_the_gathered_tokens(compiled):
+def test_gathered_linear_keeps_the_token_shard_not_the_gathered_tokens(compiled, grouped):
     import torch.distributed as dist
 
+    from boost_hf.parallel.fused import weight_views
     from boost_hf.parallel.sequence_parallel import gathered_linear
+    from boost_hf.parallel.shared_storage import share_storage
 
     p, batch, shard, d = 4, 2, 8, 40  # every saved candidate has its own size
     with fake_process_group(p):
         group = dist.new_group(list(range(p)))
-        weights = [torch.randn(24, d, requires_grad=True), torch.randn(56, d, requires_grad=True)]
+        weights = [torch.nn.Parameter(torch.randn(24, d)), torch.nn.Parameter(torch.randn(56, d))]
+        share_storage(weights)
         x = torch.randn(batch, shard, d, requires_grad=True)
 
         def fn(x, weights):
-            return [out.sin() for out in gathered_linear(x, weights, group)]  # sin keeps each output
+            if grouped:  # one GEMM on the stacked weights
+                weights = weight_views(weights, torch.float32)
+            return [out.sin() for out in gathered_linear(x, weights, group, grouped=grouped)]  # sin keeps each output
 
         if compiled:
             torch._dynamo.reset()
             fn = torch.compile(fn, fullgraph=True)
         shapes = _saved_shapes(fn, x, weights)
         assert x.grad.shape == x.shape and [w.grad.shape for w in weights] == [w.shape for w in weights]
+        if grouped and not compiled:  # backward concatenates neither the outputs' gradients nor the weights' gradients
+            assert joined_rows([w.grad for w in weights]) is not None
+            loss = sum(out.sum() for out in fn(x, weights))
+            with OpCounter() as backward:
+                loss.backward()
+            assert backward.ops_by_op["cat"] == 0, backward.ops_by_op
     assert all(torch.Size(s).numel() != batch * shard * p * d for s in shapes), shapes  # no [N, d] gathered input
     assert {(batch, shard, d), (batch * shard, d)} & set(shapes), shapes  # the [N/p, d] shard
 

@@ -17,11 +17,14 @@ shard for backward and all-gathers it again there for the weight gradients
 with the input-gradient GEMMs), instead of keeping the gathered ``[N, d]``. With ``group_linears`` (the
 default), as in Megatron-LM, q/k/v and gate/up each run as one GEMM on their weights, which are stored as row
 blocks of one tensor (:mod:`~boost_hf.parallel.shared_storage`) and cast to the compute dtype in one op
-(:func:`~boost_hf.parallel.fused.stacked_weight`); each projection is still called as a module on its
+(:func:`~boost_hf.parallel.fused.weight_views`); each projection is still called as a module on its
 columns of the output (under sequence parallelism with the token shard as its input, as Megatron-LM's
 column-parallel linear takes it), so its hooks fire. A projection replaced by another module, or with forward
 pre-hooks (which may change its input or gather its weight), runs its own GEMM instead, and the whole group
 with it: under sequence parallelism on the gathered tokens, which autograd then keeps (``N d``, no re-gather).
+In backward the group never concatenates its outputs' gradients (``[N, sum w_i]``): its input gradient is
+``sum_i g_i W_i`` accumulated in one buffer and each weight gradient ``g_i^T x`` is written into its rows of the
+stacked weights' gradient buffer (:func:`~boost_hf.parallel.fused.column_linear`), cast back in one op.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from ..communication import PassCommunication, all_gather, all_reduce, reduce_scatter
-from ..fused import stacked_weight
+from ..fused import column_linear, weight_views
 from ..modules import add_bias, adopt, compute_dtype, shard_parameter, shard_repr
 from ..primitives import copy_to_tp, gather_tokens, reduce_from_tp, reduce_scatter_tokens
 from ..sequence_parallel import gathered_linear, replicated_on_shard
@@ -72,7 +75,8 @@ class DenseGroup(ProjectionGroup):
     """``tokens_sharded``: a column group whose input is this rank's token shard (sequence parallelism).
 
     Column groups cast their shared input to the compute dtype; without sequence parallelism they copy it
-    into the TP region once and (grouped) run one GEMM for all their projections. With ``tokens_sharded`` the
+    into the TP region once and (grouped) run one GEMM for all their projections
+    (:func:`~boost_hf.parallel.fused.column_linear`). With ``tokens_sharded`` the
     input stays this rank's ``[B, S/p, d]`` tokens, and :func:`~boost_hf.parallel.sequence_parallel.gathered_linear`
     gathers them for the projections' GEMMs (one for the group when grouped, one per projection otherwise) and
     keeps only the shard for backward; a group with a replaced or pre-hooked projection all-gathers the tokens
@@ -96,14 +100,15 @@ class DenseGroup(ProjectionGroup):
             h = gather_tokens(h, self.group)
         if not (gathers or self.runs_together(projections, ColumnParallel)):
             return [projection(h) for projection in projections], {}
-        dtype = compute_dtype(h)
-        if self.several_grouped:
-            weights = [stacked_weight([projection.weight for projection in projections], dtype)]
+        dtype, grouped = compute_dtype(h), self.several_grouped
+        if grouped:
+            weights = weight_views([projection.weight for projection in projections], dtype)
         else:
             weights = [projection.weight.to(dtype) for projection in projections]
-        outputs = gathered_linear(h, weights, self.group) if gathers else [F.linear(h, w) for w in weights]
-        if self.several_grouped:
-            outputs = outputs[0].split([projection.weight.shape[0] for projection in projections], dim=-1)
+        if gathers:
+            outputs = gathered_linear(h, weights, self.group, grouped=grouped)
+        else:
+            outputs = column_linear(h, weights, grouped=grouped)
         return [projection(h, fused=out) for projection, out in zip(projections, outputs)], {}
 
 
