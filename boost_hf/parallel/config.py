@@ -101,10 +101,13 @@ class ParallelConfig:
         if self.pp_schedule in ZERO_BUBBLE_SCHEDULES:
             raise ValueError(
                 f"pp_schedule={self.pp_schedule!r} is not supported: zero-bubble schedules split each backward into an "
-                "input part and a later weight part, and PyTorch's engine detaches the stage's intermediate tensors in "
-                "place between the two, which the saved tensors of boost-hf's layers do not survive (seen at PP2 x TP2 "
-                "with LaX: 'Trying to use a saved tensor that has been detached in-place'). Use "
-                "pp_schedule='interleaved-1f1b' (a smaller bubble than '1f1b' with 2 stages per rank)."
+                "input part (torch.autograd.grad to the stage's inputs, after which the engine detaches the stage's "
+                "outputs in place) and a later weight part, and boost-hf does not follow that split yet: activation "
+                "checkpointing recomputes through re-entrant torch.utils.checkpoint, which refuses autograd.grad; the weight "
+                "part assigns .grad itself, past DDP's hooks, so at dp > 1 DDP does not average them (wrong gradients); "
+                "LaX's shared latents leave a stage as a view, which cannot be detached in place; and 'zbv' needs a "
+                "V-shaped stage placement that the pipeline does not lay out. Use pp_schedule='interleaved-1f1b' (a "
+                "smaller bubble than '1f1b' with 2 stages per rank)."
             )
         if self.pp_layer_split is not None:
             split = tuple(self.pp_layer_split)

@@ -90,7 +90,7 @@ def test_bad_configurations_raise_clear_errors_on_every_rank(reports):
         "too_few_microbatches": "pp_microbatches >= 2",
         "tied": "tie_word_embeddings=False",
         "unknown_schedule": "Unknown pp_schedule",
-        "zero_bubble": "detached in-place",
+        "zero_bubble": "re-entrant torch.utils.checkpoint",
         "microbatches_not_dividing_batch": "multiple of 3",
     }
     for r in reports:

@@ -5,11 +5,15 @@ single-process reference they are compared with (``test_pipeline_training.py`` l
     accelerate launch --config_file accelerate_configs/cpu-4proc.yaml tests/training/pipeline_cases.py pipelines OUT RECIPE.yaml [ARGS]
 
 ``single`` trains ``OUT/single`` and evaluates ``OUT/single/final`` with ``compute_metrics``
-(``OUT/metrics-single.json``). ``pipelines`` trains ``pp2-tp2`` (checkpoint at step 3), ``pp2-tp2-resumed`` (from
-it), ``pp2-dp2-interleaved`` (interleaved 1F1B, 2 stages per rank), ``pp2-tp2-compiled`` (``--torch_compile``) and
+(``OUT/metrics-single.json``); it also trains ``OUT/single-<model>`` for each of :data:`OTHER_MODELS` (LaX, and the
+full-rank model, which runs under the megatron layout at tp > 1) and evaluates it the same way
+(``OUT/metrics-single-<model>.json``). ``pipelines`` trains ``pp2-tp2`` (checkpoint at step 3), ``pp2-tp2-resumed``
+(from it), ``pp2-dp2-interleaved`` (interleaved 1F1B, 2 stages per rank), ``pp2-tp2-compiled`` (``--torch_compile``),
+``pp2-dp2-interleaved-compiled`` (``--torch_compile`` with the interleaved schedule and DDP over DP) and
 ``pp2-tp2-sp`` (``--sequence_parallel``: latent sequence parallelism, no end-of-training sample),
 then evaluates ``OUT/single/final`` with the same ``compute_metrics`` at pp 2 x tp 2 and at pp 2 x dp 2 interleaved
-(``OUT/metrics-pp2-tp2.json``, ``OUT/metrics-pp2-dp2-interleaved.json``: every rank's metrics).
+(``OUT/metrics-pp2-tp2.json``, ``OUT/metrics-pp2-dp2-interleaved.json``: every rank's metrics), and each
+``OUT/single-<model>/final`` at pp 2 x tp 2 (``OUT/metrics-pp2-tp2-<model>.json``).
 
 Every run writes ``<run>/p2p.json``: per rank, the bytes of the tensors its pipeline stages handed to the engine's
 sends in each training step (counted in ``PipelineStage.get_fwd_send_ops`` / ``get_bwd_send_ops``), the
@@ -37,6 +41,9 @@ PIPELINE = ["--pp_size", "2", "--pp_microbatches", "2"]
 PP_TP = [*PIPELINE, "--tp_size", "2", "--per_device_train_batch_size", "8"]
 PP_DP_INTERLEAVED = [*PIPELINE, "--tp_size", "1", "--pp_schedule", "interleaved-1f1b", "--pp_microbatches", "4",
                      "--per_device_train_batch_size", "4"]  # global batch 4 x dp 2 = 8
+# compute_metrics under PP also for LaX (btp: latents cross the stage boundary, a 1/tp share each) and for the
+# full-rank model (the megatron layout: replicated residual, vocab-parallel head); trained briefly in one process
+OTHER_MODELS = {"lax": ["--preset", "lax-60m"], "full-rank": ["--preset", "llama-60m"]}
 
 SENT: list[int] = []  # per training step of the current run: bytes handed to the engine's sends
 LOGGED: list[float] = []  # per log of the current run: comm_p2p_bytes_per_step
@@ -132,15 +139,23 @@ def main(mode: str, out: str, *common: str) -> None:
         single = [*common, "--tp_size", "1", "--per_device_train_batch_size", "8"]
         train([*single, "--output_dir", str(out / "single")])
         evaluate_with_metrics([*single, *trained, "--output_dir", str(out / "metrics-single")], out / "metrics-single.json")
+        for model, flags in OTHER_MODELS.items():
+            train([*single, *flags, "--eval_strategy", "no", "--sample_max_new_tokens", "0", "--output_dir", str(out / f"single-{model}")])
+            evaluate_with_metrics([*single, *flags, "--init_from", str(out / f"single-{model}" / "final"), "--output_dir",
+                                   str(out / f"metrics-single-{model}")], out / f"metrics-single-{model}.json")
         return
     train([*common, *PP_TP, "--output_dir", str(out / "pp2-tp2"), "--save_strategy", "steps", "--save_steps", "3"])
     train([*common, *PP_TP, "--output_dir", str(out / "pp2-tp2-resumed"), "--resume_from_checkpoint", str(out / "pp2-tp2" / "checkpoint-3")])
     train([*common, *PP_DP_INTERLEAVED, "--output_dir", str(out / "pp2-dp2-interleaved")])
     train([*common, *PP_TP, "--output_dir", str(out / "pp2-tp2-compiled"), "--torch_compile", "true"])
+    train([*common, *PP_DP_INTERLEAVED, "--output_dir", str(out / "pp2-dp2-interleaved-compiled"), "--torch_compile", "true"])
     train([*common, *PP_TP, "--output_dir", str(out / "pp2-tp2-sp"), "--sequence_parallel", "true", "--sample_max_new_tokens", "0"])
     evaluate_with_metrics([*common, *PP_TP, *trained, "--output_dir", str(out / "metrics-pp2-tp2")], out / "metrics-pp2-tp2.json")
     evaluate_with_metrics([*common, *PP_DP_INTERLEAVED, *trained, "--output_dir", str(out / "metrics-pp2-dp2-interleaved")],
                           out / "metrics-pp2-dp2-interleaved.json")
+    for model, flags in OTHER_MODELS.items():
+        evaluate_with_metrics([*common, *PP_TP, *flags, "--init_from", str(out / f"single-{model}" / "final"), "--output_dir",
+                               str(out / f"metrics-pp2-tp2-{model}")], out / f"metrics-pp2-tp2-{model}.json")
 
 
 if __name__ == "__main__":

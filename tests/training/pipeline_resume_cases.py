@@ -14,9 +14,12 @@ loading the checkpoint (its ZeRO-1 share only under ``--zero1_optimizer``) and t
   ``tp2-dp2-from-pp2`` (``pp2-tp2/checkpoint-3`` at pp 1 x tp 2 x dp 2); ``pp2-dp2-interleaved-from-pp2`` (the same at
   pp 2 x dp 2, interleaved 1F1B: 2 stages per rank, other layers per pipeline rank); ``pp2-dp2`` (1F1B, no ZeRO-1);
   ``pp2-dp2-zero1`` (the same with ``--zero1_optimizer``, checkpoint at 3); ``pp2-dp2-zero1-resumed`` (its checkpoint
-  at the same layout); ``dp4-zero1-from-zero1`` (its checkpoint at pp 1 x tp 1 x dp 4, ZeRO-1 over 4 ranks).
-* ``one``: ``single-from-pp2`` (``pp2-tp2/checkpoint-3`` in one process) and ``single-from-zero1``
-  (``pp2-dp2-zero1/checkpoint-3`` in one process, without ZeRO-1).
+  at the same layout); ``dp4-zero1-from-zero1`` (its checkpoint at pp 1 x tp 1 x dp 4, ZeRO-1 over 4 ranks);
+  ``tp2-dp2-zero1`` (``--zero1_optimizer`` at pp 1 x tp 2 x dp 2: each TP rank's shards over its DP group, checkpoint
+  at 3) and ``tp2-dp2-zero1-resumed`` (its checkpoint at the same layout).
+* ``one``: ``single-from-pp2`` (``pp2-tp2/checkpoint-3`` in one process), ``single-from-zero1``
+  (``pp2-dp2-zero1/checkpoint-3`` in one process, without ZeRO-1) and ``single-from-tp2-zero1`` (the same from
+  ``tp2-dp2-zero1/checkpoint-3``).
 """
 
 from __future__ import annotations
@@ -77,12 +80,14 @@ def main(mode: str, out: str, *common: str) -> None:
     elif mode == "one":
         train(out, "single-from-pp2", common, *single, resume="pp2-tp2")
         train(out, "single-from-zero1", common, *single, resume="pp2-dp2-zero1")
+        train(out, "single-from-tp2-zero1", common, *single, resume="tp2-dp2-zero1")
     elif mode == "four":
         pp2_tp2 = ["--pp_size", "2", "--tp_size", "2", "--pp_microbatches", "2", "--per_device_train_batch_size", "8"]
         pp2_dp2 = ["--pp_size", "2", "--tp_size", "1", "--pp_microbatches", "2", "--per_device_train_batch_size", "4"]
+        tp2_dp2 = ["--tp_size", "2", "--per_device_train_batch_size", "4"]
         train(out, "pp2-tp2", common, *pp2_tp2, save=True)
         train(out, "pp2-tp2-from-single", common, *pp2_tp2, resume="single")
-        train(out, "tp2-dp2-from-pp2", common, "--tp_size", "2", "--per_device_train_batch_size", "4", resume="pp2-tp2")
+        train(out, "tp2-dp2-from-pp2", common, *tp2_dp2, resume="pp2-tp2")
         train(out, "pp2-dp2-interleaved-from-pp2", common, "--pp_size", "2", "--tp_size", "1", "--pp_schedule", "interleaved-1f1b",
               "--pp_microbatches", "4", "--per_device_train_batch_size", "4", resume="pp2-tp2")
         train(out, "pp2-dp2", common, *pp2_dp2)
@@ -90,6 +95,8 @@ def main(mode: str, out: str, *common: str) -> None:
         train(out, "pp2-dp2-zero1-resumed", common, *pp2_dp2, "--zero1_optimizer", "true", resume="pp2-dp2-zero1")
         train(out, "dp4-zero1-from-zero1", common, "--tp_size", "1", "--per_device_train_batch_size", "2", "--zero1_optimizer", "true",
               resume="pp2-dp2-zero1")
+        train(out, "tp2-dp2-zero1", common, *tp2_dp2, "--zero1_optimizer", "true", save=True)
+        train(out, "tp2-dp2-zero1-resumed", common, *tp2_dp2, "--zero1_optimizer", "true", resume="tp2-dp2-zero1")
     else:
         raise ValueError(f"unknown mode {mode!r}")
 

@@ -6,7 +6,8 @@ the optimizer state each rank holds right after loading is bit-identical to its 
 reassembled from the checkpoint's files (pp 2 x tp 2 -> one process, -> pp 1 x tp 2 x dp 2, -> pp 2 x dp 2
 interleaved; one process -> pp 2 x tp 2). ``--zero1_optimizer`` at pp 2 x dp 2 matches one process and the same
 run without it; its checkpoint (consolidated) resumes at its layout and at pp 1 x dp 4 with ZeRO-1, and in one
-process without.
+process without; the same at pp 1 x tp 2 x dp 2 (each TP rank's optimizer sharded over its DP group), resumed at its
+layout and in one process.
 Runs: :mod:`tests.training.pipeline_resume_cases`, three launches (about 3-4 minutes on 2 cores). In one process:
 the resharding across pipeline ranks, the layout checks and the refusals (``--zero1_optimizer`` with DeepSpeed, LORO
 or a given optimizer); at dp 1 ``--zero1_optimizer`` is the plain optimizer.
@@ -42,7 +43,10 @@ RESUMED = {  # resumed run -> the run whose checkpoint-3 it resumed
     "pp2-dp2-zero1-resumed": "pp2-dp2-zero1",
     "dp4-zero1-from-zero1": "pp2-dp2-zero1",
     "single-from-zero1": "pp2-dp2-zero1",
+    "tp2-dp2-zero1-resumed": "tp2-dp2-zero1",
+    "single-from-tp2-zero1": "tp2-dp2-zero1",
 }
+ZERO1_TP_SIZE = {"pp2-dp2-zero1": 1, "dp4-zero1": 1, "tp2-dp2-zero1": 2}  # ZeRO-1 runs (as resumed) -> their tp_size
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +70,7 @@ def assert_close(actual: dict, expected: dict) -> None:
         assert abs(actual[step] - value) <= RELATIVE_TOLERANCE * abs(value), (step, actual[step], value)
 
 
-@pytest.mark.parametrize("run", ["pp2-tp2", "pp2-dp2", "pp2-dp2-zero1", *RESUMED])
+@pytest.mark.parametrize("run", ["pp2-tp2", "pp2-dp2", "pp2-dp2-zero1", "tp2-dp2-zero1", *RESUMED])
 def test_losses_match_one_process(runs, run):
     """Steps 1-3 of a resumed run's log come from its checkpoint, steps 4-6 are its own."""
     assert len(losses(runs / "single")) == 6
@@ -96,7 +100,8 @@ def canonical_optimizer_state(checkpoint: Path) -> dict[str, dict]:
 @pytest.mark.parametrize("run", list(RESUMED))
 def test_loaded_optimizer_state_is_the_saved_one(runs, run):
     """Right after loading, every rank holds exactly its slice of the saved moments (and the saved step count) of
-    its parameters; together the ranks hold every saved parameter's state."""
+    its parameters; together the ranks hold every saved parameter's state. Under ZeRO-1 the DP ranks of one TP rank
+    (TP ranks are adjacent: global ranks ``t, t + tp, ...``) hold disjoint shares that together cover every parameter."""
     saved = canonical_optimizer_state(runs / RESUMED[run] / "checkpoint-3")
     seen, held = set(), []
     ranks = sorted((runs / run / "loaded-optimizer").glob("rank*.pt"))
@@ -113,8 +118,12 @@ def test_loaded_optimizer_state_is_the_saved_one(runs, run):
                 assert torch.equal(loaded["state"][key], expected), (path.name, name, key)
             seen.add(name)
     assert seen == set(saved)
-    if "zero1" in run.split("-from-")[0]:  # ZeRO-1 over the 4 DP ranks: each holds its own share only
-        assert all(held) and sum(map(len, held)) == len(saved)
+    resumed_as = run.split("-from-")[0].removesuffix("-resumed")
+    if resumed_as in ZERO1_TP_SIZE:  # ZeRO-1 over the DP ranks: each holds its own share only
+        tp_size = ZERO1_TP_SIZE[resumed_as]
+        for tp_rank in range(tp_size):
+            shares = held[tp_rank::tp_size]
+            assert all(shares) and sum(map(len, shares)) == len(set().union(*shares)) == len(saved), (tp_rank, list(map(len, shares)))
 
 
 def test_checkpoints_record_every_pipeline_rank(runs):

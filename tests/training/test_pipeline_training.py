@@ -1,8 +1,9 @@
 """``recipes/demo.yaml`` (shrunk, see ``launcher.TINY``, with 4 layers) trained through pipeline stages under
 ``accelerate launch`` on 4 CPU processes computes what one process computes with the same global batch:
 pp 2 x tp 2 (1F1B, checkpoint saved at step 3 and resumed at the same layout; eager and ``--torch_compile``) and
-pp 2 x dp 2 with the interleaved 1F1B schedule (2 stages per rank); the validation loss through the pipeline is the
-single process's, and so are ``compute_metrics``'s metrics (the same on every rank); the logged point-to-point bytes
+pp 2 x dp 2 with the interleaved 1F1B schedule (2 stages per rank; eager and ``--torch_compile``, each stage in DDP);
+the validation loss through the pipeline is the single process's, and so are ``compute_metrics``'s metrics (the same
+on every rank; also for LaX and for the full-rank model under the megatron layout); the logged point-to-point bytes
 are the formula's and what the stages handed to the engine's sends; the end-of-training sample is the final model's
 greedy continuation; ``final/`` loads in plain ``transformers``. See ``pipeline_cases.py``.
 
@@ -51,17 +52,19 @@ def assert_close(actual: dict, expected: dict) -> None:
         assert abs(actual[step] - value) <= RELATIVE_TOLERANCE * abs(value), (step, actual[step], value)
 
 
-@pytest.mark.parametrize("run", ["pp2-tp2", "pp2-dp2-interleaved", "pp2-tp2-compiled", "pp2-tp2-sp"])
+@pytest.mark.parametrize("run", ["pp2-tp2", "pp2-dp2-interleaved", "pp2-tp2-compiled", "pp2-dp2-interleaved-compiled", "pp2-tp2-sp"])
 def test_pipeline_losses_match_one_process(runs, run):
     assert len(losses(runs / "single")) == 6
     assert_close(losses(runs / run), losses(runs / "single"))
     assert_close(eval_losses(runs / run), eval_losses(runs / "single"))
 
 
-def test_compiled_pipeline_run_compiled_every_ranks_decoder_layers(runs):
-    """``--torch_compile`` at pp 2 x tp 2 ran compiled graphs on every rank (its losses: the test above)."""
-    assert all(rank["compiled_graphs"] > 0 for rank in json.loads((runs / "pp2-tp2-compiled" / "p2p.json").read_text()))
-    assert all(rank["compiled_graphs"] == 0 for rank in json.loads((runs / "pp2-tp2" / "p2p.json").read_text()))
+@pytest.mark.parametrize("run", ["pp2-tp2", "pp2-dp2-interleaved"])
+def test_compiled_pipeline_run_compiled_every_ranks_decoder_layers(runs, run):
+    """``--torch_compile`` at pp 2 x tp 2 (1F1B) and at pp 2 x dp 2 (interleaved, 2 stages per rank, each in DDP) ran
+    compiled graphs on every rank (its losses: the test above); the eager run none."""
+    assert all(rank["compiled_graphs"] > 0 for rank in json.loads((runs / f"{run}-compiled" / "p2p.json").read_text()))
+    assert all(rank["compiled_graphs"] == 0 for rank in json.loads((runs / run / "p2p.json").read_text()))
 
 
 def test_resumed_pipeline_run_continues_the_same_run(runs):
@@ -98,14 +101,20 @@ def test_pipeline_refuses_deepspeed_and_gradient_accumulation(tmp_path, fields, 
         BoostTrainingArguments(output_dir=str(tmp_path), pp_size=2, report_to="none", **fields)
 
 
-@pytest.mark.parametrize("run", ["pp2-tp2", "pp2-dp2-interleaved"])
-def test_compute_metrics_under_pipeline_match_one_process(runs, run):
+@pytest.mark.parametrize("run, reference, bottleneck", [
+    ("pp2-tp2", "single", "cola"),
+    ("pp2-dp2-interleaved", "single", "cola"),
+    ("pp2-tp2-lax", "single-lax", "lax"),  # btp: LaX's latents cross the stage boundary
+    ("pp2-tp2-full-rank", "single-full-rank", None),  # the megatron layout (replicated residual, its vocab-parallel head)
+])
+def test_compute_metrics_under_pipeline_match_one_process(runs, run, reference, bottleneck):
     """``compute_metrics`` on the last stage's full-vocabulary logits (gathered over TP; of both DP replicas, the
-    interleaved schedule's 4 micro-batches in order) gives the single process's metrics, and every rank (first
-    stage included) returns the same ones."""
-    single = json.loads((runs / "metrics-single.json").read_text())[0]
+    interleaved schedule's 4 micro-batches in order) gives the single process's metrics of the same trained model,
+    and every rank (first stage included) returns the same ones."""
+    single = json.loads((runs / f"metrics-{reference}.json").read_text())[0]
     every_rank = json.loads((runs / f"metrics-{run}.json").read_text())
     keys = ["eval_accuracy", "eval_mean_logsumexp", "eval_label_weighted_logsumexp", "eval_blocks", "eval_loss"]
+    assert json.loads((runs / reference / "final" / "config.json").read_text())["bottleneck"] == bottleneck
     assert single["eval_blocks"] == 24 and single["eval_accuracy"] > 0
     assert len(every_rank) == 4 and all({k: m[k] for k in keys} == {k: every_rank[0][k] for k in keys} for m in every_rank)
     for key in keys:
