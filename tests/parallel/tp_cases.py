@@ -14,7 +14,7 @@ import torch.distributed as dist
 from boost_hf import BoostLlamaConfig, BoostLlamaForCausalLM, CommCounter, ParallelConfig
 from boost_hf.perf.activation_memory import SavedTensorsProbe, saved_elements_per_layer
 from boost_hf.perf.comm_formula import layer_communication, model_communication
-from boost_hf.parallel.sharding import gather_full, gather_full_many, shard_spec_of
+from boost_hf.parallel.sharding import ShardSpec, gather_full, gather_full_many, shard_spec_of
 
 SEED = 1234
 # GQA (8 heads, 4 kv heads) and every dimension divisible by 4 so TP 2 and 4 both apply.
@@ -295,6 +295,18 @@ def hugging_face_contract() -> dict:
     return out
 
 
+def gather_many_round_trip() -> bool:
+    """``gather_full_many`` of fp32 and bf16 shards along dims 0 and 1 and of a replicated tensor (one all-gather per
+    dtype) returns the full tensors every rank sliced its shard from."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    gen = torch.Generator().manual_seed(SEED)
+    full = [torch.randn(4 * world, 3, generator=gen), torch.randn(2, 4 * world, generator=gen).bfloat16(),
+            torch.randn(5, generator=gen), torch.randn(3, 2 * world, generator=gen)]
+    specs = [ShardSpec(tuple(t.shape), dim, rank, world) for t, dim in zip(full, (0, 1, None, 1))]
+    gathered = gather_full_many([spec.local_slice(t).clone() for t, spec in zip(full, specs)], specs, None)
+    return all(g.dtype == t.dtype and torch.equal(g, t) for g, t in zip(gathered, full))
+
+
 @contextlib.contextmanager
 def shared_temporary_directory():
     """Global rank 0's temporary directory, the same path on every rank (one machine); removed after every rank
@@ -315,4 +327,5 @@ def everything(world_size: int) -> dict:
         "bad": bad_configurations(),
         "sequence_length_not_divisible": sequence_length_not_divisible(),
         "hugging_face": hugging_face_contract(),
+        "gather_many": gather_many_round_trip(),
     }
