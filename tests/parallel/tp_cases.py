@@ -303,8 +303,8 @@ def gather_many_round_trip() -> bool:
     full = [torch.randn(4 * world, 3, generator=gen), torch.randn(2, 4 * world, generator=gen).bfloat16(),
             torch.randn(5, generator=gen), torch.randn(3, 2 * world, generator=gen)]
     specs = [ShardSpec(tuple(t.shape), dim, rank, world) for t, dim in zip(full, (0, 1, None, 1))]
-    gathered = gather_full_many([spec.local_slice(t).clone() for t, spec in zip(full, specs)], specs, None)
-    return all(g.dtype == t.dtype and torch.equal(g, t) for g, t in zip(gathered, full))
+    result = gather_full_many([spec.local_slice(t).clone() for t, spec in zip(full, specs)], specs, None)
+    return all(g.dtype == t.dtype and torch.equal(g, t) for g, t in zip(result, full))
 
 
 @contextlib.contextmanager
