@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import bz2
 import hashlib
+import importlib.util
 import json
 import logging
 import os
 from collections.abc import Iterator
+from importlib import metadata
 from pathlib import Path
 
 from datasets import Dataset, DatasetDict
@@ -55,17 +57,20 @@ class CorpusIntegrityError(RuntimeError):
 
 
 def wiki_sample_path() -> Path:
-    """Return the path of the Wikipedia sample inside the installed gensim package."""
-    try:
-        import gensim
-    except ImportError as error:
-        raise ImportError(f"the demo corpus ships with {REQUIRED_GENSIM}: pip install 'boost-hf[demo]'.") from error
+    """Return the path of the Wikipedia sample inside the installed gensim package (located without importing
+    gensim: its import takes ~2 s, paid by every process that loads a ``bpe-<vocab>`` tokenizer)."""
+    spec = importlib.util.find_spec("gensim")
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError(f"the demo corpus ships with {REQUIRED_GENSIM}: pip install 'boost-hf[demo]'.")
 
-    path = Path(gensim.__file__).resolve().parent / "test" / "test_data" / WIKI_SAMPLE_FILENAME
+    path = Path(spec.submodule_search_locations[0]).resolve() / "test" / "test_data" / WIKI_SAMPLE_FILENAME
     if not path.is_file():
+        try:
+            version = metadata.version("gensim")
+        except metadata.PackageNotFoundError:
+            version = "unknown"
         raise FileNotFoundError(
-            f"{path} not found: the Wikipedia sample ships with {REQUIRED_GENSIM} "
-            f"(installed: gensim {getattr(gensim, '__version__', 'unknown')})."
+            f"{path} not found: the Wikipedia sample ships with {REQUIRED_GENSIM} (installed: gensim {version})."
         )
     return path
 

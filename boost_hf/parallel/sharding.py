@@ -61,11 +61,26 @@ def shard_spec_of(param: torch.Tensor) -> ShardSpec:
 
 def gather_full(tensor: torch.Tensor, spec: ShardSpec, group: dist.ProcessGroup | None) -> torch.Tensor:
     """The canonical tensor from every rank's shard (all-gather in ``group``); no autograd."""
-    if not spec.is_sharded:
-        return tensor
-    shards = [torch.empty_like(tensor) for _ in range(spec.tp_size)]
-    dist.all_gather(shards, tensor.contiguous(), group=group)
-    return torch.cat(shards, dim=spec.partition_dim)
+    return gather_full_many([tensor], [spec], group)[0]
 
 
-__all__ = ["ShardSpec", "attach_shard_spec", "shard_spec_of", "gather_full"]
+def gather_full_many(tensors: list[torch.Tensor], specs: list[ShardSpec], group: dist.ProcessGroup | None) -> list[torch.Tensor]:
+    """The canonical tensors from every rank's shards, in one all-gather per dtype (of the flattened local shards
+    of the sharded tensors) instead of one per tensor; replicated tensors are returned as they are. Every rank
+    passes its shards of the same tensors in the same order. No autograd."""
+    full = list(tensors)
+    sharded = [i for i, spec in enumerate(specs) if spec.is_sharded]
+    for dtype in dict.fromkeys(tensors[i].dtype for i in sharded):
+        indices = [i for i in sharded if tensors[i].dtype == dtype]
+        local = torch.cat([tensors[i].detach().reshape(-1) for i in indices])
+        per_rank = [torch.empty_like(local) for _ in range(specs[indices[0]].tp_size)]
+        dist.all_gather(per_rank, local, group=group)
+        offset = 0
+        for i in indices:
+            size, shape = tensors[i].numel(), tensors[i].shape
+            full[i] = torch.cat([chunk[offset:offset + size].view(shape) for chunk in per_rank], dim=specs[i].partition_dim)
+            offset += size
+    return full
+
+
+__all__ = ["ShardSpec", "attach_shard_spec", "shard_spec_of", "gather_full", "gather_full_many"]

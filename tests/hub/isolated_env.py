@@ -1,21 +1,19 @@
 """A fresh virtual environment holding only torch, transformers, safetensors and their dependencies.
 
-:func:`create` makes a plain venv (``python -m venv``: it does *not* see the outer environment's site-packages)
-and ``pip install``s exactly the outer environment's versions of ``torch``, ``transformers`` and
-``safetensors`` into it, from the package index pip is configured with (here a local wheel cache: about 40 s
-on 2 cores, measured). If that install fails (no index or wheel cache reachable), it falls back to
-:func:`link_closure`: a venv created ``--without-pip`` whose site-packages receives symlinks to exactly the
-installed files of the dependency closure of those three packages (``Requires-Dist`` metadata, markers
-evaluated, extras not followed; ``.dist-info`` folders included so version checks work), about 1 s. Either
-way boost-hf, DeepSpeed, gensim, peft, datasets and everything else are absent, and the interpreter runs
-with ``-I`` (no ``PYTHONPATH``, no user site, no current directory on ``sys.path``).
+:func:`create` makes a venv ``--without-pip`` (``python -m venv``: it does *not* see the outer environment's
+site-packages) whose site-packages receives symlinks to exactly the installed files of the dependency closure of
+those three packages (``Requires-Dist`` metadata, markers evaluated, extras not followed; ``.dist-info`` folders
+included so version checks work): the outer environment's versions, in about 1 s. (A ``pip install`` of the same
+pins into a fresh venv installs the same packages, at the index's versions of the dependencies, and cost this
+test about 75 s more on 2 cores from a local wheel cache.) So boost-hf, DeepSpeed, gensim, peft, datasets and
+everything else are absent, and the interpreter runs with ``-I`` (no ``PYTHONPATH``, no user site, no current
+directory on ``sys.path``).
 """
 
 from __future__ import annotations
 
 import os
 import subprocess
-import sys
 import venv
 from importlib import metadata
 from pathlib import Path
@@ -57,20 +55,9 @@ def top_level_entries(dist: metadata.Distribution) -> set[Path]:
     return entries
 
 
-def create(target: Path, roots=ROOTS) -> tuple[Path, str]:
-    """Create the venv at ``target``: ``(its python executable, "pip" or "link")`` (see the module docstring)."""
-    venv.EnvBuilder(with_pip=True, system_site_packages=False, symlinks=True).create(target / "pip")
-    python = target / "pip" / "bin" / "python"
-    pins = [f"{name}=={metadata.version(name)}" for name in roots]
-    install = subprocess.run([str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check", *pins],
-                             capture_output=True, text=True, timeout=600)
-    if install.returncode == 0:
-        return python, "pip"
-    return link_closure(target / "link", roots), "link"
-
-
-def link_closure(target: Path, roots=ROOTS) -> Path:
-    """A ``--without-pip`` venv at ``target`` whose site-packages links the installed closure of ``roots``."""
+def create(target: Path, roots=ROOTS) -> Path:
+    """A ``--without-pip`` venv at ``target`` whose site-packages links the installed closure of ``roots``;
+    returns its python executable."""
     venv.EnvBuilder(with_pip=False, system_site_packages=False, symlinks=True).create(target)
     python = target / "bin" / "python"
     site = Path(subprocess.check_output([str(python), "-I", "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"], text=True).strip())
@@ -88,4 +75,4 @@ def run(python: Path, script: str, cwd: Path, timeout: int = 300) -> subprocess.
     return subprocess.run([str(python), "-I", "-c", script], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
-__all__ = ["ROOTS", "dependency_closure", "create", "link_closure", "run"]
+__all__ = ["ROOTS", "dependency_closure", "create", "run"]

@@ -3,7 +3,9 @@
 For each layout, two models with the same seed: one eager, one with every decoder layer compiled in place
 with ``fullgraph=True`` (a graph break fails the case). Both run one forward + backward on the same batch;
 each rank reports the relative loss difference and the worst relative gradient difference over every
-parameter, and whether each layer compiled to a graph that holds the collectives.
+parameter, and whether each layer compiled to a graph that holds the collectives. The step runs as training runs
+it, ``use_cache=False`` (the Trainer sets ``config.use_cache = args.use_cache``, ``False``): a KV cache would make
+each layer a graph of its own (dynamo guards on each cache layer's state), one more inductor compile per layer.
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ def _step(case: dict, compiled: bool):
         torch._dynamo.reset()  # each case is a new model; do not count its compilations against the last case's
         compile_decoder_layers(model, fullgraph=True)
     ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(1))
-    loss = model(ids, labels=ids).loss
+    loss = model(ids, labels=ids, use_cache=False).loss
     loss.backward()
     return loss.detach(), {name: p.grad for name, p in model.named_parameters()}
 
