@@ -221,7 +221,7 @@ def test_sequence_parallel_moves_the_same_ring_bytes_as_the_all_reduces_it_repla
     norms = ring_traffic_bytes("all_reduce", 2 * 2 * config.hidden_size, p)
     regather = ring_traffic_bytes("all_gather", 2 * 2 * N * config.hidden_size, p)
     assert with_sp.forward.ring_traffic_bytes(p) == without.forward.ring_traffic_bytes(p)
-    assert with_sp.backward.ring_traffic_bytes(p) == pytest.approx(without.backward.ring_traffic_bytes(p) + norms + regather)
+    assert with_sp.backward.ring_traffic_bytes(p) == without.backward.ring_traffic_bytes(p) + norms + regather
 
 
 def test_sequence_parallel_configuration_is_validated():
