@@ -447,13 +447,14 @@ def estimate_layout(
     def gemm_time(gemms: list[Gemm]) -> float:
         return sum(g.flops / (efficiency.gemm(g.m, g.k, g.n) * peak) for g in gemms)
 
-    heads_per_rank = 1 / p if layout_for(config, parallel).heads_split else 1  # vanilla: every head on every rank
+    tp_layout = layout_for(config, parallel)
+    heads_per_rank = 1 / p if tp_layout.heads_split else 1  # vanilla: every head on every rank
     attention_flops = round(attention_flops_per_token(config, workload.seq_len) * n * heads_per_rank)
     comm = layer_communication(config, parallel, n)
     elementwise_bytes = round(elementwise_elements_per_token(config, parallel) * n * workload.dtype_bytes)
     comm_time = {"tp_comm": _comm_time(comm.forward, workload, hardware)}
     hidden = sum(min(_comm_time(overlap.communication, workload, hardware), gemm_time(overlap.gemms))
-                 for overlap in layout_for(config, parallel).backward_overlaps(config, n))
+                 for overlap in tp_layout.backward_overlaps(config, n))
     comm_time_bwd = {"tp_comm": _comm_time(comm.backward, workload, hardware) - hidden}
 
     def layer_times(crossing: bool) -> tuple[dict[str, float], dict[str, float]]:
