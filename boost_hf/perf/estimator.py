@@ -102,7 +102,7 @@ from typing import Literal
 
 from ..parallel.config import SEQUENCE_PARALLEL_STYLES, ParallelConfig
 from ..parallel.layouts import Gemm
-from ..parallel.parallelize import layout_for
+from ..parallel.layouts import layout_for
 from ..parallel.sequence_parallel import check_sequence_length
 from .activation_memory import saved_bytes_per_layer
 from .comm_formula import Communication, layer_communication, outside_layers_communication, stage_boundary_communication
