@@ -8,6 +8,7 @@ module, those inside functions included (a deferred import does not hide an edge
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "boost_hf"
@@ -18,6 +19,7 @@ def module_name(path: Path, package: Path = PACKAGE) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
+@functools.cache
 def import_graph(package: Path = PACKAGE) -> dict[str, set[str]]:
     """module -> the boost_hf modules it imports (``from pkg import sub`` counts as importing ``pkg.sub``)."""
     modules = {module_name(path, package): path for path in package.rglob("*.py")}
