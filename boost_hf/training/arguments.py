@@ -59,6 +59,11 @@ def check_lowrank_optimizer(args) -> None:
             if getattr(args, name) != default:
                 raise ValueError(f"{name}={getattr(args, name)!r} {what}: use it with --lowrank_optimizer loro, or drop it.")
         return
+    if args.loro_schedule_shift is not None and args.loro_schedule != "authors":
+        raise ValueError(
+            f"loro_schedule_shift={args.loro_schedule_shift} shifts the LORO authors' schedule only: add --loro_schedule authors, "
+            "or drop it."
+        )
     if args.loro_exact_every < 1:
         raise ValueError(f"loro_exact_every must be >= 1 (optimizer steps between exact steps), got {args.loro_exact_every}.")
     if args.loro_lr_scale is not None and not args.loro_lr_scale > 0:
