@@ -61,7 +61,8 @@ import os
 import re
 import shutil
 import uuid
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -102,7 +103,6 @@ class ReleaseCheckpoint:
     tp_size: int
     pp_size: int
     files: int
-    training_config: dict = field(default_factory=dict)
 
 
 def _parse_slice(text: str) -> slice:
@@ -140,17 +140,17 @@ def step_folder(folder: str | os.PathLike) -> Path:
     )
 
 
-def _read_model_config(folder: Path) -> tuple[dict, dict]:
-    """``(model config, training config)``: ``model_config.json``, else ``config.yaml``'s ``model.model_config``."""
+def _read_model_config(folder: Path) -> dict:
+    """The model's config: ``model_config.json``, else ``config.yaml``'s ``model.model_config``."""
+    if (folder / "model_config.json").is_file():
+        return json.loads((folder / "model_config.json").read_text())
     training = {}
     if (folder / "config.yaml").is_file():
         training = yaml.safe_load((folder / "config.yaml").read_text()) or {}
-    if (folder / "model_config.json").is_file():
-        return json.loads((folder / "model_config.json").read_text()), training
     model_config = (training.get("model") or {}).get("model_config")
     if not model_config:
         raise ReleaseCheckpointError(f"{folder} has neither model_config.json nor a model.model_config in config.yaml: the model's sizes are unknown.")
-    return model_config, training
+    return model_config
 
 
 def read_boost_release(folder: str | os.PathLike) -> ReleaseCheckpoint:
@@ -159,7 +159,7 @@ def read_boost_release(folder: str | os.PathLike) -> ReleaseCheckpoint:
     Raises :class:`ReleaseCheckpointError` for an unknown file, expert-parallel shards, shards written at different
     TP or PP sizes, a missing or duplicated TP rank, slices that do not tile the unsharded tensor exactly once."""
     folder = step_folder(folder)
-    model_config, training = _read_model_config(folder)
+    model_config = _read_model_config(folder)
     shards: dict[str, list[tuple[Path, int | None, int | None, int | None, int | None]]] = {}
     root = folder / "model"
     for path in sorted(root.rglob("*.safetensors")):
@@ -179,7 +179,7 @@ def read_boost_release(folder: str | os.PathLike) -> ReleaseCheckpoint:
         raise ReleaseCheckpointError(f"{root} mixes files written at TP sizes {sorted(tp_sizes)} and PP sizes {sorted(pp_sizes)}: one save, one layout.")
     tensors = {name: _whole_tensor(name, files) for name, files in shards.items()}
     return ReleaseCheckpoint(folder=folder, model_config=model_config, tensors=tensors, tp_size=next(iter(tp_sizes), 1),
-                             pp_size=next(iter(pp_sizes), 1), files=sum(map(len, shards.values())), training_config=training)
+                             pp_size=next(iter(pp_sizes), 1), files=sum(map(len, shards.values())))
 
 
 def _whole_tensor(name: str, files: list) -> torch.Tensor:
@@ -237,9 +237,6 @@ class _Taken:
         if name not in self.left:
             raise ReleaseCheckpointError(f"the checkpoint has no parameter {name}, which its model needs{hint}.")
         return self.left.pop(name)
-
-    def has(self, name: str) -> bool:
-        return name in self.left
 
 
 def _split_rows(tensor: torch.Tensor, name: str, rank: int, parts: int) -> tuple[torch.Tensor, ...]:
@@ -303,8 +300,8 @@ class ReleaseLayout:
     name: str
     source: str
     marker: str
-    read_layer: object
-    keeps_gate_activation: object  # model_config -> bool
+    read_layer: Callable[[_Taken, str, int, bool], dict]  # (take, layer prefix, rank, gqa) -> {module: (A, B, source)}
+    keeps_gate_activation: Callable[[dict], bool]  # the release's model config -> whether act(gate) * up
 
 
 RELEASE_LAYOUTS = (

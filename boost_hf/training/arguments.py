@@ -44,6 +44,11 @@ def default_peak_tflops() -> float:
     return CPU_PEAK_TFLOPS
 
 
+LORO_SCHEDULES = ("restarted", "authors")
+"""``--loro_schedule``: ``restarted`` (``lr_scheduler_type``, warmed up again after each exact step) or ``authors`` (the
+LORO authors' ``cosine_restart``, :mod:`boost_hf.optim.loro_schedule`)."""
+
+
 def check_lowrank_optimizer(args) -> None:
     """Raise ``ValueError`` naming the field to change for an unknown optimizer, bad LORO settings, or LORO with
     DeepSpeed (ZeRO's flat partitions cut through the factors' rows that LORO's exact step rebuilds)."""
@@ -72,12 +77,6 @@ def check_lowrank_optimizer(args) -> None:
         raise ValueError(f"loro_restart_warmup_steps must be >= 0, got {args.loro_restart_warmup_steps}.")
     if args.deepspeed:
         raise ValueError(LORO_WITHOUT_DEEPSPEED)
-
-
-
-LORO_SCHEDULES = ("restarted", "authors")
-"""``--loro_schedule``: ``restarted`` (``lr_scheduler_type``, warmed up again after each exact step) or ``authors`` (the
-LORO authors' ``cosine_restart``, :mod:`boost_hf.optim.loro_schedule`)."""
 
 
 def check_authors_loro_schedule(args) -> None:
