@@ -7,6 +7,7 @@ Subcommands live in :data:`SUBCOMMANDS` (name -> help, argument builder, runner)
     boost-hf train RECIPE.yaml|NAME [--field value ...]      (accelerate launch ... -m boost_hf.cli train ...)
     boost-hf demo [--num-processes 4] [--tp-size 2] [--max-steps N]
     boost-hf eval CHECKPOINT --data FILE [--block-size N] [--json]
+    boost-hf convert RELEASE_CHECKPOINT OUTPUT [--dtype float32]   (the BOOST release's Nanotron checkpoints)
 """
 
 from __future__ import annotations
@@ -298,6 +299,26 @@ def _run_eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_convert_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("source", help="a checkpoint of the BOOST release (Arcana-2236/BOOST, Nanotron): its <checkpoints_path>/<step> "
+                                       "folder, or <checkpoints_path> (the step its latest.txt names)")
+    parser.add_argument("output", help="the canonical boost-hf checkpoint to write (a new folder)")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
+                        help="dtype of the written weights (default: as the release stored them)")
+
+
+def _run_convert(args: argparse.Namespace) -> int:
+    import torch
+
+    from .convert import convert_boost_release
+
+    output = convert_boost_release(args.source, args.output, dtype=getattr(torch, args.dtype) if args.dtype else None)
+    record = json.loads((output / "conversion.json").read_text())
+    print(f"converted {record['folder']} ({record['model']}, written at TP {record['tp_size']} x PP {record['pp_size']}, "
+          f"{record['files_read']} files) -> {output}: BoostLlamaForCausalLM.from_pretrained({str(output)!r})")
+    return 0
+
+
 # name -> (help, add_arguments(parser), run(args) -> exit code).
 SUBCOMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]] = {
     "estimate": (
@@ -319,6 +340,11 @@ SUBCOMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Cal
         "pre-train from a YAML recipe (any field overridable); under `accelerate launch ... -m boost_hf.cli train` on many processes",
         _add_train_arguments,
         _run_train,
+    ),
+    "convert": (
+        "convert a checkpoint of the BOOST authors' Nanotron release (its CoLA models, any TP x PP) to a canonical boost-hf checkpoint",
+        _add_convert_arguments,
+        _run_convert,
     ),
     "demo": (
         "pre-train the tiny CoLA demo with BTP x DP on local CPU processes: perplexity, a sample, ./outputs/demo/final",

@@ -21,7 +21,8 @@ from transformers import TrainingArguments
 
 from ..parallel.config import ParallelConfig
 from ..parallel.settings import config_of_training_arguments, parse_layer_split, training_fields
-from ..optim.loro import LORO_WITHOUT_DEEPSPEED, LOWRANK_OPTIMIZERS
+from ..optim.loro import EPSILON_PLACEMENTS, LORO_WITHOUT_DEEPSPEED, LOWRANK_OPTIMIZERS
+from ..optim.loro_schedule import check_authors_schedule
 from .health import NONFINITE_POLICIES
 from .zero1 import check_zero1
 
@@ -44,13 +45,31 @@ def default_peak_tflops() -> float:
     return CPU_PEAK_TFLOPS
 
 
+LORO_SCHEDULES = ("restarted", "authors")
+"""``--loro_schedule``: ``restarted`` (``lr_scheduler_type``, warmed up again after each exact step) or ``authors`` (the
+LORO authors' ``cosine_restart``, :mod:`boost_hf.optim.loro_schedule`)."""
+
+
 def check_lowrank_optimizer(args) -> None:
     """Raise ``ValueError`` naming the field to change for an unknown optimizer, bad LORO settings, or LORO with
     DeepSpeed (ZeRO's flat partitions cut through the factors' rows that LORO's exact step rebuilds)."""
     if args.lowrank_optimizer not in LOWRANK_OPTIMIZERS:
         raise ValueError(f"lowrank_optimizer must be one of {', '.join(LOWRANK_OPTIMIZERS)}, got {args.lowrank_optimizer!r}.")
+    if args.loro_schedule not in LORO_SCHEDULES:
+        raise ValueError(f"loro_schedule must be one of {', '.join(LORO_SCHEDULES)}, got {args.loro_schedule!r}.")
+    if args.adam_epsilon_placement not in EPSILON_PLACEMENTS:
+        raise ValueError(f"adam_epsilon_placement must be one of {', '.join(EPSILON_PLACEMENTS)}, got {args.adam_epsilon_placement!r}.")
     if args.lowrank_optimizer != "loro":
+        for name, default, what in (("loro_schedule", "restarted", "restarts at LORO's exact steps"),
+                                    ("adam_epsilon_placement", "torch", "is implemented by LORO's optimizer (AdamW is torch's)")):
+            if getattr(args, name) != default:
+                raise ValueError(f"{name}={getattr(args, name)!r} {what}: use it with --lowrank_optimizer loro, or drop it.")
         return
+    if args.loro_schedule_shift is not None and args.loro_schedule != "authors":
+        raise ValueError(
+            f"loro_schedule_shift={args.loro_schedule_shift} shifts the LORO authors' schedule only: add --loro_schedule authors, "
+            "or drop it."
+        )
     if args.loro_exact_every < 1:
         raise ValueError(f"loro_exact_every must be >= 1 (optimizer steps between exact steps), got {args.loro_exact_every}.")
     if args.loro_lr_scale is not None and not args.loro_lr_scale > 0:
@@ -59,6 +78,33 @@ def check_lowrank_optimizer(args) -> None:
         raise ValueError(f"loro_restart_warmup_steps must be >= 0, got {args.loro_restart_warmup_steps}.")
     if args.deepspeed:
         raise ValueError(LORO_WITHOUT_DEEPSPEED)
+
+
+def check_authors_loro_schedule(args) -> None:
+    """With ``--loro_schedule authors``: ``lr_scheduler_type`` must be ``cosine_with_min_lr`` with only ``min_lr_rate``
+    (the authors' ``min_lr_ratio``: every other setting would be silently unused) and, when ``max_steps`` is known,
+    the schedule's own checks (:func:`~boost_hf.optim.loro_schedule.check_authors_schedule`). After
+    ``TrainingArguments.__post_init__`` (which parses ``lr_scheduler_kwargs``)."""
+    if args.lowrank_optimizer != "loro" or args.loro_schedule != "authors":
+        return
+    scheduler = getattr(args.lr_scheduler_type, "value", args.lr_scheduler_type)
+    kwargs = args.lr_scheduler_kwargs or {}
+    if scheduler != "cosine_with_min_lr" or set(kwargs) != {"min_lr_rate"}:
+        raise ValueError(
+            f"--loro_schedule authors computes the LORO authors' cosine_restart from warmup_steps, loro_exact_every, "
+            f"loro_restart_warmup_steps, loro_schedule_shift and lr_scheduler_kwargs' min_lr_rate alone: set "
+            f"lr_scheduler_type cosine_with_min_lr with lr_scheduler_kwargs {{\"min_lr_rate\": ...}} (got {scheduler!r} with "
+            f"{kwargs!r}), or use --loro_schedule restarted."
+        )
+    if args.max_steps > 0:
+        check_authors_schedule(training_steps=args.max_steps, warmup_steps=args.get_warmup_steps(args.max_steps),
+                               restart_every=args.loro_exact_every, restart_warmup_steps=args.loro_restart_warmup_steps,
+                               min_ratio=kwargs["min_lr_rate"], shift=authors_schedule_shift(args, args.max_steps))
+
+
+def authors_schedule_shift(args, training_steps: int) -> int:
+    """``loro_schedule_shift``, by default minus the warm-up steps (the authors' 60m, 130m and 1b scripts)."""
+    return -args.get_warmup_steps(training_steps) if args.loro_schedule_shift is None else args.loro_schedule_shift
 
 
 LayoutArguments = make_dataclass("LayoutArguments", training_fields(), kw_only=True)
@@ -93,6 +139,13 @@ class BoostTrainingArguments(LayoutArguments, TrainingArguments):
             the Adam moments are reset and the learning rate warms up again after each.
         loro_lr_scale: the factors' learning rate on lazy steps, relative to ``learning_rate`` (default ``r / d``).
         loro_restart_warmup_steps: steps of the linear warm-up after each exact step (the authors: 5; 0: none).
+        loro_schedule: ``"restarted"`` (default: ``lr_scheduler_type``, warmed up again over
+            ``loro_restart_warmup_steps`` after each exact step) or ``"authors"`` (the LORO authors' ``cosine_restart``,
+            :mod:`boost_hf.optim.loro_schedule`: warm-up from ``min_lr_rate``, a cosine shifted by ``loro_schedule_shift``,
+            restarts as theirs).
+        loro_schedule_shift: the authors' ``lr_adjust_steps`` (default ``-warmup steps``, their 60m/130m/1b scripts).
+        adam_epsilon_placement: ``"torch"`` (default) or ``"transformers"`` (``lr sqrt(bc2)/bc1 m/(sqrt(v) + eps)``, the
+            LORO authors' optimizer); LORO only.
         zero1_optimizer: ZeRO-1 without DeepSpeed: each data-parallel rank keeps the optimizer state of a share of the
             parameters (torch's ``ZeroRedundancyOptimizer`` over the DP group; :mod:`boost_hf.training.zero1`), at any
             layout including ``pp_size > 1``; checkpoints hold the consolidated state (resumable at any layout, with or
@@ -129,6 +182,18 @@ class BoostTrainingArguments(LayoutArguments, TrainingArguments):
         default=False,
         metadata={"help": "ZeRO-1 without DeepSpeed: the optimizer state sharded over the data-parallel group (any pp_size)."},
     )
+    # LORO as its authors train it (issue 29): their schedule and their Adam epsilon placement
+    loro_schedule: str = field(
+        default="restarted", metadata={"help": "LORO: restarted (lr_scheduler_type, warmed up after each exact step) or authors "
+                                               "(the LORO authors' cosine_restart)."}
+    )
+    loro_schedule_shift: int | None = field(
+        default=None, metadata={"help": "LORO authors' schedule: their lr_adjust_steps (default: minus the warm-up steps)."}
+    )
+    adam_epsilon_placement: str = field(
+        default="torch", metadata={"help": "torch (torch's AdamW) or transformers (lr sqrt(bc2)/bc1 m/(sqrt(v)+eps), the LORO "
+                                           "authors' optimizer); LORO only."}
+    )
 
     # CoLA recipe defaults (BOOST.md section 1)
     weight_decay: float = 0.01
@@ -157,6 +222,7 @@ class BoostTrainingArguments(LayoutArguments, TrainingArguments):
         check_lowrank_optimizer(self)
         check_zero1(self)
         super().__post_init__()
+        check_authors_loro_schedule(self)
         if self.peak_tflops is None:
             self.peak_tflops = default_peak_tflops()
         if self.nonfinite not in NONFINITE_POLICIES:
