@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, make_dataclass
 from functools import cached_property
 
 import torch
@@ -20,6 +20,7 @@ import torch.distributed as dist
 from transformers import TrainingArguments
 
 from ..parallel.config import ParallelConfig
+from ..parallel.settings import config_of_training_arguments, parse_layer_split, training_fields
 from ..optim.loro import EPSILON_PLACEMENTS, LORO_WITHOUT_DEEPSPEED, LOWRANK_OPTIMIZERS
 from ..optim.loro_schedule import check_authors_schedule
 from .health import NONFINITE_POLICIES
@@ -106,29 +107,21 @@ def authors_schedule_shift(args, training_steps: int) -> int:
     return -args.get_warmup_steps(training_steps) if args.loro_schedule_shift is None else args.loro_schedule_shift
 
 
+LayoutArguments = make_dataclass("LayoutArguments", training_fields(), kw_only=True)
+LayoutArguments.__doc__ = """The layout fields of :class:`BoostTrainingArguments`: :class:`ParallelConfig`'s, generated from its
+declaration (names, types, defaults, help) with the differences :mod:`boost_hf.parallel.settings` states
+(``activation_checkpointing_mode``, ``tp_style="auto"``, ``pp_layer_split`` as a comma-separated list)."""
+LayoutArguments.__module__ = __name__
+
+
 @dataclass(kw_only=True)
-class BoostTrainingArguments(TrainingArguments):
-    """Training arguments of boost-hf (see :class:`~boost_hf.parallel.config.ParallelConfig` for the layout).
+class BoostTrainingArguments(LayoutArguments, TrainingArguments):
+    """Training arguments of boost-hf: ``TrainingArguments``, the layout fields of :class:`LayoutArguments` (those of
+    :class:`~boost_hf.parallel.config.ParallelConfig`, whose help says what each does: ``tp_size``, ``tp_style``,
+    ``rmsnorm``, ``group_linears``, ``activation_checkpointing_mode``, ``sequence_parallel``, ``pp_size``,
+    ``pp_schedule``, ``pp_microbatches``, ``pp_stages_per_rank``, ``pp_layer_split``), and:
 
     Args:
-        tp_size: ranks per tensor-parallel group; the launched world is ``dp x tp_size`` processes.
-        tp_style: ``"btp"`` (bottleneck-aware), ``"vanilla"`` (naive low-rank TP), ``"megatron"`` (full-rank
-            models), or ``"auto"``: btp for low-rank models, megatron for full rank.
-        rmsnorm: BTP norm statistics, ``"online"`` (default, exact), ``"sync"`` (exact) or ``"local"``
-            (approximate).
-        group_linears: one GEMM and one collective for the A's sharing an input.
-        activation_checkpointing_mode: ``"none"``, ``"full"`` (recompute each decoder layer) or ``"lowrank"``
-            (BOOST's low-rank checkpointing; no collective recomputed under BTP). It replaces the Trainer's
-            ``activation_checkpointing`` flag, which boost-hf models do not use: passing that flag selects
-            ``"full"``.
-        sequence_parallel: sequence parallelism over the tensor-parallel group (megatron: Megatron-LM's, the
-            residual on ``N/p`` tokens; btp: latent sequence parallelism); vanilla has none. Needs ``block_size``
-            divisible by ``tp_size``, ``pp_size=1`` and ``sample_max_new_tokens=0`` (generation runs one token
-            per step, which cannot be split over the ranks).
-        pp_size: pipeline stages' ranks (the world is ``pp_size x dp x tp_size``; PP outermost, TP adjacent).
-        pp_schedule: ``1f1b`` (default), ``gpipe``, ``interleaved-1f1b``, ``looped-bfs`` (zero-bubble ones refused).
-        pp_microbatches: micro-batches per pipeline step (default: the number of stages).
-        pp_stages_per_rank: model chunks per pipeline rank of the interleaved schedules (default 2).
         peak_tflops: dense peak TFLOP/s of one device, the denominator of MFU (default: the GPU preset of
             :mod:`boost_hf.perf.hardware`, or a rough CPU guess).
         sample_prompt / sample_max_new_tokens: the greedy sample printed at the end of training.
@@ -164,27 +157,6 @@ class BoostTrainingArguments(TrainingArguments):
     from the default group, :func:`~boost_hf.parallel.state.new_group_with_timeout`).
     """
 
-    tp_size: int = field(default=1, metadata={"help": "Ranks per tensor-parallel group (the world is dp x tp_size)."})
-    tp_style: str = field(
-        default="auto", metadata={"help": "btp, vanilla, megatron, or auto (btp for low-rank models, megatron for full rank)."}
-    )
-    rmsnorm: str = field(default="online", metadata={"help": "BTP RMSNorm statistics: online, sync (both exact) or local (approximate)."})
-    group_linears: bool = field(default=True, metadata={"help": "Fuse the A's sharing an input into one GEMM and one collective."})
-    activation_checkpointing_mode: str = field(
-        default="none", metadata={"help": "none, full (recompute each layer) or lowrank (recompute between r-dim latents)."}
-    )
-    sequence_parallel: bool = field(
-        default=False, metadata={"help": "Sequence parallelism over the TP group (megatron, btp); needs block_size divisible "
-                                         "by tp_size and --sample_max_new_tokens 0."}
-    )
-    pp_size: int = field(default=1, metadata={"help": "Pipeline ranks (the world is pp_size x dp x tp_size)."})
-    pp_schedule: str = field(
-        default="1f1b", metadata={"help": "Pipeline schedule: 1f1b, gpipe, interleaved-1f1b or looped-bfs."}
-    )
-    pp_microbatches: int | None = field(default=None, metadata={"help": "Micro-batches per pipeline step (default: stages)."})
-    pp_stages_per_rank: int | None = field(
-        default=None, metadata={"help": "Model chunks per pipeline rank (interleaved schedules; default 2)."}
-    )
     peak_tflops: float | None = field(
         default=None, metadata={"help": "Dense peak TFLOP/s per device for MFU (default: GPU preset or a CPU guess)."}
     )
@@ -233,6 +205,7 @@ class BoostTrainingArguments(TrainingArguments):
     dataloader_drop_last: bool = True
 
     def __post_init__(self) -> None:
+        self.pp_layer_split = parse_layer_split(self.pp_layer_split)
         if not torch.cuda.is_available():
             self.use_cpu = True
             if int(os.environ.get("WORLD_SIZE", "1")) > 1:
@@ -305,21 +278,7 @@ class BoostTrainingArguments(TrainingArguments):
     def to_parallel_config(self, model_config=None) -> ParallelConfig:
         """The :class:`ParallelConfig` of these arguments; ``tp_style="auto"`` resolves with ``model_config``
         (btp for a low-rank model, megatron for a full-rank one; btp without a config)."""
-        style = self.tp_style
-        if style == "auto":
-            style = "megatron" if model_config is not None and model_config.bottleneck is None else "btp"
-        return ParallelConfig(
-            tp_size=self.tp_size,
-            tp_style=style,
-            rmsnorm=self.rmsnorm,
-            group_linears=self.group_linears,
-            activation_checkpointing=self.activation_checkpointing_mode,
-            sequence_parallel=self.sequence_parallel,
-            pp_size=self.pp_size,
-            pp_schedule=self.pp_schedule,
-            pp_microbatches=self.pp_microbatches,
-            pp_stages_per_rank=self.pp_stages_per_rank,
-        )
+        return config_of_training_arguments(self, model_config)
 
 
-__all__ = ["BoostTrainingArguments", "default_peak_tflops", "CPU_PEAK_TFLOPS"]
+__all__ = ["BoostTrainingArguments", "LayoutArguments", "default_peak_tflops", "CPU_PEAK_TFLOPS"]

@@ -15,7 +15,7 @@ Trainer hook                           boost-hf behaviour
                                        (pp > 1) forward only through the pipeline, ``compute_metrics`` on the
                                        last stage's logits, its metrics broadcast to every stage
 ``create_accelerator_and_postprocess``  ``--torch_compile``: each decoder layer compiled in place
-                                       (:mod:`boost_hf.training.compile`), not the whole model
+                                       (:mod:`boost_hf.parallel.compile`), not the whole model
 ``create_optimizer`` /                 ``--lowrank_optimizer loro``: LORO on the factors of an svd model, AdamW on the rest,
 ``create_scheduler``                   the schedule restarting after each exact step (:mod:`boost_hf.optim.loro`), or the
                                        LORO authors' (``--loro_schedule authors``, :mod:`boost_hf.optim.loro_schedule`);
@@ -88,7 +88,7 @@ from .checkpoint import (
     remove_stale_staging,
     verify_checkpoint_once,
 )
-from .compile import compile_decoder_layers
+from ..parallel.compile import compile_decoder_layers
 from .data import EvalShard, shard_by_data_parallel_rank, streaming_loader
 from ..parallel.state import ParallelState
 from ..evaluation import batch_sums, metrics_from_sums, sums_of_batch
