@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from ..communication import Communication, PassCommunication, all_gather, all_reduce
 from ..fused import latent_linear, split_latent, stacked_weight
-from ..modules import add_bias, adopt, compute_dtype, shard_parameter, shard_repr
+from ..modules import add_bias, adopt, compute_dtype, shard_repr
 from ..primitives import copy_to_tp, gather_from_tp, reduce_from_tp, split_to_tp
 from .base import GROUPS, Gemm, Layout, ProjectionGroup, ResidualWidths, apply_latent_functions, low_rank_a_gemms, split_latents
 
@@ -99,9 +99,11 @@ class VanillaLayout(Layout):
             )
         super().check(config)
 
+    def projection_splits(self, group_name):
+        return {"A": 0, "B": 1}  # A column-parallel (along r), B row-parallel; a bias is replicated
+
     def parallelize_projection(self, projection, group_name, plan) -> None:
-        shard_parameter(projection, "A", 0, plan)
-        shard_parameter(projection, "B", 1, plan)
+        self.shard_projection(projection, group_name, plan)
         adopt(projection, VanillaProjection, group=plan.group)
 
     def projection_group(self, layer, owner, group_name, plan):
