@@ -4,6 +4,7 @@ Subcommands live in :data:`SUBCOMMANDS` (name -> help, argument builder, runner)
 
     boost-hf estimate --preset cola-7b --tp 4 --micro-batch 4 --seq 4096 --gpu a100 [--json]
     boost-hf estimate --preset cola-13b --tp 4 --pp 2 --pp_schedule 1f1b --microbatches 8
+    boost-hf plan --preset cola-13b --gpus 8 --gpu a100-nvswitch [--seq-len 4096 --global-batch 512] [--json]
     boost-hf train RECIPE.yaml|NAME [--field value ...]      (accelerate launch ... -m boost_hf.cli train ...)
     boost-hf demo [--num-processes 4] [--tp-size 2] [--max-steps N]
     boost-hf eval CHECKPOINT --data FILE [--block-size N] [--json]
@@ -236,6 +237,73 @@ def _run_estimate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_plan_arguments(parser: argparse.ArgumentParser) -> None:
+    from .parallel.settings import add_options
+    from .perf.hardware import HARDWARE_PRESETS
+    from .perf.memory import PRECISION_BYTES
+
+    model = parser.add_argument_group("model (one of)")
+    model.add_argument("--recipe", help="a YAML recipe or a shipped one's name (demo, cola-7b, ...): its model, sequence "
+                       "length and global batch; the command trains it")
+    model.add_argument("--preset", help="a model preset, e.g. cola-13b (the command then trains the shipped recipe of "
+                       "that name if there is one)")
+    model.add_argument("--config", help="a model's config.json")
+    cluster = parser.add_argument_group("cluster")
+    cluster.add_argument("--gpus", type=int, required=True, help="GPUs (or CPU processes with --gpu cpu) in all")
+    cluster.add_argument("--gpus-per-node", type=int, help="GPUs per node (default: the --gpu preset's; all for cpu)")
+    cluster.add_argument("--gpu", choices=tuple(HARDWARE_PRESETS), default="a100-nvswitch", help="device preset")
+    cluster.add_argument("--gpu-memory-gb", type=float, help="memory per GPU, GiB (default: the preset's)")
+    cluster.add_argument("--peak-tflops", type=float, help="dense bf16 peak, TFLOP/s")
+    cluster.add_argument("--hbm-gbps", type=float, help="memory bandwidth, GB/s")
+    cluster.add_argument("--bandwidth-gbps", type=float, help="collective bus bandwidth within a node, GB/s")
+    cluster.add_argument("--latency-us", type=float, help="latency of one collective, microseconds")
+    cluster.add_argument("--inter-node-gbps", type=float, help="network bandwidth per GPU between nodes, GB/s")
+    work = parser.add_argument_group("workload")
+    work.add_argument("--seq-len", "--seq_len", "--seq", dest="seq", type=int,
+                      help="tokens per sequence (default: the recipe's block_size, else 4096)")
+    work.add_argument("--global-batch", type=int, help="sequences per optimizer step over all replicas (default: the "
+                      "recipe's on this cluster, else 512)")
+    search = parser.add_argument_group("search (ParallelConfig's fields: a value given is kept, the others are searched)")
+    add_options(search, exclude=("pp_layer_split",), defaults={f: None for f in (
+        "tp_size", "tp_style", "rmsnorm", "group_linears", "activation_checkpointing", "sequence_parallel", "pp_size",
+        "pp_schedule", "pp_microbatches", "pp_stages_per_rank")})
+    search.add_argument("--precision", nargs="+", choices=tuple(PRECISION_BYTES),
+                        help="precision policies to consider (default: autocast and bf16_params on GPUs, fp32 on cpu)")
+    search.add_argument("--zero1", choices=("true", "false"), help="keep --zero1_optimizer true or false (default: both)")
+    out = parser.add_argument_group("output")
+    out.add_argument("--top", type=int, default=5, help="layouts shown (default 5)")
+    out.add_argument("--accelerate-config", default="boost-hf-plan.yaml",
+                     help="where to write the winner's accelerate configuration (default: ./boost-hf-plan.yaml)")
+    out.add_argument("--json", action="store_true", help="print the layouts as JSON, best first")
+
+
+def _run_plan(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from .parallel.settings import layout_values
+    from .perf.hardware import get_hardware
+    from .perf.planner import Cluster, plan_inputs, plan, plan_report
+
+    inputs = plan_inputs(recipe=args.recipe, preset=args.preset, config_path=args.config, gpus=args.gpus,
+                         seq_len=args.seq, global_batch=args.global_batch)
+    hardware = get_hardware(args.gpu, peak_tflops=args.peak_tflops, hbm_gbps=args.hbm_gbps, link_gbps=args.bandwidth_gbps,
+                            latency_us=args.latency_us, inter_node_gbps=args.inter_node_gbps,
+                            gpus_per_node=args.gpus_per_node or (args.gpus if args.gpu == "cpu" else None),
+                            memory_gb=args.gpu_memory_gb)
+    cluster = Cluster(args.gpus, hardware, round(hardware.memory_gb * GIB))
+    fixed = {name: value for name, value in layout_values(args).items() if value is not None}
+    cpu = args.gpu == "cpu"
+    precisions = tuple(args.precision or (("fp32",) if cpu else ("autocast", "bf16_params")))
+    zero1 = None if args.zero1 is None else (args.zero1 == "true",)
+    result = plan(inputs.config, cluster, seq_len=inputs.seq_len, global_batch=inputs.global_batch, fixed=fixed,
+                  precisions=precisions, zero1_options=zero1)
+    report = plan_report(result, inputs, cluster, accelerate_config_path=args.accelerate_config, top=args.top)
+    if report.accelerate_config is not None:
+        Path(args.accelerate_config).write_text(report.accelerate_config)
+    print(json.dumps(report.layouts, indent=2) if args.json else report.text)
+    return 0 if result.ranked else 1
+
+
 def _add_comm_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--preset", default="cola-7b", help="low-rank preset; megatron runs llama-<size> (default: cola-7b)")
     parser.add_argument("--tp", type=int, default=4, help="tensor-parallel size = local CPU processes (default: 4)")
@@ -325,6 +393,12 @@ SUBCOMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Cal
         "predict per-layer communication and iteration time of megatron / vanilla / btp TP",
         _add_estimate_arguments,
         _run_estimate,
+    ),
+    "plan": (
+        "the fastest layout that fits a cluster (tp, pp, dp, schedule, micro-batches, SP, checkpointing, ZeRO-1, "
+        "precision), its memory per GPU, and the accelerate config and command that run it",
+        _add_plan_arguments,
+        _run_plan,
     ),
     "comm": (
         "measure one layer's collectives per layout on local CPU processes and print them next to the formula",

@@ -43,10 +43,11 @@ residual at the policy's residual bytes; without checkpointing the layer's saved
 (otherwise ``None``: not modelled, and :func:`fits` says so instead of claiming a fit). The last stage adds what the
 final norm, the LM head and the vocab-parallel loss keep (:func:`head_saved_bytes`), the first the token ids.
 
-**Transients** (the largest one counts): the working set of one layer's backward (the layer's saved tensors without
-checkpointing, recomputed under checkpointing); under ``autocast`` the cast cache, which keeps a bf16 copy of every
-weight of the rank for the whole forward of a micro-batch (autocast caches the casts of leaf parameters until its
-region exits); the save of a checkpoint: every rank writes its own shards through ``torch.distributed.checkpoint``
+**Transients** (the largest one counts): the working set of one layer's backward, an allowance of one layer's
+activations without checkpointing for the gradients it produces (twice that under checkpointing: the recomputed layer
+as well); under ``autocast`` with checkpointing the cast cache, which keeps a bf16 copy of every weight of the rank
+for the whole forward of a micro-batch (autocast caches the casts of leaf parameters until its region exits; without
+checkpointing the copies are kept for backward anyway, per micro-batch in flight); the save of a checkpoint: every rank writes its own shards through ``torch.distributed.checkpoint``
 (``boost_hf/training/checkpoint.py``), copying one tensor at a time to the host (``--save_async``: all its shards, to
 host memory once): no GPU memory beyond one tensor's host copy, which :attr:`MemoryBreakdown.save_host` reports.
 
@@ -61,13 +62,20 @@ allocator's fragmentation (10 % of the activations and transients: blocks are ro
 from __future__ import annotations
 
 import heapq
-from dataclasses import asdict, dataclass, fields, replace
+import weakref
+from dataclasses import asdict, dataclass, replace
 from functools import cache
 
 from ..parallel.config import ParallelConfig
 from ..parallel.layouts import layout_for
 from ..parallel.layouts.base import GROUPS
-from .activation_memory import saved_bytes_per_layer, saved_bytes_without_checkpointing
+from ..parallel.layouts.base import whole_norm_saved_bytes
+from .activation_memory import (
+    rotary_saved_bytes,
+    runs_single_device_layers,
+    saved_bytes_per_layer,
+    saved_bytes_without_checkpointing,
+)
 from .pipeline import micro_batches_in_flight
 
 GIB = 2**30
@@ -126,10 +134,12 @@ def precision_bytes(policy: str) -> PrecisionBytes:
 @dataclass(frozen=True)
 class RankParameters:
     """One pipeline rank's parameter tensors on one TP rank, as their local element counts: ``decay`` (AdamW's
-    weight-decay group) and ``no_decay`` (biases and norms), the groups transformers' ``Trainer`` builds."""
+    weight-decay group) and ``no_decay`` (biases and norms), the groups transformers' ``Trainer`` builds; ``cast``:
+    the elements of its decoder layers' GEMM weights (what autocast copies to bf16 in every forward)."""
 
     decay: tuple[int, ...]
     no_decay: tuple[int, ...]
+    cast: int = 0
 
     @property
     def elements(self) -> int:
@@ -140,6 +150,18 @@ class RankParameters:
         return len(self.decay) + len(self.no_decay)
 
 
+_CONFIG_KEYS: dict[int, tuple[weakref.ref, str]] = {}
+
+
+def _config_key(config) -> str:
+    """``config``'s JSON, computed once per config object (the memory model is asked about one model many times)."""
+    known = _CONFIG_KEYS.get(id(config))
+    if known is None or known[0]() is not config:
+        known = (weakref.ref(config), config.to_json_string(use_diff=False))
+        _CONFIG_KEYS[id(config)] = known
+    return known[1]
+
+
 @cache
 def _skeleton(config_json: str, config_class) -> tuple[tuple[str, tuple[int, ...], bool], ...]:
     """``(name, shape, decays)`` of every parameter of the single-device model of ``config_json`` with at most 2
@@ -147,7 +169,6 @@ def _skeleton(config_json: str, config_class) -> tuple[tuple[str, tuple[int, ...
     import json
 
     import torch
-    from transformers import Trainer
 
     from ..modeling_boost_llama import BoostLlamaForCausalLM
 
@@ -155,8 +176,21 @@ def _skeleton(config_json: str, config_class) -> tuple[tuple[str, tuple[int, ...
     values["num_hidden_layers"] = min(values["num_hidden_layers"], 2)
     with torch.device("meta"):
         model = BoostLlamaForCausalLM(config_class.from_dict(values))
-    decays = set(Trainer.get_decay_parameter_names(None, model))  # the Trainer's rule, a function of the model
+    decays = set(decay_parameter_names(model))
     return tuple((name, tuple(p.shape), name in decays) for name, p in model.named_parameters() if p.requires_grad)
+
+
+#: ``transformers.Trainer.get_decay_parameter_names``' patterns (its method body; importing the Trainer costs seconds)
+NO_DECAY_PATTERNS = (r"bias", r"layernorm", r"rmsnorm", r"(?:^|\.)norm(?:$|\.)", r"_norm(?:$|\.)")
+
+
+def decay_parameter_names(model) -> list[str]:
+    """The parameters transformers' ``Trainer`` gives weight decay (``tests/perf/test_memory.py`` checks this equals
+    ``Trainer.get_decay_parameter_names``)."""
+    from torch import nn
+    from transformers.trainer_pt_utils import get_parameter_names
+
+    return get_parameter_names(model, [nn.LayerNorm], list(NO_DECAY_PATTERNS))
 
 
 def _local_elements(layout, name: str, shape: tuple[int, ...], p: int) -> int:
@@ -185,15 +219,26 @@ def _local_elements(layout, name: str, shape: tuple[int, ...], p: int) -> int:
     return elements if dim is None else elements // p
 
 
+_RANK_PARAMETERS: dict[tuple, list[RankParameters]] = {}
+
+
 def rank_parameters(config, parallel: ParallelConfig) -> list[RankParameters]:
     """Per pipeline rank, the parameter tensors one of its TP ranks holds (local element counts)."""
+    key = (_config_key(config), type(config), parallel.tp_style, parallel.tp_size, parallel.pp_size,
+           parallel.stages_per_rank, parallel.pp_layer_split)
+    if key not in _RANK_PARAMETERS:
+        _RANK_PARAMETERS[key] = _rank_parameters(config, parallel, key[0])
+    return _RANK_PARAMETERS[key]
+
+
+def _rank_parameters(config, parallel: ParallelConfig, config_json: str) -> list[RankParameters]:
     layout = layout_for(config, parallel)
     p = parallel.tp_size
-    skeleton = _skeleton(config.to_json_string(use_diff=False), type(config))
-    layer_template: dict[int, list[tuple[int, bool]]] = {0: [], 1: []}
-    outside: dict[str, tuple[int, bool]] = {}
+    skeleton = _skeleton(config_json, type(config))
+    layer_template: dict[int, list[tuple[int, bool, bool]]] = {0: [], 1: []}
+    outside: dict[str, tuple[int, bool, bool]] = {}
     for name, shape, decays in skeleton:
-        local = (_local_elements(layout, name, shape, p), decays)
+        local = (_local_elements(layout, name, shape, p), decays, len(shape) == 2)
         if name.startswith("model.layers."):
             layer_template[int(name.split(".")[2])].append(local)
         else:
@@ -205,14 +250,16 @@ def rank_parameters(config, parallel: ParallelConfig) -> list[RankParameters]:
     for rank in range(parallel.pp_size):
         held = [s for s in range(parallel.num_stages) if s % parallel.pp_size == rank]
         tensors = [t for s in held for i in stages[s] for t in layer_template[min(i, 1)]]
+        cast = sum(n for n, _, matrix in tensors if matrix)
         if 0 in held:
             tensors.append(outside["model.embed_tokens.weight"])
         if parallel.num_stages - 1 in held:
             tensors += [outside[name] for name in outside if name != "model.embed_tokens.weight"]
-        ranks.append(RankParameters(tuple(n for n, d in tensors if d), tuple(n for n, d in tensors if not d)))
+        ranks.append(RankParameters(tuple(n for n, d, _ in tensors if d), tuple(n for n, d, _ in tensors if not d), cast))
     return ranks
 
 
+@cache
 def zero1_shares(parameters: RankParameters, dp: int) -> list[RankParameters]:
     """The tensors each of ``dp`` ranks steps under torch's ``ZeroRedundancyOptimizer``: per parameter group (weight
     decay, then the other), largest first, each to the rank with the fewest elements so far (the lowest rank on a
@@ -240,7 +287,7 @@ class StaticMemory:
 
     @property
     def total(self) -> int:
-        return sum(getattr(self, f.name) for f in fields(self))
+        return self.parameters + self.masters + self.gradients + self.gradient_buckets + self.optimizer_states
 
 
 def wrapped_in_ddp(parallel: ParallelConfig, dp_size: int) -> bool:
@@ -251,9 +298,21 @@ def wrapped_in_ddp(parallel: ParallelConfig, dp_size: int) -> bool:
     return dp_size * parallel.tp_size > 1
 
 
+_STATIC: dict[tuple, list[list[StaticMemory]]] = {}
+
+
 def static_memory(config, parallel: ParallelConfig, *, dp_size: int = 1, precision: str = "autocast",
                   zero1: bool = False, deepspeed_stage: int | None = None) -> list[list[StaticMemory]]:
     """Per pipeline rank, per DP rank: the static bytes of one GPU (module docstring)."""
+    key = (_config_key(config), parallel.tp_style, parallel.tp_size, parallel.pp_size, parallel.stages_per_rank,
+           parallel.pp_layer_split, dp_size, precision, zero1, deepspeed_stage)
+    if key not in _STATIC:
+        _STATIC[key] = _static_memory(config, parallel, dp_size, precision, zero1, deepspeed_stage)
+    return _STATIC[key]
+
+
+def _static_memory(config, parallel: ParallelConfig, dp_size: int, precision: str, zero1: bool,
+                   deepspeed_stage: int | None) -> list[list[StaticMemory]]:
     policy = precision_bytes(precision)
     if deepspeed_stage is not None:
         return [[_deepspeed_static(params, policy, dp_size, deepspeed_stage)] * dp_size
@@ -286,22 +345,38 @@ def _deepspeed_static(params: RankParameters, policy: PrecisionBytes, dp: int, s
 # ---------------------------------------------------------------------------------------------- activations
 def head_saved_bytes(config, parallel: ParallelConfig, tokens: int, precision: str = "autocast") -> int:
     """What the final norm, the LM head and the vocab-parallel loss keep for backward on one rank for ``tokens``
-    tokens: the norm's input (the residual, gathered to full ``d``; the token shard under Megatron's sequence
-    parallelism) and its ``1/rms``, the head's input (``[N, d]`` in the compute dtype) and, under autocast, the
-    head weight's bf16 copy, the fp32 logits and their exponentials (``2 N V/p`` fp32), and the labels and masks."""
+    tokens: the final norm's (:func:`~boost_hf.parallel.layouts.base.whole_norm_saved_bytes` on the gathered residual,
+    whose output is the head's input; on this rank's ``N/p`` tokens under Megatron's sequence parallelism, the head
+    then keeping the gathered ``[N, d]`` input instead; the single-device norm keeps its fp32 input, ``1/rms`` and the
+    normalised values in the residual's dtype, and the head its own input), autocast's bf16 copy of the head's weight,
+    the fp32 logits and their exponentials (``2 N V/p`` fp32), the shifted labels (int64), the per-token loss (fp32)
+    and two masks."""
     policy = precision_bytes(precision)
-    p, d, vocab = parallel.tp_size, config.hidden_size, config.vocab_size // parallel.tp_size
-    norm_tokens = tokens // p if parallel.shards_tokens and parallel.tp_style == "megatron" else tokens
-    norm = norm_tokens * d * policy.residual + norm_tokens * 4
-    head_input = tokens * d * policy.activation + vocab * d * policy.weight_copy
-    loss = 2 * tokens * vocab * 4 + tokens * (8 + 4 + 1 + 1)  # logits and exponentials; targets, loss, 2 masks
-    return norm + head_input + loss
+    a, p, d, vocab = policy.activation, parallel.tp_size, config.hidden_size, config.vocab_size // parallel.tp_size
+    if runs_single_device_layers(parallel):
+        norm = tokens * d * (4 + policy.residual + a) + tokens * 4
+    elif parallel.shards_tokens and parallel.tp_style == "megatron":
+        shard = tokens // p
+        norm = whole_norm_saved_bytes(shard, d, a, policy.residual) - shard * d * a + tokens * d * a
+    else:
+        norm = whole_norm_saved_bytes(tokens, d, a, policy.residual)
+    loss = 2 * tokens * vocab * 4 + tokens * (8 + 4 + 1 + 1)
+    return norm + vocab * d * policy.weight_copy + loss
+
+
+def embedding_saved_bytes(config, parallel: ParallelConfig, tokens: int) -> int:
+    """What the embedding keeps for backward: the token ids (int64) and, split over the vocabulary, which ids are
+    this rank's (a bool each)."""
+    vocab_split = parallel.tp_size > 1 and layout_for(config, parallel).embedding_split() == 0
+    return tokens * (8 + (1 if vocab_split else 0))
 
 
 @dataclass(frozen=True)
 class MemoryBreakdown:
     """Bytes on one GPU of one pipeline rank (its fullest DP rank), by what holds them (module docstring).
-    ``activations`` is ``None`` where the layout's activations without checkpointing are not modelled."""
+    ``activations`` is ``None`` where the layout's activations without checkpointing are not modelled. ``save_host``:
+    the host memory an asynchronous save (``--save_async``) holds on this rank, its shards (fp32 parameters and the
+    optimizer state); a synchronous save holds one tensor at a time, and neither adds GPU memory."""
 
     pp_rank: int
     parameters: int
@@ -333,10 +408,48 @@ class MemoryBreakdown:
         return out
 
 
+@dataclass(frozen=True)
+class _MicroBatchBytes:
+    """What one micro-batch keeps for backward, by part (bytes on one rank): a decoder layer (block 0, a later block;
+    ``None``: not modelled), the rotary tables, the head and loss, the embedding; and one layer's backward working set
+    (``None``: not modelled)."""
+
+    first_layer: int | None
+    other_layer: int | None
+    rotary: int
+    head: int
+    embedding: int
+    working_set: int | None
+
+
+_MICRO_BATCH_BYTES: dict[tuple, _MicroBatchBytes] = {}
+
+
+def _micro_batch_bytes(config, parallel: ParallelConfig, tokens: int, seq_len: int, precision: str) -> _MicroBatchBytes:
+    key = (_config_key(config), parallel.tp_style, parallel.tp_size, parallel.sequence_parallel, parallel.rmsnorm,
+           parallel.group_linears, parallel.activation_checkpointing, tokens, seq_len, precision)
+    if key not in _MICRO_BATCH_BYTES:
+        policy = precision_bytes(precision)
+        working_set = kept_without_checkpointing(config, parallel, tokens, policy)
+        if parallel.activation_checkpointing == "none":
+            first = other = working_set
+        else:
+            first, other = (saved_bytes_per_layer(config, parallel, tokens, i, residual_bytes=policy.residual,
+                                                  latent_bytes=policy.activation) for i in (0, 1))
+        _MICRO_BATCH_BYTES[key] = _MicroBatchBytes(
+            first, other,
+            # the rotary tables and the int64 position ids they were computed from
+            rotary_saved_bytes(config, parallel, seq_len, activation_bytes=policy.activation, residual_bytes=policy.residual)
+            + seq_len * 8,
+            head_saved_bytes(config, parallel, tokens, precision), embedding_saved_bytes(config, parallel, tokens),
+            working_set,
+        )
+    return _MICRO_BATCH_BYTES[key]
+
+
 def memory_per_gpu(config, parallel: ParallelConfig, *, micro_batch: int, seq_len: int, num_micro_batches: int,
                    dp_size: int = 1, precision: str = "autocast", zero1: bool = False,
-                   deepspeed_stage: int | None = None, save_async: bool = False,
-                   framework: Framework = FRAMEWORK) -> list[MemoryBreakdown]:
+                   deepspeed_stage: int | None = None, framework: Framework = FRAMEWORK) -> list[MemoryBreakdown]:
     """Per pipeline rank, the peak bytes of its fullest GPU while training (module docstring). ``num_micro_batches``:
     the pipeline's ``m`` (the micro-batches of a step at ``pp_size`` 1, which run one after the other)."""
     policy = precision_bytes(precision)
@@ -345,65 +458,50 @@ def memory_per_gpu(config, parallel: ParallelConfig, *, micro_batch: int, seq_le
     stages = parallel.stage_layers(config.num_hidden_layers)
     statics = static_memory(config, parallel, dp_size=dp_size, precision=precision, zero1=zero1, deepspeed_stage=deepspeed_stage)
     params = rank_parameters(config, parallel)
-    kept = _kept_per_layer(config, parallel, tokens, policy)
+    kept = _micro_batch_bytes(config, parallel, tokens, seq_len, precision)
     communicators = 1 + sum(size > 1 for size in (parallel.tp_size, pp, dp_size))
+    checkpointed = parallel.activation_checkpointing != "none"
     out = []
     for rank in range(pp):
         held = [s for s in range(parallel.num_stages) if s % pp == rank]
         layers = [i for s in held for i in stages[s]]
         in_flight = micro_batches_in_flight(parallel.pp_schedule, pp, m, v, rank) if pp > 1 else 1
-        per_layer = [kept(i) for i in layers]
-        layer_params = params[rank].elements  # the rank's weights, cast under autocast
-        if parallel.activation_checkpointing == "none":
-            saved = None if None in per_layer else sum(per_layer)
-            copies = round(layer_params * policy.weight_copy * in_flight)
-        else:
-            saved = sum(per_layer)
-            copies = 0
+        all_at_once = m if parallel.pp_schedule == "gpipe" else 1  # the last stage runs each backward right after
         activations = None
-        if saved is not None:
-            activations = round(saved * in_flight)
+        if kept.other_layer is not None:
+            per_micro_batch = sum(kept.first_layer if i == 0 else kept.other_layer for i in layers)
+            activations = round((per_micro_batch + (kept.rotary if layers else 0)) * in_flight)
             if parallel.num_stages - 1 in held:
-                head_flight = m if parallel.pp_schedule == "gpipe" else 1
-                activations += head_saved_bytes(config, parallel, tokens, precision) * head_flight
+                activations += kept.head * all_at_once
             if 0 in held:
-                activations += tokens * 8 * (m if parallel.pp_schedule == "gpipe" else in_flight)
-        working_set = _working_set(config, parallel, tokens, policy, layers)
-        cast_cache = layer_params * policy.weight_copy if parallel.activation_checkpointing != "none" else 0
-        transient = max(working_set or 0, cast_cache)
-        dynamic = (activations or 0) + copies + transient
-        static = max(statics[rank], key=lambda s: s.total)
-        shards = static.parameters + static.masters + static.optimizer_states
+                activations += round(kept.embedding * (m if all_at_once > 1 else in_flight))
+        # autocast's bf16 weight copies: kept by every forward in flight; under checkpointing only its cast cache,
+        # the rank's weights for the whole forward of one micro-batch
+        weight_copies = params[rank].cast * policy.weight_copy
+        copies = 0 if checkpointed else round(weight_copies * in_flight)
+        transient = None
+        if kept.working_set is not None:  # a layer's backward: its activations' gradients (and the recomputed layer)
+            transient = max(kept.working_set * (2 if checkpointed else 1) if layers else 0,
+                            weight_copies if checkpointed else 0)
+        static = max(statics[rank], key=lambda b: b.total)
+        dynamic = None if activations is None or transient is None else activations + copies + transient
         out.append(MemoryBreakdown(
             pp_rank=rank, parameters=static.parameters, masters=static.masters, gradients=static.gradients,
             gradient_buckets=static.gradient_buckets, optimizer_states=static.optimizer_states,
-            activations=activations, weight_copies=copies, transient=transient,
+            activations=None if dynamic is None else activations, weight_copies=copies,
+            transient=transient or 0,
             framework=framework.cuda_context + communicators * framework.nccl_per_communicator
-            + round(framework.fragmentation * dynamic),
-            save_host=shards if save_async else max(n * policy.parameter for n in (*params[rank].decay, *params[rank].no_decay)),
+            + round(framework.fragmentation * (dynamic or 0)),
+            save_host=params[rank].elements * 4 + static.optimizer_states,
         ))
     return out
 
 
-def _kept_per_layer(config, parallel: ParallelConfig, tokens: int, policy: PrecisionBytes):
-    """``layer_idx -> bytes`` one layer keeps for backward per micro-batch (``None``: not modelled)."""
-    if parallel.activation_checkpointing == "none":
-        first, other = (saved_bytes_without_checkpointing(config, parallel, tokens, i, activation_bytes=policy.activation,
-                                                          residual_bytes=policy.residual) for i in (0, 1))
-    else:
-        first, other = (saved_bytes_per_layer(config, parallel, tokens, i, residual_bytes=policy.residual,
-                                              latent_bytes=policy.activation) for i in (0, 1))
-    return lambda layer_idx: first if layer_idx == 0 else other
-
-
-def _working_set(config, parallel: ParallelConfig, tokens: int, policy: PrecisionBytes, layers: list[int]) -> int | None:
-    """One layer's backward working set: what the layer saves without checkpointing (recomputed under
-    checkpointing), as many bytes again for the gradients it produces; ``None`` where not modelled."""
-    if not layers:
-        return 0
-    saved = saved_bytes_without_checkpointing(config, parallel, tokens, max(layers), activation_bytes=policy.activation,
-                                              residual_bytes=policy.residual)
-    return None if saved is None else saved
+def kept_without_checkpointing(config, parallel: ParallelConfig, tokens: int, policy: PrecisionBytes) -> int | None:
+    """What one decoder layer keeps for backward without checkpointing (and holds while a checkpointed layer's
+    backward recomputes it), :func:`~boost_hf.perf.activation_memory.saved_bytes_without_checkpointing`."""
+    return saved_bytes_without_checkpointing(config, parallel, tokens, activation_bytes=policy.activation,
+                                             residual_bytes=policy.residual, casts_inputs=policy.weight_copy > 0)
 
 
 def fits(breakdown: list[MemoryBreakdown], gpu_memory_bytes: int) -> tuple[bool | None, int | None]:
@@ -417,6 +515,8 @@ def fits(breakdown: list[MemoryBreakdown], gpu_memory_bytes: int) -> tuple[bool 
 
 __all__ = [
     "ADAMW_STEP_BYTES",
+    "NO_DECAY_PATTERNS",
+    "decay_parameter_names",
     "FRAMEWORK",
     "Framework",
     "MemoryBreakdown",
@@ -425,7 +525,9 @@ __all__ = [
     "RankParameters",
     "StaticMemory",
     "fits",
+    "embedding_saved_bytes",
     "head_saved_bytes",
+    "kept_without_checkpointing",
     "memory_per_gpu",
     "precision_bytes",
     "rank_parameters",

@@ -68,7 +68,7 @@ class Candidate:
         parts = [f"tp {p.tp_size}", f"pp {p.pp_size}", f"dp {self.dp}"]
         if p.pp_size > 1:
             parts.append(f"{p.pp_schedule}" + (f" (v {p.stages_per_rank})" if p.stages_per_rank > 1 else ""))
-        parts.append(f"{self.num_micro_batches} x {self.micro_batch} seq")
+        parts.append(f"{self.num_micro_batches} micro-batch{'es' if self.num_micro_batches > 1 else ''} of {self.micro_batch}")
         if p.sequence_parallel:
             parts.append("SP")
         parts.append(f"ckpt {p.activation_checkpointing}")
@@ -307,4 +307,188 @@ def launch_command(cluster: Cluster, config_path: str, recipe: str, train_args: 
     return " ".join([*launch, "-m", "boost_hf.cli", "train", recipe, *train_args])
 
 
-__all__ = ["CHECKPOINTING_ORDER", "accelerate_config", "launch_command", "training_arguments", "Candidate", "Cluster", "Evaluated", "PlanResult", "candidates", "plan", "why_slower"]
+@dataclass(frozen=True)
+class PlanInputs:
+    """What is planned: the model ``config`` (``name`` to show), steps of ``global_batch`` sequences of ``seq_len``
+    tokens, the ``recipe`` the command trains (a shipped name, a path, or ``RECIPE.yaml`` to fill in), the recipe's
+    own layout (its training fields, when planning a recipe) and notes on what was assumed."""
+
+    config: object
+    name: str
+    seq_len: int
+    global_batch: int
+    recipe: str
+    recipe_layout: dict | None = None
+    notes: tuple[str, ...] = ()
+
+
+RECIPE_LAYOUT_FIELDS = ("tp_size", "pp_size", "pp_schedule", "pp_microbatches", "sequence_parallel",
+                        "activation_checkpointing_mode", "zero1_optimizer", "per_device_train_batch_size",
+                        "gradient_accumulation_steps", "bf16")
+
+
+def plan_inputs(*, recipe: str | None = None, preset: str | None = None, config_path: str | None = None, gpus: int,
+                seq_len: int | None = None, global_batch: int | None = None) -> PlanInputs:
+    """The model and workload of a plan: from a recipe (its model, ``block_size`` and global batch on ``gpus``), a
+    preset, or a ``config.json``; ``seq_len`` and ``global_batch`` override (defaults 4096 and 512 without a recipe)."""
+    import json
+    from pathlib import Path
+
+    import yaml
+
+    from ..configuration_boost_llama import BoostLlamaConfig
+
+    if sum(x is not None for x in (recipe, preset, config_path)) != 1:
+        raise ValueError("plan needs exactly one model: --recipe NAME|PATH, --preset NAME or --config config.json.")
+    notes = []
+    if recipe is not None:
+        from ..shipped import VOCAB_MULTIPLE, recipe_model_config, resolve_recipe
+
+        path = resolve_recipe(recipe)
+        sections = yaml.safe_load(Path(path).read_text()) or {}
+        model = {k: v for k, v in (sections.get("model") or {}).items() if k != "init_from"}
+        data, training = sections.get("data") or {}, sections.get("training") or {}
+        tokenizer = str(data.get("tokenizer", "bpe"))
+        if "vocab_size" not in model and tokenizer.startswith("bpe-") and tokenizer[4:].isdigit():
+            model["vocab_size"] = -(-int(tokenizer[4:]) // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
+        elif "vocab_size" not in model:
+            notes.append(f"vocab_size from the preset (the recipe's tokenizer {tokenizer!r} sets it when loaded)")
+        config = recipe_model_config(model.pop("preset", "cola-60m"), model)
+        tp, pp = training.get("tp_size", 1), training.get("pp_size", 1)
+        if gpus % (tp * pp):
+            raise ValueError(f"the recipe's tp_size x pp_size ({tp} x {pp}) does not divide --gpus {gpus}: give --global-batch.")
+        recipe_batch = training.get("per_device_train_batch_size", 8) * training.get("gradient_accumulation_steps", 1) * (gpus // (tp * pp))
+        layout = {name: training.get(name) for name in RECIPE_LAYOUT_FIELDS}
+        return PlanInputs(config, Path(path).stem, seq_len or data.get("block_size", 256), global_batch or recipe_batch,
+                          recipe, layout, tuple(notes))
+    if preset is not None:
+        from ..shipped import shipped_recipes
+
+        config = BoostLlamaConfig.from_preset(preset)
+        name, command_recipe = preset, preset if preset in shipped_recipes() else "RECIPE.yaml"
+    else:
+        config = BoostLlamaConfig.from_dict(json.loads(Path(config_path).read_text()))
+        name, command_recipe = Path(config_path).parent.name or config_path, "RECIPE.yaml"
+    if command_recipe == "RECIPE.yaml":
+        notes.append("no shipped recipe trains this model: RECIPE.yaml in the command is yours to write")
+    return PlanInputs(config, name, seq_len or 4096, global_batch or 512, command_recipe, None, tuple(notes))
+
+
+@dataclass(frozen=True)
+class PlanReport:
+    """What ``boost-hf plan`` prints: ``text``, ``layouts`` (the ``--json`` list, best first) and the winner's
+    ``accelerate_config`` (``None`` when nothing fits)."""
+
+    text: str
+    layouts: list[dict]
+    accelerate_config: str | None
+
+
+def _gib(nbytes: int | None) -> float | None:
+    return None if nbytes is None else round(nbytes / GIB, 2)
+
+
+def _record(evaluated: Evaluated, inputs: PlanInputs, cluster: Cluster, command: str | None, best: Evaluated | None) -> dict:
+    c, p = evaluated.candidate, evaluated.candidate.parallel
+    e = evaluated.estimate
+    fullest = evaluated.fullest
+    record = {
+        "tp": p.tp_size, "pp": p.pp_size, "dp": c.dp, "tp_style": p.tp_style,
+        "pp_schedule": p.pp_schedule if p.pp_size > 1 else None,
+        "pp_stages_per_rank": p.stages_per_rank if p.pp_size > 1 else None,
+        "pp_microbatches": c.num_micro_batches if p.pp_size > 1 else None,
+        "micro_batch": c.micro_batch,
+        "gradient_accumulation_steps": 1 if p.pp_size > 1 else c.num_micro_batches,
+        "sequence_parallel": p.sequence_parallel, "activation_checkpointing": p.activation_checkpointing,
+        "zero1": c.zero1, "precision": c.precision,
+        "memory_gb_per_gpu": _gib(evaluated.peak_bytes),
+        "memory_gb_by_pipeline_rank": [_gib(b.total) for b in evaluated.memory],
+        "memory_breakdown_gb": {k: _gib(v) for k, v in fullest.parts().items()},
+        "margin_gb": None if evaluated.peak_bytes is None else _gib(cluster.memory_bytes - evaluated.peak_bytes),
+        "fits": evaluated.fits,
+        "step_s": None if e is None else round(e.step_time_s, 4),
+        "tokens_per_s": None if e is None else round(e.tokens_per_s * c.dp),
+        "tokens_per_s_per_gpu": None if e is None else round(e.tokens_per_s * c.dp / cluster.gpus),
+        "mfu": None if e is None else round(e.mfu, 4),
+        "bubble_fraction": None if e is None else round(e.bubble_fraction, 4),
+        "breakdown_s": None if e is None else {k: round(v, 4) for k, v in e.breakdown_s.items() if v},
+        "vs_best": None if best is None or e is None or evaluated is best else why_slower(best, evaluated),
+        "command": command,
+    }
+    if not evaluated.fits:
+        record["reason"] = (f"needs {_gib(evaluated.peak_bytes)} GiB on its fullest GPU (pipeline rank {fullest.pp_rank}), "
+                            f"the GPUs have {_gib(cluster.memory_bytes)}")
+    return record
+
+
+PART_LABELS = {
+    "parameters": "parameters", "masters": "fp32 master weights", "gradients": "gradients",
+    "gradient_buckets": "DDP gradient buckets", "optimizer_states": "AdamW state", "activations": "activations kept",
+    "weight_copies": "autocast weight copies", "transient": "backward working set", "framework": "CUDA/NCCL/allocator",
+}
+
+
+def plan_report(result: PlanResult, inputs: PlanInputs, cluster: Cluster, *, accelerate_config_path: str,
+                top: int = 5) -> PlanReport:
+    """The text and JSON of a plan, the winner's accelerate config and the command that runs each layout."""
+    cpu = cluster.hardware.name == "cpu"
+    config, hw = inputs.config, cluster.hardware
+    best = result.ranked[0] if result.ranked else None
+
+    def command(e: Evaluated) -> str:
+        args = training_arguments(e.candidate, seq_len=inputs.seq_len)
+        return launch_command(cluster, accelerate_config_path, inputs.recipe, args)
+
+    shown = result.ranked[:top]
+    layouts = [_record(e, inputs, cluster, command(e), best) for e in shown]
+    layouts += [_record(e, inputs, cluster, None, None) for e in result.smallest[:top]]
+    kind = "CPU processes" if cpu else f"{hw.name} ({hw.memory_gb:g} GiB, {hw.gpus_per_node} per node, {cluster.nodes} node(s))"
+    model = (f"{inputs.name} ({config.num_hidden_layers} layers, d {config.hidden_size}, "
+             + (f"r {config.rank}" if config.bottleneck else "full rank") + ")")
+    lines = [
+        f"boost-hf plan: {model} on {cluster.gpus} x {kind}; {inputs.global_batch} sequences of {inputs.seq_len} tokens "
+        "per step",
+        f"{result.tried} layouts evaluated, {len(result.ranked)} fit"
+        + (f"; {len(result.unmodelled)} not modelled (activations without checkpointing of this layout)" if result.unmodelled else ""),
+        *(f"note: {note}" for note in inputs.notes),
+        "",
+    ]
+    if best is None:
+        smallest = result.smallest[0] if result.smallest else None
+        lines.append(f"nothing fits in {cluster.memory_bytes / GIB:g} GiB per GPU."
+                     + (f" The smallest needs {smallest.peak_bytes / GIB:.1f} GiB: {smallest.candidate.describe()}." if smallest else ""))
+        for e in result.smallest[1:top]:
+            lines.append(f"  {e.candidate.describe()}: needs {e.peak_bytes / GIB:.1f} GiB")
+        return PlanReport("\n".join(lines), layouts, None)
+    lines.append(f"{'#':>2}  {'layout':<72} {'step s':>8} {'tok/s/GPU':>10} {'MFU':>6} {'GiB/GPU':>8} {'margin':>7}")
+    for i, (e, record) in enumerate(zip(shown, layouts), 1):
+        lines.append(f"{i:>2}  {e.candidate.describe():<72} {e.step_s:>8.3f} {record['tokens_per_s_per_gpu']:>10,} "
+                     f"{e.estimate.mfu:>6.1%} {e.peak_bytes / GIB:>8.1f} {record['margin_gb']:>7.1f}")
+        if i > 1:
+            lines.append(f"{'':4}loses by {record['vs_best']}")
+    lines += ["", f"memory per GPU of #1, GiB, by pipeline rank ({', '.join(str(b.pp_rank) for b in best.memory)}):"]
+    for part, label in PART_LABELS.items():
+        values = [b.parts()[part] for b in best.memory]
+        if any(values):
+            lines.append(f"  {label:<28}" + "".join(f"{v / GIB:>8.2f}" for v in values))
+    lines.append(f"  {'total':<28}" + "".join(f"{b.total / GIB:>8.2f}" for b in best.memory)
+                 + f"   of {cluster.memory_bytes / GIB:g}")
+    lines.append(f"  a checkpoint save adds no GPU memory; with --save_async it holds "
+                 f"{max(b.save_host for b in best.memory) / GIB:.1f} GiB of host memory per GPU (its shards)")
+    families = {}
+    for e in result.ranked:
+        families.setdefault((e.candidate.parallel.tp_size, e.candidate.parallel.pp_size), e)
+    others = [e for e in families.values() if e is not best]
+    if others or result.smallest:
+        lines += ["", "the best of each other tp x pp, and why it loses:"]
+        lines += [f"  {e.candidate.describe()}: {e.step_s:.3f} s, {why_slower(best, e)}" for e in others]
+        lines += [f"  {e.candidate.describe()}: does not fit, needs {e.peak_bytes / GIB:.1f} GiB" for e in result.smallest[:top]]
+    mixed = "no" if best.candidate.precision == "fp32" else "bf16"
+    text_config = accelerate_config(cluster, cpu=cpu, mixed_precision=mixed)
+    lines += ["", f"accelerate config written to {accelerate_config_path}; run #1"
+              + (f" on every node (NODE_RANK 0..{cluster.nodes - 1}, MASTER_ADDR the first node's):" if cluster.nodes > 1 else ":"),
+              f"  {layouts[0]['command']}"]
+    return PlanReport("\n".join(lines), layouts, text_config)
+
+
+__all__ = ["CHECKPOINTING_ORDER", "PlanInputs", "PlanReport", "plan_inputs", "plan_report", "accelerate_config", "launch_command", "training_arguments", "Candidate", "Cluster", "Evaluated", "PlanResult", "candidates", "plan", "why_slower"]

@@ -196,6 +196,8 @@ class MegatronLayout(Layout):
         p, n, a, d = self.parallel.tp_size, tokens, activation_bytes, config.hidden_size
         widths = self.widths(config)
         norms = 2 * whole_norm_saved_bytes(n // p if self.parallel.shards_tokens else n, d, a, residual_bytes)
+        if self.parallel.shards_tokens:  # each norm of a token shard also keeps its weight (the residual's dtype)
+            norms += 2 * d * residual_bytes
         heads = config.num_attention_heads // p
         # attention: the q/k/v GEMM output, the rotated q and k, the output; the log-sum-exp per head (fp32)
         attention = n * ((widths.q + 2 * widths.k) + (widths.q + widths.k) + widths.q) * a + n * heads * 4
