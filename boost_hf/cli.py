@@ -270,6 +270,9 @@ def _add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     search.add_argument("--precision", nargs="+", choices=tuple(PRECISION_BYTES),
                         help="precision policies to consider (default: autocast and bf16_params on GPUs, fp32 on cpu)")
     search.add_argument("--zero1", choices=("true", "false"), help="keep --zero1_optimizer true or false (default: both)")
+    search.add_argument("--grad-reduce-dtype", "--grad_reduce_dtype", dest="grad_reduce_dtype", choices=("fp32", "bf16"),
+                        help="bf16_params' DP gradient all-reduce dtype (default fp32; bf16 halves its bytes and rounds "
+                             "the gradients' sum: your choice, not searched)")
     out = parser.add_argument_group("output")
     out.add_argument("--top", type=int, default=5, help="layouts shown (default 5)")
     out.add_argument("--accelerate-config", default="boost-hf-plan.yaml",
@@ -296,7 +299,7 @@ def _run_plan(args: argparse.Namespace) -> int:
     precisions = tuple(args.precision or (("fp32",) if cpu else ("autocast", "bf16_params")))
     zero1 = None if args.zero1 is None else (args.zero1 == "true",)
     result = plan(inputs.config, cluster, seq_len=inputs.seq_len, global_batch=inputs.global_batch, fixed=fixed,
-                  precisions=precisions, zero1_options=zero1)
+                  precisions=precisions, zero1_options=zero1, grad_reduce_dtype=args.grad_reduce_dtype)
     report = plan_report(result, inputs, cluster, accelerate_config_path=args.accelerate_config, top=args.top)
     if report.accelerate_config is not None:
         Path(args.accelerate_config).write_text(report.accelerate_config)

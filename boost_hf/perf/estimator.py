@@ -65,7 +65,7 @@ Time of one decoder layer, forward (backward in parentheses)::
   local parameter, at ``memory_efficiency * HBM bandwidth``, once per iteration (``1/dp`` of them per rank under
   ``zero1_optimizer``).
 * **Data parallelism** (``dp_size`` > 1): each rank all-reduces its parameters' gradients over its DP group, in
-  the policy's reduce dtype (:data:`~boost_hf.perf.memory.PRECISION_BYTES`: fp32), as a ring
+  the policy's reduce dtype (:data:`~boost_hf.perf.memory.PRECISION_BYTES`: fp32; bf16 with ``grad_reduce_dtype``), as a ring
   (``latency * buckets + 2 (dp-1)/dp * bytes / bandwidth``; buckets of 25 MiB, DDP's and the ``bf16_params``
   policy's). The DP peers of a rank are ``tp`` ranks apart, so the group shares a node (NVLink,
   :meth:`~boost_hf.perf.hardware.Hardware.collective_gbps` for ``dp`` GPUs) when ``tp * dp`` GPUs fit in one,
@@ -126,7 +126,7 @@ from .activation_memory import saved_bytes_per_layer
 from .comm_formula import Communication, layer_communication, outside_layers_communication, stage_boundary_communication
 from .flops import attention_flops_per_token, training_flops_per_token
 from .hardware import Hardware, get_hardware
-from .memory import PRECISION_BYTES, RankParameters, precision_bytes, rank_parameters
+from .memory import RankParameters, precision_bytes, rank_parameters
 from .pipeline import (
     check_schedule,
     critical_path_weights,
@@ -287,7 +287,8 @@ class Workload:
         dp_size: data-parallel replicas (1: no gradient all-reduce). zero1_optimizer: the optimizer state sharded
             over them (torch's ``ZeroRedundancyOptimizer``: ``1/dp`` of the step, then a broadcast of the parameters).
         precision: the precision policy whose casts are timed (``"autocast"``, ``"bf16_params"``, ``"fp32"``; ``None``:
-            not modelled, as the calibration ran).
+            not modelled, as the calibration ran). grad_reduce_dtype: ``"bf16"`` halves the DP all-reduce's bytes
+            (``bf16_params`` only, ``--grad_reduce_dtype``); ``None``/``"fp32"``: the policy's.
 
     The schedules modelled are ``"1f1b"``, ``"gpipe"`` and ``"interleaved-1f1b"`` (:mod:`boost_hf.perf.pipeline`).
     Sequence parallelism applies to the layouts that have it (megatron: Megatron-LM's; btp: latent sequence
@@ -303,10 +304,12 @@ class Workload:
     dp_size: int
     zero1_optimizer: bool
     precision: str | None
+    grad_reduce_dtype: str | None
 
     def __init__(self, parallel_config: ParallelConfig | None = None, *, micro_batch: int = 4, seq_len: int = 4096,
                  num_micro_batches: int | None = None, dtype_bytes: int = 2, dp_size: int = 1,
-                 zero1_optimizer: bool = False, precision: str | None = None, **layout) -> None:
+                 zero1_optimizer: bool = False, precision: str | None = None, grad_reduce_dtype: str | None = None,
+                 **layout) -> None:
         parallel = parallel_config or ParallelConfig()
         layout = {field_of(name): value for name, value in layout.items()}
         given = {m for m in (num_micro_batches, layout.pop("pp_microbatches", None), parallel.pp_microbatches) if m is not None}
@@ -320,10 +323,11 @@ class Workload:
             if name != "parallel_config" and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"Workload.{name} must be a positive integer, got {value!r}.")
             object.__setattr__(self, name, value)
-        if precision is not None:
-            precision_bytes(precision)  # a known policy
+        if precision is not None or grad_reduce_dtype is not None:
+            precision_bytes(precision or "autocast", grad_reduce_dtype)  # a known policy (and reduction)
         object.__setattr__(self, "zero1_optimizer", bool(zero1_optimizer))
         object.__setattr__(self, "precision", precision)
+        object.__setattr__(self, "grad_reduce_dtype", grad_reduce_dtype)
         check_schedule(parallel.pp_schedule, parallel.pp_stages_per_rank)
         if parallel.shards_tokens:
             check_sequence_length(seq_len, parallel.tp_size)
@@ -358,7 +362,8 @@ class Workload:
         return {**layout, "micro_batch": self.micro_batch, "seq_len": self.seq_len,
                 "num_micro_batches": self.num_micro_batches, "stages_per_rank": self.stages_per_rank,
                 "dtype_bytes": self.dtype_bytes, "tokens_per_micro_batch": self.tokens, "dp_size": self.dp_size,
-                "zero1_optimizer": self.zero1_optimizer, "precision": self.precision}
+                "zero1_optimizer": self.zero1_optimizer, "precision": self.precision,
+                "grad_reduce_dtype": self.grad_reduce_dtype}
 
 
 COMPONENTS = ("gemm", "attention", "memory", "measured", "tp_comm", "pp_comm", "dp_comm", "optimizer")
@@ -685,7 +690,7 @@ def _data_parallel_time(parallel: ParallelConfig, workload: Workload, hardware: 
     dp = workload.dp_size
     if dp == 1:
         return 0.0
-    reduce_bytes = PRECISION_BYTES[workload.precision or "autocast"].reduce
+    reduce_bytes = precision_bytes(workload.precision or "autocast", workload.grad_reduce_dtype).reduce
     same_node = parallel.tp_size * dp <= hardware.gpus_per_node
     bandwidth = (hardware.collective_gbps(dp) if same_node else hardware.inter_node_gbps) * 1e9
     latency = hardware.latency_us * 1e-6

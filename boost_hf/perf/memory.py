@@ -124,9 +124,17 @@ class Framework:
 FRAMEWORK = Framework()
 
 
-def precision_bytes(policy: str) -> PrecisionBytes:
+def precision_bytes(policy: str, grad_reduce_dtype: str | None = None) -> PrecisionBytes:
+    """``policy``'s bytes; ``grad_reduce_dtype="bf16"`` (``bf16_params`` only, ``--grad_reduce_dtype``): the DP
+    all-reduce moves 2 bytes per gradient element instead of 4."""
     if policy not in PRECISION_BYTES:
         raise ValueError(f"Unknown precision policy {policy!r}: use one of {', '.join(PRECISION_BYTES)}.")
+    if grad_reduce_dtype not in (None, "fp32", "bf16"):
+        raise ValueError(f"grad_reduce_dtype must be fp32 or bf16, got {grad_reduce_dtype!r}.")
+    if grad_reduce_dtype == "bf16":
+        if policy != "bf16_params":
+            raise ValueError(f"grad_reduce_dtype bf16 needs the bf16_params precision policy, not {policy!r}.")
+        return replace(PRECISION_BYTES[policy], reduce=2)
     return PRECISION_BYTES[policy]
 
 

@@ -12,7 +12,7 @@ The search space is :class:`~boost_hf.parallel.config.ParallelConfig`'s fields (
 * ``sequence_parallel`` (tp > 1, not vanilla), ``activation_checkpointing`` (``none``, ``lowrank`` for a low-rank
   model, ``full``: tried fastest first, the first that fits is kept for each layout), ``--zero1_optimizer`` (dp > 1)
   and the precision policy (:data:`~boost_hf.perf.memory.PRECISION_BYTES`: ``autocast`` and ``bf16_params`` on GPUs,
-  ``fp32`` on CPU).
+  ``fp32`` on CPU); ``--grad_reduce_dtype bf16`` is the user's to give (it rounds the gradients' sum), not searched.
 
 Each candidate's step time is :func:`~boost_hf.perf.estimator.estimate_layout`'s (DP all-reduce and ZeRO-1 included)
 and its memory :func:`~boost_hf.perf.memory.memory_per_gpu`'s; a candidate fits when its fullest GPU's peak is at
@@ -58,6 +58,7 @@ class Candidate:
     num_micro_batches: int
     zero1: bool
     precision: str
+    grad_reduce_dtype: str | None = None  # "bf16": bf16_params' DP all-reduce in bf16
 
     @property
     def replica_batch(self) -> int:
@@ -74,7 +75,7 @@ class Candidate:
         parts.append(f"ckpt {p.activation_checkpointing}")
         if self.zero1:
             parts.append("ZeRO-1")
-        parts.append(self.precision)
+        parts.append(self.precision + (" (bf16 grad reduce)" if self.grad_reduce_dtype == "bf16" else ""))
         return ", ".join(parts)
 
 
@@ -168,9 +169,11 @@ def candidates(config, cluster: Cluster, seq_len: int, global_batch: int, fixed:
 
 def plan(config, cluster: Cluster, *, seq_len: int, global_batch: int, fixed: dict | None = None,
          precisions: tuple[str, ...] = ("autocast",), zero1_options: tuple[bool, ...] | None = None,
-         efficiency: KernelEfficiency = CALIBRATED_EFFICIENCY) -> PlanResult:
+         grad_reduce_dtype: str | None = None, efficiency: KernelEfficiency = CALIBRATED_EFFICIENCY) -> PlanResult:
     """Search every layout of ``config`` on ``cluster`` for steps of ``global_batch`` sequences of ``seq_len`` tokens
-    (module docstring); ``fixed``: ``ParallelConfig`` field -> value the search keeps (``zero1`` too)."""
+    (module docstring); ``fixed``: ``ParallelConfig`` field -> value the search keeps. ``grad_reduce_dtype``
+    (``"bf16"``) applies to the ``bf16_params`` candidates: it changes the gradients' rounding, so it is the
+    user's choice, not searched."""
     fixed = dict(fixed or {})
     cache: dict = {}
     low_rank = config.bottleneck is not None
@@ -190,7 +193,8 @@ def plan(config, cluster: Cluster, *, seq_len: int, global_batch: int, fixed: di
             for precision in precisions:
                 for zero1 in zero1s:
                     tried += 1
-                    candidate = Candidate(layout, dp, micro_batch, m, zero1 and dp > 1, precision)
+                    reduce = grad_reduce_dtype if precision == "bf16_params" and dp > 1 else None
+                    candidate = Candidate(layout, dp, micro_batch, m, zero1 and dp > 1, precision, reduce)
                     memory = memory_per_gpu(config, layout, micro_batch=micro_batch, seq_len=seq_len, num_micro_batches=m,
                                             dp_size=dp, precision=precision, zero1=candidate.zero1)
                     ok, peak = fits(memory, cluster.memory_bytes)
@@ -220,6 +224,7 @@ def _estimate(config, candidate: Candidate, seq_len: int, cluster: Cluster, effi
     workload = Workload(replace(parallel, pp_microbatches=None), micro_batch=candidate.micro_batch, seq_len=seq_len,
                         num_micro_batches=candidate.num_micro_batches, dp_size=candidate.dp,
                         zero1_optimizer=candidate.zero1, precision=candidate.precision,
+                        grad_reduce_dtype=candidate.grad_reduce_dtype,
                         dtype_bytes=4 if candidate.precision == "fp32" else 2)
     return estimate_layout(config, parallel.tp_style, workload, cluster.hardware, efficiency, cache=cache)
 
@@ -270,6 +275,8 @@ def training_arguments(candidate: Candidate, *, seq_len: int) -> list[str]:
              "--bf16", str(candidate.precision != "fp32").lower()]
     if candidate.precision == "bf16_params":
         args += ["--precision_policy", "bf16_params"]
+    if candidate.grad_reduce_dtype == "bf16":
+        args += ["--grad_reduce_dtype", "bf16"]
     if p.sequence_parallel:
         args += ["--sample_max_new_tokens", "0"]  # generation feeds one token per step, which SP cannot split
     return args
@@ -400,7 +407,7 @@ def _record(evaluated: Evaluated, inputs: PlanInputs, cluster: Cluster, command:
         "micro_batch": c.micro_batch,
         "gradient_accumulation_steps": 1 if p.pp_size > 1 else c.num_micro_batches,
         "sequence_parallel": p.sequence_parallel, "activation_checkpointing": p.activation_checkpointing,
-        "zero1": c.zero1, "precision": c.precision,
+        "zero1": c.zero1, "precision": c.precision, "grad_reduce_dtype": c.grad_reduce_dtype,
         "memory_gb_per_gpu": _gib(evaluated.peak_bytes),
         "memory_gb_by_pipeline_rank": [_gib(b.total) for b in evaluated.memory],
         "memory_breakdown_gb": {k: _gib(v) for k, v in fullest.parts().items()},

@@ -86,3 +86,27 @@ def test_a_given_setting_is_kept(tmp_path, capsys):
                  "--accelerate-config", str(tmp_path / "a.yaml")]) == 0
     layouts = json.loads(capsys.readouterr().out)
     assert {(x["tp"], x["activation_checkpointing"], x["zero1"], x["precision"]) for x in layouts} == {(4, "lowrank", False, "autocast")}
+
+
+def test_bf16_gradient_reduction_halves_the_dp_bytes(tmp_path, capsys):
+    """``--grad_reduce_dtype bf16`` (bf16_params only): the DP all-reduce moves 2 bytes per gradient element, which
+    the estimator times and the command passes on; other policies refuse it."""
+    from boost_hf.perf.estimator import Workload, estimate_layout
+    from boost_hf.perf.memory import precision_bytes
+
+    assert precision_bytes("bf16_params", "bf16").reduce == 2 and precision_bytes("bf16_params").reduce == 4
+    with pytest.raises(ValueError, match="needs the bf16_params precision policy"):
+        precision_bytes("autocast", "bf16")
+    config, hardware = BoostLlamaConfig.from_preset("cola-7b"), get_hardware("a100")
+
+    def dp_seconds(reduce):  # across nodes (tp 4 x dp 8 > 4 per node): the all-reduce is exposed
+        workload = Workload(tp=4, micro_batch=1, num_micro_batches=1, dp_size=8, precision="bf16_params",
+                            grad_reduce_dtype=reduce)
+        return estimate_layout(config, "btp", workload, hardware).breakdown_s["dp_comm"]
+
+    assert 0 < dp_seconds("bf16") < dp_seconds("fp32")
+    assert main(["plan", "--preset", "cola-7b", "--gpus", "16", "--gpu", "a100", "--precision", "bf16_params",
+                 "--grad-reduce-dtype", "bf16", "--json", "--top", "2", "--accelerate-config", str(tmp_path / "a.yaml")]) == 0
+    best = json.loads(capsys.readouterr().out)[0]
+    assert best["grad_reduce_dtype"] == ("bf16" if best["dp"] > 1 else None)
+    assert ("--grad_reduce_dtype bf16" in best["command"]) == (best["dp"] > 1)
