@@ -5,6 +5,7 @@ Subcommands live in :data:`SUBCOMMANDS` (name -> help, argument builder, runner)
     boost-hf estimate --preset cola-7b --tp 4 --micro-batch 4 --seq 4096 --gpu a100 [--json]
     boost-hf estimate --preset cola-13b --tp 4 --pp 2 --pp_schedule 1f1b --microbatches 8
     boost-hf plan --preset cola-13b --gpus 8 --gpu a100-nvswitch [--seq-len 4096 --global-batch 512] [--json]
+    boost-hf doctor [--output-dir DIR] [--config-file ACCELERATE.yaml] [--json]
     boost-hf train RECIPE.yaml|NAME [--field value ...]      (accelerate launch ... -m boost_hf.cli train ...)
     boost-hf demo [--num-processes 4] [--tp-size 2] [--max-steps N]
     boost-hf eval CHECKPOINT --data FILE [--block-size N] [--json]
@@ -307,6 +308,22 @@ def _run_plan(args: argparse.Namespace) -> int:
     return 0 if result.ranked else 1
 
 
+def _add_doctor_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--output-dir", "--output_dir", dest="output_dir", default="outputs",
+                        help="the run's output folder (default: outputs): shared across nodes?")
+    parser.add_argument("--config-file", "--config_file", dest="config_file",
+                        help="the accelerate config the run will use (default: accelerate's own)")
+    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+
+
+def _run_doctor(args: argparse.Namespace) -> int:
+    from .doctor import doctor, render
+
+    report = doctor(output_dir=args.output_dir, config_file=args.config_file)
+    print(json.dumps(report, indent=2) if args.json else render(report))
+    return 1 if report["problems"] else 0
+
+
 def _add_comm_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--preset", default="cola-7b", help="low-rank preset; megatron runs llama-<size> (default: cola-7b)")
     parser.add_argument("--tp", type=int, default=4, help="tensor-parallel size = local CPU processes (default: 4)")
@@ -402,6 +419,12 @@ SUBCOMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Cal
         "precision), its memory per GPU, and the accelerate config and command that run it",
         _add_plan_arguments,
         _run_plan,
+    ),
+    "doctor": (
+        "check a machine before a long run: versions, GPUs and bf16, attention kernels, a shared output folder, "
+        "the accelerate config in effect",
+        _add_doctor_arguments,
+        _run_doctor,
     ),
     "comm": (
         "measure one layer's collectives per layout on local CPU processes and print them next to the formula",
