@@ -23,9 +23,28 @@ from typing import Callable
 GIB = 2**30
 
 
+def _add_hardware_options(group, *, default: str) -> None:
+    """``--gpu`` (a preset of :mod:`boost_hf.perf.hardware`) and the options that override its fields."""
+    from .perf.hardware import HARDWARE_PRESETS
+
+    group.add_argument("--gpu", choices=tuple(HARDWARE_PRESETS), default=default, help=f"device preset (default {default})")
+    group.add_argument("--peak-tflops", type=float, help="dense bf16 peak, TFLOP/s")
+    group.add_argument("--hbm-gbps", type=float, help="HBM bandwidth, GB/s")
+    group.add_argument("--bandwidth-gbps", type=float, help="collective bus bandwidth within a node, GB/s")
+    group.add_argument("--latency-us", type=float, help="latency of one collective, microseconds")
+    group.add_argument("--inter-node-gbps", type=float, help="network bandwidth per GPU between nodes, GB/s")
+
+
+def _hardware(args: argparse.Namespace, **overrides):
+    """The ``--gpu`` preset with the options of :func:`_add_hardware_options` (and ``overrides``) applied."""
+    from .perf.hardware import get_hardware
+
+    return get_hardware(args.gpu, peak_tflops=args.peak_tflops, hbm_gbps=args.hbm_gbps, link_gbps=args.bandwidth_gbps,
+                        latency_us=args.latency_us, inter_node_gbps=args.inter_node_gbps, **overrides)
+
+
 def _add_estimate_arguments(parser: argparse.ArgumentParser) -> None:
     from .parallel.settings import add_options
-    from .perf.hardware import HARDWARE_PRESETS
 
     model = parser.add_argument_group("model and workload")
     model.add_argument("--preset", default="cola-7b", help="model preset, e.g. cola-7b, lax-13b, llama-3b "
@@ -46,13 +65,7 @@ def _add_estimate_arguments(parser: argparse.ArgumentParser) -> None:
         "sequence_parallel": " Vanilla is estimated without it.",
     })
 
-    gpu = parser.add_argument_group("hardware (overrides the --gpu preset)")
-    gpu.add_argument("--gpu", choices=tuple(HARDWARE_PRESETS), default="a100", help="GPU preset")
-    gpu.add_argument("--peak-tflops", type=float, help="dense bf16 peak, TFLOP/s")
-    gpu.add_argument("--hbm-gbps", type=float, help="HBM bandwidth, GB/s")
-    gpu.add_argument("--bandwidth-gbps", type=float, help="collective bus bandwidth within a node, GB/s")
-    gpu.add_argument("--latency-us", type=float, help="latency of one collective, microseconds")
-    gpu.add_argument("--inter-node-gbps", type=float, help="network bandwidth per GPU between nodes, GB/s")
+    _add_hardware_options(parser.add_argument_group("hardware (overrides the --gpu preset)"), default="a100")
 
     eff = parser.add_argument_group("kernel efficiencies (override the calibrated values)")
     eff.add_argument("--efficiency", type=float, help="fraction of peak of a large GEMM")
@@ -190,18 +203,10 @@ def _run_estimate(args: argparse.Namespace) -> int:
         recommend_micro_batches,
     )
     from .parallel.settings import layout_values
-    from .perf.hardware import get_hardware
 
     config = BoostLlamaConfig.from_preset(args.preset)
     workload = Workload(micro_batch=args.micro_batch, seq_len=args.seq, **layout_values(args))
-    hardware = get_hardware(
-        args.gpu,
-        peak_tflops=args.peak_tflops,
-        hbm_gbps=args.hbm_gbps,
-        link_gbps=args.bandwidth_gbps,
-        latency_us=args.latency_us,
-        inter_node_gbps=args.inter_node_gbps,
-    )
+    hardware = _hardware(args)
     overrides = {
         "gemm_max": args.efficiency,
         "gemm_half_dim": args.gemm_half_dim,
@@ -240,7 +245,6 @@ def _run_estimate(args: argparse.Namespace) -> int:
 
 def _add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     from .parallel.settings import add_options
-    from .perf.hardware import HARDWARE_PRESETS
     from .perf.memory import PRECISION_BYTES
 
     model = parser.add_argument_group("model (one of)")
@@ -252,13 +256,8 @@ def _add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     cluster = parser.add_argument_group("cluster")
     cluster.add_argument("--gpus", type=int, required=True, help="GPUs (or CPU processes with --gpu cpu) in all")
     cluster.add_argument("--gpus-per-node", type=int, help="GPUs per node (default: the --gpu preset's; all for cpu)")
-    cluster.add_argument("--gpu", choices=tuple(HARDWARE_PRESETS), default="a100-nvswitch", help="device preset")
     cluster.add_argument("--gpu-memory-gb", type=float, help="memory per GPU, GiB (default: the preset's)")
-    cluster.add_argument("--peak-tflops", type=float, help="dense bf16 peak, TFLOP/s")
-    cluster.add_argument("--hbm-gbps", type=float, help="memory bandwidth, GB/s")
-    cluster.add_argument("--bandwidth-gbps", type=float, help="collective bus bandwidth within a node, GB/s")
-    cluster.add_argument("--latency-us", type=float, help="latency of one collective, microseconds")
-    cluster.add_argument("--inter-node-gbps", type=float, help="network bandwidth per GPU between nodes, GB/s")
+    _add_hardware_options(cluster, default="a100-nvswitch")
     work = parser.add_argument_group("workload")
     work.add_argument("--seq-len", "--seq_len", "--seq", dest="seq", type=int,
                       help="tokens per sequence (default: the recipe's block_size, else 4096)")
@@ -285,15 +284,12 @@ def _run_plan(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from .parallel.settings import layout_values
-    from .perf.hardware import get_hardware
     from .perf.planner import Cluster, plan_inputs, plan, plan_report
 
     inputs = plan_inputs(recipe=args.recipe, preset=args.preset, config_path=args.config, gpus=args.gpus,
                          seq_len=args.seq, global_batch=args.global_batch)
-    hardware = get_hardware(args.gpu, peak_tflops=args.peak_tflops, hbm_gbps=args.hbm_gbps, link_gbps=args.bandwidth_gbps,
-                            latency_us=args.latency_us, inter_node_gbps=args.inter_node_gbps,
-                            gpus_per_node=args.gpus_per_node or (args.gpus if args.gpu == "cpu" else None),
-                            memory_gb=args.gpu_memory_gb)
+    hardware = _hardware(args, gpus_per_node=args.gpus_per_node or (args.gpus if args.gpu == "cpu" else None),
+                         memory_gb=args.gpu_memory_gb)
     cluster = Cluster(args.gpus, hardware, round(hardware.memory_gb * GIB))
     fixed = {name: value for name, value in layout_values(args).items() if value is not None}
     cpu = args.gpu == "cpu"
