@@ -326,7 +326,10 @@ def restore_data_position(checkpoint: str, train_dataset, loader, args) -> None:
     indices). ``ValueError`` naming the difference otherwise, on every rank (each reads the same record)."""
     record = read_data_position(checkpoint)
     if not isinstance(loader, StreamLoader):
-        if record is None or record["kind"] != "map":
+        if record is not None and record["kind"] == "stream":
+            raise ValueError(f"{checkpoint!r} was trained on a stream, this run on a map-style training set: resume with "
+                             "streaming=True, or pass --ignore_data_skip true to start this training set from its first batch.")
+        if record is None:
             return
         seed = args.data_seed if args.data_seed is not None else args.seed
         if (record["blocks"], record["seed"]) != (len(train_dataset), seed):

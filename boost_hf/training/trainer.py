@@ -267,7 +267,7 @@ class BoostTrainer(Trainer):
         state, args = self.parallel_state, self.args
         dataset = self.train_dataset
         if isinstance(dataset, datasets.IterableDataset):  # blocks streamed as they are
-            dataset = BlockStream(dataset, None, len(next(iter(dataset))["input_ids"]), seed=args.data_seed or args.seed)
+            dataset = BlockStream(dataset, None, len(next(iter(dataset))["input_ids"]))
         if isinstance(dataset, BlockStream):
             self.train_loader = StreamLoader(dataset, state, micro_batch=self._train_batch_size, accumulation=args.gradient_accumulation_steps,
                                              drop_last=args.dataloader_drop_last, collate=self.data_collator, device=args.device)
