@@ -7,8 +7,9 @@ evaluation, checkpoints, callbacks, ``report_to``). What it changes, and why:
 =====================================  ======================================================================
 Trainer hook                           boost-hf behaviour
 =====================================  ======================================================================
-``get_train_dataloader``               shard by DP rank: TP peers get the same micro-batch
-                                       (:mod:`boost_hf.training.data`)
+``get_train_dataloader``               shard by DP rank: TP peers get the same micro-batch; a stream
+                                       (``BlockStream``) read once per DP replica, its position restored on
+                                       resume (:mod:`boost_hf.training.data`)
 ``get_eval_dataloader`` /              DP-sharded validation, exact token-weighted loss all-reduced over DP;
 ``evaluation_loop``                    ``eval_perplexity = exp(eval_loss)``, ``eval_bits_per_byte`` (with a
                                        tokenizer), through the local ``evaluate`` metric (:mod:`boost_hf.evaluation`);
@@ -36,10 +37,13 @@ Trainer hook                           boost-hf behaviour
                                        ``use_cache``, tokenizer context and BOS, ``README.md`` model card:
                                        :mod:`boost_hf.training.publish`); the Trainer's checkpoint files written
                                        to a staging folder, manifest, rename, then rotation
+``_save_checkpoint``                   also the data position (:func:`~boost_hf.training.data.save_data_position`)
 ``_save_optimizer_and_scheduler``      inside a guard that writes the manifest and removes a failed save;
                                        optimizer state per (PP, TP) rank and ``training_layout.json``
                                        (:mod:`boost_hf.training.checkpoint`, :mod:`boost_hf.training.resume`)
-``train``                              resume from the last *complete* checkpoint, refused at a layout it cannot
+``train``                              resume from the last *complete* checkpoint (a stream continues from its saved
+                                       position: the Trainer skips no batch, ``ignore_data_skip`` during ``train``),
+                                       refused at a layout it cannot
                                        resume exactly (another global batch; DeepSpeed at another tp x dp);
                                        refuse an earlier run's ``output_dir`` unless ``overwrite_output_dir``;
                                        lock ``output_dir``; start the hang watchdog; a collective that
@@ -61,12 +65,13 @@ import contextlib
 import os
 import uuid
 
+import datasets
 import numpy as np
 import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader
 from accelerate.utils import DynamoBackend
-from transformers import Trainer, default_data_collator
+from transformers import Trainer
 from transformers.trainer import SCHEDULER_NAME, TRAINER_STATE_NAME
 from transformers.trainer_callback import ExportableState
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, EvalLoopOutput, EvalPrediction, SaveStrategy, rotate_checkpoints
@@ -89,7 +94,9 @@ from .checkpoint import (
     verify_checkpoint_once,
 )
 from ..parallel.compile import compile_decoder_layers
-from .data import EvalShard, shard_by_data_parallel_rank, streaming_loader
+from ..data.collate import causal_lm_collator
+from ..data.stream import BlockStream
+from .data import EvalShard, StreamLoader, restore_data_position, save_data_position, shard_by_data_parallel_rank
 from ..parallel.state import ParallelState
 from ..evaluation import batch_sums, metrics_from_sums, sums_of_batch
 from .deepspeed import ModelParallelUnit, configure_deepspeed, deepspeed_initialize_with_mpu, skip_shm_comm_if_requested
@@ -125,8 +132,9 @@ class BoostTrainer(Trainer):
 
     Takes the Trainer's arguments; ``args`` is usually a
     :class:`~boost_hf.training.arguments.BoostTrainingArguments` whose ``tp_size`` must match the model's.
-    Without ``data_collator``, batches are stacked as they are (``default_data_collator``: packed blocks); every
-    batch's token ids are checked against the model's vocabulary. Before anything else, every rank checks the
+    Without ``data_collator``, batches are stacked as they are with ``labels`` derived from ``input_ids``
+    (:func:`~boost_hf.data.collate.causal_lm_collator`: packed blocks); every batch's token ids are checked against
+    the model's vocabulary. Before anything else, every rank checks the
     datasets (at least one global batch of training blocks, a non-empty validation set, token ids in range).
     ``compute_metrics`` (with ``preprocess_logits_for_metrics``) is honoured: evaluation gathers each batch's
     full-vocabulary logits (one all-gather over TP), hands them to ``preprocess_logits_for_metrics`` on each rank,
@@ -150,7 +158,7 @@ class BoostTrainer(Trainer):
                 "optimizers=(...): pass optimizer_cls_and_kwargs=(class, kwargs) instead, or drop --zero1_optimizer."
             )
         vocab_size = model.config.vocab_size
-        kwargs["data_collator"] = TokenIdCheckingCollator(kwargs.get("data_collator") or default_data_collator, vocab_size)
+        kwargs["data_collator"] = TokenIdCheckingCollator(kwargs.get("data_collator") or causal_lm_collator, vocab_size)
         if args is not None:
             global_batch = args.per_device_train_batch_size * self.parallel_state.dp_size * args.gradient_accumulation_steps
             check_dataset(kwargs.get("train_dataset"), vocab_size, "training", global_batch)
@@ -159,6 +167,8 @@ class BoostTrainer(Trainer):
                 if dataset is not None:
                     check_dataset(dataset, vocab_size, name, 1)
         self.run_id: str | None = None
+        self.data_resume_from: str | None = None  # the checkpoint whose data position the training data continues from
+        self.train_loader: DataLoader | StreamLoader | None = None
         self.hang_watchdog: HangWatchdog | None = None
         self.trained_context: int | None = None  # sequence length of the training micro-batches (model card, tokenizer)
         self._bos_seen: torch.Tensor | bool = False  # whether a training micro-batch held the tokenizer's BOS id (no sync)
@@ -266,14 +276,19 @@ class BoostTrainer(Trainer):
             return super()._prepare_for_training(max_steps, train_dataloader, resume_from_checkpoint)
 
     # ------------------------------------------------------------------ data
-    def get_train_dataloader(self) -> DataLoader:
-        state = self.parallel_state
-        if state.tp_size * state.pp_size > 1 and isinstance(self.train_dataset, torch.utils.data.IterableDataset):
-            return streaming_loader(
-                self.train_dataset, state, batch_size=self._train_batch_size, collate_fn=self.data_collator,
-                num_workers=self.args.dataloader_num_workers, pin_memory=self.args.dataloader_pin_memory,
-            )
-        return shard_by_data_parallel_rank(super().get_train_dataloader(), state)
+    def get_train_dataloader(self) -> DataLoader | StreamLoader:
+        state, args = self.parallel_state, self.args
+        dataset = self.train_dataset
+        if isinstance(dataset, datasets.IterableDataset):  # blocks streamed as they are
+            dataset = BlockStream(dataset, None, len(next(iter(dataset))["input_ids"]))
+        if isinstance(dataset, BlockStream):
+            self.train_loader = StreamLoader(dataset, state, micro_batch=self._train_batch_size, accumulation=args.gradient_accumulation_steps,
+                                             drop_last=args.dataloader_drop_last, collate=self.data_collator, device=args.device)
+        else:
+            self.train_loader = shard_by_data_parallel_rank(super().get_train_dataloader(), state)
+        if self.data_resume_from is not None:
+            restore_data_position(self.data_resume_from, dataset, self.train_loader, args)
+        return self.train_loader
 
     def get_eval_dataloader(self, eval_dataset=None) -> DataLoader:
         if isinstance(eval_dataset, str):
@@ -526,6 +541,7 @@ class BoostTrainer(Trainer):
                 self._save_optimizer_and_scheduler(staging)
                 self._save_scaler(staging)
                 self._save_rng_state(staging)
+                save_data_position(staging, self.train_dataset, self.train_loader, self.args)
             if self.args.should_save:
                 for callback in self.callback_handler.callbacks + [self.control]:
                     if isinstance(callback, ExportableState):
@@ -588,8 +604,24 @@ class BoostTrainer(Trainer):
         self.start_hang_watchdog()
         if not resume_from_checkpoint and self.args.should_save and os.path.isdir(run_dir):
             remove_earlier_run(run_dir)  # only reached with overwrite_output_dir (or nothing to remove)
-        with naming_collective_timeouts(lambda: self.state.global_step + 1):
+        self.data_resume_from = resume_from_checkpoint or None
+        if self.args.ignore_data_skip:
+            self.data_resume_from = None  # the user's choice: this training set from its first batch
+        with naming_collective_timeouts(lambda: self.state.global_step + 1), self.data_continues_itself():
             return super().train(resume_from_checkpoint=resume_from_checkpoint or None, **kwargs)
+
+    @contextlib.contextmanager
+    def data_continues_itself(self):
+        """A stream continues from its saved position (:func:`~boost_hf.training.data.restore_data_position`), so
+        the Trainer must not skip batches on resume (``skip_first_batches`` would read and discard them):
+        ``args.ignore_data_skip`` is set while training a stream, restored afterwards."""
+        stream = isinstance(self.train_dataset, (BlockStream, datasets.IterableDataset))
+        saved = self.args.ignore_data_skip
+        self.args.ignore_data_skip = saved or stream
+        try:
+            yield
+        finally:
+            self.args.ignore_data_skip = saved
 
     def evaluate(self, *args, **kwargs):
         """``Trainer.evaluate``; a collective that times out is named (:func:`~boost_hf.training.watchdog.naming_collective_timeouts`)."""
