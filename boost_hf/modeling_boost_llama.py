@@ -196,6 +196,9 @@ class BoostLlamaTensorTrainCores(nn.Module):
     def __getitem__(self, i: int) -> torch.Tensor:
         return self._parameters[str(i)]
 
+    def __iter__(self):
+        return iter(self._parameters.values())
+
     def forward(self, start: int, stop: int) -> torch.Tensor:
         return contract_cores([self[i] for i in range(start, stop)])
 

@@ -30,6 +30,7 @@ import torch
 from ..configuration_boost_llama import TensorTrainShape
 from ..modeling_boost_llama import contract_cores
 from .communication import Communication, all_reduce
+from .layouts.base import Gemm
 from .modules import adopt, shard_parameter, shard_repr
 from .primitives import copy_to_tp
 from .sharding import shard_spec_of
@@ -87,19 +88,54 @@ def check_btp_modes(config, tp_size: int) -> None:
                 )
 
 
-def gradient_communication(config, splits) -> Communication:
-    """Backward all-reduces of the gradients of the whole (replicated) cores of one decoder layer: one per factor
-    (7 projections x 2 factors) that has any, of their summed sizes. ``splits(shape)``: the layout's
-    ``{core: dimension}`` for a :class:`~boost_hf.configuration_boost_llama.TensorTrainShape`."""
-    calls = elements = 0
+def _whole_cores_per_factor(config, splits) -> list[int]:
+    """Elements of the whole cores of each factor (7 projections x 2 factors) of one decoder layer that has any.
+    ``splits(shape)``: the layout's ``{core: dimension}`` for a
+    :class:`~boost_hf.configuration_boost_llama.TensorTrainShape`."""
+    sizes = []
     for name in config.projection_shapes():
         shape: TensorTrainShape = config.tensor_train_shape(name)
         split = splits(shape)
         for cores in (range(shape.split), range(shape.split, len(shape.modes))):
             whole = [math.prod(shape.core_shapes[i]) for i in cores if i not in split]
             if whole:
-                calls, elements = calls + 1, elements + sum(whole)
-    return all_reduce(calls, elements)
+                sizes.append(sum(whole))
+    return sizes
 
 
-__all__ = ["ShardedTensorTrainCores", "check_btp_modes", "gradient_communication", "is_tensor_train", "shard_tensor_train"]
+def gradient_communication(config, splits) -> Communication:
+    """Backward all-reduces of the gradients of the whole cores of one decoder layer: one per factor that has
+    any, of their summed sizes (``splits``: see :func:`whole_core_parameters`)."""
+    sizes = _whole_cores_per_factor(config, splits)
+    return all_reduce(len(sizes), sum(sizes))
+
+
+def whole_core_parameters(config, splits) -> int:
+    """Parameters of one decoder layer's tensor trains that every TP rank holds whole (``splits(shape)``: the
+    layout's ``{core: dimension}`` for a :class:`~boost_hf.configuration_boost_llama.TensorTrainShape`)."""
+    return sum(_whole_cores_per_factor(config, splits))
+
+
+def contraction_gemms(config, splits, tp_size: int) -> list[Gemm]:
+    """The GEMMs contracting one decoder layer's factors on one rank (forward; once per micro-batch, whatever its
+    tokens), with the cores as this rank holds them: the chain ``[rows, r_i] x [r_i, m_i r_{i+1}]`` of each factor,
+    ``rows`` the product of the dimensions contracted so far (``1/p`` of them from the split first core under BTP)."""
+    gemms = []
+    for name in config.projection_shapes():
+        shape = config.tensor_train_shape(name)
+        local = [list(core) for core in shape.core_shapes]
+        if tp_size > 1:
+            for i, dim in splits(shape).items():
+                local[i][dim] //= tp_size
+        for start, stop in ((0, shape.split), (shape.split, len(local))):
+            rows = local[start][0] * local[start][1]
+            for rank_in, mode, rank_out in local[start + 1:stop]:
+                gemms.append(Gemm(f"{name}.cores", rows, rank_in, mode * rank_out, "contraction"))
+                rows *= mode
+    return gemms
+
+
+__all__ = [
+    "ShardedTensorTrainCores", "check_btp_modes", "contraction_gemms", "gradient_communication", "is_tensor_train",
+    "shard_tensor_train", "whole_core_parameters",
+]

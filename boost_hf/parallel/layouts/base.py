@@ -42,8 +42,8 @@ READS_NORM = ("qkv", "gate_up")  # groups whose input is a normalised residual
 
 
 class Gemm(NamedTuple):
-    """One GEMM of a layer's forward on one rank: ``[m, k] x [k, n]``; ``role`` is ``dense``, ``A``, ``B``
-    or ``crossing``."""
+    """One GEMM of a layer's forward on one rank: ``[m, k] x [k, n]``; ``role`` is ``dense``, ``A``, ``B``,
+    ``crossing`` or ``contraction`` (of a tensor train's cores into its factors, whatever the tokens)."""
 
     name: str
     m: int
@@ -278,7 +278,7 @@ class Layout:
         raise NotImplementedError
 
     def local_gemms(self, config, tokens: int) -> list[Gemm]:
-        """The GEMMs of one layer's forward on one rank (without LaX crossings)."""
+        """The GEMMs of one layer's forward on one rank (without LaX crossings; with a tensor train's contractions)."""
         raise NotImplementedError
 
     def widths(self, config) -> ResidualWidths:

@@ -41,7 +41,7 @@ from ..fused import STATISTICS_WIDTH, down_projection, latent_linear, scale_late
 from ..norms import RMSNORM_MODES
 from ..primitives import copy_to_tp, gather_tokens, reduce_from_tp, reduce_scatter_tokens
 from ..sequence_parallel import reduce_gradients_over_tokens
-from ..tensor_train import check_btp_modes, gradient_communication, is_tensor_train, shard_tensor_train
+from ..tensor_train import check_btp_modes, contraction_gemms, gradient_communication, is_tensor_train, shard_tensor_train
 from .base import (
     GROUPS, READS_NORM, Gemm, Layout, ProjectionGroup, ResidualWidths, apply_latent_functions, factor_shards_repr, low_rank_a_gemms,
     split_latents,
@@ -236,7 +236,9 @@ class BottleneckAwareLayout(Layout):
         p, n, r = self.parallel.tp_size, tokens, config.rank
         local = {"d": config.hidden_size // p, "dq": config.q_dim // p, "f": config.intermediate_size // p}
         a_gemms = low_rank_a_gemms(config, n, r, local, self.parallel.group_linears)
-        return a_gemms + [Gemm(f"{name}.B", n, r, d_out // p, "B") for name, (_, d_out) in config.projection_shapes().items()]
+        b_gemms = [Gemm(f"{name}.B", n, r, d_out // p, "B") for name, (_, d_out) in config.projection_shapes().items()]
+        contractions = contraction_gemms(config, self.tensor_train_splits, p) if config.bottleneck == "tt" else []
+        return a_gemms + b_gemms + contractions
 
     def widths(self, config):
         p = self.parallel.tp_size

@@ -25,7 +25,7 @@ from ..communication import Communication, PassCommunication, all_gather, all_re
 from ..fused import latent_linear, split_latent, stacked_weight
 from ..modules import add_bias, adopt, compute_dtype, shard_parameter
 from ..primitives import copy_to_tp, gather_from_tp, reduce_from_tp, split_to_tp
-from ..tensor_train import gradient_communication, is_tensor_train, shard_tensor_train
+from ..tensor_train import contraction_gemms, gradient_communication, is_tensor_train, shard_tensor_train
 from .base import (
     GROUPS, Gemm, Layout, ProjectionGroup, ResidualWidths, apply_latent_functions, factor_shards_repr, low_rank_a_gemms, split_latents,
 )
@@ -164,7 +164,9 @@ class VanillaLayout(Layout):
         p, n = self.parallel.tp_size, tokens
         r = config.rank // p
         a_gemms = low_rank_a_gemms(config, n, r, {"d": config.hidden_size, "dq": config.q_dim, "f": config.intermediate_size}, self.parallel.group_linears)
-        return a_gemms + [Gemm(f"{name}.B", n, r, d_out, "B") for name, (_, d_out) in config.projection_shapes().items()]
+        b_gemms = [Gemm(f"{name}.B", n, r, d_out, "B") for name, (_, d_out) in config.projection_shapes().items()]
+        contractions = contraction_gemms(config, self.tensor_train_splits, p) if config.bottleneck == "tt" else []
+        return a_gemms + b_gemms + contractions
 
     def widths(self, config):
         return ResidualWidths(config.hidden_size, config.q_dim, config.kv_dim, config.intermediate_size, config.rank // self.parallel.tp_size)
