@@ -34,6 +34,11 @@ from transformers.activations import ACT2FN
 BOTTLENECKS = (None, "svd", "cola", "lax", "tt")
 LAX_GATES = ("dense", "kronecker", "identity")
 LAX_BASES = ("cola", "svd")
+FACTOR_INITS = ("cola", "xavier")
+"""How the bottleneck factors ``A`` and ``B`` are drawn (``factor_init``): ``"cola"``, both ``N(0, s^2)`` with
+``s = r^(-1/4) (d_in + d_out)^(-1/4)`` (CoLA's ``ColaLayer``); ``"xavier"``, each factor Xavier-normal on its own shape,
+``A [r, d_in]`` with std ``sqrt(2 / (r + d_in))`` and ``B [d_out, r]`` with ``sqrt(2 / (d_out + r))`` (the LORO authors'
+``--loro_init xavier``, ``torch.nn.init.xavier_normal_`` per factor)."""
 LAX_VERSION = 2
 """The LaX definition this code computes: 2 = the authors' (block 0 plain, the latent fed to ``B`` handed on,
 latent LayerNorm eps 1e-6, dense gate with a bias). 1 = boost-hf's earlier LaX (a latent LayerNorm in block 0,
@@ -318,6 +323,9 @@ class BoostLlamaConfig(PretrainedConfig):
         initializer_range: std of the dense weights (embedding, LM head, full-rank projections); tensor-train cores
             take it as the release does: core ``[r_in, m, r_out]`` ``N(0, s^2)``,
             ``s = (r_in r_out)^(-1/4) initializer_range^(1 / tt_cores)``.
+        factor_init: how the bottleneck factors are initialised, ``"cola"`` (default) or ``"xavier"`` (each factor
+            Xavier-normal, as the LORO authors initialise theirs); see :data:`FACTOR_INITS`. Initialisation only: it
+            does not change what given weights compute.
     """
 
     model_type = "boost_llama"
@@ -355,6 +363,7 @@ class BoostLlamaConfig(PretrainedConfig):
         lax_base: str = "cola",
         lax_kronecker_factor: int | None = None,
         lax_version: int = LAX_VERSION,
+        factor_init: str = "cola",
         tt_rank: int | None = None,
         tt_cores: int = 4,
         tt_rank_ratio: float = 1.0,
@@ -389,6 +398,7 @@ class BoostLlamaConfig(PretrainedConfig):
         self.lax_base = lax_base
         self.lax_kronecker_factor = lax_kronecker_factor
         self.lax_version = lax_version
+        self.factor_init = factor_init
         self.tt_rank = tt_rank if tt_rank is not None else hidden_size // 4
         self.tt_cores = tt_cores
         self.tt_rank_ratio = tt_rank_ratio
@@ -519,6 +529,8 @@ class BoostLlamaConfig(PretrainedConfig):
                 f"hidden_size ({self.hidden_size}) must be divisible by num_attention_heads "
                 f"({self.num_attention_heads}) into an even head size."
             )
+        if self.factor_init not in FACTOR_INITS:
+            raise ValueError(f"Unknown factor_init {self.factor_init!r}: use one of {FACTOR_INITS}.")
         if self.bottleneck is None:
             return
         if self.bottleneck == "tt":
@@ -560,6 +572,11 @@ class BoostLlamaConfig(PretrainedConfig):
             )
         check_real("tt_rank_ratio", self.tt_rank_ratio, positive=True)
         check_int("tt_leading_mode_multiple", self.tt_leading_mode_multiple)
+        if self.factor_init != "cola":
+            raise ValueError(
+                f"factor_init={self.factor_init!r} initialises factors A and B, which a tensor train (bottleneck='tt') "
+                "does not hold: its cores start as the BOOST release draws them. Leave factor_init at its default."
+            )
         shapes = {name: self.tensor_train_shape(name) for name in self.projection_shapes()}
         multiple = self.tt_leading_mode_multiple
         for name, shape in shapes.items():
@@ -656,7 +673,7 @@ class BoostLlamaConfig(PretrainedConfig):
 BoostLlamaConfig.register_for_auto_class()
 
 __all__ = [
-    "BoostLlamaConfig", "BOTTLENECKS", "LAX_GATES", "LAX_BASES", "LAX_VERSION", "PRESET_SIZES", "RELEASE_TT_PRESETS",
-    "AUTHORS_COLA_MODEL_TYPE", "from_authors_cola", "TensorTrainShape", "tensor_train_modes", "tensor_train_ranks",
-    "tensor_train_shape",
+    "BoostLlamaConfig", "BOTTLENECKS", "FACTOR_INITS", "LAX_GATES", "LAX_BASES", "LAX_VERSION", "PRESET_SIZES",
+    "RELEASE_TT_PRESETS", "AUTHORS_COLA_MODEL_TYPE", "from_authors_cola", "TensorTrainShape", "tensor_train_modes",
+    "tensor_train_ranks", "tensor_train_shape",
 ]
