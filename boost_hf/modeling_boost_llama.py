@@ -1,4 +1,4 @@
-"""The boost-hf LLaMA family: full-rank LLaMA and its low-rank bottleneck variants (svd, cola, lax).
+"""The boost-hf LLaMA family: full-rank LLaMA and its low-rank bottleneck variants (svd, cola, lax, tt).
 
 A single-device model that reads like ``transformers``' ``modeling_llama.py``: norm -> rotary ->
 projections -> MLP -> attention -> decoder layer -> base model -> causal-LM head. It imports only
@@ -38,7 +38,7 @@ from transformers.utils import can_return_tuple, logging
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
-from .configuration_boost_llama import AUTHORS_COLA_MODEL_TYPE, BoostLlamaConfig
+from .configuration_boost_llama import AUTHORS_COLA_MODEL_TYPE, BoostLlamaConfig, TensorTrainShape
 
 logger = logging.get_logger(__name__)
 
@@ -169,6 +169,91 @@ class BoostLlamaLaxLinear(BoostLlamaLowRankLinear):
         return f"{super().extra_repr()}, crossing={self.crossing}"
 
 
+def contract_cores(cores: list[torch.Tensor]) -> torch.Tensor:
+    """Consecutive tensor-train cores ``[r_0, m_0, r_1], ..., [r_{k-1}, m_{k-1}, r_k]`` contracted over their shared
+    ranks: the matrix ``[r_0 m_0 ... m_{k-1}, r_k]``, rows indexed by ``(r_0, m_0, ..., m_{k-1})`` row-major."""
+    matrix = cores[0].reshape(-1, cores[0].shape[-1])
+    for core in cores[1:]:
+        matrix = (matrix @ core.reshape(core.shape[0], -1)).reshape(-1, core.shape[-1])
+    return matrix
+
+
+class BoostLlamaTensorTrainCores(nn.Module):
+    """The cores of one tensor-train projection, ``[rank_in, mode, rank_out]`` each: parameters ``0``, ``1``, ...
+    (``<projection>.cores.<i>``, as the release names them).
+
+    Module call ``cores(start, stop)``: cores ``start .. stop - 1`` contracted (:func:`contract_cores`). A module
+    call, so that what gathers a module's parameters before its forward (DeepSpeed ZeRO-3) gathers the cores."""
+
+    def __init__(self, shapes: list[tuple[int, int, int]]):
+        super().__init__()
+        for i, shape in enumerate(shapes):
+            self.register_parameter(str(i), nn.Parameter(torch.empty(shape)))
+
+    def __len__(self) -> int:
+        return len(self._parameters)
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return self._parameters[str(i)]
+
+    def __iter__(self):
+        return iter(self._parameters.values())
+
+    def forward(self, start: int, stop: int) -> torch.Tensor:
+        return contract_cores([self[i] for i in range(start, stop)])
+
+    def extra_repr(self) -> str:
+        return ", ".join(f"{name}: {tuple(core.shape)}" for name, core in self._parameters.items())
+
+
+class BoostLlamaTensorTrainLinear(nn.Module):
+    """Tensor-train projection (the BOOST release's ``TensorTrainLinear``): ``y = (x A^T) B^T (+ bias)``.
+
+    ``cores``: the input cores (modes of ``in_features``) then the output cores (modes of ``out_features``), see
+    :class:`~.configuration_boost_llama.TensorTrainShape`. The input cores contract into ``A^T: [in_features, r]``,
+    the output cores into ``B^T: [r, out_features]`` (``r`` the middle rank), both at every call, and the tokens
+    go through two GEMMs, as the release's half reconstruction; nothing between the factors. ``A: [r, in_features]``
+    and ``B: [out_features, r]`` are these reconstructions (properties, not parameters), so the tensor-parallel
+    layouts run it as any bottleneck. ``bias: [out_features]`` after ``B``.
+    """
+
+    def __init__(self, in_features: int, out_features: int, tensor_train: TensorTrainShape, bias: bool = False):
+        super().__init__()
+        self.in_features, self.out_features, self.tensor_train = in_features, out_features, tensor_train
+        self.rank = tensor_train.middle_rank
+        self.cores = BoostLlamaTensorTrainCores(tensor_train.core_shapes)
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+
+    @property
+    def A(self) -> torch.Tensor:
+        """``[r, in_features]``: the input cores contracted (rows of ``A^T`` indexed by the input modes)."""
+        return self.cores(0, self.tensor_train.split).T
+
+    @property
+    def B(self) -> torch.Tensor:
+        """``[out_features, r]``: the output cores contracted (columns of ``B^T`` indexed by the output modes)."""
+        split = self.tensor_train.split
+        rank = self.cores[split].shape[0]  # r, or the slice of it that a tensor-parallel rank holds
+        return self.cores(split, len(self.cores)).reshape(rank, -1).T
+
+    def latent(self, z: torch.Tensor) -> torch.Tensor:
+        """The function between the factors: none."""
+        return z
+
+    def up(self, h: torch.Tensor) -> torch.Tensor:
+        return F.linear(h, self.B, self.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.up(F.linear(x, self.A))
+
+    def extra_repr(self) -> str:
+        tt = self.tensor_train
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, rank={self.rank}, "
+            f"modes={list(tt.input_modes)}x{list(tt.output_modes)}, ranks={list(tt.ranks)}, bias={self.bias is not None}"
+        )
+
+
 def make_projection(config: BoostLlamaConfig, name: str, layer_idx: int) -> nn.Module:
     """Projection ``name`` (``q_proj`` ... ``down_proj``) of block ``layer_idx``: ``nn.Linear`` at full rank."""
     in_features, out_features = config.projection_shapes()[name]
@@ -186,6 +271,8 @@ def make_projection(config: BoostLlamaConfig, name: str, layer_idx: int) -> nn.M
             kronecker_factors=config.kronecker_factors,
             latent_norm=config.lax_latent_norm,
         )
+    if config.bottleneck == "tt":
+        return BoostLlamaTensorTrainLinear(in_features, out_features, config.tensor_train_shape(name), bias)
     return BoostLlamaLowRankLinear(in_features, out_features, config.rank, config.latent_activation, bias)
 
 
@@ -396,8 +483,10 @@ class BoostLlamaPreTrainedModel(PreTrainedModel):
         ``s = r^(-1/4) (in + out)^(-1/4)`` (CoLA; ``factor_init="xavier"``: ``s = sqrt(2 / (rows + columns))`` of each
         factor's own shape) and the bias after ``B`` ``U(-out^(-1/2), out^(-1/2))`` (CoLA); LaX
         gates as their authors initialise them: the dense gate ``N(0, 0.02^2)`` with a zero bias (timm's
-        ``nn.Linear`` init), each Kronecker factor ``[n, n]`` Kaiming-uniform ``U(-sqrt(6/n), sqrt(6/n))``; norm
-        weights 1 and other biases 0.
+        ``nn.Linear`` init), each Kronecker factor ``[n, n]`` Kaiming-uniform ``U(-sqrt(6/n), sqrt(6/n))``;
+        tensor-train cores ``[r_in, m, r_out]`` as the BOOST release initialises them, ``N(0, s^2)`` with
+        ``s = (r_in r_out)^(-1/4) initializer_range^(1 / tt_cores)`` (their product has std about
+        ``initializer_range``), and a zero bias; norm weights 1 and other biases 0.
         """
         if isinstance(module, BoostLlamaLowRankLinear) and name in ("A", "B") and self.config.factor_init == "xavier":
             std = (2.0 / (shape[0] + shape[1])) ** 0.5
@@ -408,6 +497,9 @@ class BoostLlamaPreTrainedModel(PreTrainedModel):
             return torch.empty(shape).uniform_(-bound, bound, generator=generator)
         elif isinstance(module, BoostLlamaLaxLinear) and name == "gate":
             std = 0.02
+        elif isinstance(module, BoostLlamaTensorTrainCores):
+            rank_in, _, rank_out = shape
+            std = (rank_in * rank_out) ** -0.25 * self.config.initializer_range ** (1.0 / self.config.tt_cores)
         elif isinstance(module, BoostLlamaLaxLinear) and name in ("gate_left", "gate_right"):
             bound = (6.0 / shape[1]) ** 0.5  # torch.nn.init.kaiming_uniform_ with its defaults (fan_in, a=0)
             return torch.empty(shape).uniform_(-bound, bound, generator=generator)
@@ -728,6 +820,8 @@ __all__ = [
     "BoostLlamaRotaryEmbedding",
     "BoostLlamaLowRankLinear",
     "BoostLlamaLaxLinear",
+    "BoostLlamaTensorTrainCores",
+    "BoostLlamaTensorTrainLinear",
     "BoostLlamaAttention",
     "BoostLlamaMLP",
     "BoostLlamaDecoderLayer",

@@ -25,6 +25,7 @@ ARCHITECTURE_NAMES = {
     "svd": "SVD-factorised LLaMA (y = B A x)",
     "cola": "CoLA (y = B act(A x))",
     "lax": "LaX (latent crossing between blocks)",
+    "tt": "tensor-train LLaMA (y = B A x, A and B contracted from tensor-train cores)",
 }
 
 
@@ -154,6 +155,9 @@ def model_card(config, *, seq_len: int, license: str = "apache-2.0", datasets: l
         details = [f"latent activation `{config.latent_activation}`", f"`only_lr_act={config.only_lr_act}`"]
         if bottleneck == "lax":
             details += [f"gate `{config.lax_gate}`", f"latent norm `{config.lax_latent_norm}`", f"base `{config.lax_base}`"]
+        if bottleneck == "tt":
+            details = [f"contracted from `{config.tt_cores}` tensor-train cores (`tt_rank={config.tt_rank}`, "
+                       f"`tt_rank_ratio={config.tt_rank_ratio}`, `tt_leading_mode_multiple={config.tt_leading_mode_multiple}`)"]
         lines += ["", "Every projection (q, k, v, o, gate, up, down) is `A (d_in -> r)`, `B (r -> d_out)`; " + ", ".join(details) + "."]
     if parallel:
         lines += ["", "## Training", "", "Parallel layout: " + ", ".join(f"{k} `{v}`" for k, v in parallel.items()) + "."]

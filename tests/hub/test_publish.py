@@ -88,6 +88,14 @@ def test_full_rank_card_says_how_to_load_as_llama():
     assert "= LlamaForCausalLM.from_pretrained" in card and "| FLOPs vs full rank | 1.000 | 1.000 |" in card
 
 
+def test_tensor_train_card_names_its_cores():
+    config = BoostLlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                              bottleneck="tt", tt_cores=4)
+    card = model_card(config, seq_len=16, license="mit")
+    assert "# tensor-train LLaMA" in card and "contracted from `4` tensor-train cores (`tt_rank=8`" in card
+    assert "tt" in yaml.safe_load(card.split("---\n")[1])["tags"]
+
+
 def test_push_to_hub_card_is_boost_hfs(trained_run, tmp_path):
     """Transformers' push_to_hub path writes its card through ``create_model_card``: ours, in output_dir."""
     trainer, _ = trained_run
