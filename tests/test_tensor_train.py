@@ -99,14 +99,15 @@ def test_modes_and_ranks_are_the_releases(case):
 
 def test_the_einsum_reference_is_the_tensor_train_definition():
     """``W[i, o] = G_0[0, i, :] G_1[:, o, 0]`` for two cores; a four-core entry by hand."""
-    g0, g1 = torch.randn(1, 3, 2), torch.randn(2, 4, 1)
-    torch.testing.assert_close(tensor_train_weight([g0, g1], 1), (g0[0] @ g1[..., 0]).double())
-    cores = [torch.randn(1, 2, 3), torch.randn(3, 5, 2), torch.randn(2, 3, 4), torch.randn(4, 2, 1)]
+    gen = torch.Generator().manual_seed(0)
+    g0, g1 = torch.randn(1, 3, 2, generator=gen), torch.randn(2, 4, 1, generator=gen)
+    torch.testing.assert_close(tensor_train_weight([g0, g1], 1), g0[0].double() @ g1[..., 0].double())
+    cores = [torch.randn(shape, generator=gen) for shape in [(1, 2, 3), (3, 5, 2), (2, 3, 4), (4, 2, 1)]]
     w = tensor_train_weight(cores, 2)
     assert w.shape == (2 * 5, 3 * 2)
     i0, i1, o0, o1 = 1, 3, 2, 1
-    by_hand = cores[0][0, i0] @ cores[1][:, i1] @ cores[2][:, o0] @ cores[3][:, o1, 0]
-    assert abs(float(w[i0 * 5 + i1, o0 * 2 + o1]) - float(by_hand)) < 1e-5
+    by_hand = cores[0][0, i0].double() @ cores[1][:, i1].double() @ cores[2][:, o0].double() @ cores[3][:, o1, 0].double()
+    assert abs(float(w[i0 * 5 + i1, o0 * 2 + o1]) - float(by_hand)) < 1e-12
 
 
 @pytest.mark.parametrize("case", FORWARD_CASES, ids=str)
