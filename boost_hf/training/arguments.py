@@ -22,6 +22,7 @@ from transformers import TrainingArguments
 from ..parallel.config import ParallelConfig
 from ..optim.loro import LORO_WITHOUT_DEEPSPEED, LOWRANK_OPTIMIZERS
 from .health import NONFINITE_POLICIES
+from .preemption import DEFAULT_EXIT_SIGNALS, parse_exit_signals
 from .zero1 import check_zero1
 
 logger = logging.getLogger(__name__)
@@ -106,6 +107,10 @@ class BoostTrainingArguments(TrainingArguments):
             parameters (torch's ``ZeroRedundancyOptimizer`` over the DP group; :mod:`boost_hf.training.zero1`), at any
             layout including ``pp_size > 1``; checkpoints hold the consolidated state (resumable at any layout, with or
             without it). At dp 1 there is nothing to shard: the plain optimizer. Not with DeepSpeed or LORO.
+        exit_signals: signals (default ``"SIGTERM,SIGUSR1"``; ``""``: none) after which every rank finishes its step, the
+            run saves a checkpoint and every rank exits with status 76 (:mod:`boost_hf.training.preemption`).
+        exit_after_minutes: the same after this many minutes since the process started (default 0: no budget), e.g. a
+            few minutes less than the job's time limit.
 
     Without CUDA, ``use_cpu`` is set (and ``ddp_backend="gloo"`` when launched on several processes), so
     ``accelerate launch`` runs on CPU processes with or without DeepSpeed. ``ddp_timeout`` bounds every collective
@@ -159,6 +164,15 @@ class BoostTrainingArguments(TrainingArguments):
         default=False,
         metadata={"help": "ZeRO-1 without DeepSpeed: the optimizer state sharded over the data-parallel group (any pp_size)."},
     )
+    # preemption: stop at a step boundary, save, exit with status 76 (boost_hf.training.preemption)
+    exit_signals: str = field(
+        default=DEFAULT_EXIT_SIGNALS,
+        metadata={"help": "Signals after which every rank finishes its step, the run saves a checkpoint and exits with status "
+                          "76 ('': none)."},
+    )
+    exit_after_minutes: float = field(
+        default=0.0, metadata={"help": "Save a checkpoint and exit (status 76) after this many minutes of the process (0: never)."}
+    )
 
     # CoLA recipe defaults (BOOST.md section 1)
     weight_decay: float = 0.01
@@ -205,6 +219,9 @@ class BoostTrainingArguments(TrainingArguments):
             raise ValueError(f"hang_timeout_s must be >= 0 (0 disables the watchdog), got {self.hang_timeout_s}.")
         if self.peak_tflops <= 0:
             raise ValueError(f"peak_tflops must be > 0, got {self.peak_tflops}.")
+        parse_exit_signals(self.exit_signals)
+        if not self.exit_after_minutes >= 0:
+            raise ValueError(f"exit_after_minutes must be >= 0 (0: no time budget), got {self.exit_after_minutes}.")
         self.to_parallel_config()  # validate the layout fields now, not after the model is built
         if self.sequence_parallel and self.tp_size > 1 and self.sample_max_new_tokens > 0:
             raise ValueError(

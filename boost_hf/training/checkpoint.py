@@ -24,21 +24,16 @@ rotates old checkpoints out (``--save_total_limit``) only after that. A folder n
 therefore always complete, and a complete checkpoint exists at every moment. If a save fails (disk full, I/O
 error) the staging folder is removed, the earlier folders are untouched, and :class:`CheckpointWriteError` says
 what happened (and how much space is left). Staging folders left by a killed run are removed when the next run
-takes the output folder's lock (:func:`remove_stale_staging`).
-:class:`OutputDirLock` keeps a second run out of an ``output_dir`` in use.
+takes the output folder's lock (:func:`remove_stale_staging`; the lock is :mod:`boost_hf.training.output_lock`).
 """
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import errno
-import json
 import os
 import re
 import shutil
-import socket
-import time
 
 import torch.distributed as dist
 from transformers.trainer import OPTIMIZER_NAME
@@ -46,7 +41,6 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from ..checkpoint_integrity import MANIFEST_NAME, CheckpointIntegrityError, verify_checkpoint, write_manifest
 
-LOCK_NAME = ".boost_hf.lock"
 LOW_SPACE_BYTES = 1 << 20
 """A failed write with less free space than this on the target's file system is reported as a full disk."""
 _CHECKPOINT = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")
@@ -54,10 +48,6 @@ _CHECKPOINT = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")
 
 class CheckpointWriteError(OSError):
     """A checkpoint or the final model could not be written (disk full or another I/O error)."""
-
-
-class OutputDirInUseError(RuntimeError):
-    """Another run holds the lock of this ``output_dir``."""
 
 
 def optimizer_file_name(tp_rank: int, tp_size: int, pp_rank: int = 0, pp_size: int = 1) -> str:
@@ -199,66 +189,6 @@ def remove_earlier_run(output_dir: str) -> None:
             shutil.rmtree(os.path.join(output_dir, name))
 
 
-def _process_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-class OutputDirLock:
-    """``<output_dir>/.boost_hf.lock``, created exclusively by one process of a run and removed at its exit.
-
-    A lock left by a dead process of this host is taken over; any other lock raises :class:`OutputDirInUseError`.
-    """
-
-    def __init__(self, output_dir: str):
-        self.output_dir = output_dir
-        self.path = os.path.join(output_dir, LOCK_NAME)
-        self.held = False
-
-    def acquire(self, run_id: str) -> None:
-        os.makedirs(self.output_dir, exist_ok=True)
-        owner = {"run_id": run_id, "pid": os.getpid(), "host": socket.gethostname(), "since": time.strftime("%Y-%m-%d %H:%M:%S")}
-        for _ in range(2):
-            try:
-                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-            except FileExistsError:
-                self._take_over_if_stale()
-                continue
-            with os.fdopen(fd, "w") as f:
-                json.dump(owner, f)
-            self.held = True
-            atexit.register(self.release)
-            return
-        raise OutputDirInUseError(f"could not lock output_dir {self.output_dir!r}: another run keeps creating {self.path}.")
-
-    def _take_over_if_stale(self) -> None:
-        try:
-            with open(self.path) as f:
-                owner = json.load(f)
-        except (OSError, ValueError):
-            owner = {}
-        if owner.get("host") == socket.gethostname() and not _process_alive(int(owner.get("pid", -1))):
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(self.path)
-            return
-        raise OutputDirInUseError(
-            f"output_dir {self.output_dir!r} is in use by another run (pid {owner.get('pid')} on {owner.get('host')}, "
-            f"since {owner.get('since')}): wait for it to finish or choose another output_dir; if that run is dead, "
-            f"delete {self.path}."
-        )
-
-    def release(self) -> None:
-        if self.held:
-            self.held = False
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(self.path)
-
-
 @contextlib.contextmanager
 def full_parameters(model, zero_stage: int | None):
     """Under ZeRO-3, gather this rank's (TP-local) parameters from the DP group for the block; else nothing."""
@@ -273,8 +203,6 @@ def full_parameters(model, zero_stage: int | None):
 
 __all__ = [
     "CheckpointWriteError",
-    "OutputDirInUseError",
-    "OutputDirLock",
     "optimizer_file_name",
     "atomic_directory",
     "completed_checkpoints",

@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import uuid
 
 import numpy as np
@@ -75,8 +76,6 @@ from ..perf.flops import training_flops_per_token
 from ..optim.loro import check_loro_training, loro_optimizer, restart_schedule_at_exact_steps
 from .arguments import default_peak_tflops
 from .checkpoint import (
-    OutputDirInUseError,
-    OutputDirLock,
     atomic_directory,
     check_fresh_output_dir,
     completed_checkpoints,
@@ -87,6 +86,7 @@ from .checkpoint import (
     verify_checkpoint_once,
 )
 from .compile import compile_decoder_layers
+from .output_lock import OutputDirInUseError, OutputDirLock
 from .data import EvalShard, shard_by_data_parallel_rank, streaming_loader
 from ..parallel.state import ParallelState
 from ..evaluation import batch_sums, metrics_from_sums, sums_of_batch
@@ -104,6 +104,7 @@ from .pipeline_steps import (
     pipeline_of,
     pipeline_training_step,
 )
+from .preemption import StopAtStepEnd, StopRequests, TrainingStopped, parse_exit_signals
 from .preflight import TokenIdCheckingCollator, check_dataset
 from .resume import (
     check_resume_layout,
@@ -174,6 +175,10 @@ class BoostTrainer(Trainer):
             dp_grad_bytes=0 if state.dp_size == 1 else sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad),
         )
         self.add_callback(self.metrics)
+        self.stop_requests = StopRequests(parse_exit_signals(getattr(self.args, "exit_signals", "")),
+                                          getattr(self.args, "exit_after_minutes", 0.0))
+        self.stop_at_step_end = StopAtStepEnd(self.stop_requests, self.args.device)
+        self.add_callback(self.stop_at_step_end)
 
     # ------------------------------------------------------------------ set-up
     def create_accelerator_and_postprocess(self) -> None:
@@ -564,8 +569,31 @@ class BoostTrainer(Trainer):
         self.start_hang_watchdog()
         if not resume_from_checkpoint and self.args.should_save and os.path.isdir(run_dir):
             remove_earlier_run(run_dir)  # only reached with overwrite_output_dir (or nothing to remove)
-        with naming_collective_timeouts(lambda: self.state.global_step + 1):
-            return super().train(resume_from_checkpoint=resume_from_checkpoint or None, **kwargs)
+        with self.stop_requests.handling(), naming_collective_timeouts(lambda: self.state.global_step + 1):
+            output = super().train(resume_from_checkpoint=resume_from_checkpoint or None, **kwargs)
+        if self.stop_at_step_end.stopped is not None:
+            reason, step = self.stop_at_step_end.stopped
+            self._stop(reason, os.path.join(self._get_output_dir(None), f"{PREFIX_CHECKPOINT_DIR}-{step}"))
+        return output
+
+    def stop_if_requested(self) -> None:
+        """Collective: after training (before the final evaluation, sample and save), a signal of ``--exit_signals`` or
+        the spent ``--exit_after_minutes`` budget saves a checkpoint at the current step (unless there is one) and
+        raises :class:`~boost_hf.training.preemption.TrainingStopped` on every rank. During training the same is
+        decided at every step's end (:class:`~boost_hf.training.preemption.StopAtStepEnd`)."""
+        reason = self.stop_requests.agreed_reason(self.args.device)
+        if reason is None:
+            return
+        checkpoint = os.path.join(self._get_output_dir(None), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+        if checkpoint not in completed_checkpoints(self._get_output_dir(None)):
+            self._save_checkpoint(self.model_wrapped, None)
+        self._stop(reason, checkpoint)
+
+    def _stop(self, reason: str, checkpoint: str):
+        stopped = TrainingStopped(reason, self.state.global_step, checkpoint)
+        if self.is_world_process_zero():
+            print(stopped, file=sys.stderr, flush=True)
+        raise stopped
 
     def evaluate(self, *args, **kwargs):
         """``Trainer.evaluate``; a collective that times out is named (:func:`~boost_hf.training.watchdog.naming_collective_timeouts`)."""

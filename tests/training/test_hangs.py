@@ -1,10 +1,13 @@
 """No hangs: a frozen rank stops every process within ``--hang_timeout_s``, a rank alive but stuck outside the
-collectives within ``--ddp_timeout`` (named), and ``kill -9`` of the launcher takes its workers with it. Each case launches ``torchrun`` with 2 CPU processes (tp 2) on a long run, waits for the first
+collectives within ``--ddp_timeout`` (named), and ``kill -9`` of the launcher takes its workers with it; no lost step:
+a preempted run (SIGTERM to the launcher, SIGUSR1 to one rank) saves at the step every rank agreed on and its requeue
+takes the lock over. Each case launches ``torchrun`` with 2 CPU processes (tp 2) on a long run, waits for the first
 logged loss, injects the fault and gives the processes a hard deadline; ``finally`` kills whatever is left.
 (The multi-node launch is in ``test_distributed.py``.)"""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -15,9 +18,10 @@ import time
 import pytest
 
 from boost_hf.training import BoostTrainingArguments
+from boost_hf.training.preemption import PREEMPTED_EXIT_CODE
 from boost_hf.training.watchdog import HANG_EXIT_CODE
 
-from .launcher import DEMO_RECIPE, TINY, kill_group, start_command, torchrun_command
+from .launcher import DEMO_RECIPE, TINY, kill_group, run_command, start_command, torchrun_command
 
 HANG_TIMEOUT_S = 5
 STARTUP_DEADLINE_S = 180
@@ -26,10 +30,10 @@ STARTUP_DEADLINE_S = 180
 DDP_TIMEOUT_S = 8
 
 
-def long_run(training_env, output_dir, script: str = "recipes/pretrain.py", *extra) -> list[str]:
+def long_run(training_env, output_dir, script: str = "recipes/pretrain.py", *extra, max_steps: int = 100000) -> list[str]:
     args = [*TINY, "--dataset", training_env["CORPUS"], "--tp_size", "2", "--per_device_train_batch_size", "8",
             "--output_dir", output_dir, "--hang_timeout_s", str(HANG_TIMEOUT_S), *extra]
-    args[args.index("--max_steps") + 1] = "100000"
+    args[args.index("--max_steps") + 1] = str(max_steps)
     return torchrun_command(2, script, DEMO_RECIPE, *args)
 
 
@@ -157,3 +161,52 @@ def test_killed_launcher_takes_its_workers_with_it(training_env, tmp_path):
 def test_hang_timeout_is_validated(tmp_path):
     with pytest.raises(ValueError, match=r"hang_timeout_s must be >= 0 \(0 disables the watchdog\), got -1"):
         BoostTrainingArguments(output_dir=str(tmp_path), hang_timeout_s=-1)
+
+
+def logged_losses(trainer_state) -> dict[int, float]:
+    with open(trainer_state) as f:
+        return {log["step"]: log["loss"] for log in json.load(f)["log_history"] if "loss" in log}
+
+
+def test_a_preempted_run_loses_no_step_and_its_requeue_on_another_node_takes_the_lock_over(training_env, tmp_path):
+    """(1) SIGUSR1 reaches rank 1 only: both ranks stop after the same step, save it, exit 76. (2) The requeue (the same
+    SLURM job, restart 1) finds the lock of a launch killed on "node-b", takes it over, resumes, and stops on SIGTERM
+    to ``torchrun`` (which forwards it). (3) The uninterrupted run has the same loss at every step."""
+    run, constant = tmp_path / "run", ("--lr_scheduler_type", "constant", "--warmup_steps", "0", "--sample_max_new_tokens", "0")
+    stopped_at = r"(SIG\w+) received: every rank finished step (\d+) and the run saved '.*checkpoint-\2'; exiting with status 76"
+    first = Launch(long_run(training_env, run, "recipes/pretrain.py", *constant, "--resume_from_checkpoint", "auto"), training_env)
+    try:
+        first.wait_for("'loss'", STARTUP_DEADLINE_S)
+        os.kill(next(pid for pid, rank in first.workers.items() if rank == 1), signal.SIGUSR1)
+        first.proc.wait(timeout=120)
+        signal_name, step = re.search(stopped_at, first.output).groups()
+        assert signal_name == "SIGUSR1" and re.search(rf"exitcode\s*: {PREEMPTED_EXIT_CODE}", first.output), first.output[-3000:]
+        assert not [pid for pid in first.workers if alive(pid)]
+    finally:
+        first.cleanup()
+    first_stop = int(step)
+    assert (run / f"checkpoint-{first_stop}" / "manifest.json").is_file() and not (run / "final").exists()
+
+    killed = {"run_id": "killed", "pid": 4242, "host": "node-b", "since": "before", "heartbeat": 0, "beats": 9,
+              "launch": {"job": "slurm-4711", "attempt": [0, 0]}}
+    (run / ".boost_hf.lock").write_text(json.dumps(killed))  # as a launch SIGKILLed on another node leaves it
+    requeue = {**training_env, "SLURM_JOB_ID": "4711", "SLURM_RESTART_COUNT": "1"}
+    second = Launch(long_run(training_env, run, "recipes/pretrain.py", *constant, "--resume_from_checkpoint", "auto"), requeue)
+    try:
+        second.wait_for("'loss'", STARTUP_DEADLINE_S)
+        second.proc.send_signal(signal.SIGTERM)  # to torchrun, as SLURM and Kubernetes do
+        second.proc.wait(timeout=120)
+        signal_name, step = re.search(stopped_at, second.output).groups()
+        assert signal_name == "SIGTERM", second.output[-3000:]
+        assert "took over the lock of output_dir" in second.output and "an earlier launch of this job" in second.output
+        assert not [pid for pid in second.workers if alive(pid)]
+    finally:
+        second.cleanup()
+    second_stop = int(step)
+    assert second_stop > first_stop and (run / f"checkpoint-{second_stop}" / "manifest.json").is_file()
+
+    run_command(long_run(training_env, tmp_path / "whole", "recipes/pretrain.py", *constant, max_steps=second_stop), training_env,
+                timeout=STARTUP_DEADLINE_S + 120)
+    preempted = logged_losses(run / f"checkpoint-{second_stop}" / "trainer_state.json")
+    assert list(preempted) == list(range(1, second_stop + 1))
+    assert preempted == logged_losses(tmp_path / "whole" / "trainer_state.json")  # bit-identical, step by step

@@ -18,8 +18,10 @@ from transformers import Trainer
 from boost_hf import BoostLlamaConfig, BoostLlamaForCausalLM
 from boost_hf.checkpoint_integrity import CheckpointIntegrityError
 from boost_hf.training import BoostTrainer, BoostTrainingArguments
-from boost_hf.training.checkpoint import CheckpointWriteError, OutputDirInUseError, OutputDirLock
+from boost_hf.training.checkpoint import CheckpointWriteError
 from boost_hf.training.health import NonFiniteError
+from boost_hf.training.output_lock import OutputDirInUseError, OutputDirLock
+from boost_hf.training.preemption import PREEMPTED_EXIT_CODE, TrainingStopped
 
 VOCAB, BLOCK = 64, 16
 
@@ -280,6 +282,66 @@ def test_a_second_run_into_a_locked_output_dir_fails(tmp_path):
     OutputDirLock(str(tmp_path)).acquire("second-run")  # a dead run's lock on this host is taken over
 
 
+def remote_lock(folder, beats: int, heartbeat: float, **fields) -> dict:
+    """The lock of a run on another node ("node-b"), as its heartbeat left it."""
+    owner = {"run_id": "remote-run", "pid": 4242, "host": "node-b", "since": "yesterday", "launch": None,
+             "heartbeat": heartbeat, "beats": beats, **fields}
+    (folder / ".boost_hf.lock").write_text(json.dumps(owner))
+    return owner
+
+
+def test_a_remote_owners_lock_is_taken_over_when_its_heartbeat_stopped_and_refused_while_it_beats(tmp_path, monkeypatch):
+    """A requeued run on another node: the dead owner's pid cannot be checked from here, its heartbeat can."""
+    import threading
+    import time
+
+    for name in ("SLURM_JOB_ID", "SLURM_RESTART_COUNT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT"):
+        monkeypatch.delenv(name, raising=False)
+    remote_lock(tmp_path, beats=7, heartbeat=time.time() - 600)  # dead for 10 minutes
+    lock = OutputDirLock(str(tmp_path), heartbeat_s=0.2, stale_after_s=60)
+    lock.acquire("requeued-run")
+    assert "pid 4242 on node-b" in lock.taken_over and "its heartbeat stopped 60" in lock.taken_over
+    assert json.loads((tmp_path / ".boost_hf.lock").read_text())["run_id"] == "requeued-run"
+    time.sleep(0.5)
+    assert json.loads((tmp_path / ".boost_hf.lock").read_text())["beats"] >= 1  # its own heartbeat goes on
+    lock.release()
+    assert not (tmp_path / ".boost_hf.lock").exists()
+
+    owner = remote_lock(tmp_path, beats=0, heartbeat=time.time() - 600)  # an old time stamp (a skewed clock), but it beats
+    stop = threading.Event()
+
+    def beat():
+        while not stop.wait(0.1):
+            owner["beats"] += 1
+            (tmp_path / ".boost_hf.lock").write_text(json.dumps(owner))
+
+    beating = threading.Thread(target=beat)
+    beating.start()
+    try:
+        with pytest.raises(OutputDirInUseError, match=r"in use by another run \(pid 4242 on node-b, since yesterday; its "
+                                                      r"heartbeat in the lock goes on\)"):
+            OutputDirLock(str(tmp_path), heartbeat_s=0.2, stale_after_s=60).acquire("another-run")
+    finally:
+        stop.set()
+        beating.join()
+
+
+def test_a_requeued_job_takes_its_earlier_launchs_lock_at_once(tmp_path, monkeypatch):
+    import time
+
+    monkeypatch.setenv("SLURM_JOB_ID", "4711")
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
+    launch = {"job": "slurm-4711", "attempt": [0, 0]}
+    remote_lock(tmp_path, beats=3, heartbeat=time.time(), launch=launch)  # fresh: killed a second ago
+    started = time.monotonic()
+    lock = OutputDirLock(str(tmp_path))  # default heartbeat bounds: no waiting needed
+    lock.acquire("requeued")
+    assert time.monotonic() - started < 2
+    assert "slurm-4711 attempt [0, 0]" in lock.taken_over and "an earlier launch of this job" in lock.taken_over
+    assert json.loads((tmp_path / ".boost_hf.lock").read_text())["launch"] == {"job": "slurm-4711", "attempt": [1, 0]}
+    lock.release()
+
+
 def test_checkpoints_are_staged_verified_renamed_then_rotated(tmp_path, monkeypatch):
     """Each save: files into ``.checkpoint-<step>.tmp-<run id>``, its manifest, one rename, and only then the rotation
     of ``--save_total_limit``: when old checkpoints are deleted, the new one is complete under its final name."""
@@ -452,3 +514,49 @@ def test_disk_full_inside_safetensors_is_a_checkpoint_write_error(tmp_path, monk
     with pytest.raises(CheckpointWriteError, match=r"could not save .*checkpoint-4': no space left on device"):
         t.train()
     assert sorted(p.name for p in tmp_path.iterdir()) == [".boost_hf.lock", "checkpoint-2"]
+
+
+# ---------------------------------------------------------------------------- preemption (one process; launched: test_hangs.py)
+def logged_losses(t) -> dict[int, float]:
+    return {log["step"]: log["loss"] for log in t.state.log_history if "loss" in log}
+
+
+def test_the_time_budget_saves_a_checkpoint_and_exits_76_and_the_resume_loses_no_step(tmp_path):
+    whole = trainer(tmp_path / "whole", save_strategy="no")
+    whole.train()
+    stopped = trainer(tmp_path / "run", save_strategy="no", exit_after_minutes=1e-9)  # spent at the first step's end
+    with pytest.raises(TrainingStopped) as error:
+        stopped.train()
+    assert error.value.code == PREEMPTED_EXIT_CODE == 76 and error.value.step == 1
+    assert str(error.value) == (
+        "boost-hf: the time budget of --exit_after_minutes 1e-09 is spent: every rank finished step 1 and the run saved "
+        f"'{tmp_path / 'run' / 'checkpoint-1'}'; exiting with status 76. Continue with --resume_from_checkpoint last.")
+    assert (tmp_path / "run" / "checkpoint-1" / "manifest.json").is_file() and not (tmp_path / "run" / "final").exists()
+    stopped._output_dir_lock.release()
+    resumed = trainer(tmp_path / "run", save_strategy="no")
+    resumed.train(resume_from_checkpoint=True)
+    assert list(logged_losses(stopped)) == [1]
+    assert logged_losses(resumed) == logged_losses(whole)  # step 1 from the checkpoint's log, 2-4 trained: bit-identical
+
+
+def test_an_exit_signal_finishes_the_step_saves_and_restores_the_handlers(tmp_path):
+    import signal
+
+    from transformers import TrainerCallback
+
+    class SignalDuringStep2(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            if state.global_step + 1 == 2:
+                os.kill(os.getpid(), signal.SIGUSR1)  # handled at once (main thread); the step goes on
+
+    before = signal.getsignal(signal.SIGUSR1)
+    t = trainer(tmp_path, save_strategy="no", max_steps=6)
+    t.add_callback(SignalDuringStep2())
+    with pytest.raises(TrainingStopped, match=r"SIGUSR1 received: every rank finished step 2 and the run saved .*checkpoint-2'"):
+        t.train()
+    assert t.state.global_step == 2 and (tmp_path / "checkpoint-2" / "manifest.json").is_file()
+    assert signal.getsignal(signal.SIGUSR1) is before
+    with pytest.raises(ValueError, match="exit_signals: 'SIGKILL' is a signal no process can catch"):
+        arguments(tmp_path, exit_signals="SIGTERM,SIGKILL")
+    with pytest.raises(ValueError, match="exit_signals: 'SIGNOPE' is not a signal"):
+        arguments(tmp_path, exit_signals="nope")
