@@ -23,6 +23,7 @@ from ..parallel.config import ParallelConfig
 from ..optim.loro import LORO_WITHOUT_DEEPSPEED, LOWRANK_OPTIMIZERS
 from .health import NONFINITE_POLICIES
 from .preemption import DEFAULT_EXIT_SIGNALS, parse_exit_signals
+from .watchdog import enter_phase, exit_with_launcher, watch_launch
 from .zero1 import check_zero1
 
 logger = logging.getLogger(__name__)
@@ -199,6 +200,8 @@ class BoostTrainingArguments(TrainingArguments):
             self.activation_checkpointing = self.gradient_checkpointing = False
         check_lowrank_optimizer(self)
         check_zero1(self)
+        if self.hang_timeout_s < 0:
+            raise ValueError(f"hang_timeout_s must be >= 0 (0 disables the watchdog), got {self.hang_timeout_s}.")
         super().__post_init__()
         if self.peak_tflops is None:
             self.peak_tflops = default_peak_tflops()
@@ -215,8 +218,6 @@ class BoostTrainingArguments(TrainingArguments):
                 f"this run would train no step (max_steps={self.max_steps}, num_train_epochs={self.num_train_epochs}): set "
                 "--max_steps to a positive number of optimizer steps, or --max_steps -1 and --num_train_epochs > 0."
             )
-        if self.hang_timeout_s < 0:
-            raise ValueError(f"hang_timeout_s must be >= 0 (0 disables the watchdog), got {self.hang_timeout_s}.")
         if self.peak_tflops <= 0:
             raise ValueError(f"peak_tflops must be > 0, got {self.peak_tflops}.")
         parse_exit_signals(self.exit_signals)
@@ -248,12 +249,18 @@ class BoostTrainingArguments(TrainingArguments):
     def _setup_devices(self) -> torch.device:
         """transformers initialises the process group with ``ddp_timeout`` on GPU but, with ``use_cpu``, without it
         (gloo's 30-minute default). Launched on CPU, the group is initialised here first, through accelerate as
-        transformers would, with the timeout; transformers then finds it initialised."""
+        transformers would, with the timeout; transformers then finds it initialised. The hang watchdog starts first
+        (under ``torchrun`` / ``accelerate launch``), so a rank frozen during the set-up is named within
+        ``hang_timeout_s`` (:func:`~boost_hf.training.watchdog.watch_launch`)."""
+        exit_with_launcher()
+        watch_launch(self.hang_timeout_s)
         if self.use_cpu and int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
             from accelerate import PartialState
 
             PartialState(cpu=True, backend=self.ddp_backend, timeout=self.ddp_timeout_delta)
-        return TrainingArguments._setup_devices.func(self)
+        device = TrainingArguments._setup_devices.func(self)
+        enter_phase("start-up")
+        return device
 
     def to_parallel_config(self, model_config=None) -> ParallelConfig:
         """The :class:`ParallelConfig` of these arguments; ``tp_style="auto"`` resolves with ``model_config``

@@ -4,8 +4,13 @@ checkpoint and every rank exits with :data:`PREEMPTED_EXIT_CODE` (Megatron's ``-
 
 ``--exit_signals`` (default ``SIGTERM,SIGUSR1``): what schedulers send before they kill a job (SLURM and Kubernetes
 send SIGTERM, then SIGKILL after a grace period; SLURM's ``--signal=USR1@<seconds>`` sends SIGUSR1 that long before
-the time limit). The handler only records the signal; a second one of the same kind takes its default action (the
-process dies at once). ``--exit_after_minutes`` (default 0: none): the budget, counted from the start of the process.
+the time limit). The handler only records the signal, however often it comes (SLURM signals every process of a job
+step, so a worker gets the scheduler's SIGTERM and ``torchrun``'s copy of it). It takes the signal's default action
+(the process dies at once) when another rank has already left the run (``run_broken``: the watchdog's count of
+exited ranks) before the ranks agreed to stop: then the signal is ``torchrun`` stopping the survivors of a failed
+run, whose collectives could not complete. Once the ranks agreed to stop, signals are only recorded (the first rank
+to exit makes ``torchrun`` signal the others, which are finishing the same exit). SIGKILL (or SIGINT, not handled)
+ends a run at once. ``--exit_after_minutes`` (default 0: none): the budget, counted from the start of the process.
 
 The ranks must stop at the same step, though a signal may reach only some of them (one node, one process) and their
 clocks differ. :class:`StopRequests` decides at the end of every optimizer step: each rank's requests (one flag per
@@ -75,9 +80,11 @@ class TrainingStopped(SystemExit):
 class StopRequests:
     """This process's stop requests (the exit signals received, the time budget) and the collective decision."""
 
-    def __init__(self, signals: tuple[signal.Signals, ...], budget_minutes: float = 0.0):
-        self.signals, self.budget_minutes = signals, budget_minutes
+    def __init__(self, signals: tuple[signal.Signals, ...], budget_minutes: float = 0.0, run_broken=lambda: False):
+        self.signals, self.budget_minutes, self.run_broken = signals, budget_minutes, run_broken
         self.received: set[signal.Signals] = set()
+        self.stopping = False
+        """The ranks agreed to stop: further signals are recorded only (the launcher's, once a rank has exited)."""
         self._previous: dict[signal.Signals, object] = {}
         self._depth = 0
 
@@ -102,7 +109,7 @@ class StopRequests:
                 self._previous = {}
 
     def _handle(self, number: int, frame) -> None:
-        if number in self.received:  # the second one: its default action, now
+        if not self.stopping and self.run_broken():  # the launcher stops the survivors of a failed run: die now
             signal.signal(number, signal.SIG_DFL)
             signal.raise_signal(number)
             return
@@ -119,6 +126,7 @@ class StopRequests:
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         raised = flags.tolist()
+        self.stopping = any(raised)
         names = [number.name for number, flag in zip(self.signals, raised) if flag]
         if names:
             return f"{' and '.join(names)} received"

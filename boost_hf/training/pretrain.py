@@ -17,6 +17,7 @@ from .checkpoint import completed_checkpoints
 from .preflight import check_model_and_data
 from .recipe import build_config, build_datasets, build_model, build_tokenizer, card_datasets, parse_recipe
 from .trainer import BoostTrainer
+from .watchdog import enter_phase
 
 
 def build_trainer(argv: list[str], **trainer_kwargs) -> BoostTrainer:
@@ -26,8 +27,11 @@ def build_trainer(argv: list[str], **trainer_kwargs) -> BoostTrainer:
     tokenizer = build_tokenizer(data_args)
     config = build_config(model_args, tokenizer)
     check_model_and_data(config, tokenizer, data_args.block_size, training_args.to_parallel_config(config))  # before any collective
+    enter_phase("dataset building")
     datasets = build_datasets(data_args, tokenizer, training_args)
+    enter_phase("model building")
     model = build_model(model_args, training_args, tokenizer)
+    enter_phase("trainer set-up")
     trainer = BoostTrainer(
         model=model,
         args=training_args,

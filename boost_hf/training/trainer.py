@@ -114,7 +114,7 @@ from .resume import (
     training_layout,
     write_training_layout,
 )
-from .watchdog import HangWatchdog, exit_with_launcher, naming_collective_timeouts
+from .watchdog import TRAINING, HangWatchdog, enter_phase, exit_with_launcher, in_phase, naming_collective_timeouts, running_watchdog
 from .zero1 import sharded_over_data_parallel, zero1_class_and_kwargs
 from .publish import inference_settings, model_card, publish_special_tokens, save_tokenizer
 
@@ -176,7 +176,7 @@ class BoostTrainer(Trainer):
         )
         self.add_callback(self.metrics)
         self.stop_requests = StopRequests(parse_exit_signals(getattr(self.args, "exit_signals", "")),
-                                          getattr(self.args, "exit_after_minutes", 0.0))
+                                          getattr(self.args, "exit_after_minutes", 0.0), run_broken=self._a_peer_exited)
         self.stop_at_step_end = StopAtStepEnd(self.stop_requests, self.args.device)
         self.add_callback(self.stop_at_step_end)
 
@@ -484,7 +484,8 @@ class BoostTrainer(Trainer):
         """Save the model (canonical) + tokenizer + manifest atomically to ``<output_dir>/final``; return that path."""
         self.claim_output_dir()
         target = output_dir or os.path.join(self.args.output_dir, "final")
-        with atomic_directory(target, is_writer=self.args.should_save, run_id=self.run_id, config=self.model.config) as staging:
+        with in_phase("saving the final model"), atomic_directory(target, is_writer=self.args.should_save, run_id=self.run_id,
+                                                                  config=self.model.config) as staging:
             self.save_model(staging)
         return target
 
@@ -567,6 +568,7 @@ class BoostTrainer(Trainer):
             check_resume_layout(resume_from_checkpoint, self.training_layout())
         self.claim_output_dir()
         self.start_hang_watchdog()
+        enter_phase(TRAINING)
         if not resume_from_checkpoint and self.args.should_save and os.path.isdir(run_dir):
             remove_earlier_run(run_dir)  # only reached with overwrite_output_dir (or nothing to remove)
         with self.stop_requests.handling(), naming_collective_timeouts(lambda: self.state.global_step + 1):
@@ -575,6 +577,9 @@ class BoostTrainer(Trainer):
             reason, step = self.stop_at_step_end.stopped
             self._stop(reason, os.path.join(self._get_output_dir(None), f"{PREFIX_CHECKPOINT_DIR}-{step}"))
         return output
+
+    def _a_peer_exited(self) -> bool:
+        return self.hang_watchdog is not None and self.hang_watchdog.a_peer_exited()
 
     def stop_if_requested(self) -> None:
         """Collective: after training (before the final evaluation, sample and save), a signal of ``--exit_signals`` or
@@ -597,7 +602,7 @@ class BoostTrainer(Trainer):
 
     def evaluate(self, *args, **kwargs):
         """``Trainer.evaluate``; a collective that times out is named (:func:`~boost_hf.training.watchdog.naming_collective_timeouts`)."""
-        with naming_collective_timeouts(lambda: self.state.global_step):
+        with in_phase("evaluation"), naming_collective_timeouts(lambda: self.state.global_step):
             return super().evaluate(*args, **kwargs)
 
     def training_layout(self, optimizer_records: list[dict] | None = None) -> dict:
@@ -659,9 +664,14 @@ class BoostTrainer(Trainer):
         self.lr_scheduler.load_state_dict(torch.load(scheduler, weights_only=True))
 
     def start_hang_watchdog(self) -> None:
-        """Start this rank's :class:`~boost_hf.training.watchdog.HangWatchdog` (launched runs, ``hang_timeout_s > 0``)."""
+        """This rank's :class:`~boost_hf.training.watchdog.HangWatchdog` (launched runs, ``hang_timeout_s > 0``): the
+        one started with the launch (:func:`~boost_hf.training.watchdog.watch_launch`), else one on the process group's
+        store."""
         timeout = getattr(self.args, "hang_timeout_s", 0)
         if self.hang_watchdog is not None or not timeout or not (dist.is_available() and dist.is_initialized()):
+            return
+        if running_watchdog() is not None:
+            self.hang_watchdog = running_watchdog()
             return
         if dist.get_world_size() == 1:
             return
@@ -697,9 +707,8 @@ class BoostTrainer(Trainer):
                 )
             return tokenizer.decode(output[0], skip_special_tokens=True)
 
-        if pipeline_of(self.model) is not None:
-            return on_one_process(self.model, sample)
-        return sample(self.model)
+        with in_phase("generation"):
+            return on_one_process(self.model, sample) if pipeline_of(self.model) is not None else sample(self.model)
 
 
 __all__ = ["BoostTrainer"]

@@ -30,11 +30,12 @@ STARTUP_DEADLINE_S = 180
 DDP_TIMEOUT_S = 8
 
 
-def long_run(training_env, output_dir, script: str = "recipes/pretrain.py", *extra, max_steps: int = 100000) -> list[str]:
+def long_run(training_env, output_dir, script: str = "recipes/pretrain.py", *extra, max_steps: int = 100000,
+             phase_argument: str | None = None) -> list[str]:
     args = [*TINY, "--dataset", training_env["CORPUS"], "--tp_size", "2", "--per_device_train_batch_size", "8",
             "--output_dir", output_dir, "--hang_timeout_s", str(HANG_TIMEOUT_S), *extra]
     args[args.index("--max_steps") + 1] = str(max_steps)
-    return torchrun_command(2, script, DEMO_RECIPE, *args)
+    return torchrun_command(2, script, *([phase_argument] if phase_argument else []), DEMO_RECIPE, *args)
 
 
 def worker_ranks(launcher_pid: int) -> dict[int, int]:
@@ -116,7 +117,30 @@ def test_frozen_rank_stops_every_process(training_env, tmp_path):
         assert elapsed < HANG_TIMEOUT_S + 20, f"the run took {elapsed:.0f}s to stop"
         message = f"boost-hf watchdog: rank 1 (pid {frozen} on {socket.gethostname()}) has not responded for {HANG_TIMEOUT_S} s"
         assert message in launch.output, launch.output[-4000:]
-        assert "rank 0 stops at step" in launch.output and f"exit status {HANG_EXIT_CODE}" in launch.output
+        assert "rank 0 stops at step" in launch.output and f"exit status {HANG_EXIT_CODE}" in launch.output, launch.output[-3000:]
+        assert not [pid for pid in launch.workers if alive(pid)], "a worker is still running"
+    finally:
+        launch.cleanup()
+
+
+@pytest.mark.parametrize("phase, named", [("process-group", "process-group set-up"), ("datasets", "dataset building")])
+def test_a_rank_frozen_before_training_is_named_with_its_phase(training_env, tmp_path, phase, named):
+    """The watchdog starts before the process group: a rank stopped while the others set up the process group (they
+    wait in its rendezvous) or build the datasets (they wait in a barrier) ends the run within ``--hang_timeout_s``,
+    not ``--ddp_timeout`` (30 minutes by default) with raw store or gloo errors."""
+    launch = Launch(long_run(training_env, tmp_path / "run", "tests/training/frozen_rank.py", phase_argument=phase), training_env)
+    try:
+        launch.wait_for(f"rank 1 stops itself during {phase}", STARTUP_DEADLINE_S)
+        stopped = time.monotonic()
+        returncode = launch.proc.wait(timeout=HANG_TIMEOUT_S + 40)
+        elapsed = time.monotonic() - stopped
+        time.sleep(0.5)
+        assert returncode != 0
+        assert elapsed < HANG_TIMEOUT_S + 20, f"the run took {elapsed:.0f}s to stop"
+        frozen = next(pid for pid, rank in launch.workers.items() if rank == 1)
+        assert (f"boost-hf watchdog: rank 1 (pid {frozen} on {socket.gethostname()}) has not responded for {HANG_TIMEOUT_S} s "
+                f"during {named} (frozen, stopped or its machine hangs); rank 0 stops during {named} with exit status "
+                f"{HANG_EXIT_CODE}") in launch.output, launch.output[-4000:]
         assert not [pid for pid in launch.workers if alive(pid)], "a worker is still running"
     finally:
         launch.cleanup()
