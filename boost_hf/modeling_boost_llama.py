@@ -43,6 +43,7 @@ from .configuration_boost_llama import AUTHORS_COLA_MODEL_TYPE, BoostLlamaConfig
 logger = logging.get_logger(__name__)
 
 LATENT_NORM_EPS = 1e-6  # the LaX authors' latent LayerNorm
+IGNORE_INDEX = -100  # a label the loss skips (transformers' convention)
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -442,8 +443,28 @@ class BoostLlamaPreTrainedModel(PreTrainedModel):
             init.copy_(param, value)
 
 
+def check_token_ids(ids: torch.Tensor, vocab_size: int, where: str = "input_ids", ignore_index: int | None = None) -> None:
+    """Raise if an entry of ``ids`` is outside ``[0, vocab_size)`` (``ignore_index`` allowed: labels). One min/max pass:
+    on the CPU a ``ValueError`` naming the id; on an accelerator (and inside ``torch.compile``) a device-side assert
+    (``torch._assert_async``, no host sync) with the same text, without the id. A model split over ranks would
+    otherwise compute with such an id silently (a vocab-parallel embedding or loss counts it as another rank's)."""
+    if ids.numel() == 0 or ids.is_meta:
+        return
+    valid = ids if ignore_index is None else ids.masked_fill(ids == ignore_index, 0)
+    low, high = torch.aminmax(valid)
+    outside = (f"outside the model's vocabulary [0, {vocab_size})" if ignore_index is None else
+               f"neither in the model's vocabulary [0, {vocab_size}) nor the ignore index {ignore_index}")
+    fix = "the data was tokenized with another tokenizer, or vocab_size is too small."
+    if ids.device.type != "cpu" or torch.compiler.is_compiling():  # no host sync, no data-dependent branch
+        torch._assert_async((low >= 0) & (high < vocab_size), f"a token id in {where} is {outside}: {fix}")
+        return
+    if low < 0 or high >= vocab_size:
+        raise ValueError(f"token id {int(low) if low < 0 else int(high)} in {where} is {outside}: {fix}")
+
+
 class BoostLlamaModel(BoostLlamaPreTrainedModel):
-    """Embedding -> decoder layers -> final norm; ``last_hidden_state: [B, S, d]``."""
+    """Embedding -> decoder layers -> final norm; ``last_hidden_state: [B, S, d]``. ``input_ids`` outside the
+    vocabulary raise (:func:`check_token_ids`)."""
 
     def __init__(self, config: BoostLlamaConfig):
         super().__init__(config)
@@ -471,6 +492,8 @@ class BoostLlamaModel(BoostLlamaPreTrainedModel):
         if (input_ids is None) ^ (inputs_embeds is not None):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
         self._check_latent_checkpointing()
+        if input_ids is not None:
+            check_token_ids(input_ids, self.config.vocab_size)
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
         if use_cache and past_key_values is None:
@@ -557,7 +580,8 @@ def converting_authors_cola(class_name: str):
 
 
 class BoostLlamaForCausalLM(BoostLlamaPreTrainedModel, GenerationMixin):
-    """Causal LM: base model -> LM head ``[B, S, V]`` -> next-token cross-entropy.
+    """Causal LM: base model -> LM head ``[B, S, V]`` -> next-token cross-entropy (``labels`` outside the vocabulary,
+    other than ``IGNORE_INDEX``, raise).
 
     ``BoostLlamaForCausalLM(config, parallel_config=ParallelConfig(tp_size=4))`` inside a launched process
     group builds this rank's shard (see :func:`boost_hf.parallel.parallelize`).
@@ -689,6 +713,8 @@ class BoostLlamaForCausalLM(BoostLlamaPreTrainedModel, GenerationMixin):
         logits_to_keep: int | torch.Tensor = 0,
         **kwargs,
     ) -> CausalLMOutputWithPast:
+        if labels is not None:  # before any work (or, split over ranks, any collective)
+            check_token_ids(labels, self.config.vocab_size, "labels", ignore_index=IGNORE_INDEX)
         outputs: BaseModelOutputWithPast = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -718,6 +744,8 @@ BoostLlamaModel.register_for_auto_class("AutoModel")
 BoostLlamaForCausalLM.register_for_auto_class("AutoModelForCausalLM")
 
 __all__ = [
+    "IGNORE_INDEX",
+    "check_token_ids",
     "BoostLlamaPreTrainedModel",
     "BoostLlamaModel",
     "BoostLlamaForCausalLM",

@@ -140,12 +140,19 @@ def test_empty_validation_set(tmp_path):
         BoostTrainer(model=tiny_model(), args=arguments(tmp_path), train_dataset=blocks(8), eval_dataset=blocks(0))
 
 
-def test_token_ids_out_of_range_fail_before_training(tmp_path):
-    with pytest.raises(ValueError, match=rf"the training set holds token id {VOCAB}, outside the model's vocabulary \[0, {VOCAB}\)"):
+def test_token_ids_and_labels_out_of_range_fail_before_training(tmp_path):
+    with pytest.raises(ValueError, match=rf"token id {VOCAB} in the training set is outside the model's vocabulary \[0, {VOCAB}\)"):
         trainer(tmp_path, train=blocks(8, high=VOCAB + 1))
+    labelled = blocks(8).map(lambda row: {"labels": [-100, 300] + row["labels"][2:]})  # -100 is fine, 300 is not
+    with pytest.raises(ValueError, match=rf"token id 300 in the training set's labels is neither in the model's vocabulary "
+                                         rf"\[0, {VOCAB}\) nor the ignore index -100: the data was tokenized with another"):
+        trainer(tmp_path, train=labelled)
     streamed = trainer(tmp_path).data_collator  # batches of streams are checked one by one
-    with pytest.raises(ValueError, match=r"a batch holds token id -1"):
+    with pytest.raises(ValueError, match=r"token id -1 in a batch is outside"):
         streamed([{"input_ids": [1, -1], "labels": [1, -1]}])
+    with pytest.raises(ValueError, match=r"token id -5 in a batch's labels is neither"):
+        streamed([{"input_ids": [1, 2], "labels": [-5, -100]}])
+    assert streamed([{"input_ids": [1, 2], "labels": [-100, 2]}])["labels"].tolist() == [[-100, 2]]
 
 
 @pytest.mark.parametrize("parallel", [False, True], ids=["plain-model", "parallelized-tp1"])
