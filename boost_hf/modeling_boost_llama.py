@@ -609,9 +609,9 @@ class BoostLlamaForCausalLM(BoostLlamaPreTrainedModel, GenerationMixin):
         A checkpoint (folder or Hub id) must match the model exactly: missing, unexpected or wrongly-shaped
         weights raise, unless ``output_loading_info=True`` (the report is returned instead) or
         ``ignore_mismatched_sizes=True`` (sizes only). ``from_pretrained(None, config=..., state_dict=...)``
-        reads no checkpoint and behaves as in transformers (missing weights are initialised). A boost-hf folder's
-        ``manifest.json`` records the architecture its weights were trained as: a config that computes another
-        function (see :meth:`_check_saved_architecture`) raises unless ``check_architecture=False``.
+        reads no checkpoint and behaves as in transformers (missing weights are initialised). A checkpoint records the
+        architecture its weights were trained as (boost-hf's ``manifest.json``, else its saved ``config.json``): a config
+        that computes another function (see :meth:`_check_saved_architecture`) raises unless ``check_architecture=False``.
 
         A checkpoint written by the CoLA authors' code (``model_type: "cola"``) is converted while it loads
         (:meth:`from_authors_cola`)."""
@@ -619,8 +619,8 @@ class BoostLlamaForCausalLM(BoostLlamaPreTrainedModel, GenerationMixin):
             cls._check_saved_architecture(str(pretrained_model_name_or_path), kwargs)
         if pretrained_model_name_or_path is not None and is_authors_cola_checkpoint(pretrained_model_name_or_path, kwargs):
             return cls.from_authors_cola(pretrained_model_name_or_path, *model_args, parallel_config=parallel_config, **kwargs)
-        if parallel_config is not None:
-            return parallel_config.load_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs)
+        if parallel_config is not None:  # the architecture was checked above
+            return parallel_config.load_pretrained(cls, pretrained_model_name_or_path, *model_args, check_architecture=False, **kwargs)
         return cls._from_pretrained_checked(pretrained_model_name_or_path, *model_args, **kwargs)
 
     @classmethod
@@ -677,28 +677,47 @@ class BoostLlamaForCausalLM(BoostLlamaPreTrainedModel, GenerationMixin):
         return model
 
     @classmethod
-    def _check_saved_architecture(cls, folder: str, kwargs: dict) -> None:
-        """Raise ``ValueError`` naming the fields where the config used to load ``folder`` (``config=``, keyword
-        overrides such as ``only_lr_act=False``, or an edited ``config.json``) differs from the architecture record of
-        the folder's ``manifest.json`` (written by boost-hf): the same tensors would compute another function (a cola
-        checkpoint read as svd, ``only_lr_act`` or the LaX base flipped, ...). Folders without a manifest pass."""
-        manifest = os.path.join(folder, kwargs.get("subfolder") or "", "manifest.json")
-        if not os.path.isfile(manifest):
-            return
-        with open(manifest) as f:
-            record = json.load(f).get("architecture")
+    def _check_saved_architecture(cls, pretrained_model_name_or_path: str, kwargs: dict) -> None:
+        """Raise ``ValueError`` naming the fields where the config used to load a checkpoint (``config=``, keyword
+        overrides such as ``only_lr_act=False``, or an edited ``config.json``) differs from the architecture the
+        checkpoint records: the same tensors would compute another function (a cola checkpoint read as svd,
+        ``only_lr_act`` or the LaX base flipped, ...). The record is the folder's ``manifest.json`` (written by
+        boost-hf's trainer) or else its saved ``config.json`` (``save_pretrained``; local or on the Hub); a checkpoint
+        of another model type (e.g. ``LlamaForCausalLM``) has none here."""
         config = kwargs.get("config")
-        if record is None or (config is not None and not isinstance(config, cls.config_class)):
+        if config is not None and not isinstance(config, cls.config_class):
+            return
+        record = cls._saved_architecture(pretrained_model_name_or_path, kwargs)
+        if record is None:
             return
         if config is None:
-            config, _ = cls.config_class.from_pretrained(folder, return_unused_kwargs=True, **kwargs)
+            config, _ = cls.config_class.from_pretrained(pretrained_model_name_or_path, return_unused_kwargs=True, **kwargs)
         different = config.architecture_differences(record)
         if different:
             raise ValueError(
-                f"{folder!r} was saved from another architecture than the config used to load it ({'; '.join(different)}): "
-                "its weights would compute another function. Load it with its own config.json (no config= or overrides), "
-                "or pass check_architecture=False to load the tensors anyway."
+                f"{pretrained_model_name_or_path!r} was saved from another architecture than the config used to load it "
+                f"({'; '.join(different)}): its weights would compute another function. Load it with its own config.json "
+                "(no config= or overrides), or pass check_architecture=False to load the tensors anyway."
             )
+
+    @classmethod
+    def _saved_architecture(cls, pretrained_model_name_or_path: str, kwargs: dict) -> dict | None:
+        """The architecture record of a checkpoint: its ``manifest.json``'s, else that of its ``config.json`` when it
+        is a config of this model type; ``None`` when there is neither."""
+        manifest = os.path.join(pretrained_model_name_or_path, kwargs.get("subfolder") or "", "manifest.json")
+        if os.path.isfile(manifest):
+            with open(manifest) as f:
+                record = json.load(f).get("architecture")
+            if record is not None:
+                return record
+        hub = {name: kwargs[name] for name in HUB_KWARGS if name in kwargs}
+        try:
+            saved, _ = cls.config_class.get_config_dict(pretrained_model_name_or_path, **hub)
+        except OSError:
+            return None  # no config to read: the ordinary load reports it
+        if saved.get("model_type") != cls.config_class.model_type:
+            return None
+        return cls.config_class.from_dict(saved).architecture_record()
 
     @can_return_tuple
     def forward(
