@@ -20,11 +20,11 @@ import torch.distributed as dist
 from transformers import TrainingArguments
 
 from ..parallel.config import ParallelConfig
-from ..optim.loro import LORO_WITHOUT_DEEPSPEED, LOWRANK_OPTIMIZERS
+from ..optim.loro import LOWRANK_OPTIMIZERS
+from .compatibility import check_settings, settings_from_accelerate
 from .health import NONFINITE_POLICIES
 from .preemption import DEFAULT_EXIT_SIGNALS, parse_exit_signals
 from .watchdog import enter_phase, exit_with_launcher, watch_launch
-from .zero1 import check_zero1
 
 logger = logging.getLogger(__name__)
 
@@ -46,8 +46,8 @@ def default_peak_tflops() -> float:
 
 
 def check_lowrank_optimizer(args) -> None:
-    """Raise ``ValueError`` naming the field to change for an unknown optimizer, bad LORO settings, or LORO with
-    DeepSpeed (ZeRO's flat partitions cut through the factors' rows that LORO's exact step rebuilds)."""
+    """Raise ``ValueError`` naming the field to change for an unknown optimizer or bad LORO settings (LORO with
+    DeepSpeed: :mod:`boost_hf.training.compatibility`)."""
     if args.lowrank_optimizer not in LOWRANK_OPTIMIZERS:
         raise ValueError(f"lowrank_optimizer must be one of {', '.join(LOWRANK_OPTIMIZERS)}, got {args.lowrank_optimizer!r}.")
     if args.lowrank_optimizer != "loro":
@@ -58,8 +58,6 @@ def check_lowrank_optimizer(args) -> None:
         raise ValueError(f"loro_lr_scale must be > 0 (or unset for r/d), got {args.loro_lr_scale}.")
     if args.loro_restart_warmup_steps < 0:
         raise ValueError(f"loro_restart_warmup_steps must be >= 0, got {args.loro_restart_warmup_steps}.")
-    if args.deepspeed:
-        raise ValueError(LORO_WITHOUT_DEEPSPEED)
 
 
 
@@ -199,7 +197,8 @@ class BoostTrainingArguments(TrainingArguments):
             )
             self.activation_checkpointing = self.gradient_checkpointing = False
         check_lowrank_optimizer(self)
-        check_zero1(self)
+        settings_from_accelerate(self)
+        check_settings(self)  # whatever set them: flags, recipe, accelerate config, environment
         if self.hang_timeout_s < 0:
             raise ValueError(f"hang_timeout_s must be >= 0 (0 disables the watchdog), got {self.hang_timeout_s}.")
         super().__post_init__()
@@ -236,13 +235,6 @@ class BoostTrainingArguments(TrainingArguments):
                 f"gradient_accumulation_steps={self.gradient_accumulation_steps} with pp_size={self.pp_size}: a pipeline "
                 "step already accumulates the gradients of its micro-batches. Use gradient_accumulation_steps=1 and raise "
                 "per_device_train_batch_size (split into pp_microbatches micro-batches) instead."
-            )
-        if self.pp_size > 1 and self.deepspeed:
-            raise ValueError(
-                f"DeepSpeed cannot run with pp_size={self.pp_size}: the pipeline schedule runs each micro-batch's backward "
-                "itself, which DeepSpeed's engine must own (DeepSpeed's own pipeline engine refuses ZeRO-2/3 for the same "
-                "reason). Drop --deepspeed: boost-hf trains pipelines with DDP over the data-parallel group, and "
-                "--zero1_optimizer shards the optimizer state over it (ZeRO-1 with torch's ZeroRedundancyOptimizer)."
             )
 
     @cached_property

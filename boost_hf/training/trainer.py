@@ -185,13 +185,8 @@ class BoostTrainer(Trainer):
         super().create_accelerator_and_postprocess()
         if self.args.deepspeed_plugin is not None and not self.is_deepspeed_enabled:
             raise ValueError(
-                "DeepSpeed was requested but accelerate runs without it: ACCELERATE_USE_CPU is set (use_cpu: true in "
-                "the accelerate config). Remove it; boost-hf selects the CPU itself when there is no GPU."
-            )
-        if self.is_deepspeed_enabled and getattr(self.args, "nonfinite", "stop") == "skip_step":
-            raise ValueError(
-                "--nonfinite skip_step is not supported with DeepSpeed (its engine applies the update inside backward): "
-                "use --nonfinite stop."
+                "DeepSpeed was requested but accelerate runs without it: ACCELERATE_USE_CPU is set (`accelerate launch "
+                "--cpu`, or the environment). Remove it; boost-hf selects the CPU itself when there is no GPU."
             )
         if getattr(self.args, "lowrank_optimizer", "adamw") == "loro":
             check_loro_training(self.model, deepspeed=self.is_deepspeed_enabled)
