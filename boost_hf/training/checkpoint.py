@@ -47,7 +47,11 @@ _CHECKPOINT = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")
 
 
 class CheckpointWriteError(OSError):
-    """A checkpoint or the final model could not be written (disk full or another I/O error)."""
+    """A checkpoint or the final model could not be written (disk full or another I/O error). Its text is the message
+    alone (no ``[Errno N]`` prefix); ``errno`` stays readable."""
+
+    def __str__(self) -> str:
+        return self.strerror or super().__str__()
 
 
 def optimizer_file_name(tp_rank: int, tp_size: int, pp_rank: int = 0, pp_size: int = 1) -> str:
@@ -71,8 +75,31 @@ def _is_disk_full(error: BaseException) -> bool:
     return getattr(error, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or any(m in str(error).lower() for m in _DISK_FULL_MESSAGES)
 
 
+_WRITE_FAILED_MESSAGES = ("unexpected pos", "pytorchstreamwriter failed", "iostream error", "file write failed")
+"""How ``torch.save`` reports a write that failed (its zip writer checks positions, not ``errno``)."""
+_PEER_GONE_MESSAGES = ("connection closed by peer", "connection reset by peer")
+"""A collective of the save broke because another rank stopped (gloo's words)."""
+
+
 def _is_io_error(error: BaseException, free_bytes: int) -> bool:
-    return isinstance(error, OSError) or _is_disk_full(error) or free_bytes < LOW_SPACE_BYTES
+    text = str(error).lower()
+    return (isinstance(error, OSError) or _is_disk_full(error) or free_bytes < LOW_SPACE_BYTES
+            or any(m in text for m in _WRITE_FAILED_MESSAGES + _PEER_GONE_MESSAGES))
+
+
+def _write_error_cause(error: BaseException, free: int) -> tuple[str, str]:
+    """``(cause, fix)`` of a failed save, for :class:`CheckpointWriteError`."""
+    text = str(error).lower()
+    if _is_disk_full(error) or free < LOW_SPACE_BYTES:
+        return f"no space left on device ({free / 2**20:.1f} MiB free)", "free space or point output_dir to a larger disk"
+    if any(m in text for m in _PEER_GONE_MESSAGES):
+        return ("another rank stopped while saving (this rank's collective lost it); that rank's error names the cause "
+                "(a full disk, an I/O error)"), "see the first failing rank's error"
+    if any(m in text for m in _WRITE_FAILED_MESSAGES):
+        return (f"a write failed ({type(error).__name__}: {error}), {free / 2**20:.1f} MiB free now (a full disk is the "
+                "usual cause: other ranks may have removed their partial files since)"), \
+            "free space or point output_dir to a larger disk, or check the file system"
+    return f"I/O error ({type(error).__name__}: {error})", "check the file system"
 
 
 @contextlib.contextmanager
@@ -90,11 +117,9 @@ def _removed_on_error(target: str, partial: str | None, previous: str | None = N
             os.replace(previous, target)
         if not _is_io_error(error, free) or isinstance(error, CheckpointWriteError):
             raise
-        full = _is_disk_full(error) or free < LOW_SPACE_BYTES
-        cause = f"no space left on device ({free / 2**20:.1f} MiB free)" if full else f"I/O error ({type(error).__name__}: {error})"
-        fix = "free space or point output_dir to a larger disk" if full else "check the file system"
+        cause, fix = _write_error_cause(error, free)
         raise CheckpointWriteError(
-            getattr(error, "errno", None) or errno.EIO,
+            getattr(error, "errno", None) or (errno.ENOSPC if cause.startswith("no space") else errno.EIO),
             f"could not save {target!r}: {cause}; {fix}. The partial folder was removed; earlier checkpoints are intact.",
         ) from error
 

@@ -84,23 +84,43 @@ def _is_collective_timeout(error: BaseException) -> bool:
     return "timed out" in text and ("gloo" in text or _in_collective(error) or type(error).__name__ == "DistBackendError")
 
 
+_PIPELINING = os.path.join("torch", "distributed", "pipelining", "")
+
+
+def _pipeline_stage(frame):
+    """The ``PipelineStage`` a frame of torch's pipeline schedules runs (``self._stage``; ``None`` elsewhere)."""
+    schedule = frame.f_locals.get("self")
+    stage = getattr(schedule, "_stage", None)
+    return stage if stage is not None and hasattr(stage, "stage_index") else None
+
+
 def describe_stuck_collective(error: BaseException) -> str:
     """"all_reduce in the TP group (ranks [0, 1]), called from boost_hf/parallel/primitives.py:49 (_all_reduce_)",
-    read from ``error``'s traceback: the innermost ``torch.distributed`` call and the innermost frame outside torch."""
+    read from ``error``'s traceback: the innermost ``torch.distributed`` call and the innermost frame outside torch.
+    A wait on the pipeline engine's sends and receives (``torch.distributed.pipelining``) is named as such, with the
+    stage and the pipeline group."""
     from ..parallel.state import describe_group
 
-    collective, caller, tb = None, None, error.__traceback__
+    collective, pipeline, caller, tb = None, None, None, error.__traceback__
     while tb is not None:
         code = tb.tb_frame.f_code
         if code.co_filename.endswith(_C10D):
             collective = (code.co_name, tb.tb_frame.f_locals.get("group"))
+        elif _PIPELINING in code.co_filename:
+            pipeline = _pipeline_stage(tb.tb_frame) or pipeline or "unknown"
+            if code.co_name == "_wait_batch_p2p":
+                collective = None  # the schedule waits on the sends and receives it posted
         elif f"{os.sep}torch{os.sep}" not in code.co_filename:
             caller = f"{code.co_filename}:{tb.tb_lineno} ({code.co_name})"
         tb = tb.tb_next
-    if collective is None:  # raised inside C++ (e.g. DDP's gradient all-reduce in backward)
-        what = "a collective run by torch itself (e.g. DistributedDataParallel's gradient all-reduce in the DP group)"
-    else:
+    if collective is not None:
         what = f"{collective[0]} in {describe_group(collective[1])}"
+    elif pipeline is not None:
+        where = "" if pipeline == "unknown" else (
+            f" of stage {pipeline.stage_index} (of {pipeline.num_stages}) in {describe_group(pipeline.group)}")
+        what = f"a point-to-point send/receive between pipeline stages{where} (activations forward, gradients backward)"
+    else:  # raised inside C++ (e.g. DDP's gradient all-reduce in backward)
+        what = "a collective run by torch itself (e.g. DistributedDataParallel's gradient all-reduce in the DP group)"
     return what + (f", called from {caller}" if caller else "")
 
 

@@ -146,11 +146,21 @@ def test_a_rank_frozen_before_training_is_named_with_its_phase(training_env, tmp
         launch.cleanup()
 
 
-def test_alive_but_stuck_rank_ends_the_run_within_ddp_timeout_naming_the_collective(training_env, tmp_path):
+STUCK_COLLECTIVES = {
+    "tp2": r"\w+ in the (TP group \(ranks \[0, 1\]\)|default group \(all 2 ranks\)), called from .+",
+    # pp 2 x dp 1: the first stage waits for the second stage's gradients (was: "a collective run by torch itself")
+    "pp2": r"a point-to-point send/receive between pipeline stages of stage 0 \(of 2\) in the PP group \(ranks \[0, 1\]\) "
+           r"\(activations forward, gradients backward\), called from .+pipeline.py:\d+ \(_run\)",
+}
+
+
+@pytest.mark.parametrize("layout", list(STUCK_COLLECTIVES))
+def test_alive_but_stuck_rank_ends_the_run_within_ddp_timeout_naming_the_collective(training_env, tmp_path, layout):
     """Rank 1 sleeps before step 3 (tests/training/stuck_rank.py): its heartbeat goes on, so the hang watchdog does
     not fire; rank 0 waits in step 3's first collective until ``--ddp_timeout`` (8 s; gloo's default is 30 min)."""
-    launch = Launch(long_run(training_env, tmp_path / "run", "tests/training/stuck_rank.py", "--ddp_timeout", str(DDP_TIMEOUT_S)),
-                    training_env)
+    sizes = ("--tp_size", "1", "--pp_size", "2") if layout == "pp2" else ()
+    launch = Launch(long_run(training_env, tmp_path / "run", "tests/training/stuck_rank.py", "--ddp_timeout", str(DDP_TIMEOUT_S),
+                             *sizes), training_env)
     try:
         launch.wait_for("rank 1 is stuck before step 3", STARTUP_DEADLINE_S)
         stuck = time.monotonic()
@@ -160,9 +170,8 @@ def test_alive_but_stuck_rank_ends_the_run_within_ddp_timeout_naming_the_collect
         assert returncode != 0
         assert elapsed < DDP_TIMEOUT_S + 30, f"the run took {elapsed:.0f}s to stop"
         assert re.search(
-            r"CollectiveTimeoutError: rank 0: \w+ in the (TP group \(ranks \[0, 1\]\)|default group \(all 2 ranks\)), called "
-            rf"from .+ did not complete within {DDP_TIMEOUT_S} s \(--ddp_timeout\) at step 3: another rank of that group is "
-            "alive but did not reach it", launch.output), launch.output[-4000:]
+            rf"CollectiveTimeoutError: rank 0: {STUCK_COLLECTIVES[layout]} did not complete within {DDP_TIMEOUT_S} s "
+            r"\(--ddp_timeout\) at step 3: another rank of that group is alive but did not reach it", launch.output), launch.output[-4000:]
         assert "boost-hf watchdog" not in launch.output  # the stuck rank kept beating: not taken for frozen
         assert not [pid for pid in launch.workers if alive(pid)], "a worker is still running"
     finally:

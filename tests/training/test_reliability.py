@@ -7,6 +7,7 @@ import errno
 import json
 import math
 import os
+import re
 import shutil
 import subprocess
 
@@ -505,6 +506,32 @@ def test_an_empty_tokenizer_folder_is_named(tmp_path):
         load_tokenizer(str(tmp_path / "tok"))
 
 
+@pytest.mark.parametrize("failure, cause", [
+    (RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 576 vs 534"),  # torch.save on a full disk
+     r"a write failed \(RuntimeError: .*unexpected pos 576 vs 534\), [\d.]+ MiB free now \(a full disk is the usual cause"),
+    (RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:4242"),
+     r"another rank stopped while saving \(this rank's collective lost it\); that rank's error names the cause"),
+], ids=["torch-writer", "peer-gone"])
+def test_a_failed_save_on_any_rank_is_named_without_errno_prefix(tmp_path, monkeypatch, failure, cause):
+    """What the other rank of a tp 2 run saw when the disk filled: torch's zip writer failing (no errno), or the save's
+    barrier broken by the rank that failed first; both used to be raw torch errors, and every message began with
+    ``[Errno 5]``."""
+    t = trainer(tmp_path, max_steps=4)
+    original = torch.save
+
+    def failing_at_step_4(*args, **kwargs):
+        if t.state.global_step == 4:
+            raise failure
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", failing_at_step_4)
+    with pytest.raises(CheckpointWriteError) as error:
+        t.train()
+    assert str(error.value).startswith(f"could not save '{tmp_path / 'checkpoint-4'}': "), str(error.value)
+    assert re.search(cause, str(error.value)), str(error.value)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".boost_hf.lock", "checkpoint-2"]
+
+
 def test_disk_full_inside_safetensors_is_a_checkpoint_write_error(tmp_path, monkeypatch):
     import transformers.modeling_utils
     from safetensors import SafetensorError
@@ -518,8 +545,9 @@ def test_disk_full_inside_safetensors_is_a_checkpoint_write_error(tmp_path, monk
         return original(*args, **kwargs)
 
     monkeypatch.setattr(transformers.modeling_utils, "safe_save_file", full_at_step_4)
-    with pytest.raises(CheckpointWriteError, match=r"could not save .*checkpoint-4': no space left on device"):
+    with pytest.raises(CheckpointWriteError, match=r"^could not save .*checkpoint-4': no space left on device") as error:
         t.train()
+    assert error.value.errno == errno.ENOSPC  # no "[Errno 5]" in the text, the right errno on the exception
     assert sorted(p.name for p in tmp_path.iterdir()) == [".boost_hf.lock", "checkpoint-2"]
 
 
