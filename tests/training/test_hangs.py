@@ -93,6 +93,15 @@ class Launch:
         self.workers = worker_ranks(self.proc.pid)
         assert sorted(self.workers.values()) == [0, 1], self.workers
 
+    def stops_within(self, limit_s: float) -> None:
+        """The launcher exits, non-zero, within ``limit_s`` seconds from now."""
+        start = time.monotonic()
+        returncode = self.proc.wait(timeout=limit_s + 20)
+        elapsed = time.monotonic() - start
+        time.sleep(0.5)
+        assert returncode != 0
+        assert elapsed < limit_s, f"the run took {elapsed:.0f}s to stop"
+
     def cleanup(self) -> None:
         kill_group(self.proc)
         for pid in self.workers:  # the workers run in sessions of their own
@@ -109,12 +118,7 @@ def test_frozen_rank_stops_every_process(training_env, tmp_path):
         launch.wait_for("'loss'", STARTUP_DEADLINE_S)
         frozen = next(pid for pid, rank in launch.workers.items() if rank == 1)
         os.kill(frozen, signal.SIGSTOP)
-        stopped = time.monotonic()
-        returncode = launch.proc.wait(timeout=HANG_TIMEOUT_S + 40)
-        elapsed = time.monotonic() - stopped
-        time.sleep(0.5)
-        assert returncode != 0
-        assert elapsed < HANG_TIMEOUT_S + 20, f"the run took {elapsed:.0f}s to stop"
+        launch.stops_within(HANG_TIMEOUT_S + 20)
         message = f"boost-hf watchdog: rank 1 (pid {frozen} on {socket.gethostname()}) has not responded for {HANG_TIMEOUT_S} s"
         assert message in launch.output, launch.output[-4000:]
         assert "rank 0 stops at step" in launch.output and f"exit status {HANG_EXIT_CODE}" in launch.output, launch.output[-3000:]
@@ -131,12 +135,7 @@ def test_a_rank_frozen_before_training_is_named_with_its_phase(training_env, tmp
     launch = Launch(long_run(training_env, tmp_path / "run", "tests/training/frozen_rank.py", phase_argument=phase), training_env)
     try:
         launch.wait_for(f"rank 1 stops itself during {phase}", STARTUP_DEADLINE_S)
-        stopped = time.monotonic()
-        returncode = launch.proc.wait(timeout=HANG_TIMEOUT_S + 40)
-        elapsed = time.monotonic() - stopped
-        time.sleep(0.5)
-        assert returncode != 0
-        assert elapsed < HANG_TIMEOUT_S + 20, f"the run took {elapsed:.0f}s to stop"
+        launch.stops_within(HANG_TIMEOUT_S + 20)
         frozen = next(pid for pid, rank in launch.workers.items() if rank == 1)
         assert (f"boost-hf watchdog: rank 1 (pid {frozen} on {socket.gethostname()}) has not responded for {HANG_TIMEOUT_S} s "
                 f"during {named} (frozen, stopped or its machine hangs); rank 0 stops during {named} with exit status "
@@ -163,12 +162,7 @@ def test_alive_but_stuck_rank_ends_the_run_within_ddp_timeout_naming_the_collect
                              *sizes), training_env)
     try:
         launch.wait_for("rank 1 is stuck before step 3", STARTUP_DEADLINE_S)
-        stuck = time.monotonic()
-        returncode = launch.proc.wait(timeout=DDP_TIMEOUT_S + 60)
-        elapsed = time.monotonic() - stuck
-        time.sleep(0.5)
-        assert returncode != 0
-        assert elapsed < DDP_TIMEOUT_S + 30, f"the run took {elapsed:.0f}s to stop"
+        launch.stops_within(DDP_TIMEOUT_S + 30)
         assert re.search(
             rf"CollectiveTimeoutError: rank 0: {STUCK_COLLECTIVES[layout]} did not complete within {DDP_TIMEOUT_S} s "
             r"\(--ddp_timeout\) at step 3: another rank of that group is alive but did not reach it", launch.output), launch.output[-4000:]
