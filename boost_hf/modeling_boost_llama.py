@@ -43,6 +43,7 @@ from .configuration_boost_llama import AUTHORS_COLA_MODEL_TYPE, BoostLlamaConfig
 logger = logging.get_logger(__name__)
 
 LATENT_NORM_EPS = 1e-6  # the LaX authors' latent LayerNorm
+IGNORE_INDEX = -100  # a label the loss skips (transformers' convention)
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -537,8 +538,28 @@ class BoostLlamaPreTrainedModel(PreTrainedModel):
             init.copy_(param, value)
 
 
+def check_token_ids(ids: torch.Tensor, vocab_size: int, where: str = "input_ids", ignore_index: int | None = None) -> None:
+    """Raise if an entry of ``ids`` is outside ``[0, vocab_size)`` (``ignore_index`` allowed: labels). One min/max pass:
+    on the CPU a ``ValueError`` naming the id; on an accelerator (and inside ``torch.compile``) a device-side assert
+    (``torch._assert_async``, no host sync) with the same text, without the id. A model split over ranks would
+    otherwise compute with such an id silently (a vocab-parallel embedding or loss counts it as another rank's)."""
+    if ids.numel() == 0 or ids.is_meta:
+        return
+    valid = ids if ignore_index is None else ids.masked_fill(ids == ignore_index, 0)
+    low, high = torch.aminmax(valid)
+    outside = (f"outside the model's vocabulary [0, {vocab_size})" if ignore_index is None else
+               f"neither in the model's vocabulary [0, {vocab_size}) nor the ignore index {ignore_index}")
+    fix = "the data was tokenized with another tokenizer, or vocab_size is too small."
+    if ids.device.type != "cpu" or torch.compiler.is_compiling():  # no host sync, no data-dependent branch
+        torch._assert_async((low >= 0) & (high < vocab_size), f"a token id in {where} is {outside}: {fix}")
+        return
+    if low < 0 or high >= vocab_size:
+        raise ValueError(f"token id {int(low) if low < 0 else int(high)} in {where} is {outside}: {fix}")
+
+
 class BoostLlamaModel(BoostLlamaPreTrainedModel):
-    """Embedding -> decoder layers -> final norm; ``last_hidden_state: [B, S, d]``."""
+    """Embedding -> decoder layers -> final norm; ``last_hidden_state: [B, S, d]``. ``input_ids`` outside the
+    vocabulary raise (:func:`check_token_ids`)."""
 
     def __init__(self, config: BoostLlamaConfig):
         super().__init__(config)
@@ -566,6 +587,8 @@ class BoostLlamaModel(BoostLlamaPreTrainedModel):
         if (input_ids is None) ^ (inputs_embeds is not None):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
         self._check_latent_checkpointing()
+        if input_ids is not None:
+            check_token_ids(input_ids, self.config.vocab_size)
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
         if use_cache and past_key_values is None:
@@ -652,7 +675,8 @@ def converting_authors_cola(class_name: str):
 
 
 class BoostLlamaForCausalLM(BoostLlamaPreTrainedModel, GenerationMixin):
-    """Causal LM: base model -> LM head ``[B, S, V]`` -> next-token cross-entropy.
+    """Causal LM: base model -> LM head ``[B, S, V]`` -> next-token cross-entropy (``labels`` outside the vocabulary,
+    other than ``IGNORE_INDEX``, raise).
 
     ``BoostLlamaForCausalLM(config, parallel_config=ParallelConfig(tp_size=4))`` inside a launched process
     group builds this rank's shard (see :func:`boost_hf.parallel.parallelize`).
@@ -680,9 +704,9 @@ class BoostLlamaForCausalLM(BoostLlamaPreTrainedModel, GenerationMixin):
         A checkpoint (folder or Hub id) must match the model exactly: missing, unexpected or wrongly-shaped
         weights raise, unless ``output_loading_info=True`` (the report is returned instead) or
         ``ignore_mismatched_sizes=True`` (sizes only). ``from_pretrained(None, config=..., state_dict=...)``
-        reads no checkpoint and behaves as in transformers (missing weights are initialised). A boost-hf folder's
-        ``manifest.json`` records the architecture its weights were trained as: a config that computes another
-        function (see :meth:`_check_saved_architecture`) raises unless ``check_architecture=False``.
+        reads no checkpoint and behaves as in transformers (missing weights are initialised). A checkpoint records the
+        architecture its weights were trained as (boost-hf's ``manifest.json``, else its saved ``config.json``): a config
+        that computes another function (see :meth:`_check_saved_architecture`) raises unless ``check_architecture=False``.
 
         A checkpoint written by the CoLA authors' code (``model_type: "cola"``) is converted while it loads
         (:meth:`from_authors_cola`)."""
@@ -690,8 +714,8 @@ class BoostLlamaForCausalLM(BoostLlamaPreTrainedModel, GenerationMixin):
             cls._check_saved_architecture(str(pretrained_model_name_or_path), kwargs)
         if pretrained_model_name_or_path is not None and is_authors_cola_checkpoint(pretrained_model_name_or_path, kwargs):
             return cls.from_authors_cola(pretrained_model_name_or_path, *model_args, parallel_config=parallel_config, **kwargs)
-        if parallel_config is not None:
-            return parallel_config.load_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs)
+        if parallel_config is not None:  # the architecture was checked above
+            return parallel_config.load_pretrained(cls, pretrained_model_name_or_path, *model_args, check_architecture=False, **kwargs)
         return cls._from_pretrained_checked(pretrained_model_name_or_path, *model_args, **kwargs)
 
     @classmethod
@@ -748,28 +772,47 @@ class BoostLlamaForCausalLM(BoostLlamaPreTrainedModel, GenerationMixin):
         return model
 
     @classmethod
-    def _check_saved_architecture(cls, folder: str, kwargs: dict) -> None:
-        """Raise ``ValueError`` naming the fields where the config used to load ``folder`` (``config=``, keyword
-        overrides such as ``only_lr_act=False``, or an edited ``config.json``) differs from the architecture record of
-        the folder's ``manifest.json`` (written by boost-hf): the same tensors would compute another function (a cola
-        checkpoint read as svd, ``only_lr_act`` or the LaX base flipped, ...). Folders without a manifest pass."""
-        manifest = os.path.join(folder, kwargs.get("subfolder") or "", "manifest.json")
-        if not os.path.isfile(manifest):
-            return
-        with open(manifest) as f:
-            record = json.load(f).get("architecture")
+    def _check_saved_architecture(cls, pretrained_model_name_or_path: str, kwargs: dict) -> None:
+        """Raise ``ValueError`` naming the fields where the config used to load a checkpoint (``config=``, keyword
+        overrides such as ``only_lr_act=False``, or an edited ``config.json``) differs from the architecture the
+        checkpoint records: the same tensors would compute another function (a cola checkpoint read as svd,
+        ``only_lr_act`` or the LaX base flipped, ...). The record is the folder's ``manifest.json`` (written by
+        boost-hf's trainer) or else its saved ``config.json`` (``save_pretrained``; local or on the Hub); a checkpoint
+        of another model type (e.g. ``LlamaForCausalLM``) has none here."""
         config = kwargs.get("config")
-        if record is None or (config is not None and not isinstance(config, cls.config_class)):
+        if config is not None and not isinstance(config, cls.config_class):
+            return
+        record = cls._saved_architecture(pretrained_model_name_or_path, kwargs)
+        if record is None:
             return
         if config is None:
-            config, _ = cls.config_class.from_pretrained(folder, return_unused_kwargs=True, **kwargs)
+            config, _ = cls.config_class.from_pretrained(pretrained_model_name_or_path, return_unused_kwargs=True, **kwargs)
         different = config.architecture_differences(record)
         if different:
             raise ValueError(
-                f"{folder!r} was saved from another architecture than the config used to load it ({'; '.join(different)}): "
-                "its weights would compute another function. Load it with its own config.json (no config= or overrides), "
-                "or pass check_architecture=False to load the tensors anyway."
+                f"{pretrained_model_name_or_path!r} was saved from another architecture than the config used to load it "
+                f"({'; '.join(different)}): its weights would compute another function. Load it with its own config.json "
+                "(no config= or overrides), or pass check_architecture=False to load the tensors anyway."
             )
+
+    @classmethod
+    def _saved_architecture(cls, pretrained_model_name_or_path: str, kwargs: dict) -> dict | None:
+        """The architecture record of a checkpoint: its ``manifest.json``'s, else that of its ``config.json`` when it
+        is a config of this model type; ``None`` when there is neither."""
+        manifest = os.path.join(pretrained_model_name_or_path, kwargs.get("subfolder") or "", "manifest.json")
+        if os.path.isfile(manifest):
+            with open(manifest) as f:
+                record = json.load(f).get("architecture")
+            if record is not None:
+                return record
+        hub = {name: kwargs[name] for name in HUB_KWARGS if name in kwargs}
+        try:
+            saved, _ = cls.config_class.get_config_dict(pretrained_model_name_or_path, **hub)
+        except OSError:
+            return None  # no config to read: the ordinary load reports it
+        if saved.get("model_type") != cls.config_class.model_type:
+            return None
+        return cls.config_class.from_dict(saved).architecture_record()
 
     @can_return_tuple
     def forward(
@@ -784,6 +827,8 @@ class BoostLlamaForCausalLM(BoostLlamaPreTrainedModel, GenerationMixin):
         logits_to_keep: int | torch.Tensor = 0,
         **kwargs,
     ) -> CausalLMOutputWithPast:
+        if labels is not None:  # before any work (or, split over ranks, any collective)
+            check_token_ids(labels, self.config.vocab_size, "labels", ignore_index=IGNORE_INDEX)
         outputs: BaseModelOutputWithPast = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -813,6 +858,8 @@ BoostLlamaModel.register_for_auto_class("AutoModel")
 BoostLlamaForCausalLM.register_for_auto_class("AutoModelForCausalLM")
 
 __all__ = [
+    "IGNORE_INDEX",
+    "check_token_ids",
     "BoostLlamaPreTrainedModel",
     "BoostLlamaModel",
     "BoostLlamaForCausalLM",

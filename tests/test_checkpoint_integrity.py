@@ -121,3 +121,27 @@ def test_from_pretrained_with_its_own_config_loads(saved_cola):
     from boost_hf import BoostLlamaForCausalLM
 
     assert BoostLlamaForCausalLM.from_pretrained(saved_cola).config.lax_base == "cola"
+
+
+@pytest.mark.parametrize("saved, used, message", [
+    (config(), config(bottleneck="svd"), "bottleneck: checkpoint 'cola', config 'svd'"),  # the same tensors, no activation
+    (config(bottleneck="lax", lax_base="cola", num_key_value_heads=4), config(bottleneck="lax", lax_base="svd", num_key_value_heads=4),
+     "lax_base: checkpoint 'cola', config 'svd'"),
+    (config(), {"only_lr_act": False}, "only_lr_act: checkpoint True, config False"),
+], ids=["cola-as-svd", "lax-base-flipped", "only_lr_act-override"])
+def test_a_folder_without_manifest_is_checked_against_its_config_json(tmp_path, saved, used, message):
+    """Plain ``save_pretrained`` writes no manifest: the saved ``config.json`` is the record (the cola folder read as svd
+    used to load and compute another function)."""
+    import torch
+
+    from boost_hf import BoostLlamaForCausalLM
+
+    torch.manual_seed(0)
+    BoostLlamaForCausalLM(saved).save_pretrained(tmp_path)
+    assert not (tmp_path / "manifest.json").exists()
+    kwargs = {"config": used} if isinstance(used, BoostLlamaConfig) else used
+    with pytest.raises(ValueError, match=rf"'{tmp_path}' was saved from another architecture than the config used to load it "
+                                         rf"\(.*{message}.*\): its weights would compute another function.*check_architecture=False"):
+        BoostLlamaForCausalLM.from_pretrained(tmp_path, **kwargs)
+    assert BoostLlamaForCausalLM.from_pretrained(tmp_path, check_architecture=False, **kwargs)  # the documented override
+    assert BoostLlamaForCausalLM.from_pretrained(tmp_path).config.architecture_record() == saved.architecture_record()

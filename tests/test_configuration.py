@@ -230,6 +230,12 @@ def test_parallel_config_rejects(fields, name):
         ParallelConfig(**fields)
 
 
+def test_the_unknown_schedule_message_lists_only_the_schedules_that_run():
+    with pytest.raises(ValueError) as error:
+        ParallelConfig(pp_size=2, pp_schedule="dualpipe")
+    assert str(error.value) == "Unknown pp_schedule 'dualpipe': use one of 1f1b, gpipe, interleaved-1f1b, looped-bfs."
+
+
 @pytest.mark.parametrize(
     "parallel, model_fields, names",
     [

@@ -68,9 +68,10 @@ def _files_identity(paths: list[str]) -> list[dict]:
     return [{"file": os.path.basename(path), "size": os.stat(path).st_size, "mtime_ns": os.stat(path).st_mtime_ns} for path in paths]
 
 
-def token_id_range(dataset, column: str = "input_ids") -> tuple[int, int] | None:
+def token_id_range(dataset, column: str = "input_ids", ignore: int | None = None) -> tuple[int, int] | None:
     """``(smallest, largest)`` id of ``column`` over the whole Arrow table behind ``dataset`` (a ``datasets.Dataset``;
-    a ``select`` of it checks the whole table), ``None`` if it holds no id.
+    a ``select`` of it checks the whole table), entries equal to ``ignore`` left out (labels' ignore index), ``None``
+    if it holds no id.
 
     A table backed by cache files is scanned once: the result is recorded beside its first file
     (:data:`TOKEN_RANGE_SUFFIX`, with each file's size and modification time, so a rewritten file is scanned again)
@@ -80,13 +81,15 @@ def token_id_range(dataset, column: str = "input_ids") -> tuple[int, int] | None
 
     files = sorted({entry["filename"] for entry in dataset.cache_files})
     record_path = files[0] + TOKEN_RANGE_SUFFIX if files else None
-    identity = {"files": _files_identity(files), "column": column} if files else None
+    identity = {"files": _files_identity(files), "column": column, "ignore": ignore} if files else None
     if record_path is not None and os.path.isfile(record_path):
         with open(record_path) as f:
             record = json.load(f)
         if {key: record.get(key) for key in identity} == identity:
             return None if record["min"] is None else (record["min"], record["max"])
     ids = pc.list_flatten(dataset.data.column(column))
+    if ignore is not None:
+        ids = pc.filter(ids, pc.not_equal(ids, ignore))
     bounds = pc.min_max(ids) if len(ids) else None
     found = None if bounds is None else (bounds["min"].as_py(), bounds["max"].as_py())
     if record_path is not None:

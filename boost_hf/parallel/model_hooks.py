@@ -70,6 +70,7 @@ def load_pretrained(model_class, pretrained_model_name_or_path, parallel: Parall
     if kwargs.get("device_map") in (None, "cpu"):
         kwargs.pop("device_map", None)
     hub = {k: kwargs.pop(k) for k in HUB_KWARGS if k in kwargs}
+    kwargs.pop("check_architecture", None)  # done by the model's from_pretrained
     for name in IGNORED_UNDER_TP:
         kwargs.pop(name, None)
     if config is None:

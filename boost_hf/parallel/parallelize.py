@@ -21,7 +21,7 @@ from torch import nn
 from .config import ParallelConfig
 from .cross_entropy import vocab_parallel_causal_lm_loss
 from .layouts import Layout, layout_for
-from .modules import VocabParallelEmbedding, VocabParallelHead, adopt, check_token_ids, parallel_class, shard_parameter
+from .modules import VocabParallelEmbedding, VocabParallelHead, adopt, parallel_class, shard_parameter
 from .norms import FusedRMSNorm, GatheredRMSNorm
 from .pipeline import Pipeline, check_pipeline_model, keep_this_ranks_stages
 from .primitives import split_to_tp
@@ -165,17 +165,15 @@ def initialize_shards(model: nn.Module, seed: int) -> None:
 
 
 class TensorParallelBaseModel:
-    """The base model under a layout: token ids outside the vocabulary raise in every layout
-    (:func:`~boost_hf.parallel.modules.check_token_ids`, no host sync); under sequence parallelism the sequence
-    length is checked first (before any collective); under BTP, ``inputs_embeds: [B, S, d]`` are split to this
-    rank's ``[B, S, d/p]`` (backward: all-gather of their gradient)."""
+    """The base model under a layout (its forward checks the token ids before any collective:
+    :func:`~boost_hf.modeling_boost_llama.check_token_ids`); under sequence parallelism the sequence length is checked
+    first (before any collective); under BTP, ``inputs_embeds: [B, S, d]`` are split to this rank's ``[B, S, d/p]``
+    (backward: all-gather of their gradient)."""
 
     plan: TensorParallelPlan
 
     def forward(self, *args, **kwargs):
         input_ids = kwargs.get("input_ids", args[0] if args else None)
-        if input_ids is not None:
-            check_token_ids(input_ids, self.config.vocab_size)
         if self.plan.parallel.shards_tokens:
             tokens = input_ids if input_ids is not None else kwargs.get("inputs_embeds")
             if tokens is not None:  # neither: the single-device model's own error

@@ -303,7 +303,13 @@ class Pipeline:
         return vocab_parallel_causal_lm_loss(logits, labels, group=self.plan.group, num_items_in_batch=normaliser)
 
     # ------------------------------------------------------------------ running
-    def _check_batch(self, input_ids: torch.Tensor) -> None:
+    def _check_batch(self, input_ids: torch.Tensor, labels: torch.Tensor) -> None:
+        """On every rank, before any collective: token ids and labels in the vocabulary (as the model checks them),
+        the sequence length under sequence parallelism, the batch splitting into the micro-batches."""
+        from ..modeling_boost_llama import check_token_ids
+
+        check_token_ids(input_ids, self.model.config.vocab_size)
+        check_token_ids(labels, self.model.config.vocab_size, "labels", ignore_index=IGNORE_INDEX)
         batch, m = input_ids.shape[0], self.parallel.microbatches
         if self.parallel.shards_tokens:
             check_sequence_length(input_ids.shape[1], self.parallel.tp_size)
@@ -316,7 +322,7 @@ class Pipeline:
     def _run(self, input_ids, labels, attention_mask, *, train: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """Run the schedule on this DP replica's batch; returns ``(loss sum over the step, target tokens)``,
         both summed over DP and identical on every rank."""
-        self._check_batch(input_ids)
+        self._check_batch(input_ids, labels)
         tokens = count_targets(labels)
         if self.state.dp_group is not None:
             dist.all_reduce(tokens, group=self.state.dp_group)

@@ -24,21 +24,16 @@ rotates old checkpoints out (``--save_total_limit``) only after that. A folder n
 therefore always complete, and a complete checkpoint exists at every moment. If a save fails (disk full, I/O
 error) the staging folder is removed, the earlier folders are untouched, and :class:`CheckpointWriteError` says
 what happened (and how much space is left). Staging folders left by a killed run are removed when the next run
-takes the output folder's lock (:func:`remove_stale_staging`).
-:class:`OutputDirLock` keeps a second run out of an ``output_dir`` in use.
+takes the output folder's lock (:func:`remove_stale_staging`; the lock is :mod:`boost_hf.training.output_lock`).
 """
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import errno
-import json
 import os
 import re
 import shutil
-import socket
-import time
 
 import torch.distributed as dist
 from transformers.trainer import OPTIMIZER_NAME
@@ -46,18 +41,17 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from ..checkpoint_integrity import MANIFEST_NAME, CheckpointIntegrityError, verify_checkpoint, write_manifest
 
-LOCK_NAME = ".boost_hf.lock"
 LOW_SPACE_BYTES = 1 << 20
 """A failed write with less free space than this on the target's file system is reported as a full disk."""
 _CHECKPOINT = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")
 
 
 class CheckpointWriteError(OSError):
-    """A checkpoint or the final model could not be written (disk full or another I/O error)."""
+    """A checkpoint or the final model could not be written (disk full or another I/O error). Its text is the message
+    alone (no ``[Errno N]`` prefix); ``errno`` stays readable."""
 
-
-class OutputDirInUseError(RuntimeError):
-    """Another run holds the lock of this ``output_dir``."""
+    def __str__(self) -> str:
+        return self.strerror or super().__str__()
 
 
 def optimizer_file_name(tp_rank: int, tp_size: int, pp_rank: int = 0, pp_size: int = 1) -> str:
@@ -81,8 +75,31 @@ def _is_disk_full(error: BaseException) -> bool:
     return getattr(error, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or any(m in str(error).lower() for m in _DISK_FULL_MESSAGES)
 
 
+_WRITE_FAILED_MESSAGES = ("unexpected pos", "pytorchstreamwriter failed", "iostream error", "file write failed")
+"""How ``torch.save`` reports a write that failed (its zip writer checks positions, not ``errno``)."""
+_PEER_GONE_MESSAGES = ("connection closed by peer", "connection reset by peer")
+"""A collective of the save broke because another rank stopped (gloo's words)."""
+
+
 def _is_io_error(error: BaseException, free_bytes: int) -> bool:
-    return isinstance(error, OSError) or _is_disk_full(error) or free_bytes < LOW_SPACE_BYTES
+    text = str(error).lower()
+    return (isinstance(error, OSError) or _is_disk_full(error) or free_bytes < LOW_SPACE_BYTES
+            or any(m in text for m in _WRITE_FAILED_MESSAGES + _PEER_GONE_MESSAGES))
+
+
+def _write_error_cause(error: BaseException, free: int) -> tuple[str, str]:
+    """``(cause, fix)`` of a failed save, for :class:`CheckpointWriteError`."""
+    text = str(error).lower()
+    if _is_disk_full(error) or free < LOW_SPACE_BYTES:
+        return f"no space left on device ({free / 2**20:.1f} MiB free)", "free space or point output_dir to a larger disk"
+    if any(m in text for m in _PEER_GONE_MESSAGES):
+        return ("another rank stopped while saving (this rank's collective lost it); that rank's error names the cause "
+                "(a full disk, an I/O error)"), "see the first failing rank's error"
+    if any(m in text for m in _WRITE_FAILED_MESSAGES):
+        return (f"a write failed ({type(error).__name__}: {error}), {free / 2**20:.1f} MiB free now (a full disk is the "
+                "usual cause: other ranks may have removed their partial files since)"), \
+            "free space or point output_dir to a larger disk, or check the file system"
+    return f"I/O error ({type(error).__name__}: {error})", "check the file system"
 
 
 @contextlib.contextmanager
@@ -100,11 +117,9 @@ def _removed_on_error(target: str, partial: str | None, previous: str | None = N
             os.replace(previous, target)
         if not _is_io_error(error, free) or isinstance(error, CheckpointWriteError):
             raise
-        full = _is_disk_full(error) or free < LOW_SPACE_BYTES
-        cause = f"no space left on device ({free / 2**20:.1f} MiB free)" if full else f"I/O error ({type(error).__name__}: {error})"
-        fix = "free space or point output_dir to a larger disk" if full else "check the file system"
+        cause, fix = _write_error_cause(error, free)
         raise CheckpointWriteError(
-            getattr(error, "errno", None) or errno.EIO,
+            getattr(error, "errno", None) or (errno.ENOSPC if cause.startswith("no space") else errno.EIO),
             f"could not save {target!r}: {cause}; {fix}. The partial folder was removed; earlier checkpoints are intact.",
         ) from error
 
@@ -199,66 +214,6 @@ def remove_earlier_run(output_dir: str) -> None:
             shutil.rmtree(os.path.join(output_dir, name))
 
 
-def _process_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-class OutputDirLock:
-    """``<output_dir>/.boost_hf.lock``, created exclusively by one process of a run and removed at its exit.
-
-    A lock left by a dead process of this host is taken over; any other lock raises :class:`OutputDirInUseError`.
-    """
-
-    def __init__(self, output_dir: str):
-        self.output_dir = output_dir
-        self.path = os.path.join(output_dir, LOCK_NAME)
-        self.held = False
-
-    def acquire(self, run_id: str) -> None:
-        os.makedirs(self.output_dir, exist_ok=True)
-        owner = {"run_id": run_id, "pid": os.getpid(), "host": socket.gethostname(), "since": time.strftime("%Y-%m-%d %H:%M:%S")}
-        for _ in range(2):
-            try:
-                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-            except FileExistsError:
-                self._take_over_if_stale()
-                continue
-            with os.fdopen(fd, "w") as f:
-                json.dump(owner, f)
-            self.held = True
-            atexit.register(self.release)
-            return
-        raise OutputDirInUseError(f"could not lock output_dir {self.output_dir!r}: another run keeps creating {self.path}.")
-
-    def _take_over_if_stale(self) -> None:
-        try:
-            with open(self.path) as f:
-                owner = json.load(f)
-        except (OSError, ValueError):
-            owner = {}
-        if owner.get("host") == socket.gethostname() and not _process_alive(int(owner.get("pid", -1))):
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(self.path)
-            return
-        raise OutputDirInUseError(
-            f"output_dir {self.output_dir!r} is in use by another run (pid {owner.get('pid')} on {owner.get('host')}, "
-            f"since {owner.get('since')}): wait for it to finish or choose another output_dir; if that run is dead, "
-            f"delete {self.path}."
-        )
-
-    def release(self) -> None:
-        if self.held:
-            self.held = False
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(self.path)
-
-
 @contextlib.contextmanager
 def full_parameters(model, zero_stage: int | None):
     """Under ZeRO-3, gather this rank's (TP-local) parameters from the DP group for the block; else nothing."""
@@ -273,8 +228,6 @@ def full_parameters(model, zero_stage: int | None):
 
 __all__ = [
     "CheckpointWriteError",
-    "OutputDirInUseError",
-    "OutputDirLock",
     "optimizer_file_name",
     "atomic_directory",
     "completed_checkpoints",

@@ -63,6 +63,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import uuid
 
 import datasets
@@ -82,8 +83,6 @@ from ..optim.loro import check_loro_training, loro_optimizer, restart_schedule_a
 from ..optim.loro_schedule import authors_schedule
 from .arguments import authors_schedule_shift, default_peak_tflops
 from .checkpoint import (
-    OutputDirInUseError,
-    OutputDirLock,
     atomic_directory,
     check_fresh_output_dir,
     completed_checkpoints,
@@ -96,6 +95,7 @@ from .checkpoint import (
 from ..parallel.compile import compile_decoder_layers
 from ..data.collate import causal_lm_collator
 from ..data.stream import BlockStream
+from .output_lock import OutputDirInUseError, OutputDirLock
 from .data import EvalShard, StreamLoader, restore_data_position, save_data_position, shard_by_data_parallel_rank
 from ..parallel.state import ParallelState
 from ..evaluation import batch_sums, metrics_from_sums, sums_of_batch
@@ -113,6 +113,7 @@ from .pipeline_steps import (
     pipeline_of,
     pipeline_training_step,
 )
+from .preemption import StopAtStepEnd, StopRequests, TrainingStopped, parse_exit_signals
 from .preflight import TokenIdCheckingCollator, check_dataset
 from .resume import (
     check_resume_layout,
@@ -122,7 +123,7 @@ from .resume import (
     training_layout,
     write_training_layout,
 )
-from .watchdog import HangWatchdog, exit_with_launcher, naming_collective_timeouts
+from .watchdog import TRAINING, HangWatchdog, enter_phase, exit_with_launcher, in_phase, naming_collective_timeouts, running_watchdog
 from .zero1 import sharded_over_data_parallel, zero1_class_and_kwargs
 from .publish import inference_settings, model_card, publish_special_tokens, save_tokenizer
 
@@ -186,19 +187,18 @@ class BoostTrainer(Trainer):
             dp_grad_bytes=0 if state.dp_size == 1 else sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad),
         )
         self.add_callback(self.metrics)
+        self.stop_requests = StopRequests(parse_exit_signals(getattr(self.args, "exit_signals", "")),
+                                          getattr(self.args, "exit_after_minutes", 0.0), run_broken=self._a_peer_exited)
+        self.stop_at_step_end = StopAtStepEnd(self.stop_requests, self.args.device)
+        self.add_callback(self.stop_at_step_end)
 
     # ------------------------------------------------------------------ set-up
     def create_accelerator_and_postprocess(self) -> None:
         super().create_accelerator_and_postprocess()
         if self.args.deepspeed_plugin is not None and not self.is_deepspeed_enabled:
             raise ValueError(
-                "DeepSpeed was requested but accelerate runs without it: ACCELERATE_USE_CPU is set (use_cpu: true in "
-                "the accelerate config). Remove it; boost-hf selects the CPU itself when there is no GPU."
-            )
-        if self.is_deepspeed_enabled and getattr(self.args, "nonfinite", "stop") == "skip_step":
-            raise ValueError(
-                "--nonfinite skip_step is not supported with DeepSpeed (its engine applies the update inside backward): "
-                "use --nonfinite stop."
+                "DeepSpeed was requested but accelerate runs without it: ACCELERATE_USE_CPU is set (`accelerate launch "
+                "--cpu`, or the environment). Remove it; boost-hf selects the CPU itself when there is no GPU."
             )
         if getattr(self.args, "lowrank_optimizer", "adamw") == "loro":
             check_loro_training(self.model, deepspeed=self.is_deepspeed_enabled)
@@ -518,7 +518,8 @@ class BoostTrainer(Trainer):
         """Save the model (canonical) + tokenizer + manifest atomically to ``<output_dir>/final``; return that path."""
         self.claim_output_dir()
         target = output_dir or os.path.join(self.args.output_dir, "final")
-        with atomic_directory(target, is_writer=self.args.should_save, run_id=self.run_id, config=self.model.config) as staging:
+        with in_phase("saving the final model"), atomic_directory(target, is_writer=self.args.should_save, run_id=self.run_id,
+                                                                  config=self.model.config) as staging:
             self.save_model(staging)
         return target
 
@@ -602,13 +603,41 @@ class BoostTrainer(Trainer):
             check_resume_layout(resume_from_checkpoint, self.training_layout())
         self.claim_output_dir()
         self.start_hang_watchdog()
+        enter_phase(TRAINING)
         if not resume_from_checkpoint and self.args.should_save and os.path.isdir(run_dir):
             remove_earlier_run(run_dir)  # only reached with overwrite_output_dir (or nothing to remove)
         self.data_resume_from = resume_from_checkpoint or None
         if self.args.ignore_data_skip:
             self.data_resume_from = None  # the user's choice: this training set from its first batch
-        with naming_collective_timeouts(lambda: self.state.global_step + 1), self.data_continues_itself():
-            return super().train(resume_from_checkpoint=resume_from_checkpoint or None, **kwargs)
+        with (self.stop_requests.handling(), naming_collective_timeouts(lambda: self.state.global_step + 1),
+              self.data_continues_itself()):
+            output = super().train(resume_from_checkpoint=resume_from_checkpoint or None, **kwargs)
+        if self.stop_at_step_end.stopped is not None:
+            reason, step = self.stop_at_step_end.stopped
+            self._stop(reason, os.path.join(self._get_output_dir(None), f"{PREFIX_CHECKPOINT_DIR}-{step}"))
+        return output
+
+    def _a_peer_exited(self) -> bool:
+        return self.hang_watchdog is not None and self.hang_watchdog.a_peer_exited()
+
+    def stop_if_requested(self) -> None:
+        """Collective: after training (before the final evaluation, sample and save), a signal of ``--exit_signals`` or
+        the spent ``--exit_after_minutes`` budget saves a checkpoint at the current step (unless there is one) and
+        raises :class:`~boost_hf.training.preemption.TrainingStopped` on every rank. During training the same is
+        decided at every step's end (:class:`~boost_hf.training.preemption.StopAtStepEnd`)."""
+        reason = self.stop_requests.agreed_reason(self.args.device)
+        if reason is None:
+            return
+        checkpoint = os.path.join(self._get_output_dir(None), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+        if checkpoint not in completed_checkpoints(self._get_output_dir(None)):
+            self._save_checkpoint(self.model_wrapped, None)
+        self._stop(reason, checkpoint)
+
+    def _stop(self, reason: str, checkpoint: str):
+        stopped = TrainingStopped(reason, self.state.global_step, checkpoint)
+        if self.is_world_process_zero():
+            print(stopped, file=sys.stderr, flush=True)
+        raise stopped
 
     @contextlib.contextmanager
     def data_continues_itself(self):
@@ -625,7 +654,7 @@ class BoostTrainer(Trainer):
 
     def evaluate(self, *args, **kwargs):
         """``Trainer.evaluate``; a collective that times out is named (:func:`~boost_hf.training.watchdog.naming_collective_timeouts`)."""
-        with naming_collective_timeouts(lambda: self.state.global_step):
+        with in_phase("evaluation"), naming_collective_timeouts(lambda: self.state.global_step):
             return super().evaluate(*args, **kwargs)
 
     def training_layout(self, optimizer_records: list[dict] | None = None) -> dict:
@@ -687,9 +716,14 @@ class BoostTrainer(Trainer):
         self.lr_scheduler.load_state_dict(torch.load(scheduler, weights_only=True))
 
     def start_hang_watchdog(self) -> None:
-        """Start this rank's :class:`~boost_hf.training.watchdog.HangWatchdog` (launched runs, ``hang_timeout_s > 0``)."""
+        """This rank's :class:`~boost_hf.training.watchdog.HangWatchdog` (launched runs, ``hang_timeout_s > 0``): the
+        one started with the launch (:func:`~boost_hf.training.watchdog.watch_launch`), else one on the process group's
+        store."""
         timeout = getattr(self.args, "hang_timeout_s", 0)
         if self.hang_watchdog is not None or not timeout or not (dist.is_available() and dist.is_initialized()):
+            return
+        if running_watchdog() is not None:
+            self.hang_watchdog = running_watchdog()
             return
         if dist.get_world_size() == 1:
             return
@@ -725,9 +759,8 @@ class BoostTrainer(Trainer):
                 )
             return tokenizer.decode(output[0], skip_special_tokens=True)
 
-        if pipeline_of(self.model) is not None:
-            return on_one_process(self.model, sample)
-        return sample(self.model)
+        with in_phase("generation"):
+            return on_one_process(self.model, sample) if pipeline_of(self.model) is not None else sample(self.model)
 
 
 __all__ = ["BoostTrainer"]

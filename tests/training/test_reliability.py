@@ -7,6 +7,7 @@ import errno
 import json
 import math
 import os
+import re
 import shutil
 import subprocess
 
@@ -18,8 +19,10 @@ from transformers import Trainer
 from boost_hf import BoostLlamaConfig, BoostLlamaForCausalLM
 from boost_hf.checkpoint_integrity import CheckpointIntegrityError
 from boost_hf.training import BoostTrainer, BoostTrainingArguments
-from boost_hf.training.checkpoint import CheckpointWriteError, OutputDirInUseError, OutputDirLock
+from boost_hf.training.checkpoint import CheckpointWriteError
 from boost_hf.training.health import NonFiniteError
+from boost_hf.training.output_lock import OutputDirInUseError, OutputDirLock
+from boost_hf.training.preemption import PREEMPTED_EXIT_CODE, TrainingStopped
 
 VOCAB, BLOCK = 64, 16
 
@@ -138,12 +141,19 @@ def test_empty_validation_set(tmp_path):
         BoostTrainer(model=tiny_model(), args=arguments(tmp_path), train_dataset=blocks(8), eval_dataset=blocks(0))
 
 
-def test_token_ids_out_of_range_fail_before_training(tmp_path):
-    with pytest.raises(ValueError, match=rf"the training set holds token id {VOCAB}, outside the model's vocabulary \[0, {VOCAB}\)"):
+def test_token_ids_and_labels_out_of_range_fail_before_training(tmp_path):
+    with pytest.raises(ValueError, match=rf"token id {VOCAB} in the training set is outside the model's vocabulary \[0, {VOCAB}\)"):
         trainer(tmp_path, train=blocks(8, high=VOCAB + 1))
+    labelled = blocks(8).map(lambda row: {"labels": [-100, 300] + row["labels"][2:]})  # -100 is fine, 300 is not
+    with pytest.raises(ValueError, match=rf"token id 300 in the training set's labels is neither in the model's vocabulary "
+                                         rf"\[0, {VOCAB}\) nor the ignore index -100: the data was tokenized with another"):
+        trainer(tmp_path, train=labelled)
     streamed = trainer(tmp_path).data_collator  # batches of streams are checked one by one
-    with pytest.raises(ValueError, match=r"a batch holds token id -1"):
+    with pytest.raises(ValueError, match=r"token id -1 in a batch is outside"):
         streamed([{"input_ids": [1, -1], "labels": [1, -1]}])
+    with pytest.raises(ValueError, match=r"token id -5 in a batch's labels is neither"):
+        streamed([{"input_ids": [1, 2], "labels": [-5, -100]}])
+    assert streamed([{"input_ids": [1, 2], "labels": [-100, 2]}])["labels"].tolist() == [[-100, 2]]
 
 
 @pytest.mark.parametrize("parallel", [False, True], ids=["plain-model", "parallelized-tp1"])
@@ -278,6 +288,66 @@ def test_a_second_run_into_a_locked_output_dir_fails(tmp_path):
     dead.wait()
     (tmp_path / ".boost_hf.lock").write_text(json.dumps({"pid": dead.pid, "host": os.uname().nodename}))
     OutputDirLock(str(tmp_path)).acquire("second-run")  # a dead run's lock on this host is taken over
+
+
+def remote_lock(folder, beats: int, heartbeat: float, **fields) -> dict:
+    """The lock of a run on another node ("node-b"), as its heartbeat left it."""
+    owner = {"run_id": "remote-run", "pid": 4242, "host": "node-b", "since": "yesterday", "launch": None,
+             "heartbeat": heartbeat, "beats": beats, **fields}
+    (folder / ".boost_hf.lock").write_text(json.dumps(owner))
+    return owner
+
+
+def test_a_remote_owners_lock_is_taken_over_when_its_heartbeat_stopped_and_refused_while_it_beats(tmp_path, monkeypatch):
+    """A requeued run on another node: the dead owner's pid cannot be checked from here, its heartbeat can."""
+    import threading
+    import time
+
+    for name in ("SLURM_JOB_ID", "SLURM_RESTART_COUNT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT"):
+        monkeypatch.delenv(name, raising=False)
+    remote_lock(tmp_path, beats=7, heartbeat=time.time() - 600)  # dead for 10 minutes
+    lock = OutputDirLock(str(tmp_path), heartbeat_s=0.2, stale_after_s=60)
+    lock.acquire("requeued-run")
+    assert "pid 4242 on node-b" in lock.taken_over and "its heartbeat stopped 60" in lock.taken_over
+    assert json.loads((tmp_path / ".boost_hf.lock").read_text())["run_id"] == "requeued-run"
+    time.sleep(0.5)
+    assert json.loads((tmp_path / ".boost_hf.lock").read_text())["beats"] >= 1  # its own heartbeat goes on
+    lock.release()
+    assert not (tmp_path / ".boost_hf.lock").exists()
+
+    owner = remote_lock(tmp_path, beats=0, heartbeat=time.time() - 600)  # an old time stamp (a skewed clock), but it beats
+    stop = threading.Event()
+
+    def beat():
+        while not stop.wait(0.1):
+            owner["beats"] += 1
+            (tmp_path / ".boost_hf.lock").write_text(json.dumps(owner))
+
+    beating = threading.Thread(target=beat)
+    beating.start()
+    try:
+        with pytest.raises(OutputDirInUseError, match=r"in use by another run \(pid 4242 on node-b, since yesterday; its "
+                                                      r"heartbeat in the lock goes on\)"):
+            OutputDirLock(str(tmp_path), heartbeat_s=0.2, stale_after_s=60).acquire("another-run")
+    finally:
+        stop.set()
+        beating.join()
+
+
+def test_a_requeued_job_takes_its_earlier_launchs_lock_at_once(tmp_path, monkeypatch):
+    import time
+
+    monkeypatch.setenv("SLURM_JOB_ID", "4711")
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
+    launch = {"job": "slurm-4711", "attempt": [0, 0]}
+    remote_lock(tmp_path, beats=3, heartbeat=time.time(), launch=launch)  # fresh: killed a second ago
+    started = time.monotonic()
+    lock = OutputDirLock(str(tmp_path))  # default heartbeat bounds: no waiting needed
+    lock.acquire("requeued")
+    assert time.monotonic() - started < 2
+    assert "slurm-4711 attempt [0, 0]" in lock.taken_over and "an earlier launch of this job" in lock.taken_over
+    assert json.loads((tmp_path / ".boost_hf.lock").read_text())["launch"] == {"job": "slurm-4711", "attempt": [1, 0]}
+    lock.release()
 
 
 def test_checkpoints_are_staged_verified_renamed_then_rotated(tmp_path, monkeypatch):
@@ -436,6 +506,32 @@ def test_an_empty_tokenizer_folder_is_named(tmp_path):
         load_tokenizer(str(tmp_path / "tok"))
 
 
+@pytest.mark.parametrize("failure, cause", [
+    (RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 576 vs 534"),  # torch.save on a full disk
+     r"a write failed \(RuntimeError: .*unexpected pos 576 vs 534\), [\d.]+ MiB free now \(a full disk is the usual cause"),
+    (RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:4242"),
+     r"another rank stopped while saving \(this rank's collective lost it\); that rank's error names the cause"),
+], ids=["torch-writer", "peer-gone"])
+def test_a_failed_save_on_any_rank_is_named_without_errno_prefix(tmp_path, monkeypatch, failure, cause):
+    """What the other rank of a tp 2 run saw when the disk filled: torch's zip writer failing (no errno), or the save's
+    barrier broken by the rank that failed first; both used to be raw torch errors, and every message began with
+    ``[Errno 5]``."""
+    t = trainer(tmp_path, max_steps=4)
+    original = torch.save
+
+    def failing_at_step_4(*args, **kwargs):
+        if t.state.global_step == 4:
+            raise failure
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", failing_at_step_4)
+    with pytest.raises(CheckpointWriteError) as error:
+        t.train()
+    assert str(error.value).startswith(f"could not save '{tmp_path / 'checkpoint-4'}': "), str(error.value)
+    assert re.search(cause, str(error.value)), str(error.value)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".boost_hf.lock", "checkpoint-2"]
+
+
 def test_disk_full_inside_safetensors_is_a_checkpoint_write_error(tmp_path, monkeypatch):
     import transformers.modeling_utils
     from safetensors import SafetensorError
@@ -449,6 +545,53 @@ def test_disk_full_inside_safetensors_is_a_checkpoint_write_error(tmp_path, monk
         return original(*args, **kwargs)
 
     monkeypatch.setattr(transformers.modeling_utils, "safe_save_file", full_at_step_4)
-    with pytest.raises(CheckpointWriteError, match=r"could not save .*checkpoint-4': no space left on device"):
+    with pytest.raises(CheckpointWriteError, match=r"^could not save .*checkpoint-4': no space left on device") as error:
         t.train()
+    assert error.value.errno == errno.ENOSPC  # no "[Errno 5]" in the text, the right errno on the exception
     assert sorted(p.name for p in tmp_path.iterdir()) == [".boost_hf.lock", "checkpoint-2"]
+
+
+# ---------------------------------------------------------------------------- preemption (one process; launched: test_hangs.py)
+def logged_losses(t) -> dict[int, float]:
+    return {log["step"]: log["loss"] for log in t.state.log_history if "loss" in log}
+
+
+def test_the_time_budget_saves_a_checkpoint_and_exits_76_and_the_resume_loses_no_step(tmp_path):
+    whole = trainer(tmp_path / "whole", save_strategy="no")
+    whole.train()
+    stopped = trainer(tmp_path / "run", save_strategy="no", exit_after_minutes=1e-9)  # spent at the first step's end
+    with pytest.raises(TrainingStopped) as error:
+        stopped.train()
+    assert error.value.code == PREEMPTED_EXIT_CODE == 76 and error.value.step == 1
+    assert str(error.value) == (
+        "boost-hf: the time budget of --exit_after_minutes 1e-09 is spent: every rank finished step 1 and the run saved "
+        f"'{tmp_path / 'run' / 'checkpoint-1'}'; exiting with status 76. Continue with --resume_from_checkpoint last.")
+    assert (tmp_path / "run" / "checkpoint-1" / "manifest.json").is_file() and not (tmp_path / "run" / "final").exists()
+    stopped._output_dir_lock.release()
+    resumed = trainer(tmp_path / "run", save_strategy="no")
+    resumed.train(resume_from_checkpoint=True)
+    assert list(logged_losses(stopped)) == [1]
+    assert logged_losses(resumed) == logged_losses(whole)  # step 1 from the checkpoint's log, 2-4 trained: bit-identical
+
+
+def test_an_exit_signal_finishes_the_step_saves_and_restores_the_handlers(tmp_path):
+    import signal
+
+    from transformers import TrainerCallback
+
+    class SignalDuringStep2(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            if state.global_step + 1 == 2:
+                os.kill(os.getpid(), signal.SIGUSR1)  # handled at once (main thread); the step goes on
+
+    before = signal.getsignal(signal.SIGUSR1)
+    t = trainer(tmp_path, save_strategy="no", max_steps=6)
+    t.add_callback(SignalDuringStep2())
+    with pytest.raises(TrainingStopped, match=r"SIGUSR1 received: every rank finished step 2 and the run saved .*checkpoint-2'"):
+        t.train()
+    assert t.state.global_step == 2 and (tmp_path / "checkpoint-2" / "manifest.json").is_file()
+    assert signal.getsignal(signal.SIGUSR1) is before
+    with pytest.raises(ValueError, match="exit_signals: 'SIGKILL' is a signal no process can catch"):
+        arguments(tmp_path, exit_signals="SIGTERM,SIGKILL")
+    with pytest.raises(ValueError, match="exit_signals: 'SIGNOPE' is not a signal"):
+        arguments(tmp_path, exit_signals="nope")
