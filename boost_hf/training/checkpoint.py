@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import copy
 import errno
 import json
 import logging
@@ -50,7 +51,9 @@ import socket
 import threading
 import time
 
+import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.staging import AsyncStager
 from transformers.trainer import OPTIMIZER_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
@@ -208,6 +211,32 @@ def atomic_directory(target: str, *, is_writer: bool, run_id: str, config=None, 
     _barrier(group)
 
 
+def host_copy(state):
+    """A copy of the (nested) DCP state dict ``state`` in host memory that later training steps cannot change: every
+    tensor's own elements copied (a view of a larger buffer becomes a tensor of its own size), a DTensor re-wrapped
+    with its placements; other values deep-copied."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(state, dict):
+        return {key: host_copy(value) for key, value in state.items()}
+    if isinstance(state, DTensor):
+        return DTensor.from_local(state.to_local().detach().to("cpu", copy=True), state.device_mesh, state.placements,
+                                  run_check=False, shape=state.shape, stride=state.stride())
+    if isinstance(state, torch.Tensor):
+        return state.detach().to("cpu", copy=True)
+    return copy.deepcopy(state)
+
+
+class HostCopyStager(AsyncStager):
+    """``dcp.async_save``'s staging: :func:`host_copy` of the state dict (this rank's own shards, once), made before
+    ``async_save`` returns."""
+
+    _synchronize_after_execute = False
+
+    def stage(self, state_dict):
+        return host_copy(state_dict)
+
+
 class CheckpointSaver:
     """Writes the trainer's checkpoint folders with :func:`atomic_directory`'s guarantees, at once or in the
     background.
@@ -254,7 +283,7 @@ class CheckpointSaver:
                 dcp.save(state_dict, storage_writer=writer, process_group=group)
                 _write_manifest_spread(staging, is_writer=self.is_writer, config=config, group=group)
             else:
-                upload = dcp.async_save(state_dict, storage_writer=writer, process_group=group)
+                upload = dcp.async_save(state_dict, storage_writer=writer, process_group=group, async_stager=HostCopyStager())
         if not asynchronous:
             self._commit(target, staging, after_commit, group)
             return

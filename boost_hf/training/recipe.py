@@ -29,8 +29,9 @@ from ..checkpoint_integrity import MANIFEST_NAME
 from ..configuration_boost_llama import BoostLlamaConfig
 from ..data import DEFAULT_VALIDATION_PERCENT, build_lm_datasets, load_tokenizer
 from ..modeling_boost_llama import BoostLlamaForCausalLM
+from ..parallel.sharded_state import load_model_state
 from .arguments import BoostTrainingArguments
-from .checkpoint import verify_checkpoint_once
+from .checkpoint import DCP_FOLDER, is_distributed_checkpoint, verify_checkpoint_once
 
 # BoostLlamaConfig fields that a recipe does not set: taken from the tokenizer or the training arguments.
 _NOT_RECIPE_FIELDS = {"use_cache", "pad_token_id", "bos_token_id", "eos_token_id", "rope_parameters"}
@@ -223,6 +224,14 @@ def build_model(model_args, training_args: BoostTrainingArguments, tokenizer) ->
     if model_args.init_from:
         if os.path.isfile(os.path.join(model_args.init_from, MANIFEST_NAME)):
             verify_checkpoint_once(model_args.init_from, config)
+        if is_distributed_checkpoint(model_args.init_from):  # a training checkpoint: this rank's shards, resharded
+            from ..parallel.parallelize import parallelize
+
+            with parallel_config.single_device_skeleton():
+                model = BoostLlamaForCausalLM(config)
+            parallelize(model, parallel_config, initialize=False)
+            load_model_state(model, os.path.join(model_args.init_from, DCP_FOLDER))
+            return model
         return BoostLlamaForCausalLM.from_pretrained(model_args.init_from, config=config, parallel_config=parallel_config)
     set_seed(training_args.seed)
     return BoostLlamaForCausalLM(config, parallel_config)

@@ -22,7 +22,7 @@ from boost_hf.training.resume import (
     write_training_layout,
 )
 
-from .legacy_checkpoint import write_legacy_checkpoint
+from .checkpoint_files import write_legacy_checkpoint
 from .test_reliability import trainer
 
 
