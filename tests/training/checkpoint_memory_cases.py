@@ -23,6 +23,7 @@ import json
 import os
 import re
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -52,8 +53,12 @@ def reset_peak() -> int:
 _sha256 = integrity._sha256
 
 
+_HASHED_LOCK = threading.Lock()
+
+
 def _counting_sha256(path: str) -> str:
-    HASHED[0] += os.path.getsize(path)
+    with _HASHED_LOCK:  # files are hashed by several threads at a time
+        HASHED[0] += os.path.getsize(path)
     return _sha256(path)
 
 
