@@ -98,21 +98,22 @@ def test_push_to_hub_card_is_boost_hfs(trained_run, tmp_path):
 
 def test_a_checkpoint_exports_to_the_final_folder(trained_run, tmp_path):
     """A training checkpoint holds the Hugging Face folder without weights (config with remote code, card, tokenizer)
-    beside its DCP shards; ``export_checkpoint`` (``boost-hf export``) writes the final folder from it: the same
+    beside its DCP shards; ``boost-hf export`` (:func:`~boost_hf.training.publish.export_checkpoint`) writes the final folder from it: the same
     files, the weights split into safetensors files of at most ``max_shard_size`` with transformers' index (the same
     tensors), loadable, and a manifest that verifies."""
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
     from boost_hf.parallel.weights_io import resolve_checkpoint_files
-    from boost_hf.training.publish import export_checkpoint
+    from boost_hf.cli import main
 
     trainer, final = trained_run
     trainer._save_checkpoint(trainer.model, None)
     checkpoint = os.path.join(trainer.args.output_dir, "checkpoint-6")
     assert {"configuration_boost_llama.py", "modeling_boost_llama.py", "README.md", "tokenizer.json", "config.json"} <= set(os.listdir(checkpoint))
     assert not [name for name in os.listdir(checkpoint) if name.endswith(".safetensors")]
-    exported = export_checkpoint(checkpoint, str(tmp_path / "exported"), max_shard_size="20KB")
+    exported = str(tmp_path / "exported")
+    assert main(["export", checkpoint, exported, "--max-shard-size", "20KB"]) == 0  # boost-hf export
     names, final_names = set(os.listdir(exported)), set(os.listdir(final))
     weights = {n for n in names if n.startswith("model-")}
     assert len(weights) > 2 and names - weights == (final_names - {"model.safetensors"}) | {"model.safetensors.index.json"}
