@@ -32,6 +32,14 @@ from .state import ParallelState
 
 MODEL_KEY = "model"
 """Top-level key of the model's parameters in a DCP state dict (entries ``model.<canonical name>``)."""
+DCP_FOLDER = "dcp"
+"""Sub-folder of a training checkpoint holding the model (and optimizer) shards as a ``torch.distributed.checkpoint``."""
+
+
+def is_distributed_checkpoint(folder: str) -> bool:
+    """Whether ``folder`` is a training checkpoint holding its model as a ``torch.distributed.checkpoint`` in
+    ``dcp/`` (checkpoints of boost-hf 0.x hold a ``model.safetensors`` and optimizer files per PP and TP rank)."""
+    return os.path.isfile(os.path.join(folder, DCP_FOLDER, ".metadata"))
 
 
 def parallel_state_of(model: nn.Module) -> ParallelState:
@@ -135,7 +143,9 @@ def load_model_state(model: nn.Module, folder: str, process_group=None) -> None:
 
 
 __all__ = [
+    "DCP_FOLDER",
     "MODEL_KEY",
+    "is_distributed_checkpoint",
     "as_dtensor",
     "check_saved_parameters",
     "dcp_metadata",

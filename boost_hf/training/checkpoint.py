@@ -69,15 +69,13 @@ from ..checkpoint_integrity import (
     write_manifest,
 )
 
-from ..parallel.sharded_state import quiet_single_process_warning
+from ..parallel.sharded_state import DCP_FOLDER, is_distributed_checkpoint, quiet_single_process_warning
 
 logger = logging.getLogger(__name__)
 
 LOCK_NAME = ".boost_hf.lock"
 LOW_SPACE_BYTES = 1 << 20
 """A failed write with less free space than this on the target's file system is reported as a full disk."""
-DCP_FOLDER = "dcp"
-"""Sub-folder of a checkpoint holding the model (and optimizer) shards as a ``torch.distributed.checkpoint``."""
 _CHECKPOINT = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")
 
 
@@ -95,12 +93,6 @@ def optimizer_file_name(tp_rank: int, tp_size: int, pp_rank: int = 0, pp_size: i
     if pp_size > 1:
         return f"optimizer_pp{pp_rank:02d}_tp{tp_rank:02d}.pt"
     return OPTIMIZER_NAME if tp_size == 1 else f"optimizer_tp{tp_rank:02d}.pt"
-
-
-def is_distributed_checkpoint(folder: str) -> bool:
-    """Whether ``folder`` holds its model as a ``torch.distributed.checkpoint`` (``dcp/``; earlier checkpoints hold a
-    ``model.safetensors`` and optimizer files per PP and TP rank)."""
-    return os.path.isfile(os.path.join(folder, DCP_FOLDER, ".metadata"))
 
 
 def _launched() -> bool:

@@ -50,7 +50,8 @@ def check_token_ids(input_ids: torch.Tensor, vocab_size: int, where: str = "a ba
 
 def check_dataset(dataset, vocab_size: int, name: str, minimum_blocks: int) -> None:
     """A sized dataset has at least ``minimum_blocks`` rows and, for a ``datasets.Dataset`` with ``input_ids``,
-    only ids in range (one vectorised pass over the Arrow column)."""
+    only ids in range (:func:`~boost_hf.data.checks.token_id_range`: one vectorised pass over the Arrow column,
+    recorded beside its cache file, so each cache is scanned once)."""
     if not hasattr(dataset, "__len__"):
         return
     if len(dataset) < minimum_blocks:
@@ -64,12 +65,11 @@ def check_dataset(dataset, vocab_size: int, name: str, minimum_blocks: int) -> N
 
     if not isinstance(dataset, Dataset) or "input_ids" not in dataset.column_names:
         return
-    import pyarrow.compute as pc
+    from ..data.checks import token_id_range
 
-    ids = pc.list_flatten(dataset.data.column("input_ids"))
-    if len(ids):
-        bounds = pc.min_max(ids)
-        check_token_ids(torch.tensor([bounds["min"].as_py(), bounds["max"].as_py()]), vocab_size, f"the {name} set")
+    bounds = token_id_range(dataset)
+    if bounds is not None:
+        check_token_ids(torch.tensor(bounds), vocab_size, f"the {name} set")
 
 
 class TokenIdCheckingCollator:

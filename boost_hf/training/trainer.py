@@ -7,17 +7,19 @@ evaluation, checkpoints, callbacks, ``report_to``). What it changes, and why:
 =====================================  ======================================================================
 Trainer hook                           boost-hf behaviour
 =====================================  ======================================================================
-``get_train_dataloader``               shard by DP rank: TP peers get the same micro-batch
-                                       (:mod:`boost_hf.training.data`)
+``get_train_dataloader``               shard by DP rank: TP peers get the same micro-batch; a stream
+                                       (``BlockStream``) read once per DP replica, its position restored on
+                                       resume (:mod:`boost_hf.training.data`)
 ``get_eval_dataloader`` /              DP-sharded validation, exact token-weighted loss all-reduced over DP;
 ``evaluation_loop``                    ``eval_perplexity = exp(eval_loss)``, ``eval_bits_per_byte`` (with a
                                        tokenizer), through the local ``evaluate`` metric (:mod:`boost_hf.evaluation`);
                                        (pp > 1) forward only through the pipeline, ``compute_metrics`` on the
                                        last stage's logits, its metrics broadcast to every stage
 ``create_accelerator_and_postprocess``  ``--torch_compile``: each decoder layer compiled in place
-                                       (:mod:`boost_hf.training.compile`), not the whole model
+                                       (:mod:`boost_hf.parallel.compile`), not the whole model
 ``create_optimizer`` /                 ``--lowrank_optimizer loro``: LORO on the factors of an svd model, AdamW on the rest,
-``create_scheduler``                   the schedule restarting after each exact step (:mod:`boost_hf.optim.loro`);
+``create_scheduler``                   the schedule restarting after each exact step (:mod:`boost_hf.optim.loro`), or the
+                                       LORO authors' (``--loro_schedule authors``, :mod:`boost_hf.optim.loro_schedule`);
                                        ``--zero1_optimizer``: the optimizer sharded over DP (:mod:`boost_hf.training.zero1`)
 ``get_tp_size``                        our TP size: global batch and loss scaling count DP ranks only
 ``_wrap_model``                        (tp > 1, no DeepSpeed) DDP over the DP group, never across TP ranks;
@@ -37,11 +39,13 @@ Trainer hook                           boost-hf behaviour
 ``_save_checkpoint``                   every rank writes its own model and optimizer shards (DCP, ``--save_async``:
                                        in the background), the Trainer's small files beside them; staging folder,
                                        manifest of every rank's digests, rename, then rotation
-                                       (:mod:`boost_hf.training.checkpoint`, :mod:`.optimizer_state`)
+                                       (:mod:`boost_hf.training.checkpoint`, :mod:`.optimizer_state`); also the
+                                       data position (:func:`~boost_hf.training.data.save_data_position`)
 ``_save_optimizer_and_scheduler``      the scheduler and ``training_layout.json`` (:mod:`boost_hf.training.resume`);
                                        under DeepSpeed its own optimizer folder
 ``train``                              resume from the last *complete* checkpoint (newer damaged ones skipped,
-                                       logged), refused at a layout it cannot
+                                       logged; a stream continues from its saved position: the Trainer skips no
+                                       batch, ``ignore_data_skip`` during ``train``), refused at a layout it cannot
                                        resume exactly (another global batch; DeepSpeed at another tp x dp);
                                        refuse an earlier run's ``output_dir`` unless ``overwrite_output_dir``;
                                        lock ``output_dir``; start the hang watchdog; a collective that
@@ -64,12 +68,13 @@ import contextlib
 import os
 import uuid
 
+import datasets
 import numpy as np
 import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader
 from accelerate.utils import DynamoBackend
-from transformers import Trainer, default_data_collator
+from transformers import Trainer
 from transformers.trainer import SCHEDULER_NAME, TRAINER_STATE_NAME
 from transformers.trainer_callback import ExportableState
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, EvalLoopOutput, EvalPrediction, SaveStrategy, rotate_checkpoints
@@ -79,7 +84,8 @@ from ..parallel.sharded_state import load_model_state, model_state
 from ..parallel.weights_io import load_canonical_checkpoint, resolve_checkpoint_files
 from ..perf.flops import training_flops_per_token
 from ..optim.loro import check_loro_training, loro_optimizer, restart_schedule_at_exact_steps
-from .arguments import default_peak_tflops
+from ..optim.loro_schedule import authors_schedule
+from .arguments import authors_schedule_shift, default_peak_tflops
 from .checkpoint import (
     DCP_FOLDER,
     CheckpointSaver,
@@ -95,8 +101,10 @@ from .checkpoint import (
     remove_stale_staging,
     verify_checkpoint_once,
 )
-from .compile import compile_decoder_layers
-from .data import EvalShard, shard_by_data_parallel_rank, streaming_loader
+from ..parallel.compile import compile_decoder_layers
+from ..data.collate import causal_lm_collator
+from ..data.stream import BlockStream
+from .data import EvalShard, StreamLoader, restore_data_position, save_data_position, shard_by_data_parallel_rank
 from ..parallel.state import ParallelState
 from ..evaluation import batch_sums, metrics_from_sums, sums_of_batch
 from .deepspeed import ModelParallelUnit, configure_deepspeed, deepspeed_initialize_with_mpu, skip_shm_comm_if_requested
@@ -133,8 +141,9 @@ class BoostTrainer(Trainer):
 
     Takes the Trainer's arguments; ``args`` is usually a
     :class:`~boost_hf.training.arguments.BoostTrainingArguments` whose ``tp_size`` must match the model's.
-    Without ``data_collator``, batches are stacked as they are (``default_data_collator``: packed blocks); every
-    batch's token ids are checked against the model's vocabulary. Before anything else, every rank checks the
+    Without ``data_collator``, batches are stacked as they are with ``labels`` derived from ``input_ids``
+    (:func:`~boost_hf.data.collate.causal_lm_collator`: packed blocks); every batch's token ids are checked against
+    the model's vocabulary. Before anything else, every rank checks the
     datasets (at least one global batch of training blocks, a non-empty validation set, token ids in range).
     ``compute_metrics`` (with ``preprocess_logits_for_metrics``) is honoured: evaluation gathers each batch's
     full-vocabulary logits (one all-gather over TP), hands them to ``preprocess_logits_for_metrics`` on each rank,
@@ -158,7 +167,7 @@ class BoostTrainer(Trainer):
                 "optimizers=(...): pass optimizer_cls_and_kwargs=(class, kwargs) instead, or drop --zero1_optimizer."
             )
         vocab_size = model.config.vocab_size
-        kwargs["data_collator"] = TokenIdCheckingCollator(kwargs.get("data_collator") or default_data_collator, vocab_size)
+        kwargs["data_collator"] = TokenIdCheckingCollator(kwargs.get("data_collator") or causal_lm_collator, vocab_size)
         if args is not None:
             global_batch = args.per_device_train_batch_size * self.parallel_state.dp_size * args.gradient_accumulation_steps
             check_dataset(kwargs.get("train_dataset"), vocab_size, "training", global_batch)
@@ -168,6 +177,8 @@ class BoostTrainer(Trainer):
                     check_dataset(dataset, vocab_size, name, 1)
         self.run_id: str | None = None
         self.checkpoint_saver: CheckpointSaver | None = None  # created with the run id (claim_output_dir)
+        self.data_resume_from: str | None = None  # the checkpoint whose data position the training data continues from
+        self.train_loader: DataLoader | StreamLoader | None = None
         self.hang_watchdog: HangWatchdog | None = None
         self.trained_context: int | None = None  # sequence length of the training micro-batches (model card, tokenizer)
         self._bos_seen: torch.Tensor | bool = False  # whether a training micro-batch held the tokenizer's BOS id (no sync)
@@ -216,7 +227,7 @@ class BoostTrainer(Trainer):
             self.optimizer = loro_optimizer(
                 model, lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon,
                 weight_decay=args.weight_decay, exact_every=args.loro_exact_every, lr_scale=args.loro_lr_scale,
-                decay_parameter_names=self.get_decay_parameter_names(model),
+                decay_parameter_names=self.get_decay_parameter_names(model), epsilon_placement=args.adam_epsilon_placement,
             )
         if self.optimizer is None and getattr(self.args, "zero1_optimizer", False) and self.parallel_state.dp_size > 1:
             chosen = self.optimizer_cls_and_kwargs
@@ -229,10 +240,21 @@ class BoostTrainer(Trainer):
         return super().create_optimizer(model)
 
     def create_scheduler(self, num_training_steps: int, optimizer=None):
+        args = self.args
+        loro = getattr(args, "lowrank_optimizer", "adamw") == "loro"
+        if self.lr_scheduler is None and loro and args.loro_schedule == "authors":
+            self.lr_scheduler = authors_schedule(
+                self.optimizer if optimizer is None else optimizer, training_steps=num_training_steps,
+                warmup_steps=args.get_warmup_steps(num_training_steps), restart_every=args.loro_exact_every,
+                restart_warmup_steps=args.loro_restart_warmup_steps, min_ratio=args.lr_scheduler_kwargs["min_lr_rate"],
+                shift=authors_schedule_shift(args, num_training_steps),
+            )
+            self._created_lr_scheduler = True
+            return self.lr_scheduler
         created = self.lr_scheduler is None
         scheduler = super().create_scheduler(num_training_steps, optimizer)
-        if created and getattr(self.args, "lowrank_optimizer", "adamw") == "loro":
-            restart_schedule_at_exact_steps(scheduler, self.args.loro_exact_every, self.args.loro_restart_warmup_steps)
+        if created and loro:
+            restart_schedule_at_exact_steps(scheduler, args.loro_exact_every, args.loro_restart_warmup_steps)
         return scheduler
 
     def get_tp_size(self) -> int:
@@ -264,14 +286,19 @@ class BoostTrainer(Trainer):
             return super()._prepare_for_training(max_steps, train_dataloader, resume_from_checkpoint)
 
     # ------------------------------------------------------------------ data
-    def get_train_dataloader(self) -> DataLoader:
-        state = self.parallel_state
-        if state.tp_size * state.pp_size > 1 and isinstance(self.train_dataset, torch.utils.data.IterableDataset):
-            return streaming_loader(
-                self.train_dataset, state, batch_size=self._train_batch_size, collate_fn=self.data_collator,
-                num_workers=self.args.dataloader_num_workers, pin_memory=self.args.dataloader_pin_memory,
-            )
-        return shard_by_data_parallel_rank(super().get_train_dataloader(), state)
+    def get_train_dataloader(self) -> DataLoader | StreamLoader:
+        state, args = self.parallel_state, self.args
+        dataset = self.train_dataset
+        if isinstance(dataset, datasets.IterableDataset):  # blocks streamed as they are
+            dataset = BlockStream(dataset, None, len(next(iter(dataset))["input_ids"]))
+        if isinstance(dataset, BlockStream):
+            self.train_loader = StreamLoader(dataset, state, micro_batch=self._train_batch_size, accumulation=args.gradient_accumulation_steps,
+                                             drop_last=args.dataloader_drop_last, collate=self.data_collator, device=args.device)
+        else:
+            self.train_loader = shard_by_data_parallel_rank(super().get_train_dataloader(), state)
+        if self.data_resume_from is not None:
+            restore_data_position(self.data_resume_from, dataset, self.train_loader, args)
+        return self.train_loader
 
     def get_eval_dataloader(self, eval_dataset=None) -> DataLoader:
         if isinstance(eval_dataset, str):
@@ -487,7 +514,7 @@ class BoostTrainer(Trainer):
         recipe = {"optimizer steps": self.state.global_step, "global batch (sequences)": global_batch,
                   "sequence length": self.context_length(),
                   "training tokens": self.state.global_step * global_batch * self.context_length(),
-                  "peak learning rate": args.learning_rate, "schedule": getattr(args.lr_scheduler_type, "value", args.lr_scheduler_type),
+                  "peak learning rate": args.learning_rate, "schedule": self.schedule_name(),
                   "weight decay": args.weight_decay, "gradient clipping": args.max_grad_norm, "seed": args.seed}
         evaluations = [log for log in self.state.log_history if "eval_perplexity" in log]
         card = model_card(self.model.config, seq_len=self.context_length(), parallel=parallel, recipe=recipe,
@@ -495,6 +522,17 @@ class BoostTrainer(Trainer):
                           repo_hint=args.hub_model_id or os.path.join(args.output_dir, "final"), **self.card_metadata)
         with open(os.path.join(output_dir, "README.md"), "w") as f:
             f.write(card)
+
+    def schedule_name(self) -> str:
+        """The learning-rate schedule this run follows, as the model card names it."""
+        args = self.args
+        name = getattr(args.lr_scheduler_type, "value", args.lr_scheduler_type)
+        if getattr(args, "lowrank_optimizer", "adamw") != "loro":
+            return name
+        if args.loro_schedule == "authors":
+            return (f"the LORO authors' cosine_restart (min ratio {args.lr_scheduler_kwargs['min_lr_rate']}, restart every "
+                    f"{args.loro_exact_every} steps over {args.loro_restart_warmup_steps})")
+        return f"{name}, restarted after each LORO exact step (every {args.loro_exact_every} steps, over {args.loro_restart_warmup_steps})"
 
     def create_model_card(self, *args, **kwargs) -> None:
         """Transformers' ``push_to_hub`` path writes the card here: boost-hf's card, into ``output_dir``."""
@@ -541,6 +579,7 @@ class BoostTrainer(Trainer):
                 self._save_optimizer_and_scheduler(staging)
                 self._save_scaler(staging)
                 self._save_rng_state(staging)
+                save_data_position(staging, self.train_dataset, self.train_loader, self.args)
             if self.args.should_save:
                 for callback in self.callback_handler.callbacks + [self.control]:
                     if isinstance(callback, ExportableState):
@@ -611,10 +650,26 @@ class BoostTrainer(Trainer):
         self.start_hang_watchdog()
         if not resume_from_checkpoint and self.args.should_save and os.path.isdir(run_dir):
             remove_earlier_run(run_dir)  # only reached with overwrite_output_dir (or nothing to remove)
-        with naming_collective_timeouts(lambda: self.state.global_step + 1):
+        self.data_resume_from = resume_from_checkpoint or None
+        if self.args.ignore_data_skip:
+            self.data_resume_from = None  # the user's choice: this training set from its first batch
+        with naming_collective_timeouts(lambda: self.state.global_step + 1), self.data_continues_itself():
             result = super().train(resume_from_checkpoint=resume_from_checkpoint or None, **kwargs)
             self.checkpoint_saver.wait()  # the last asynchronous checkpoint is complete when train() returns
         return result
+
+    @contextlib.contextmanager
+    def data_continues_itself(self):
+        """A stream continues from its saved position (:func:`~boost_hf.training.data.restore_data_position`), so
+        the Trainer must not skip batches on resume (``skip_first_batches`` would read and discard them):
+        ``args.ignore_data_skip`` is set while training a stream, restored afterwards."""
+        stream = isinstance(self.train_dataset, (BlockStream, datasets.IterableDataset))
+        saved = self.args.ignore_data_skip
+        self.args.ignore_data_skip = saved or stream
+        try:
+            yield
+        finally:
+            self.args.ignore_data_skip = saved
 
     def evaluate(self, *args, **kwargs):
         """``Trainer.evaluate``; a collective that times out is named (:func:`~boost_hf.training.watchdog.naming_collective_timeouts`)."""
