@@ -82,6 +82,11 @@ def evaluate_checkpoint(checkpoint: str, data: str, *, block_size: int | None = 
 
     if not os.path.exists(data):
         raise FileNotFoundError(f"--data: no such file: {data!r}")
+    if os.path.isfile(os.path.join(checkpoint, "dcp", ".metadata")):
+        raise ValueError(
+            f"{checkpoint!r} is a training checkpoint (its model's shards in dcp/): write its Hugging Face folder with "
+            f"`boost-hf export {checkpoint} OUT`, then evaluate OUT."
+        )
     if os.path.isfile(os.path.join(checkpoint, MANIFEST_NAME)):
         verify_manifest(checkpoint)  # every file's size and SHA-256 (the architecture: from_pretrained)
     try:

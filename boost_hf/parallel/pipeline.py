@@ -239,16 +239,6 @@ class Pipeline:
         self._wrapped: list[nn.Module] | None = None
         self._schedules: dict[tuple[int, int, torch.dtype], object] = {}
 
-    def whole_state_dict(self, own: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
-        """Every stage's canonical tensors, from each pipeline rank's ``own`` ones (full over TP): on global rank 0
-        the whole model's, elsewhere ``None``. Collective over the pipeline group of the ``dp 0, tp 0`` ranks
-        (one object gather to global rank 0); the other ranks communicate nothing."""
-        if self.state.dp_rank != 0 or self.state.tp_rank != 0:
-            return None
-        parts = [None] * self.parallel.pp_size if self.state.pp_rank == 0 else None
-        dist.gather_object(own, parts, dst=dist.get_global_rank(self.state.pp_group, 0), group=self.state.pp_group)
-        return {name: tensor for part in parts for name, tensor in part.items()} if parts is not None else None
-
     @property
     def holds_last_stage(self) -> bool:
         return self.placement.num_stages - 1 in self.placement.stages

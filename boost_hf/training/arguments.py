@@ -148,12 +148,18 @@ class BoostTrainingArguments(LayoutArguments, TrainingArguments):
             LORO authors' optimizer); LORO only.
         zero1_optimizer: ZeRO-1 without DeepSpeed: each data-parallel rank keeps the optimizer state of a share of the
             parameters (torch's ``ZeroRedundancyOptimizer`` over the DP group; :mod:`boost_hf.training.zero1`), at any
-            layout including ``pp_size > 1``; checkpoints hold the consolidated state (resumable at any layout, with or
+            layout including ``pp_size > 1``; each rank saves its own share (resumable at any layout, with or
             without it). At dp 1 there is nothing to shard: the plain optimizer. Not with DeepSpeed or LORO.
         exit_signals: signals (default ``"SIGTERM,SIGUSR1"``; ``""``: none) after which every rank finishes its step, the
             run saves a checkpoint and every rank exits with status 76 (:mod:`boost_hf.training.preemption`).
         exit_after_minutes: the same after this many minutes since the process started (default 0: no budget), e.g. a
             few minutes less than the job's time limit.
+        save_async: write each checkpoint in the background: the model's and optimizer's shards are copied to host
+            memory (this rank's own, once), training goes on, and a thread writes them, hashes them, writes the
+            manifest and renames the folder; the next save, the final model and the end of ``train`` wait for it. A
+            run killed meanwhile leaves only a staging folder (:mod:`boost_hf.training.checkpoint`).
+        save_max_shard_size: largest safetensors file of ``final/`` and of every parallel ``save_pretrained`` (default
+            ``"5GB"``): each file is written by one rank, which holds at most that much of the model.
 
     Without CUDA, ``use_cpu`` is set (and ``ddp_backend="gloo"`` when launched on several processes), so
     ``accelerate launch`` runs on CPU processes with or without DeepSpeed. ``ddp_timeout`` bounds every collective
@@ -206,6 +212,13 @@ class BoostTrainingArguments(LayoutArguments, TrainingArguments):
     )
     exit_after_minutes: float = field(
         default=0.0, metadata={"help": "Save a checkpoint and exit (status 76) after this many minutes of the process (0: never)."}
+    )
+    # checkpoints (issue 27): every rank writes its own shards; asynchronously if asked
+    save_async: bool = field(
+        default=False, metadata={"help": "Write checkpoints in the background (host copy of each rank's shards); the next save waits."}
+    )
+    save_max_shard_size: str = field(
+        default="5GB", metadata={"help": "Largest safetensors file of final/ (each written by one rank, holding at most that)."}
     )
 
     # CoLA recipe defaults (BOOST.md section 1)

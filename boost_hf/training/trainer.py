@@ -33,26 +33,29 @@ Trainer hook                           boost-hf behaviour
                                        its point-to-point bytes logged
 ``compute_loss`` / ``_get_grad_norm``  non-finite loss or grad norm: stop or skip the step
                                        (:mod:`boost_hf.training.health`)
-``save_model`` / ``_save_checkpoint``  canonical checkpoint from every rank's shard, publishable (remote code,
-                                       ``use_cache``, tokenizer context and BOS, ``README.md`` model card:
-                                       :mod:`boost_hf.training.publish`); the Trainer's checkpoint files written
-                                       to a staging folder, manifest, rename, then rotation
-``_save_checkpoint``                   also the data position (:func:`~boost_hf.training.data.save_data_position`)
-``_save_optimizer_and_scheduler``      inside a guard that writes the manifest and removes a failed save;
-                                       optimizer state per (PP, TP) rank and ``training_layout.json``
-                                       (:mod:`boost_hf.training.checkpoint`, :mod:`boost_hf.training.resume`)
-``train``                              resume from the last *complete* checkpoint (a stream continues from its saved
-                                       position: the Trainer skips no batch, ``ignore_data_skip`` during ``train``),
-                                       refused at a layout it cannot
+``save_model``                         the Hugging Face folder (``final/``) streamed from every rank's shards (no
+                                       gather), publishable (remote code, ``use_cache``, tokenizer context and BOS,
+                                       ``README.md`` model card: :mod:`boost_hf.training.publish`)
+``_save_checkpoint``                   every rank writes its own model and optimizer shards (DCP, ``--save_async``:
+                                       in the background), the Trainer's small files beside them; staging folder,
+                                       manifest of every rank's digests, rename, then rotation
+                                       (:mod:`boost_hf.training.checkpoint`, :mod:`.optimizer_state`); also the
+                                       data position (:func:`~boost_hf.training.data.save_data_position`)
+``_save_optimizer_and_scheduler``      the scheduler and ``training_layout.json`` (:mod:`boost_hf.training.resume`);
+                                       under DeepSpeed its own optimizer folder
+``train``                              resume from the last *complete* checkpoint (newer damaged ones skipped,
+                                       logged; a stream continues from its saved position: the Trainer skips no
+                                       batch, ``ignore_data_skip`` during ``train``), refused at a layout it cannot
                                        resume exactly (another global batch; DeepSpeed at another tp x dp);
                                        refuse an earlier run's ``output_dir`` unless ``overwrite_output_dir``;
                                        lock ``output_dir``; start the hang watchdog; a collective that
                                        times out (``--ddp_timeout``) is named, also in ``evaluate``
                                        (:mod:`boost_hf.training.watchdog`)
-``_load_from_checkpoint`` /            resume (``train`` verified manifest and architecture once, on rank 0,
-                                       also under DeepSpeed), then this rank's slice of
-``_load_optimizer_and_scheduler``      the canonical weights and of the optimizer state (resharded when saved
-                                       at another PP x TP layout); a missing optimizer or scheduler file raises
+``_load_from_checkpoint`` /            resume (``train`` verified manifest and architecture, each rank its share of
+                                       the files, also under DeepSpeed), then this rank's shards of
+``_load_optimizer_and_scheduler``      the weights and of the optimizer state (resharded by DCP when saved at another
+                                       PP x TP x DP layout; checkpoints of boost-hf 0.x through
+                                       :mod:`boost_hf.training.resume`); a missing optimizer or scheduler raises
 =====================================  ======================================================================
 
 Launch with ``accelerate launch`` (``world = dp x tp_size`` processes; TP ranks are adjacent, see
@@ -77,17 +80,22 @@ from transformers.trainer import SCHEDULER_NAME, TRAINER_STATE_NAME
 from transformers.trainer_callback import ExportableState
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, EvalLoopOutput, EvalPrediction, SaveStrategy, rotate_checkpoints
 
+from ..parallel.export import save_model_files
+from ..parallel.sharded_state import load_model_state, model_state
 from ..parallel.weights_io import load_canonical_checkpoint, resolve_checkpoint_files
 from ..perf.flops import training_flops_per_token
 from ..optim.loro import check_loro_training, loro_optimizer, restart_schedule_at_exact_steps
 from ..optim.loro_schedule import authors_schedule
 from .arguments import authors_schedule_shift, default_peak_tflops
 from .checkpoint import (
+    DCP_FOLDER,
+    CheckpointSaver,
     atomic_directory,
     check_fresh_output_dir,
     completed_checkpoints,
     full_parameters,
-    optimizer_file_name,
+    is_distributed_checkpoint,
+    newest_complete_checkpoint,
     remove_earlier_run,
     remove_stale_staging,
     verify_checkpoint_once,
@@ -103,13 +111,14 @@ from .deepspeed import ModelParallelUnit, configure_deepspeed, deepspeed_initial
 from .grad_norm import clip_grad_norm_, global_grad_norm
 from .health import is_finite, nonfinite_error, poison_nonfinite_loss
 from .metrics import TrainingMetrics
+from .optimizer_state import load_optimizer_state, optimizer_state
 from .pipeline_steps import (
     PipelineReplica,
     boundary_bytes_per_step,
     from_last_stage,
     last_stage_logits,
-    on_one_process,
     pipeline_evaluation_sums,
+    pipeline_greedy_generate,
     pipeline_of,
     pipeline_training_step,
 )
@@ -117,14 +126,14 @@ from .preemption import StopAtStepEnd, StopRequests, TrainingStopped, parse_exit
 from .preflight import TokenIdCheckingCollator, check_dataset
 from .resume import (
     check_resume_layout,
-    load_optimizer_state,
+    load_optimizer_files,
     missing_file_error,
     optimizer_record,
     training_layout,
     write_training_layout,
 )
 from .watchdog import TRAINING, HangWatchdog, enter_phase, exit_with_launcher, in_phase, naming_collective_timeouts, running_watchdog
-from .zero1 import sharded_over_data_parallel, zero1_class_and_kwargs
+from .zero1 import zero1_class_and_kwargs
 from .publish import inference_settings, model_card, publish_special_tokens, save_tokenizer
 
 
@@ -168,6 +177,7 @@ class BoostTrainer(Trainer):
                 if dataset is not None:
                     check_dataset(dataset, vocab_size, name, 1)
         self.run_id: str | None = None
+        self.checkpoint_saver: CheckpointSaver | None = None  # created with the run id (claim_output_dir)
         self.data_resume_from: str | None = None  # the checkpoint whose data position the training data continues from
         self.train_loader: DataLoader | StreamLoader | None = None
         self.hang_watchdog: HangWatchdog | None = None
@@ -451,18 +461,34 @@ class BoostTrainer(Trainer):
         super().log(logs, start_time)
 
     # ------------------------------------------------------------------ saving and resuming
-    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-        """Write the canonical (unsharded) model, its config and the tokenizer. Collective: call on every rank."""
-        output_dir = output_dir or self.args.output_dir
+    @contextlib.contextmanager
+    def publishing(self):
+        """During the block the model's config is as published: ``use_cache`` on, the tokenizer's special tokens
+        (:mod:`boost_hf.training.publish`)."""
         tokenizer = self.processing_class if hasattr(self.processing_class, "save_pretrained") else None
         tokens = publish_special_tokens(self.model, tokenizer, self.trained_with_bos) if tokenizer is not None else contextlib.nullcontext()
-        with full_parameters(self.model, self._zero_stage), inference_settings(self.model), tokens:
-            self.model.save_pretrained(output_dir, is_main_process=self.args.should_save)
+        with inference_settings(self.model), tokens:
+            yield
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """Write the Hugging Face folder: canonical safetensors files of at most ``--save_max_shard_size``, written
+        from every rank's shards (no rank holds the whole model), config, remote code, tokenizer and model card.
+        Collective: call on every rank."""
+        output_dir = output_dir or self.args.output_dir
+        with full_parameters(self.model, self._zero_stage), self.publishing():
+            self.model.save_pretrained(output_dir, is_main_process=self.args.should_save,
+                                       max_shard_size=getattr(self.args, "save_max_shard_size", "5GB"))
         if self.args.should_save:
-            if tokenizer is not None:
-                save_tokenizer(tokenizer, output_dir, context=self.context_length(), used_bos=self.trained_with_bos)
-            self.write_model_card(output_dir)
-            torch.save(self.args, os.path.join(output_dir, "training_args.bin"))
+            self.save_publishing_files(output_dir)
+
+    def save_publishing_files(self, output_dir: str) -> None:
+        """The files of a published folder beside the weights and config: the tokenizer, the model card and the
+        training arguments. One process."""
+        tokenizer = self.processing_class if hasattr(self.processing_class, "save_pretrained") else None
+        if tokenizer is not None:
+            save_tokenizer(tokenizer, output_dir, context=self.context_length(), used_bos=self.trained_with_bos)
+        self.write_model_card(output_dir)
+        torch.save(self.args, os.path.join(output_dir, "training_args.bin"))
 
     @property
     def trained_with_bos(self) -> bool:
@@ -515,8 +541,10 @@ class BoostTrainer(Trainer):
             self.write_model_card(self.args.output_dir)
 
     def save_final_model(self, output_dir: str | None = None) -> str:
-        """Save the model (canonical) + tokenizer + manifest atomically to ``<output_dir>/final``; return that path."""
+        """Save the model (canonical) + tokenizer + manifest atomically to ``<output_dir>/final``; return that path.
+        Waits for an asynchronous checkpoint in flight first."""
         self.claim_output_dir()
+        self.checkpoint_saver.wait()
         target = output_dir or os.path.join(self.args.output_dir, "final")
         with in_phase("saving the final model"), atomic_directory(target, is_writer=self.args.should_save, run_id=self.run_id,
                                                                   config=self.model.config) as staging:
@@ -524,16 +552,26 @@ class BoostTrainer(Trainer):
         return target
 
     def _save_checkpoint(self, model, trial) -> None:
-        """The Trainer's checkpoint (``Trainer._save_checkpoint``'s files, best-model record and hub push), written
-        atomically: into a staging folder, then its manifest, then renamed to ``checkpoint-<step>``; only then are old
-        checkpoints rotated out (``--save_total_limit``), so a complete checkpoint exists at every moment. A failed
-        save leaves no partial folder (:func:`~boost_hf.training.checkpoint.atomic_directory`)."""
+        """The Trainer's checkpoint, every rank writing its own shards: the model's parameters and the optimizer's
+        state as a ``torch.distributed.checkpoint`` in ``dcp/`` (:func:`~boost_hf.parallel.sharded_state.model_state`,
+        :func:`~boost_hf.training.optimizer_state.optimizer_state`; under DeepSpeed the model only, its optimizer in its
+        own folder), beside the Trainer's other files (``Trainer._save_checkpoint``'s: scheduler, RNG, trainer state,
+        best-model record, hub push) and the Hugging Face folder without weights. Written by
+        :class:`~boost_hf.training.checkpoint.CheckpointSaver`: a staging folder, the manifest, the rename; only then
+        are old checkpoints rotated out (``--save_total_limit``). ``--save_async``: the shards are copied to host
+        memory and written in the background; the next save (and the final model) waits for this one."""
         if self.hp_search_backend is None and trial is None:
             self.store_flos()
+        self.claim_output_dir()
         run_dir = self._get_output_dir(trial=trial)
         target = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
-        with atomic_directory(target, is_writer=self.args.should_save, run_id=self.run_id, config=self.model.config) as staging:
-            self.save_model(staging, _internal_call=True)
+        self.checkpoint_saver.wait()  # the previous save is complete under its name (best-model record, rotation)
+
+        def write_files(staging: str) -> None:
+            if self.args.should_save:
+                with self.publishing():
+                    save_model_files(self.model, staging)
+                self.save_publishing_files(staging)
             if self.args.save_strategy in (SaveStrategy.STEPS, SaveStrategy.EPOCH, SaveStrategy.BEST) and self.state.best_global_step:
                 best = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.best_global_step}")
                 if best == target or os.path.exists(best):
@@ -552,11 +590,21 @@ class BoostTrainer(Trainer):
                         else:
                             self.state.stateful_callbacks[name] = exported
                 self.state.save_to_json(os.path.join(staging, TRAINER_STATE_NAME))
-        if self.args.push_to_hub:
-            self._push_from_checkpoint(target)
-        if self.args.should_save:
+
+        def rotate() -> None:
             rotate_checkpoints(output_dir=run_dir, save_total_limit=self.args.save_total_limit,
                                best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=True)
+
+        with full_parameters(self.model, self._zero_stage):
+            shards = {"model": model_state(self.model)}
+            if not self.args.save_only_model and not self.is_deepspeed_enabled:
+                shards["optimizer"] = optimizer_state(self.model, self.optimizer)
+            self.checkpoint_saver.save(target, write_files=write_files, state_dict=shards, config=self.model.config,
+                                       asynchronous=getattr(self.args, "save_async", False),
+                                       after_commit=rotate if self.args.should_save else None)
+        if self.args.push_to_hub:
+            self.checkpoint_saver.wait()
+            self._push_from_checkpoint(target)
 
     # ------------------------------------------------------------------ the run's output folder
     def claim_output_dir(self) -> None:
@@ -578,16 +626,14 @@ class BoostTrainer(Trainer):
         if claim[1] is not None:
             raise OutputDirInUseError(claim[1])
         self.run_id = claim[0]
+        self.checkpoint_saver = CheckpointSaver(is_writer=self.args.should_save, run_id=self.run_id)
 
     def train(self, resume_from_checkpoint: str | bool | None = None, **kwargs):
         """``Trainer.train``; ``resume_from_checkpoint=True`` takes the last *complete* checkpoint. A new run
         refuses an ``output_dir`` holding an earlier run unless ``overwrite_output_dir``; the folder is locked."""
         run_dir = self.args.output_dir
         if resume_from_checkpoint is True:
-            complete = completed_checkpoints(run_dir)
-            if not complete:
-                raise FileNotFoundError(f"no complete checkpoint (with a manifest.json) in output_dir {run_dir!r} to resume from.")
-            resume_from_checkpoint = complete[-1]
+            resume_from_checkpoint = newest_complete_checkpoint(run_dir)
         elif isinstance(resume_from_checkpoint, str) and not os.path.isdir(resume_from_checkpoint):
             raise FileNotFoundError(f"resume_from_checkpoint: no such file or folder: {resume_from_checkpoint!r}")
         elif not resume_from_checkpoint:
@@ -612,6 +658,7 @@ class BoostTrainer(Trainer):
         with (self.stop_requests.handling(), naming_collective_timeouts(lambda: self.state.global_step + 1),
               self.data_continues_itself()):
             output = super().train(resume_from_checkpoint=resume_from_checkpoint or None, **kwargs)
+            self.checkpoint_saver.wait()  # the last asynchronous checkpoint is complete when train() returns
         if self.stop_at_step_end.stopped is not None:
             reason, step = self.stop_at_step_end.stopped
             self._stop(reason, os.path.join(self._get_output_dir(None), f"{PREFIX_CHECKPOINT_DIR}-{step}"))
@@ -634,6 +681,7 @@ class BoostTrainer(Trainer):
         self._stop(reason, checkpoint)
 
     def _stop(self, reason: str, checkpoint: str):
+        self.checkpoint_saver.wait()  # the checkpoint named below is complete before any rank exits
         stopped = TrainingStopped(reason, self.state.global_step, checkpoint)
         if self.is_world_process_zero():
             print(stopped, file=sys.stderr, flush=True)
@@ -677,28 +725,20 @@ class BoostTrainer(Trainer):
         return records
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
-        """One optimizer file per (pipeline rank, TP rank), written by DP rank 0 (``--zero1_optimizer``: consolidated
-        there first; DeepSpeed: its own folder), the scheduler and ``training_layout.json`` with the optimizer record,
-        which lets a later run at another PP x TP x DP layout reshard the optimizer state. Collective."""
-        state = self.parallel_state
+        """The scheduler and ``training_layout.json`` with each pipeline rank's optimizer record (which lets a run at
+        another PP x TP x DP layout check and reshard the optimizer state, saved by every rank with the model's shards);
+        under DeepSpeed its own checkpoint folder (ZeRO partitions per DP and TP rank). Collective."""
         records = self.optimizer_records()
         if self.is_deepspeed_enabled:
             super()._save_optimizer_and_scheduler(output_dir)
-        else:
-            zero = sharded_over_data_parallel(self.optimizer)
-            # DP replicas hold the same optimizer state; ZeRO-1 shares are gathered on DP rank 0 (collective over DP)
-            whole = zero.consolidated_state_dict() if zero is not None else self.optimizer.state_dict() if state.dp_rank == 0 else None
-            if state.dp_rank == 0:
-                name = optimizer_file_name(state.tp_rank, state.tp_size, state.pp_rank, state.pp_size)
-                torch.save(whole, os.path.join(output_dir, name))
         if self.args.should_save:
             if not self.is_deepspeed_enabled:
                 torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
             write_training_layout(output_dir, self.training_layout(records))
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
-        """The optimizer state of this rank (resharded if the checkpoint has another PP x TP layout) and the scheduler; a
-        missing file is an error naming it (``--init_from`` starts from the weights only)."""
+        """The optimizer state of this rank (resharded if the checkpoint has another PP x TP x DP layout) and the
+        scheduler; a missing one is an error naming it (``--init_from`` starts from the weights only)."""
         if checkpoint is None:
             return
         scheduler = os.path.join(checkpoint, SCHEDULER_NAME)
@@ -707,10 +747,14 @@ class BoostTrainer(Trainer):
                 raise missing_file_error(scheduler, checkpoint, "learning-rate scheduler state")
             return super()._load_optimizer_and_scheduler(checkpoint)
         state = self.parallel_state
-        device = "cpu" if self.args.device.type == "cpu" else self.args.device  # torch cannot restore to "cpu:0"
         pipeline = pipeline_of(self.model)
-        load_optimizer_state(self.optimizer, self.model, checkpoint, state.tp_rank, state.tp_size, device, state.pp_rank, state.pp_size,
-                             held_elsewhere=pipeline.placement.absent if pipeline is not None else frozenset())
+        elsewhere = pipeline.placement.absent if pipeline is not None else frozenset()
+        if is_distributed_checkpoint(checkpoint):
+            load_optimizer_state(self.optimizer, self.model, checkpoint, elsewhere)
+        else:
+            device = "cpu" if self.args.device.type == "cpu" else self.args.device  # torch cannot restore to "cpu:0"
+            load_optimizer_files(self.optimizer, self.model, checkpoint, state.tp_rank, state.tp_size, device, state.pp_rank,
+                                 state.pp_size, held_elsewhere=elsewhere)
         if not os.path.isfile(scheduler):
             raise missing_file_error(scheduler, checkpoint, "learning-rate scheduler state")
         self.lr_scheduler.load_state_dict(torch.load(scheduler, weights_only=True))
@@ -733,10 +777,14 @@ class BoostTrainer(Trainer):
         self.hang_watchdog.start()
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
-        """This rank's slice of the checkpoint's canonical weights (any TP size wrote it); :meth:`train` verified the
-        folder against its manifest and architecture record first."""
+        """This rank's shards of the checkpoint's weights, saved at any layout (its ``dcp/``, resharded by DCP; a
+        checkpoint of boost-hf 0.x: its canonical ``model.safetensors``); :meth:`train` verified the folder against
+        its manifest and architecture record first."""
         model = self.accelerator.unwrap_model(model if model is not None else self.model)
-        load_canonical_checkpoint(model, resolve_checkpoint_files(resume_from_checkpoint))
+        if is_distributed_checkpoint(resume_from_checkpoint):
+            load_model_state(model, os.path.join(resume_from_checkpoint, DCP_FOLDER))
+        else:
+            load_canonical_checkpoint(model, resolve_checkpoint_files(resume_from_checkpoint))
 
     # ------------------------------------------------------------------ generation
     def generate_sample(self, prompt: str | None = None, max_new_tokens: int | None = None) -> str:
@@ -760,7 +808,12 @@ class BoostTrainer(Trainer):
             return tokenizer.decode(output[0], skip_special_tokens=True)
 
         with in_phase("generation"):
-            return on_one_process(self.model, sample) if pipeline_of(self.model) is not None else sample(self.model)
+            pipeline = pipeline_of(self.model)
+            if pipeline is not None:  # through the stages: no rank holds more than its own
+                self.model.eval()
+                output = pipeline_greedy_generate(pipeline, input_ids, max_new_tokens, tokenizer.eos_token_id)
+                return tokenizer.decode(output[0], skip_special_tokens=True)
+            return sample(self.model)
 
 
 __all__ = ["BoostTrainer"]

@@ -10,7 +10,8 @@ Every run has the global batch 8 and writes under ``OUT/<run>``; a resumed run a
 loading the checkpoint (its ZeRO-1 share only under ``--zero1_optimizer``) and the parameter's shard spec.
 
 * ``single``: ``single`` (tp 1, one process; checkpoint at step 3).
-* ``four``: ``pp2-tp2`` (checkpoint at 3); ``pp2-tp2-from-single`` (``single/checkpoint-3`` resumed at pp 2 x tp 2);
+* ``four``: ``pp2-tp2`` (checkpoint at 3, ``--save_async``); ``pp2-tp2-from-single`` (``single/checkpoint-3`` resumed at
+  pp 2 x tp 2); ``pp2-tp2-from-legacy`` (the same checkpoint in the format of boost-hf 0.x, ``single-legacy``);
   ``tp2-dp2-from-pp2`` (``pp2-tp2/checkpoint-3`` at pp 1 x tp 2 x dp 2); ``pp2-dp2-interleaved-from-pp2`` (the same at
   pp 2 x dp 2, interleaved 1F1B: 2 stages per rank, other layers per pipeline rank); ``pp2-dp2`` (1F1B, no ZeRO-1);
   ``pp2-dp2-zero1`` (the same with ``--zero1_optimizer``, checkpoint at 3); ``pp2-dp2-zero1-resumed`` (its checkpoint
@@ -117,8 +118,9 @@ def main(mode: str, out: str, *common: str) -> None:
         pp2_tp2 = ["--pp_size", "2", "--tp_size", "2", "--pp_microbatches", "2", "--per_device_train_batch_size", "8"]
         pp2_dp2 = ["--pp_size", "2", "--tp_size", "1", "--pp_microbatches", "2", "--per_device_train_batch_size", "4"]
         tp2_dp2 = ["--tp_size", "2", "--per_device_train_batch_size", "4"]
-        train(out, "pp2-tp2", common, *pp2_tp2, save=True)
+        train(out, "pp2-tp2", common, *pp2_tp2, "--save_async", "true", save=True)
         train(out, "pp2-tp2-from-single", common, *pp2_tp2, resume="single")
+        train(out, "pp2-tp2-from-legacy", common, *pp2_tp2, resume="single-legacy")
         train(out, "tp2-dp2-from-pp2", common, *tp2_dp2, resume="pp2-tp2")
         train(out, "pp2-dp2-interleaved-from-pp2", common, "--pp_size", "2", "--tp_size", "1", "--pp_schedule", "interleaved-1f1b",
               "--pp_microbatches", "4", "--per_device_train_batch_size", "4", resume="pp2-tp2")

@@ -3,8 +3,8 @@
 ``recipes/demo.yaml`` (shrunk, see ``launcher.TINY``, with 4 layers; global batch 8) saved at step 3 and resumed
 at another pp x tp x dp: every resumed run's per-step losses equal the uninterrupted single process's (1e-4), and
 the optimizer state each rank holds right after loading is bit-identical to its slice of the saved state
-reassembled from the checkpoint's files (pp 2 x tp 2 -> one process, -> pp 1 x tp 2 x dp 2, -> pp 2 x dp 2
-interleaved; one process -> pp 2 x tp 2). ``--zero1_optimizer`` at pp 2 x dp 2 matches one process and the same
+reassembled from the checkpoint (pp 2 x tp 2, saved with ``--save_async``, -> one process, -> pp 1 x tp 2 x dp 2,
+-> pp 2 x dp 2 interleaved; one process -> pp 2 x tp 2, also from the same checkpoint in the format of boost-hf 0.x). ``--zero1_optimizer`` at pp 2 x dp 2 matches one process and the same
 run without it; its checkpoint (consolidated) resumes at its layout and at pp 1 x dp 4 with ZeRO-1, and in one
 process without; the same at pp 1 x tp 2 x dp 2 (each TP rank's optimizer sharded over its DP group), resumed at its
 layout and in one process.
@@ -32,16 +32,17 @@ from boost_hf.training.resume import (
     ResumeLayoutError,
     check_resume_layout,
     reshard_optimizer_state,
-    saved_optimizer_record,
     write_training_layout,
 )
 
+from .checkpoint_files import read_checkpoint, write_legacy_checkpoint
 from .launcher import DEMO_RECIPE, REPO, TINY, accelerate_command, python_command, run_command
 
 RELATIVE_TOLERANCE = 1e-4
 CASES = REPO / "tests" / "training" / "pipeline_resume_cases.py"
 RESUMED = {  # resumed run -> the run whose checkpoint-3 it resumed
     "pp2-tp2-from-single": "single",
+    "pp2-tp2-from-legacy": "single",  # single/checkpoint-3 as boost-hf 0.x wrote it (checkpoint_files.write_legacy_checkpoint)
     "tp2-dp2-from-pp2": "pp2-tp2",
     "pp2-dp2-interleaved-from-pp2": "pp2-tp2",
     "single-from-pp2": "pp2-tp2",
@@ -66,6 +67,7 @@ def runs(training_env, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("pipeline_resume")
     common = [DEMO_RECIPE, *TINY, "--num_hidden_layers", "4", "--dataset", training_env["CORPUS"]]
     run_command(python_command(CASES, "single", out, *common), training_env, timeout=450)
+    write_legacy_checkpoint(out / "single" / "checkpoint-3", out / "single-legacy" / "checkpoint-3")
     run_command(accelerate_command("cpu-4proc.yaml", CASES, "four", out, *common), training_env, timeout=1500)
     run_command(python_command(CASES, "one", out, *common), training_env, timeout=450)
     return out
@@ -123,19 +125,8 @@ def test_zero1_matches_the_same_run_without_it(runs):
 
 
 def canonical_optimizer_state(checkpoint: Path) -> dict[str, dict]:
-    """Every parameter's saved optimizer state, reassembled from the checkpoint's files: per canonical name, each
-    tensor's TP shards concatenated along its ``partition_dim``."""
-    record = saved_optimizer_record(json.loads((checkpoint / LAYOUT_NAME).read_text()))
-    canonical = {}
-    for entry in record:
-        files = [torch.load(checkpoint / name, weights_only=True) for name in entry["files"]]
-        for j, parameter in enumerate(entry["parameters"]):
-            dim = parameter["partition_dim"]
-            canonical[parameter["name"]] = {
-                key: torch.cat([f["state"][j][key] for f in files], dim) if value.dim() > 0 and dim is not None else value
-                for key, value in files[0]["state"][j].items()
-            }
-    return canonical
+    """Every parameter's saved optimizer state, whole tensors, by canonical name (read from ``dcp/`` in one process)."""
+    return read_checkpoint(checkpoint)["optimizer"]["state"]
 
 
 @pytest.mark.parametrize("run", list(RESUMED))
@@ -168,14 +159,16 @@ def test_loaded_optimizer_state_is_the_saved_one(runs, run):
 
 
 def test_checkpoints_record_every_pipeline_rank(runs):
-    layout = json.loads((runs / "pp2-tp2" / "checkpoint-3" / LAYOUT_NAME).read_text())
-    assert [entry["files"] for entry in layout["optimizer"]] == [
-        [f"optimizer_pp{p:02d}_tp{t:02d}.pt" for t in (0, 1)] for p in (0, 1)
-    ]
+    """pp 2 x tp 2 (saved asynchronously): each rank wrote its own shards, the record names each pipeline rank's
+    parameters, and the checkpoint holds every parameter's state once."""
+    checkpoint = runs / "pp2-tp2" / "checkpoint-3"
+    layout = json.loads((checkpoint / LAYOUT_NAME).read_text())
+    assert sorted(p.name for p in (checkpoint / "dcp").glob("*.distcp")) == [f"__{rank}_0.distcp" for rank in range(4)]
     stage_names = [{p["name"] for p in entry["parameters"]} for entry in layout["optimizer"]]
     assert "model.embed_tokens.weight" in stage_names[0] and "lm_head.weight" in stage_names[1]
     assert not stage_names[0] & stage_names[1]
     assert stage_names[0] | stage_names[1] == set(canonical_optimizer_state(runs / "single" / "checkpoint-3"))
+    assert set(canonical_optimizer_state(checkpoint)) == stage_names[0] | stage_names[1]
 
 
 # ---------------------------------------------------------------------------- in one process

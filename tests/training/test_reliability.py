@@ -221,11 +221,11 @@ def test_checkpoints_have_a_manifest_and_resume_verifies_it(finished_run, tmp_pa
     for folder in ("checkpoint-2", "checkpoint-4", "final"):
         assert (finished_run / folder / "manifest.json").is_file(), folder
     assert not [p for p in finished_run.iterdir() if p.name.startswith(".") and p.name != ".boost_hf.lock"]
-    weights = finished_run / "checkpoint-2" / "model.safetensors"
+    weights = finished_run / "checkpoint-2" / "dcp" / "__0_0.distcp"
     data = bytearray(weights.read_bytes())
     data[-3] ^= 0x01
     weights.write_bytes(bytes(data))
-    with pytest.raises(CheckpointIntegrityError, match="checkpoint-2/model.safetensors' is corrupted"):
+    with pytest.raises(CheckpointIntegrityError, match="checkpoint-2/dcp/__0_0.distcp' is corrupted"):
         trainer(finished_run).train(resume_from_checkpoint=str(finished_run / "checkpoint-2"))
     with pytest.raises(FileNotFoundError, match="resume_from_checkpoint: no such file or folder"):
         trainer(finished_run).train(resume_from_checkpoint=str(tmp_path / "nowhere"))
@@ -238,12 +238,31 @@ def flip_byte(path) -> None:
 
 
 def test_resume_last_with_a_damaged_last_checkpoint_names_the_intact_earlier_one(finished_run):
-    flip_byte(finished_run / "checkpoint-4" / "model.safetensors")
+    flip_byte(finished_run / "checkpoint-4" / "dcp" / "__0_0.distcp")
     earlier = finished_run / "checkpoint-2"
-    with pytest.raises(CheckpointIntegrityError, match=rf"checkpoint-4/model.safetensors' is corrupted .* The previous complete "
+    with pytest.raises(CheckpointIntegrityError, match=rf"checkpoint-4/dcp/__0_0.distcp' is corrupted .* The previous complete "
                                                        rf"checkpoint of this run is '{earlier}': resume from it with "
                                                        rf"--resume_from_checkpoint {earlier}\."):
         trainer(finished_run).train(resume_from_checkpoint=True)
+
+
+@pytest.mark.parametrize("damage", ["truncated", "not json", "not a manifest"])
+def test_a_damaged_manifest_names_the_file_and_last_skips_it(finished_run, damage, caplog):
+    """A damaged ``manifest.json`` in the newest checkpoint: resuming it names the file and the previous complete
+    checkpoint; ``--resume_from_checkpoint last`` skips it (a warning naming it) and resumes from the previous one."""
+    manifest = finished_run / "checkpoint-4" / "manifest.json"
+    text = manifest.read_text()
+    manifest.write_text({"truncated": text[: len(text) // 2], "not json": "\x00" * 64, "not a manifest": '{"files": [1, 2]}'}[damage])
+    earlier = finished_run / "checkpoint-2"
+    with pytest.raises(CheckpointIntegrityError, match=rf"'{manifest}' is damaged \(not a valid manifest: .*\), so .*checkpoint-4' cannot "
+                                                       rf"be verified .* The previous complete checkpoint of this run is '{earlier}'"):
+        trainer(finished_run).train(resume_from_checkpoint=str(finished_run / "checkpoint-4"))
+    t = trainer(finished_run)
+    with caplog.at_level("WARNING", logger="boost_hf.training.checkpoint"):
+        t.train(resume_from_checkpoint=True)
+    assert f"skipping {finished_run / 'checkpoint-4'}, not a complete checkpoint: '{manifest}' is damaged" in caplog.text
+    assert f"resuming from {earlier}" in caplog.text
+    assert [log["step"] for log in t.state.log_history if "loss" in log] == [1, 2, 3, 4]  # 3 and 4 retrained
 
 
 def test_eval_verifies_the_checkpoint(finished_run, tmp_path):
@@ -400,10 +419,10 @@ def _tmpfs(path, size: str) -> bool:
 
 
 def test_disk_full_keeps_the_previous_checkpoint_and_no_partial_folder(tmp_path, monkeypatch):
-    """On a 360 KiB tmpfs (or, without mount rights, a simulated ENOSPC) the first ~220 KiB checkpoint (with its remote-code
-    files, in 4 KiB blocks) fits and the second does not."""
+    """On a 560 KiB tmpfs (or, without mount rights, a simulated ENOSPC) the first ~370 KiB checkpoint (with its remote-code
+    files, in 4 KiB blocks) fits and the second does not: DCP's writer fails inside its write thread."""
     disk = tmp_path / "disk"
-    mounted = _tmpfs(disk, "360k")
+    mounted = _tmpfs(disk, "560k")
     try:
         t = trainer(disk, max_steps=4)
         if not mounted:
@@ -533,22 +552,21 @@ def test_a_failed_save_on_any_rank_is_named_without_errno_prefix(tmp_path, monke
 
 
 def test_disk_full_inside_safetensors_is_a_checkpoint_write_error(tmp_path, monkeypatch):
+    """The final model's safetensors writer reports a full disk as ``SafetensorError: ... os error 28``."""
     import transformers.modeling_utils
     from safetensors import SafetensorError
 
     t = trainer(tmp_path, max_steps=4)
-    original = transformers.modeling_utils.safe_save_file
+    t.train()
 
-    def full_at_step_4(*args, **kwargs):
-        if t.state.global_step == 4:
-            raise SafetensorError('Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "No space left on device" })')
-        return original(*args, **kwargs)
+    def full(*args, **kwargs):
+        raise SafetensorError('Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "No space left on device" })')
 
-    monkeypatch.setattr(transformers.modeling_utils, "safe_save_file", full_at_step_4)
-    with pytest.raises(CheckpointWriteError, match=r"^could not save .*checkpoint-4': no space left on device") as error:
-        t.train()
+    monkeypatch.setattr(transformers.modeling_utils, "safe_save_file", full)
+    with pytest.raises(CheckpointWriteError, match=r"could not save .*final': no space left on device") as error:
+        t.save_final_model()
     assert error.value.errno == errno.ENOSPC  # no "[Errno 5]" in the text, the right errno on the exception
-    assert sorted(p.name for p in tmp_path.iterdir()) == [".boost_hf.lock", "checkpoint-2"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".boost_hf.lock", "checkpoint-2", "checkpoint-4"]
 
 
 # ---------------------------------------------------------------------------- preemption (one process; launched: test_hangs.py)
@@ -595,3 +613,4 @@ def test_an_exit_signal_finishes_the_step_saves_and_restores_the_handlers(tmp_pa
         arguments(tmp_path, exit_signals="SIGTERM,SIGKILL")
     with pytest.raises(ValueError, match="exit_signals: 'SIGNOPE' is not a signal"):
         arguments(tmp_path, exit_signals="nope")
+

@@ -25,6 +25,7 @@ from boost_hf.training.resume import (
 
 from boost_hf.training import BoostTrainer
 
+from .checkpoint_files import write_legacy_checkpoint
 from .test_reliability import trainer
 
 
@@ -81,11 +82,11 @@ def test_optimizer_state_reshards_exactly(checkpoint):
 
 def test_missing_optimizer_or_scheduler_file_is_an_error(checkpoint, tmp_path):
     """A checkpoint without optimizer state (``--save_only_model``) or without ``scheduler.pt`` (its manifest
-    agreeing) is an error naming the file and ``--init_from``; a file deleted after the save fails the manifest."""
+    agreeing) is an error naming what is missing and ``--init_from``; a file deleted after the save fails the manifest."""
     weights_only = trainer(tmp_path / "weights-only", save_only_model=True, max_steps=2)
     weights_only.train()
     weights_only._output_dir_lock.release()
-    with pytest.raises(FileNotFoundError, match=r"checkpoint-2/optimizer.pt is missing: resuming needs the optimizer state .*--init_from .*checkpoint-2"):
+    with pytest.raises(FileNotFoundError, match=r"checkpoint-2 holds no optimizer state \(it was saved with --save_only_model.*--init_from .*checkpoint-2"):
         trainer(tmp_path / "a").train(resume_from_checkpoint=str(tmp_path / "weights-only" / "checkpoint-2"))
     t, folder = checkpoint
     copy = tmp_path / "copy" / "checkpoint-2"
@@ -96,11 +97,22 @@ def test_missing_optimizer_or_scheduler_file_is_an_error(checkpoint, tmp_path):
     write_manifest(str(copy), t.model.config)  # as if saved without it
     with pytest.raises(FileNotFoundError, match=r"checkpoint-2/scheduler.pt is missing: resuming needs the learning-rate scheduler state"):
         trainer(tmp_path / "c").train(resume_from_checkpoint=str(copy))
-    (copy / "optimizer.pt").rename(copy / "optimizer_tp01.pt")  # a tp 2 checkpoint of a version without a layout file
-    (copy / "training_layout.json").unlink()
-    write_manifest(str(copy), t.model.config)
+
+
+def test_a_checkpoint_of_the_earlier_format_resumes_exactly(checkpoint, tmp_path):
+    """A checkpoint as boost-hf 0.x wrote it (``model.safetensors``, ``optimizer.pt``) resumes to the uninterrupted
+    run's weights, bit for bit; one of another TP size without its layout file is refused, naming why."""
+    t, folder = checkpoint
+    legacy = write_legacy_checkpoint(folder, tmp_path / "legacy" / "checkpoint-2")
+    assert not (legacy / "dcp").exists() and (legacy / "model.safetensors").is_file()
+    resumed = trainer(tmp_path / "resumed")
+    resumed.train(resume_from_checkpoint=str(legacy))
+    assert all(torch.equal(a, b) for a, b in zip(resumed.model.parameters(), t.model.parameters()))
+    (legacy / "optimizer.pt").rename(legacy / "optimizer_tp01.pt")  # a tp 2 checkpoint of a version without a layout file
+    (legacy / "training_layout.json").unlink()
+    write_manifest(str(legacy), t.model.config)
     with pytest.raises(ResumeLayoutError, match=r"has no optimizer.pt but optimizer_tp01.pt: it was saved at another TP size"):
-        trainer(tmp_path / "d").train(resume_from_checkpoint=str(copy))
+        trainer(tmp_path / "d").train(resume_from_checkpoint=str(legacy))
 
 
 def test_resume_with_another_global_batch_is_refused(checkpoint, tmp_path):
