@@ -201,8 +201,9 @@ def decay_parameter_names(model) -> list[str]:
     return get_parameter_names(model, [nn.LayerNorm], list(NO_DECAY_PATTERNS))
 
 
-def _local_elements(layout, name: str, shape: tuple[int, ...], p: int) -> int:
-    """Elements of parameter ``name`` (canonical) on one of ``p`` TP ranks under ``layout``."""
+def _local_elements(layout, config, name: str, shape: tuple[int, ...], p: int) -> int:
+    """Elements of parameter ``name`` (canonical) on one of ``p`` TP ranks under ``layout`` (a tensor train's core
+    ``i`` split as :meth:`~boost_hf.parallel.layouts.Layout.tensor_train_splits` states)."""
     elements = 1
     for n in shape:
         elements *= n
@@ -216,7 +217,9 @@ def _local_elements(layout, name: str, shape: tuple[int, ...], p: int) -> int:
     elif parts[:2] == ["model", "layers"]:
         module, leaf = parts[-2], parts[-1]
         group = next((g for g, names in GROUPS.items() if module in names), None)
-        if group is not None:
+        if module == "cores":
+            dim = layout.tensor_train_splits(config.tensor_train_shape(parts[-3])).get(int(leaf))
+        elif group is not None:
             dim = layout.projection_splits(group).get(leaf)
         elif module in ("input_layernorm", "post_attention_layernorm"):
             dim = layout.norm_split
@@ -246,7 +249,7 @@ def _rank_parameters(config, parallel: ParallelConfig, config_json: str) -> list
     layer_template: dict[int, list[tuple[int, bool, bool]]] = {0: [], 1: []}
     outside: dict[str, tuple[int, bool, bool]] = {}
     for name, shape, decays in skeleton:
-        local = (_local_elements(layout, name, shape, p), decays, len(shape) == 2)
+        local = (_local_elements(layout, config, name, shape, p), decays, len(shape) == 2 or ".cores." in name)
         if name.startswith("model.layers."):
             layer_template[int(name.split(".")[2])].append(local)
         else:
