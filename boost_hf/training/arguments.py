@@ -22,6 +22,7 @@ from transformers import TrainingArguments
 from ..parallel.config import ParallelConfig
 from ..optim.loro import LORO_WITHOUT_DEEPSPEED, LOWRANK_OPTIMIZERS
 from .health import NONFINITE_POLICIES
+from .precision import resolve_precision
 from .zero1 import check_zero1
 
 logger = logging.getLogger(__name__)
@@ -106,6 +107,15 @@ class BoostTrainingArguments(TrainingArguments):
             parameters (torch's ``ZeroRedundancyOptimizer`` over the DP group; :mod:`boost_hf.training.zero1`), at any
             layout including ``pp_size > 1``; checkpoints hold the consolidated state (resumable at any layout, with or
             without it). At dp 1 there is nothing to shard: the plain optimizer. Not with DeepSpeed or LORO.
+        precision_policy: how bf16 (``--bf16``, or accelerate's ``mixed_precision``) trains
+            (:mod:`boost_hf.training.precision`): ``"autocast"`` (the default: fp32 parameters, the forward under bf16
+            autocast) or ``"bf16_params"`` (bf16 parameters, fp32 master weights, gradients accumulated and all-reduced
+            over DP in fp32, checkpoints in fp32). With DeepSpeed's bf16 mode the policy is DeepSpeed's own
+            ``bf16_params``. Refused without bf16.
+        grad_reduce_dtype: ``bf16_params`` only: the dtype of the data-parallel gradient all-reduce, ``"fp32"``
+            (default) or ``"bf16"`` (half the bytes; each bucket rounded to bf16 for the sum, then accumulated back in fp32).
+        fp32_residual: ``bf16_params`` only: keep the residual stream in fp32 while the layers compute in bf16
+            (Megatron-LM's ``fp32_residual_connection``; off by default, as there).
 
     Without CUDA, ``use_cpu`` is set (and ``ddp_backend="gloo"`` when launched on several processes), so
     ``accelerate launch`` runs on CPU processes with or without DeepSpeed. ``ddp_timeout`` bounds every collective
@@ -159,6 +169,18 @@ class BoostTrainingArguments(TrainingArguments):
         default=False,
         metadata={"help": "ZeRO-1 without DeepSpeed: the optimizer state sharded over the data-parallel group (any pp_size)."},
     )
+    # precision (issue 26): boost_hf/training/precision.py
+    precision_policy: str | None = field(
+        default=None,
+        metadata={"help": "With bf16: autocast (default; fp32 parameters under bf16 autocast) or bf16_params (bf16 "
+                          "parameters, fp32 masters and gradient accumulation/reduction). DeepSpeed bf16 is bf16_params."},
+    )
+    grad_reduce_dtype: str | None = field(
+        default=None, metadata={"help": "bf16_params: dtype of the data-parallel gradient all-reduce, fp32 (default) or bf16."}
+    )
+    fp32_residual: bool = field(
+        default=False, metadata={"help": "bf16_params: keep the residual stream in fp32 (Megatron's fp32_residual_connection)."}
+    )
 
     # CoLA recipe defaults (BOOST.md section 1)
     weight_decay: float = 0.01
@@ -206,6 +228,7 @@ class BoostTrainingArguments(TrainingArguments):
         if self.peak_tflops <= 0:
             raise ValueError(f"peak_tflops must be > 0, got {self.peak_tflops}.")
         self.to_parallel_config()  # validate the layout fields now, not after the model is built
+        resolve_precision(self)  # validate the precision fields (--bf16, accelerate's mixed precision, DeepSpeed's bf16)
         if self.sequence_parallel and self.tp_size > 1 and self.sample_max_new_tokens > 0:
             raise ValueError(
                 f"sequence_parallel=True cannot generate the end-of-training sample (sample_max_new_tokens="

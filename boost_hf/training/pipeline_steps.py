@@ -22,7 +22,7 @@ from torch import nn
 
 from ..evaluation import target_bytes
 from ..parallel.cross_entropy import IGNORE_INDEX
-from ..parallel.pipeline import activation_dtype, stage_ranks
+from ..parallel.pipeline import stage_ranks
 from ..perf.comm_formula import stage_boundary_communication
 
 
@@ -99,17 +99,19 @@ def boundary_bytes_per_step(pipeline, batch_shape: tuple[int, int]) -> int:
     """Bytes this rank sends to its pipeline neighbours in one training step of a ``[B, S]`` batch: per
     micro-batch, each of its stages sends its output forward (all but the last stage) and the gradient of its
     input backward (all but the first), each crossing the tensors of
-    :func:`~boost_hf.perf.comm_formula.stage_boundary_communication` (it receives the same amount)."""
+    :func:`~boost_hf.perf.comm_formula.stage_boundary_communication` in the pipeline's boundary dtype (it receives
+    the same amount)."""
     parallel, last = pipeline.parallel, pipeline.placement.num_stages - 1
     rows, seq = batch_shape
     crossing = stage_boundary_communication(pipeline.model.config, parallel, rows // parallel.microbatches * seq)
     crossings = sum(int(stage > 0) + int(stage < last) for stage in pipeline.placement.stages) * parallel.microbatches
-    return crossings * crossing.bytes(activation_dtype(pipeline.model).itemsize)
+    return crossings * crossing.bytes(pipeline.boundary_dtype.itemsize)
 
 
-def on_one_process(model, run):
+def on_one_process(model, run, prepare=None):
     """``run(single_device_model)`` on global rank 0, with the whole model gathered from every stage (canonical
-    weights, as ``save_pretrained`` gathers them); its result broadcast to every rank. Collective."""
+    weights, as ``save_pretrained`` gathers them) and ``prepare(single_device_model)`` applied first (e.g. the
+    precision the pipeline trains in); its result broadcast to every rank. Collective."""
     from ..modeling_boost_llama import BoostLlamaForCausalLM
     from ..parallel.weights_io import canonical_state_dict
 
@@ -118,6 +120,8 @@ def on_one_process(model, run):
     if dist.get_rank() == 0:
         single = BoostLlamaForCausalLM(model.config)
         single.load_state_dict(state)
+        if prepare is not None:
+            prepare(single)
         result[0] = run(single)
     dist.broadcast_object_list(result, src=0)
     return result[0]

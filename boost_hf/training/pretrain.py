@@ -40,6 +40,8 @@ def build_trainer(argv: list[str], **trainer_kwargs) -> BoostTrainer:
 def main(argv: list[str]) -> None:
     trainer = build_trainer(argv)
     training_args = trainer.args
+    if trainer.is_world_process_zero():
+        print(trainer.precision.describe())
     resume = training_args.resume_from_checkpoint
     training_args.eval_on_start = training_args.eval_on_start or not resume  # logged at step 0
     trainer.train(resume_from_checkpoint=True if resume == "last" else resume)
