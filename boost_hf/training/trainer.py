@@ -28,7 +28,9 @@ Trainer hook                           boost-hf behaviour
                                        ``--zero1_optimizer``: the optimizer sharded over DP (:mod:`boost_hf.training.zero1`)
 ``get_tp_size``                        our TP size: global batch and loss scaling count DP ranks only
 ``_wrap_model``                        (tp > 1, no DeepSpeed) DDP over the DP group, never across TP ranks;
-                                       (pp > 1) no DDP here: the pipeline wraps each stage (:mod:`.pipeline_steps`)
+                                       (pp > 1) no DDP here: the pipeline wraps each stage (:mod:`.pipeline_steps`);
+                                       (``bf16_params``) no DDP at all: the master parameters' hooks reduce the
+                                       fp32 gradients over DP
 ``_prepare_for_training``              (DeepSpeed) ``deepspeed.initialize`` gets our groups as ``mpu``: ZeRO
                                        shards over DP only (:mod:`boost_hf.training.deepspeed`)
 ``_clip_grad_norm`` / ``_get_grad_norm``  (no DeepSpeed) the true global norm: TP shards summed over the TP
