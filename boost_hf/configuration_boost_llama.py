@@ -30,6 +30,11 @@ from transformers.activations import ACT2FN
 BOTTLENECKS = (None, "svd", "cola", "lax")
 LAX_GATES = ("dense", "kronecker", "identity")
 LAX_BASES = ("cola", "svd")
+FACTOR_INITS = ("cola", "xavier")
+"""How the bottleneck factors ``A`` and ``B`` are drawn (``factor_init``): ``"cola"``, both ``N(0, s^2)`` with
+``s = r^(-1/4) (d_in + d_out)^(-1/4)`` (CoLA's ``ColaLayer``); ``"xavier"``, each factor Xavier-normal on its own shape,
+``A [r, d_in]`` with std ``sqrt(2 / (r + d_in))`` and ``B [d_out, r]`` with ``sqrt(2 / (d_out + r))`` (the LORO authors'
+``--loro_init xavier``, ``torch.nn.init.xavier_normal_`` per factor)."""
 LAX_VERSION = 2
 """The LaX definition this code computes: 2 = the authors' (block 0 plain, the latent fed to ``B`` handed on,
 latent LayerNorm eps 1e-6, dense gate with a bias). 1 = boost-hf's earlier LaX (a latent LayerNorm in block 0,
@@ -193,6 +198,9 @@ class BoostLlamaConfig(PretrainedConfig):
         lax_version: the LaX definition (see :data:`LAX_VERSION`); only the current one is accepted. A saved
             LaX ``config.json`` without it was written by the earlier definition and is refused on load.
         initializer_range: std of the dense weights (embedding, LM head, full-rank projections).
+        factor_init: how the bottleneck factors are initialised, ``"cola"`` (default) or ``"xavier"`` (each factor
+            Xavier-normal, as the LORO authors initialise theirs); see :data:`FACTOR_INITS`. Initialisation only: it
+            does not change what given weights compute.
     """
 
     model_type = "boost_llama"
@@ -230,6 +238,7 @@ class BoostLlamaConfig(PretrainedConfig):
         lax_base: str = "cola",
         lax_kronecker_factor: int | None = None,
         lax_version: int = LAX_VERSION,
+        factor_init: str = "cola",
         **kwargs,
     ):
         self.vocab_size = vocab_size
@@ -259,6 +268,7 @@ class BoostLlamaConfig(PretrainedConfig):
         self.lax_base = lax_base
         self.lax_kronecker_factor = lax_kronecker_factor
         self.lax_version = lax_version
+        self.factor_init = factor_init
         self.validate()  # before transformers' own checks, so every mistake gets our ValueError
         super().__init__(
             pad_token_id=pad_token_id,
@@ -377,6 +387,8 @@ class BoostLlamaConfig(PretrainedConfig):
                 f"hidden_size ({self.hidden_size}) must be divisible by num_attention_heads "
                 f"({self.num_attention_heads}) into an even head size."
             )
+        if self.factor_init not in FACTOR_INITS:
+            raise ValueError(f"Unknown factor_init {self.factor_init!r}: use one of {FACTOR_INITS}.")
         if self.bottleneck is None:
             return
         smallest = min(min(shape) for shape in self.projection_shapes().values())
@@ -462,4 +474,4 @@ class BoostLlamaConfig(PretrainedConfig):
 # Every saved config ships this file and names it in ``auto_map`` (remote code: ``trust_remote_code=True``).
 BoostLlamaConfig.register_for_auto_class()
 
-__all__ = ["BoostLlamaConfig", "BOTTLENECKS", "LAX_GATES", "LAX_BASES", "LAX_VERSION", "PRESET_SIZES", "AUTHORS_COLA_MODEL_TYPE", "from_authors_cola"]
+__all__ = ["BoostLlamaConfig", "BOTTLENECKS", "FACTOR_INITS", "LAX_GATES", "LAX_BASES", "LAX_VERSION", "PRESET_SIZES", "AUTHORS_COLA_MODEL_TYPE", "from_authors_cola"]

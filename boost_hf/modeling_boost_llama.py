@@ -393,12 +393,15 @@ class BoostLlamaPreTrainedModel(PreTrainedModel):
         """The initial value of parameter ``name`` of ``module`` at its full ``shape`` (``None``: not ours).
 
         Dense weights ``N(0, initializer_range^2)``; bottleneck factors ``N(0, s^2)`` with
-        ``s = r^(-1/4) (in + out)^(-1/4)`` and the bias after ``B`` ``U(-out^(-1/2), out^(-1/2))`` (CoLA); LaX
+        ``s = r^(-1/4) (in + out)^(-1/4)`` (CoLA; ``factor_init="xavier"``: ``s = sqrt(2 / (rows + columns))`` of each
+        factor's own shape) and the bias after ``B`` ``U(-out^(-1/2), out^(-1/2))`` (CoLA); LaX
         gates as their authors initialise them: the dense gate ``N(0, 0.02^2)`` with a zero bias (timm's
         ``nn.Linear`` init), each Kronecker factor ``[n, n]`` Kaiming-uniform ``U(-sqrt(6/n), sqrt(6/n))``; norm
         weights 1 and other biases 0.
         """
-        if isinstance(module, BoostLlamaLowRankLinear) and name in ("A", "B"):
+        if isinstance(module, BoostLlamaLowRankLinear) and name in ("A", "B") and self.config.factor_init == "xavier":
+            std = (2.0 / (shape[0] + shape[1])) ** 0.5
+        elif isinstance(module, BoostLlamaLowRankLinear) and name in ("A", "B"):
             std = (module.rank**-0.25) * ((module.in_features + module.out_features) ** -0.25)
         elif isinstance(module, BoostLlamaLowRankLinear) and name == "bias":
             bound = module.out_features**-0.5

@@ -11,27 +11,26 @@ checkpoints load at any TP size and hooks registered on the single-device module
 
 from __future__ import annotations
 
-import contextlib
 import functools
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from transformers.initialization import no_init_weights
 
 from .config import ParallelConfig
 from .cross_entropy import vocab_parallel_causal_lm_loss
-from .layouts import LAYOUTS, Layout
+from .layouts import Layout, layout_for
 from .modules import VocabParallelEmbedding, VocabParallelHead, adopt, check_token_ids, parallel_class, shard_parameter
 from .norms import FusedRMSNorm, GatheredRMSNorm
-from .pipeline import Pipeline, keep_this_ranks_stages
+from .pipeline import Pipeline, check_pipeline_model, keep_this_ranks_stages
 from .primitives import split_to_tp
 from .rotary import ComputeDtypeRotaryEmbedding
 from .decoder_layer import ParallelDecoderLayer
 from .sequence_parallel import TokenGatheringRMSNorm, check_sequence_length
 from .sharding import shard_spec_of
 from .state import ParallelState, check_world, get_parallel_state
+from .weights_io import canonical_state_dict
 from .layouts.btp import HiddenShardedEmbedding
 
 
@@ -65,23 +64,13 @@ class TensorParallelPlan:
         return self.parallel.shards_tokens and not self.layout.residual_sharded
 
 
-def layout_for(config, parallel: ParallelConfig) -> Layout:
-    """The :class:`Layout` running ``config`` under ``parallel`` (the full-rank model always runs
-    Megatron's); raises ``ValueError`` naming the field to change when they do not fit."""
-    style = parallel.tp_style
-    if config.bottleneck is None and parallel.tp_size == 1:
-        style = "megatron"
-    layout = LAYOUTS[style](parallel)
-    layout.check(config)
+def checked_layout(config, parallel: ParallelConfig) -> Layout:
+    """The :class:`Layout` running ``config`` under ``parallel``, after checking that ``config`` fits it and, under
+    pipeline parallelism, its stages; raises ``ValueError`` naming the field to change (no collective)."""
+    layout = layout_for(config, parallel)
+    if parallel.pp_size > 1:
+        check_pipeline_model(config, parallel)
     return layout
-
-
-def single_device_skeleton():
-    """Build modules on the meta device without initialising them (nothing allocated)."""
-    stack = contextlib.ExitStack()
-    stack.enter_context(torch.device("meta"))
-    stack.enter_context(no_init_weights())
-    return stack
 
 
 def parallelize(model: nn.Module, parallel: ParallelConfig, *, initialize: bool = True) -> nn.Module:
@@ -100,8 +89,7 @@ def parallelize(model: nn.Module, parallel: ParallelConfig, *, initialize: bool 
             "the meta device and others are not: build it with BoostLlamaForCausalLM(config, parallel_config=...) or load it."
         )
     check_world(parallel.tp_size, parallel.pp_size)
-    layout = layout_for(config, parallel)
-    parallel.check_model(config)
+    layout = checked_layout(config, parallel)
     plan = TensorParallelPlan(parallel, layout, get_parallel_state(parallel.tp_size, parallel.pp_size))
     seed = _shared_seed()
     placement = None
@@ -250,8 +238,6 @@ class TensorParallelCausalLM:
         return outputs
 
     def save_pretrained(self, save_directory, *args, is_main_process: bool | None = None, state_dict=None, **kwargs):
-        from .weights_io import canonical_state_dict
-
         if state_dict is None:
             state_dict = canonical_state_dict(self, self.plan.group)
             if getattr(self, "pipeline", None) is not None:  # every stage's tensors, on global rank 0
@@ -271,4 +257,4 @@ def _keep_class_identity(mixin: type, cls: type) -> type:
     return adopted
 
 
-__all__ = ["parallelize", "layout_for", "single_device_skeleton", "initialize_shards", "TensorParallelPlan"]
+__all__ = ["parallelize", "checked_layout", "initialize_shards", "TensorParallelPlan"]

@@ -15,7 +15,7 @@ Trainer hook                           boost-hf behaviour
                                        (pp > 1) forward only through the pipeline, ``compute_metrics`` on the
                                        last stage's logits, its metrics broadcast to every stage
 ``create_accelerator_and_postprocess``  ``--torch_compile``: each decoder layer compiled in place
-                                       (:mod:`boost_hf.training.compile`), not the whole model; accelerate's bf16
+                                       (:mod:`boost_hf.parallel.compile`), not the whole model; accelerate's bf16
                                        autocast off: the precision policy is applied here (next row)
 ``autocast_smart_context_manager``     the precision policy (:mod:`boost_hf.training.precision`, ``--bf16``,
                                        ``--precision_policy``): its autocast around every forward (training,
@@ -24,7 +24,8 @@ Trainer hook                           boost-hf behaviour
                                        with fp32 masters, gradients accumulated and all-reduced over DP in fp32
                                        (no DDP), the masters stepped, saved and loaded
 ``create_optimizer`` /                 ``--lowrank_optimizer loro``: LORO on the factors of an svd model, AdamW on the rest,
-``create_scheduler``                   the schedule restarting after each exact step (:mod:`boost_hf.optim.loro`);
+``create_scheduler``                   the schedule restarting after each exact step (:mod:`boost_hf.optim.loro`), or the
+                                       LORO authors' (``--loro_schedule authors``, :mod:`boost_hf.optim.loro_schedule`);
                                        ``--zero1_optimizer``: the optimizer sharded over DP (:mod:`boost_hf.training.zero1`)
 ``get_tp_size``                        our TP size: global batch and loss scaling count DP ranks only
 ``_wrap_model``                        (tp > 1, no DeepSpeed) DDP over the DP group, never across TP ranks;
@@ -82,7 +83,8 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, EvalLoopOutput, Ev
 from ..parallel.weights_io import load_canonical_checkpoint, resolve_checkpoint_files
 from ..perf.flops import training_flops_per_token
 from ..optim.loro import check_loro_training, loro_optimizer, restart_schedule_at_exact_steps
-from .arguments import default_peak_tflops
+from ..optim.loro_schedule import authors_schedule
+from .arguments import authors_schedule_shift, default_peak_tflops
 from .checkpoint import (
     OutputDirInUseError,
     OutputDirLock,
@@ -95,7 +97,7 @@ from .checkpoint import (
     remove_stale_staging,
     verify_checkpoint_once,
 )
-from .compile import compile_decoder_layers
+from ..parallel.compile import compile_decoder_layers
 from .data import EvalShard, shard_by_data_parallel_rank, streaming_loader
 from ..parallel.state import ParallelState
 from ..evaluation import batch_sums, metrics_from_sums, sums_of_batch
@@ -242,7 +244,7 @@ class BoostTrainer(Trainer):
             self.optimizer = loro_optimizer(
                 model, lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon,
                 weight_decay=args.weight_decay, exact_every=args.loro_exact_every, lr_scale=args.loro_lr_scale,
-                decay_parameter_names=self.get_decay_parameter_names(model),
+                decay_parameter_names=self.get_decay_parameter_names(model), epsilon_placement=args.adam_epsilon_placement,
             )
         if self.optimizer is None and getattr(self.args, "zero1_optimizer", False) and self.parallel_state.dp_size > 1:
             chosen = self.optimizer_cls_and_kwargs
@@ -255,10 +257,21 @@ class BoostTrainer(Trainer):
         return super().create_optimizer(model)
 
     def create_scheduler(self, num_training_steps: int, optimizer=None):
+        args = self.args
+        loro = getattr(args, "lowrank_optimizer", "adamw") == "loro"
+        if self.lr_scheduler is None and loro and args.loro_schedule == "authors":
+            self.lr_scheduler = authors_schedule(
+                self.optimizer if optimizer is None else optimizer, training_steps=num_training_steps,
+                warmup_steps=args.get_warmup_steps(num_training_steps), restart_every=args.loro_exact_every,
+                restart_warmup_steps=args.loro_restart_warmup_steps, min_ratio=args.lr_scheduler_kwargs["min_lr_rate"],
+                shift=authors_schedule_shift(args, num_training_steps),
+            )
+            self._created_lr_scheduler = True
+            return self.lr_scheduler
         created = self.lr_scheduler is None
         scheduler = super().create_scheduler(num_training_steps, optimizer)
-        if created and getattr(self.args, "lowrank_optimizer", "adamw") == "loro":
-            restart_schedule_at_exact_steps(scheduler, self.args.loro_exact_every, self.args.loro_restart_warmup_steps)
+        if created and loro:
+            restart_schedule_at_exact_steps(scheduler, args.loro_exact_every, args.loro_restart_warmup_steps)
         return scheduler
 
     def get_tp_size(self) -> int:
@@ -512,7 +525,7 @@ class BoostTrainer(Trainer):
         recipe = {"optimizer steps": self.state.global_step, "global batch (sequences)": global_batch,
                   "sequence length": self.context_length(),
                   "training tokens": self.state.global_step * global_batch * self.context_length(),
-                  "peak learning rate": args.learning_rate, "schedule": getattr(args.lr_scheduler_type, "value", args.lr_scheduler_type),
+                  "peak learning rate": args.learning_rate, "schedule": self.schedule_name(),
                   "weight decay": args.weight_decay, "gradient clipping": args.max_grad_norm, "seed": args.seed,
                   "precision": self.precision.describe()}
         evaluations = [log for log in self.state.log_history if "eval_perplexity" in log]
@@ -521,6 +534,17 @@ class BoostTrainer(Trainer):
                           repo_hint=args.hub_model_id or os.path.join(args.output_dir, "final"), **self.card_metadata)
         with open(os.path.join(output_dir, "README.md"), "w") as f:
             f.write(card)
+
+    def schedule_name(self) -> str:
+        """The learning-rate schedule this run follows, as the model card names it."""
+        args = self.args
+        name = getattr(args.lr_scheduler_type, "value", args.lr_scheduler_type)
+        if getattr(args, "lowrank_optimizer", "adamw") != "loro":
+            return name
+        if args.loro_schedule == "authors":
+            return (f"the LORO authors' cosine_restart (min ratio {args.lr_scheduler_kwargs['min_lr_rate']}, restart every "
+                    f"{args.loro_exact_every} steps over {args.loro_restart_warmup_steps})")
+        return f"{name}, restarted after each LORO exact step (every {args.loro_exact_every} steps, over {args.loro_restart_warmup_steps})"
 
     def create_model_card(self, *args, **kwargs) -> None:
         """Transformers' ``push_to_hub`` path writes the card here: boost-hf's card, into ``output_dir``."""

@@ -59,6 +59,15 @@ def test_pipeline_losses_match_one_process(runs, run):
     assert_close(eval_losses(runs / run), eval_losses(runs / "single"))
 
 
+@pytest.mark.parametrize("run, stage_layers", [
+    ("pp2-tp2", [[[0, 1]]] * 2 + [[[2, 3]]] * 2),  # the even split
+    ("pp2-dp2-interleaved", [[[0], [2]]] * 2 + [[[1], [3]]] * 2),  # ranks (pp, dp, tp): stages 0 and 2 on pp rank 0
+    ("pp2-tp2-sp", [[[0]]] * 2 + [[[1, 2, 3]]] * 2),  # --pp_layer_split 1,3 (its losses: the test above)
+])
+def test_runs_get_their_stage_layers(runs, run, stage_layers):
+    assert [rank["stage_layers"] for rank in json.loads((runs / run / "p2p.json").read_text())] == stage_layers
+
+
 @pytest.mark.parametrize("run", ["pp2-tp2", "pp2-dp2-interleaved"])
 def test_compiled_pipeline_run_compiled_every_ranks_decoder_layers(runs, run):
     """``--torch_compile`` at pp 2 x tp 2 (1F1B) and at pp 2 x dp 2 (interleaved, 2 stages per rank, each in DDP) ran
