@@ -305,7 +305,7 @@ RUNS = [
     ("four", "tp2-dp2-loro", [*TP2_DP2, *BF16_PARAMS, "--max_steps", "2", "--max_eval_blocks", "8", "--bottleneck", "svd",
                               "--lowrank_optimizer", "loro", "--loro_exact_every", "2", "--fp32_residual", "true"],
      {"evaluate": True, "sample": True}),
-    ("four", "pp2-tp2-compiled", [*PP2_TP2, *BF16, *ONE_STEP, "--torch_compile", "true"], {}),
+    ("four", "pp2-tp2-compiled", [*PP2_TP2, *BF16_PARAMS, *ONE_STEP, "--fp32_residual", "true", "--torch_compile", "true"], {}),
     ("four", "tp2-dp2-deepspeed", [*TP2_DP2, *BF16, *ONE_STEP, "--deepspeed", "{zero2}"],
      {"deepspeed": True, "evaluate": True, "sample": True}),
 ]

@@ -9,7 +9,8 @@ backward.
 Two launches of ``precision_cases.py`` (one process; 4 processes) run ``recipes/demo.yaml`` (shrunk, 4 layers) with
 bf16 in every mode: one process, TP x DP (DDP; and with sequence parallelism), PP x TP and PP x DP under every
 schedule (1F1B with LaX, GPipe, interleaved 1F1B with ZeRO-1, looped BFS with ``--fp32_residual``), LORO (with
-``--fp32_residual`` at TP), DeepSpeed ZeRO-2 and ``--torch_compile``: every GEMM of the first training step (forward
+``--fp32_residual`` at TP), DeepSpeed ZeRO-2 and ``--torch_compile`` (bf16 parameters under autocast with
+``--fp32_residual``, pp 2 x tp 2): every GEMM of the first training step (forward
 and backward), of the first evaluation and of the end-of-training sample has bf16 operands on every rank. On main
 040f71f the pipeline runs fail here: every GEMM fp32 on every rank, twice the boundary bytes. The same launches give
 the losses, checkpoints, resumes and reductions of ``bf16_params`` checked below.
