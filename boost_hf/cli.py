@@ -7,6 +7,7 @@ Subcommands live in :data:`SUBCOMMANDS` (name -> help, argument builder, runner)
     boost-hf train RECIPE.yaml|NAME [--field value ...]      (accelerate launch ... -m boost_hf.cli train ...)
     boost-hf demo [--num-processes 4] [--tp-size 2] [--max-steps N]
     boost-hf eval CHECKPOINT --data FILE [--block-size N] [--json]
+    boost-hf export CHECKPOINT OUT [--max-shard-size 5GB]           (or under torchrun: each process writes its share)
     boost-hf convert RELEASE_CHECKPOINT OUTPUT [--dtype float32]   (the BOOST release's Nanotron checkpoints)
 """
 
@@ -299,6 +300,33 @@ def _run_eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_export_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("checkpoint", help="a training checkpoint folder (e.g. outputs/demo/checkpoint-200)")
+    parser.add_argument("output_dir", help="the Hugging Face folder to write (replaced atomically if it exists)")
+    parser.add_argument("--max-shard-size", default="5GB", help="largest safetensors file (default: 5GB)")
+
+
+def _run_export(args: argparse.Namespace) -> int:
+    """One process, or every process of a ``torchrun`` launch (each writes every world-th file)."""
+    import os
+
+    import torch.distributed as dist
+
+    from .training.publish import export_checkpoint
+
+    launched = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    if launched and not dist.is_initialized():
+        dist.init_process_group("gloo")
+    try:
+        folder = export_checkpoint(args.checkpoint, args.output_dir, max_shard_size=args.max_shard_size)
+    finally:
+        if launched:
+            dist.destroy_process_group()
+    if not launched or int(os.environ.get("RANK", "0")) == 0:
+        print(f"exported {args.checkpoint} to {folder}")
+    return 0
+
+
 def _add_convert_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("source", help="a checkpoint of the BOOST release (Arcana-2236/BOOST, Nanotron): its <checkpoints_path>/<step> "
                                        "folder, or <checkpoints_path> (the step its latest.txt names)")
@@ -335,6 +363,12 @@ SUBCOMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Cal
         "held-out perplexity and bits per byte of a saved model on local text (the local `evaluate` metric)",
         _add_eval_arguments,
         _run_eval,
+    ),
+    "export": (
+        "write a training checkpoint's Hugging Face folder (sharded safetensors streamed from its dcp/, config, remote "
+        "code, tokenizer, card); under `torchrun` each process writes its share of the files",
+        _add_export_arguments,
+        _run_export,
     ),
     "train": (
         "pre-train from a YAML recipe (any field overridable); under `accelerate launch ... -m boost_hf.cli train` on many processes",

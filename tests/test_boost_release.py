@@ -2,8 +2,8 @@
 boost-hf checkpoint computing the release model's logits.
 
 The release folders are written here as the release writes them (read from its ``src/nanotron/serialize/weights.py``,
-``serialize/utils.py``, ``parallel/sharded_parameters.py``, ``trainer.py`` and the three CoLA models of
-``examples/cola/``): one safetensors file per parameter and TP rank named ``model_<last>_pp-rank-i-of-P_tp-rank-j-of-T``
+``serialize/utils.py``, ``parallel/sharded_parameters.py``, ``trainer.py``, the three CoLA models of
+``examples/cola/`` and the tensor-train model ``examples/tensor/basic_tt_llama.py``): one safetensors file per parameter and TP rank named ``model_<last>_pp-rank-i-of-P_tp-rank-j-of-T``
 with Nanotron's slice metadata, a split dimension (and chunks) per module type, parameters not sharded written once
 without metadata, the LM head absent when tied, ``model_config.json``, ``config.yaml``, ``checkpoint_metadata.json``
 and ``latest.txt``. The reference is the release's forward written here on the whole (release-named) tensors, in
@@ -23,15 +23,18 @@ from safetensors.torch import save_file
 
 from boost_hf import BoostLlamaForCausalLM
 from boost_hf.cli import main as cli
+from boost_hf.configuration_boost_llama import tensor_train_shape
 from boost_hf.convert import ReleaseCheckpointError, convert_boost_release
 
-SIZE = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_attention_heads=4, rank=8, layers=4)
+from .test_tensor_train import tensor_train_weight
+
+SIZE = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_attention_heads=4, rank=8, layers=4, tt_cores=4)
 P = "model.decoder.{l}.pp_block."
 
 
 # ---------------------------------------------------------------------------------------------- the release's weights
 def release_weights(layout: str, *, kv_heads: int, tied: bool, layers: int, gen: torch.Generator, norms: bool = True) -> dict:
-    """Whole tensors under the release's names for ``layout`` (btp, vanilla, basic): ``name -> (tensor, split)``,
+    """Whole tensors under the release's names for ``layout`` (btp, vanilla, basic, tt): ``name -> (tensor, split)``,
     ``split`` = ``(dim, chunks)`` as the release's module shards it over TP, or ``None`` (not sharded)."""
     d, f, r, V = SIZE["hidden_size"], SIZE["intermediate_size"], SIZE["rank"], SIZE["vocab_size"]
     H, dh = SIZE["num_attention_heads"], SIZE["hidden_size"] // SIZE["num_attention_heads"]
@@ -72,6 +75,12 @@ def release_weights(layout: str, *, kv_heads: int, tied: bool, layers: int, gen:
             weights[p + "mlp.down_proj0.weight"] = (w(r, f), (0, None))
             weights[p + "mlp.down_proj1.weight"] = (w(d, r), (1, None))
             norm_split = None  # TritonRMSNorm(d), replicated
+        elif layout == "tt":  # basic_tt_llama.py: TensorTrainLinear's cores [rank_in, mode, rank_out], replicated
+            for name, (fan_in, out) in {"attn.q": (d, q), "attn.k": (d, kv), "attn.v": (d, kv), "attn.o": (q, d),
+                                        "mlp.gate": (d, f), "mlp.up": (d, f), "mlp.down": (f, d)}.items():
+                for i, core in enumerate(tensor_train_shape(fan_in, out, r, SIZE["tt_cores"]).core_shapes):
+                    weights[p + f"{name}_proj.cores.{i}"] = (w(*core, std=0.4), None)
+            norm_split = None
         else:  # basic_cola_llama.py: ColaLayer cola_a [in, r], cola_b [r, out], replicated
             for x, (fan_in, out) in {"q": (d, q), "k": (d, kv), "v": (d, kv), "o": (q, d)}.items():
                 weights[p + f"attn.{x}_proj.cola_a"], weights[p + f"attn.{x}_proj.cola_b"] = (w(fan_in, r), None), (w(r, out), None)
@@ -157,14 +166,19 @@ def write_release_checkpoint(root: Path, weights: dict, model_config: dict, *, t
     return folder
 
 
-def release_model_config(*, kv_heads: int, tied: bool, layers: int, **extra) -> dict:
-    """``asdict(ColaLlamaConfig(...))`` as ``model_config.json`` (``examples/cola/config_cola_llama.py``)."""
+def release_model_config(*, kv_heads: int, tied: bool, layers: int, layout: str = "btp", **extra) -> dict:
+    """``asdict(ColaLlamaConfig(...))`` as ``model_config.json`` (``examples/cola/config_cola_llama.py``), or for the
+    tensor-train model ``asdict(TTLlamaConfig(...))`` (``examples/tensor/config_tt_llama.py``)."""
+    if layout == "tt":
+        bottleneck = {"is_tt_llama_config": True, "tt_rank": SIZE["rank"], "tt_cores": SIZE["tt_cores"], "tt_rank_ratio": 1.0}
+    else:
+        bottleneck = {"is_cola_llama_config": True, "attn_rank": SIZE["rank"], "mlp_rank": SIZE["rank"]}
     return {"bos_token_id": 1, "eos_token_id": 2, "hidden_act": "silu", "hidden_size": SIZE["hidden_size"],
-            "initializer_range": 0.02, "intermediate_size": SIZE["intermediate_size"], "is_cola_llama_config": True,
+            "initializer_range": 0.02, "intermediate_size": SIZE["intermediate_size"],
             "max_position_embeddings": 64, "num_attention_heads": SIZE["num_attention_heads"], "num_hidden_layers": layers,
             "num_key_value_heads": kv_heads, "pad_token_id": None, "pretraining_tp": 1, "rms_norm_eps": 1e-6,
             "rope_scaling": None, "rope_theta": 10000.0, "rope_interleaved": False, "tie_word_embeddings": tied,
-            "use_cache": True, "vocab_size": SIZE["vocab_size"], "attn_rank": SIZE["rank"], "mlp_rank": SIZE["rank"], **extra}
+            "use_cache": True, "vocab_size": SIZE["vocab_size"], **bottleneck, **extra}
 
 
 # ---------------------------------------------------------------------------------------------- the release's forward
@@ -182,7 +196,7 @@ def rotary(x: torch.Tensor, theta: float, interleaved: bool) -> torch.Tensor:
 def release_logits(layout: str, weights: dict, config: dict, ids: torch.Tensor) -> torch.Tensor:
     """The release model's logits (float64) from its whole tensors."""
     W = {name: tensor.double() for name, (tensor, _) in weights.items()}
-    act, r, eps = torch.nn.functional.silu, config["attn_rank"], config["rms_norm_eps"]
+    act, r, eps = torch.nn.functional.silu, config.get("attn_rank"), config["rms_norm_eps"]
     H, KV = config["num_attention_heads"], config["num_key_value_heads"]
     dh = config["hidden_size"] // H
 
@@ -191,6 +205,10 @@ def release_logits(layout: str, weights: dict, config: dict, ids: torch.Tensor) 
 
     def cola(x, p):  # basic's ColaLayer
         return act(x @ W[p + ".cola_a"]) @ W[p + ".cola_b"]
+
+    def tensor_train(x, p):  # TensorTrainLinear: x (input cores contracted) (output cores contracted), every core here
+        cores = [W[f"{p}.cores.{i}"] for i in range(config["tt_cores"])]
+        return x @ tensor_train_weight(cores, config["tt_cores"] // 2)
 
     x = W["model.token_position_embeddings.pp_block.token_embedding.weight"][ids]
     b, s = ids.shape
@@ -207,6 +225,8 @@ def release_logits(layout: str, weights: dict, config: dict, ids: torch.Tensor) 
         elif layout == "vanilla":
             latent = act(h @ W[p + "attn.qkv_proj0.weight"].T)
             q, k, v = (part @ W[p + f"attn.{x_}_proj1.weight"].T for part, x_ in zip(latent.split(r, -1), "qkv"))
+        elif layout == "tt":
+            q, k, v = (tensor_train(h, p + f"attn.{x_}_proj") for x_ in "qkv")
         else:
             q, k, v = (cola(h, p + f"attn.{x_}_proj") for x_ in "qkv")
         q, k, v = q.view(b, s, H, dh), k.view(b, s, KV, dh), v.view(b, s, KV, dh)
@@ -217,6 +237,8 @@ def release_logits(layout: str, weights: dict, config: dict, ids: torch.Tensor) 
         attention = torch.einsum("bhqk,bkhd->bqhd", scores.softmax(-1), v).reshape(b, s, H * dh)
         if layout == "basic":
             x = x + cola(attention, p + "attn.o_proj")
+        elif layout == "tt":
+            x = x + tensor_train(attention, p + "attn.o_proj")
         else:
             x = x + act(attention @ W[p + "attn.o_proj0.weight"].T) @ W[p + "attn.o_proj1.weight"].T
         h = norm(x, W[p + "post_attention_layernorm.weight"])
@@ -226,11 +248,15 @@ def release_logits(layout: str, weights: dict, config: dict, ids: torch.Tensor) 
         elif layout == "vanilla":
             latent_gate, latent_up = act(h @ W[p + "mlp.gate_up_proj0.weight"].T).split(r, -1)
             gate, up = latent_gate @ W[p + "mlp.gate_proj1.weight"].T, latent_up @ W[p + "mlp.up_proj1.weight"].T
+        elif layout == "tt":  # its MLP keeps the SwiGLU activation on the gate
+            gate, up = act(tensor_train(h, p + "mlp.gate_proj")), tensor_train(h, p + "mlp.up_proj")
         else:
             gate, up = cola(h, p + "mlp.gate_proj"), cola(h, p + "mlp.up_proj")
             gate = act(gate) if config.get("both_act") else gate
         if layout == "basic":
             x = x + cola(gate * up, p + "mlp.down_proj")
+        elif layout == "tt":
+            x = x + tensor_train(gate * up, p + "mlp.down_proj")
         else:
             x = x + act((gate * up) @ W[p + "mlp.down_proj0.weight"].T) @ W[p + "mlp.down_proj1.weight"].T
     x = norm(x, W["model.final_layer_norm.pp_block.weight"])
@@ -245,6 +271,7 @@ CASES = {
     "btp-gqa-sync-tied-interleaved-bf16-tp2": ("btp", 2, True, 2, 1, torch.bfloat16, {"rmsnorm_type": "sync", "rope_interleaved": True}),
     "vanilla-tp2-pp2": ("vanilla", 4, False, 2, 2, torch.float32, {"rmsnorm_type": "triton"}),
     "basic-both-act-tp2": ("basic", 2, False, 2, 1, torch.float32, {"both_act": True}),
+    "tensor-train-pp2": ("tt", 4, False, 1, 2, torch.float32, {}),
 }
 
 
@@ -253,7 +280,7 @@ def test_release_checkpoint_converts_to_the_release_models_logits(tmp_path, case
     layout, kv_heads, tied, tp, pp, dtype, extra = CASES[case]
     gen = torch.Generator().manual_seed(len(case))
     weights = release_weights(layout, kv_heads=kv_heads, tied=tied, layers=SIZE["layers"], gen=gen)
-    model_config = release_model_config(kv_heads=kv_heads, tied=tied, layers=SIZE["layers"], **extra)
+    model_config = release_model_config(kv_heads=kv_heads, tied=tied, layers=SIZE["layers"], layout=layout, **extra)
     folder = write_release_checkpoint(tmp_path / "checkpoints", weights, model_config, tp=tp, pp=pp, dtype=dtype)
     if layout == "basic":
         (folder / "model_config.json").unlink()  # the model config read from config.yaml's model.model_config instead
@@ -265,8 +292,12 @@ def test_release_checkpoint_converts_to_the_release_models_logits(tmp_path, case
 
     model = BoostLlamaForCausalLM.from_pretrained(output, dtype=torch.float32).eval()
     config = model.config
-    assert (config.bottleneck, config.rank, config.num_key_value_heads, config.tie_word_embeddings) == ("cola", 8, kv_heads, tied)
-    assert config.only_lr_act is (layout != "basic")
+    bottleneck = "tt" if layout == "tt" else "cola"
+    assert (config.bottleneck, config.rank, config.num_key_value_heads, config.tie_word_embeddings) == (bottleneck, 8, kv_heads, tied)
+    if layout == "tt":
+        assert (config.tt_rank, config.tt_cores, config.tt_rank_ratio) == (8, 4, 1.0)
+    else:
+        assert config.only_lr_act is (layout != "basic")
     ids = torch.randint(0, SIZE["vocab_size"], (2, 12), generator=gen)
     stored = {name: (tensor.to(dtype), split) for name, (tensor, split) in weights.items()}  # what the release computed with
     expected = release_logits(layout, stored, model_config, ids)
@@ -274,7 +305,8 @@ def test_release_checkpoint_converts_to_the_release_models_logits(tmp_path, case
         logits = model(ids).logits.double()
     assert (logits - expected).abs().max() / expected.abs().max() < 1e-5
     record = json.loads((output / "conversion.json").read_text())
-    assert (record["tp_size"], record["pp_size"], record["model"].rsplit("/", 1)[-1]) == (tp, pp, f"{'cola' if layout == 'btp' else layout + '_cola'}_llama.py")
+    source = {"btp": "cola_llama.py", "vanilla": "vanilla_cola_llama.py", "basic": "basic_cola_llama.py", "tt": "basic_tt_llama.py"}[layout]
+    assert (record["tp_size"], record["pp_size"], record["model"].rsplit("/", 1)[-1]) == (tp, pp, source)
     assert record["rope_interleaved_rows_reordered"] is bool(extra.get("rope_interleaved"))
     assert (output / "manifest.json").is_file() and not list(tmp_path.glob(".converted*"))
 
@@ -304,7 +336,6 @@ def test_btp_local_norm_at_tp2_is_refused_with_the_reason(tmp_path):
     ("extra-parameter", r"no rule of the btp model maps.*model\.decoder\.0\.pp_block\.attn\.qkv_proj0\.bias"),
     ("no-norms", r"no parameter model\.decoder\.0\.pp_block\.input_layernorm\.weight.*COLA_DISABLE_ALL_RMSNORM"),
     ("bad-slices", r"attn\.qkv_proj0\.weight: the TP shards' slices cover"),
-    ("tensor-train", r"attn\.q_proj\.cores\.0: a tensor-train model"),
 ])
 def test_what_cannot_be_mapped_is_refused_naming_it(tmp_path, damage, message):
     folder = _release(tmp_path, norms=damage != "no-norms", **({"mlp_rank": 16} if damage == "ranks" else {}))
@@ -318,9 +349,30 @@ def test_what_cannot_be_mapped_is_refused_naming_it(tmp_path, damage, message):
         save_file({"data": torch.zeros(24, 16)}, str(path), metadata={
             "version": "1.4", "local_global_slices_pairs": "None,None,None|None,None,None#None,None,None|0,16,None",
             "unsharded_shape": "(24, 32)"})
-    elif damage == "tensor-train":
-        (layer0 / "attn/q_proj/cores").mkdir(parents=True)
-        save_file({"data": torch.zeros(1, 4, 8)}, str(layer0 / "attn/q_proj/cores/model_0.safetensors"), metadata={})
+    with pytest.raises(ReleaseCheckpointError, match=message):
+        convert_boost_release(folder, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("damage, message", [
+    ("vanilla", r"attn\.q_proj\.bias: a tensor-train model of the release's vanilla_tt_llama\.py"),
+    ("tp2", "a tensor-train checkpoint written at TP 2: the release's basic_tt_llama.py refuses TP > 1"),
+    ("gqa", "num_key_value_heads=2 differs from num_attention_heads=4: the release's basic_tt_llama.py cannot run GQA"),
+    ("interleaved", "rope_interleaved=True in a tensor-train checkpoint"),
+    ("cores", r"no parameter model\.decoder\.0\.pp_block\.mlp\.down_proj\.cores\.3, which its model needs \(tt_cores=4\)"),
+])
+def test_what_a_tensor_train_checkpoint_cannot_be_is_refused_with_the_reason(tmp_path, damage, message):
+    """The release's tensor-train models other than basic_tt_llama.py's, or settings it could not have trained with."""
+    kv_heads = 2 if damage == "gqa" else 4
+    weights = release_weights("tt", kv_heads=kv_heads, tied=False, layers=2, gen=torch.Generator().manual_seed(0))
+    if damage == "vanilla":
+        weights[P.format(l=0) + "attn.q_proj.bias"] = (torch.zeros(SIZE["hidden_size"]), None)
+    if damage == "tp2":  # the embedding and head are vocabulary-parallel: they carry the TP size
+        weights = {name: (tensor, (0, None) if "token_embedding" in name or "lm_head" in name else None) for name, (tensor, _) in weights.items()}
+    if damage == "cores":
+        del weights[P.format(l=0) + "mlp.down_proj.cores.3"]
+    model_config = release_model_config(kv_heads=kv_heads, tied=False, layers=2, layout="tt", rope_interleaved=damage == "interleaved")
+    folder = write_release_checkpoint(tmp_path / "checkpoints", weights, model_config, tp=2 if damage == "tp2" else 1, pp=1)
     with pytest.raises(ReleaseCheckpointError, match=message):
         convert_boost_release(folder, tmp_path / "out")
     assert not (tmp_path / "out").exists()

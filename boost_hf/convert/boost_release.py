@@ -43,6 +43,15 @@ and ``model.token_position_embeddings.pp_block.token_embedding.weight [V, d]`` (
 ``input_layernorm`` / ``post_attention_layernorm`` per layer: ``[d]`` replicated (vanilla, basic), or under BTP a
 ``d / T`` shard per rank (``rmsnorm_type`` ``sync`` and ``online``: both exact RMSNorm, split on dim 0).
 
+**Its tensor-train model** (``examples/tensor/basic_tt_llama.py``, no TP: the release refuses TP for it) holds each
+projection as cores ``attn.{q,k,v,o}_proj.cores.<i>`` / ``mlp.{gate,up,down}_proj.cores.<i>`` ``[rank_in, mode, rank_out]``
+(not sharded, written once), which are boost-hf's ``bottleneck="tt"`` cores under the same names (its model config:
+``tt_rank``, ``tt_cores``, ``tt_rank_ratio``; the MLP keeps SwiGLU's activation). Refused, with the reason: its
+``vanilla_tt_llama.py`` (a ``q_proj`` bias; its attention views the ``[seq, batch]`` projections as
+``[batch, seq]`` without transposing, another function), a folder written at TP > 1 (which ``basic_tt_llama.py``
+refuses), GQA (its GQA branch reads an undefined tensor) and ``rope_interleaved`` (a tensor train's output rows cannot
+be reordered within each head). Its ``tt_llama.py`` (two ``TensorParallel`` linears per projection) is not converted.
+
 **Conversions**: fused weights are split (``[A_q; A_k; A_v]`` by rows, the batched ``B``'s by their first index),
 ``cola_a`` / ``cola_b`` transposed; with ``rope_interleaved: true`` (their RoPE rotates pairs ``(2i, 2i + 1)``,
 ours ``(i, i + dh/2)``) the rows of each head of ``B_q`` and ``B_k`` are reordered ``[0, 2, ..., dh-2, 1, 3, ...]``,
@@ -311,15 +320,30 @@ RELEASE_LAYOUTS = (
                   lambda config: bool(config.get("both_act", False))),
 )
 TT_MARKER = "attn.q_proj.cores.0"
+TENSOR_TRAIN = ReleaseLayout("tt", "examples/tensor/basic_tt_llama.py", TT_MARKER, lambda *args: {}, lambda config: True)
+"""The release's tensor-train model (its layers are read by :func:`_tensor_train_layer`)."""
+
+
+def _tensor_train_layer(take: _Taken, p: str, config: BoostLlamaConfig) -> dict[str, tuple[torch.Tensor, str]]:
+    """basic_tt_llama.py: each projection's cores, under our names (``self_attn.q_proj.cores.0``, ...)."""
+    state = {}
+    for module, release in [*((f"self_attn.{x}_proj", f"attn.{x}_proj") for x in "qkvo"),
+                            *((f"mlp.{x}_proj", f"mlp.{x}_proj") for x in ("gate", "up", "down"))]:
+        for i in range(config.tt_cores):
+            state[f"{module}.cores.{i}"] = (take(f"{p}{release}.cores.{i}", f" (tt_cores={config.tt_cores})"), f"{release}.cores.{i}")
+    return state
 
 
 def _layout_of(tensors: dict[str, torch.Tensor]) -> ReleaseLayout:
     first = LAYER_PREFIX.format(layer=0)
     if f"{first}{TT_MARKER}" in tensors:
-        raise ReleaseCheckpointError(
-            f"{first}{TT_MARKER}: a tensor-train model of the release (examples/tensor/basic_tt_llama.py); boost-hf has no "
-            "bottleneck='tt' model to convert it into yet."
-        )
+        if f"{first}attn.q_proj.bias" in tensors:
+            raise ReleaseCheckpointError(
+                f"{first}attn.q_proj.bias: a tensor-train model of the release's vanilla_tt_llama.py, which computes another "
+                "function than its basic_tt_llama.py: a bias on q_proj, and its attention views the [seq, batch, ...] "
+                "projections as [batch, seq, ...] without transposing (at TP > 1 it cannot run at all). Not converted."
+            )
+        return TENSOR_TRAIN
     vanilla = f"{first}attn.k_proj1.weight" in tensors
     for layout in RELEASE_LAYOUTS:
         if layout.name == "btp" and vanilla:
@@ -333,19 +357,48 @@ def _layout_of(tensors: dict[str, torch.Tensor]) -> ReleaseLayout:
     )
 
 
+def _tensor_train_fields(release: ReleaseCheckpoint) -> dict:
+    """Our tensor-train fields of the release's ``TTLlamaConfig`` (refusing what its basic model cannot have trained)."""
+    c = release.model_config
+    missing = [key for key in ("tt_rank", "tt_cores") if key not in c]
+    if missing:
+        raise ReleaseCheckpointError(f"the release's model config lacks {missing}: not a tensor-train model config (TTLlamaConfig).")
+    if release.tp_size > 1:
+        raise ReleaseCheckpointError(
+            f"a tensor-train checkpoint written at TP {release.tp_size}: the release's basic_tt_llama.py refuses TP > 1 "
+            "('TP>1 not supported for TT'), so this folder is not one of its models. Not converted."
+        )
+    if c.get("num_key_value_heads") not in (None, c["num_attention_heads"]):
+        raise ReleaseCheckpointError(
+            f"num_key_value_heads={c['num_key_value_heads']} differs from num_attention_heads={c['num_attention_heads']}: the "
+            "release's basic_tt_llama.py cannot run GQA (its GQA branch reads an undefined qkv_states). Not converted."
+        )
+    if c.get("rope_interleaved"):
+        raise ReleaseCheckpointError(
+            "rope_interleaved=True in a tensor-train checkpoint: boost-hf rotates (i, i + head_dim/2) pairs, and the output "
+            "rows of a tensor train cannot be reordered within each head to match the release's (2i, 2i + 1) pairs. Not converted."
+        )
+    return dict(bottleneck="tt", tt_rank=c["tt_rank"], tt_cores=c["tt_cores"], tt_rank_ratio=c.get("tt_rank_ratio", 1.0))
+
+
 def boost_config(release: ReleaseCheckpoint, layout: ReleaseLayout) -> BoostLlamaConfig:
     """Our config of the release's model config (refusing what computes another function or cannot be represented)."""
     c = release.model_config
-    required = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "attn_rank", "mlp_rank")
+    ranks = () if layout is TENSOR_TRAIN else ("attn_rank", "mlp_rank")
+    required = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size", *ranks)
     missing = [key for key in required if key not in c]
     if missing:
-        raise ReleaseCheckpointError(f"the release's model config lacks {missing}: not a CoLA model config (ColaLlamaConfig).")
-    if c["attn_rank"] != c["mlp_rank"]:
+        raise ReleaseCheckpointError(f"the release's model config lacks {missing}: not a model config of its CoLA or tensor-train models.")
+    if layout is TENSOR_TRAIN:
+        bottleneck = _tensor_train_fields(release)
+    elif c["attn_rank"] != c["mlp_rank"]:
         raise ReleaseCheckpointError(
             f"attn_rank={c['attn_rank']} and mlp_rank={c['mlp_rank']} differ: boost-hf's models have one rank for every projection."
         )
+    else:
+        bottleneck = dict(bottleneck="cola", rank=c["attn_rank"], only_lr_act=not layout.keeps_gate_activation(c))
     if c.get("rope_scaling"):
-        raise ReleaseCheckpointError(f"rope_scaling={c['rope_scaling']!r}: the release's CoLA models ignore it and boost-hf would apply it; not converted.")
+        raise ReleaseCheckpointError(f"rope_scaling={c['rope_scaling']!r}: the release's models ignore it and boost-hf would apply it; not converted.")
     if layout.name == "btp" and release.tp_size > 1 and c.get("rmsnorm_type", "triton") not in ("sync", "online"):
         raise ReleaseCheckpointError(
             f"rmsnorm_type={c.get('rmsnorm_type', 'triton')!r} at TP {release.tp_size}: the release's BTP model then normalises "
@@ -363,7 +416,7 @@ def boost_config(release: ReleaseCheckpoint, layout: ReleaseLayout) -> BoostLlam
         initializer_range=c.get("initializer_range", 0.02), rms_norm_eps=c.get("rms_norm_eps", 1e-6),
         rope_theta=float(c.get("rope_theta", 10000.0)), tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
         pad_token_id=c.get("pad_token_id"), bos_token_id=c.get("bos_token_id", 1), eos_token_id=c.get("eos_token_id", 2),
-        bottleneck="cola", rank=c["attn_rank"], only_lr_act=not layout.keeps_gate_activation(c),
+        **bottleneck,
     )
 
 
@@ -384,6 +437,9 @@ def canonical_state_dict(release: ReleaseCheckpoint) -> tuple[BoostLlamaConfig, 
     for layer in range(config.num_hidden_layers):
         p = LAYER_PREFIX.format(layer=layer)
         ours = f"model.layers.{layer}."
+        if layout is TENSOR_TRAIN:
+            for name, (core, source) in _tensor_train_layer(take, p, config).items():
+                state[f"{ours}{name}"], sources[f"{ours}{name}"] = core, p + source
         for module, (A, B, source) in layout.read_layer(take, p, rank, gqa).items():
             if interleaved and module in ("self_attn.q_proj", "self_attn.k_proj"):
                 B = B.unflatten(0, (-1, config.head_dim))[:, order].flatten(0, 1)

@@ -48,6 +48,12 @@ def check_loro_model(config) -> None:
         return
     if config.bottleneck is None:
         raise ValueError(f"--lowrank_optimizer loro trains the factors of low-rank weights W = B A, and this model is full rank: {fix}.")
+    if config.bottleneck == "tt":
+        raise ValueError(
+            "--lowrank_optimizer loro trains factors B and A held as parameters; a tensor train (bottleneck='tt') holds "
+            "cores, from which A and B are contracted at every call, and LORO's steps on B and A cannot be written back "
+            f"into cores of the same ranks: {fix}."
+        )
     between = {
         "cola": "an activation on the r-dim latent (y = B act(A x))",
         "lax": "a latent LayerNorm, activation and crossing from the previous block (y = B act(LN(A x + G c)))",

@@ -113,7 +113,8 @@ class ParallelConfig:
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise ValueError(f"{name} must be a positive integer, got {value!r}.")
         if self.pp_schedule not in get_args(PipelineSchedule):
-            raise ValueError(f"Unknown pp_schedule {self.pp_schedule!r}: use one of {', '.join(get_args(PipelineSchedule))}.")
+            supported = [name for name in get_args(PipelineSchedule) if name not in ZERO_BUBBLE_SCHEDULES]
+            raise ValueError(f"Unknown pp_schedule {self.pp_schedule!r}: use one of {', '.join(supported)}.")
         if self.pp_schedule in ZERO_BUBBLE_SCHEDULES:
             raise ValueError(
                 f"pp_schedule={self.pp_schedule!r} is not supported: zero-bubble schedules split each backward into an "

@@ -18,6 +18,7 @@ and no module but this one and the package faces imports :mod:`~boost_hf.paralle
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 
 import torch
@@ -25,6 +26,7 @@ from transformers.initialization import no_init_weights
 
 from .config import ParallelConfig, register_model_hooks
 from .parallelize import checked_layout, parallelize
+from .sharded_state import DCP_FOLDER, is_distributed_checkpoint, load_model_state
 from .weights_io import HUB_KWARGS, load_canonical_checkpoint, resolve_checkpoint_files
 
 # from_pretrained arguments with nothing to do when each rank reads its own slices itself
@@ -52,8 +54,12 @@ def load_pretrained(model_class, pretrained_model_name_or_path, parallel: Parall
     them). Otherwise the model is built on
     the meta device, sharded, and each rank reads only its slices of the canonical safetensors files.
     Arguments that cannot apply there (``device_map`` other than ``"cpu"``, ``state_dict``,
-    ``quantization_config``, ``ignore_mismatched_sizes``, ...) raise a ``ValueError`` naming them.
+    ``quantization_config``, ``ignore_mismatched_sizes``, ...) raise a ``ValueError`` naming them. A training
+    checkpoint (``checkpoint-<step>`` with its shards in ``dcp/``) loads at any layout
+    (:func:`load_training_checkpoint`).
     """
+    if is_distributed_checkpoint(str(pretrained_model_name_or_path)):
+        return load_training_checkpoint(model_class, str(pretrained_model_name_or_path), parallel, kwargs.get("config"))
     if parallel.tp_size == 1 and parallel.pp_size == 1 and parallel.activation_checkpointing == "none":
         loaded = model_class.from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
         model, info = loaded if isinstance(loaded, tuple) else (loaded, None)
@@ -70,6 +76,7 @@ def load_pretrained(model_class, pretrained_model_name_or_path, parallel: Parall
     if kwargs.get("device_map") in (None, "cpu"):
         kwargs.pop("device_map", None)
     hub = {k: kwargs.pop(k) for k in HUB_KWARGS if k in kwargs}
+    kwargs.pop("check_architecture", None)  # done by the model's from_pretrained
     for name in IGNORED_UNDER_TP:
         kwargs.pop(name, None)
     if config is None:
@@ -94,6 +101,20 @@ def load_pretrained(model_class, pretrained_model_name_or_path, parallel: Parall
     return model
 
 
+def load_training_checkpoint(model_class, folder: str, parallel: ParallelConfig, config=None):
+    """This rank's shard of ``parallel``'s layout from the training checkpoint ``folder`` (its ``dcp/``, saved at any
+    layout; :func:`~boost_hf.parallel.sharded_state.load_model_state` reads only this rank's byte ranges), with its
+    ``config.json`` unless ``config`` is given."""
+    if config is None:
+        config = model_class.config_class.from_pretrained(folder)
+    with single_device_skeleton():
+        model = model_class(config)
+    parallelize(model, parallel, initialize=False)
+    load_model_state(model, os.path.join(folder, DCP_FOLDER))
+    model.eval()
+    return model
+
+
 register_model_hooks(sys.modules[__name__])
 
-__all__ = ["check_model", "single_device_skeleton", "parallelize", "load_pretrained"]
+__all__ = ["check_model", "single_device_skeleton", "parallelize", "load_pretrained", "load_training_checkpoint"]

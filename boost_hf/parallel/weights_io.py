@@ -11,27 +11,14 @@ import json
 import os
 
 import torch
-import torch.distributed as dist
 from safetensors import safe_open
 from torch import nn
 
-from .sharding import gather_full, shard_spec_of
+from .sharding import shard_spec_of
 
 SAFE_WEIGHTS_NAME = "model.safetensors"
 SAFE_WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
 HUB_KWARGS = ("cache_dir", "revision", "token", "local_files_only", "force_download", "subfolder", "proxies")
-
-
-def canonical_state_dict(model: nn.Module, group: dist.ProcessGroup | None) -> dict[str, torch.Tensor]:
-    """Full (unsharded) parameters by canonical name, on every rank of ``group``.
-
-    Collective: one all-gather per sharded parameter in ``group`` (call on all TP ranks). Tied
-    parameters appear once per name, as ``state_dict`` does.
-    """
-    full = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        full[name] = gather_full(param.detach(), shard_spec_of(param), group).cpu()
-    return full
 
 
 def resolve_checkpoint_files(path: str, **hub_kwargs) -> list[str]:
@@ -51,6 +38,11 @@ def resolve_checkpoint_files(path: str, **hub_kwargs) -> list[str]:
         with open(index) as f:
             names = sorted(set(json.load(f)["weight_map"].values()))
         return [os.path.join(folder, n) for n in names]
+    if os.path.isdir(path) and os.path.isfile(os.path.join(path, "dcp", ".metadata")):
+        raise FileNotFoundError(
+            f"{path!r} is a training checkpoint (the model's shards as a torch.distributed.checkpoint in dcp/), not a "
+            f"Hugging Face folder: export it with `boost-hf export {path} OUT` (or start a run from it with --init_from)."
+        )
     raise FileNotFoundError(f"no {SAFE_WEIGHTS_NAME} or {SAFE_WEIGHTS_INDEX_NAME} in {path!r}: is it a boost-hf checkpoint folder?")
 
 
@@ -101,4 +93,4 @@ def load_canonical_checkpoint(model: nn.Module, files: list[str]) -> None:
         param.copy_(tensor_slice[tuple(index)].to(param.dtype))
 
 
-__all__ = ["HUB_KWARGS", "canonical_state_dict", "resolve_checkpoint_files", "load_canonical_checkpoint"]
+__all__ = ["HUB_KWARGS", "resolve_checkpoint_files", "load_canonical_checkpoint"]

@@ -62,7 +62,8 @@ Time of one decoder layer, forward (backward in parentheses)::
   ``m``; interleaved: torch's warm-up, :func:`~boost_hf.perf.pipeline.micro_batches_in_flight`). Without
   checkpointing it is not modelled.
 * **Optimizer**: AdamW with fp32 master weights and moments touches ``ADAMW_BYTES_PER_PARAM`` bytes per
-  local parameter, at ``memory_efficiency * HBM bandwidth``, once per iteration.
+  local parameter (``1/p`` of the model's, plus a tensor train's cores that every TP rank holds whole), at
+  ``memory_efficiency * HBM bandwidth``, once per iteration.
 * Not modelled: data parallelism (gradient all-reduce / ZeRO), the cross-entropy's elementwise work,
   kernel launch gaps, compute/communication overlap.
 
@@ -105,6 +106,7 @@ from ..parallel.settings import field_of
 from ..parallel.layouts import Gemm
 from ..parallel.layouts import layout_for
 from ..parallel.sequence_parallel import check_sequence_length
+from ..parallel.tensor_train import whole_core_parameters
 from .activation_memory import saved_bytes_per_layer
 from .comm_formula import Communication, layer_communication, outside_layers_communication, stage_boundary_communication
 from .flops import attention_flops_per_token, training_flops_per_token
@@ -222,6 +224,8 @@ def parameter_count(config) -> int:
     shapes = config.projection_shapes().values()
     if config.bottleneck is None:
         block = sum(d_in * d_out for d_in, d_out in shapes)
+    elif config.bottleneck == "tt":
+        block = sum(config.tensor_train_shape(name).parameters for name in config.projection_shapes())
     else:
         block = sum(config.rank * (d_in + d_out) for d_in, d_out in shapes)
     gates = 0
@@ -536,6 +540,8 @@ def estimate_layout(
     optimized = parameter_count(config)
     if measured_layer_s is not None:  # the measured layer time includes its parameters' AdamW step
         optimized -= layers * (_with_layers(config, 2) - _with_layers(config, 1))
+    if config.bottleneck == "tt" and measured_layer_s is None:  # every TP rank holds some cores whole
+        optimized += layers * whole_core_parameters(config, tp_layout.tensor_train_splits) * (p - 1)
     optimizer = {"optimizer": optimized / (p * pp) * ADAMW_BYTES_PER_PARAM / hbm}
     weights = critical_path_weights(totals, m, v)
     breakdown = _add(*(_add(rank, scale=w) for rank, w in zip(ranks, weights)), optimizer)

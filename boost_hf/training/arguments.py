@@ -21,11 +21,13 @@ from transformers import TrainingArguments
 
 from ..parallel.config import ParallelConfig
 from ..parallel.settings import config_of_training_arguments, parse_layer_split, training_fields
-from ..optim.loro import EPSILON_PLACEMENTS, LORO_WITHOUT_DEEPSPEED, LOWRANK_OPTIMIZERS
+from ..optim.loro import EPSILON_PLACEMENTS, LOWRANK_OPTIMIZERS
 from ..optim.loro_schedule import check_authors_schedule
+from .compatibility import check_settings, settings_from_accelerate
 from .health import NONFINITE_POLICIES
+from .preemption import DEFAULT_EXIT_SIGNALS, parse_exit_signals
 from .precision import resolve_precision
-from .zero1 import check_zero1
+from .watchdog import enter_phase, exit_with_launcher, watch_launch
 
 logger = logging.getLogger(__name__)
 
@@ -52,8 +54,8 @@ LORO authors' ``cosine_restart``, :mod:`boost_hf.optim.loro_schedule`)."""
 
 
 def check_lowrank_optimizer(args) -> None:
-    """Raise ``ValueError`` naming the field to change for an unknown optimizer, bad LORO settings, or LORO with
-    DeepSpeed (ZeRO's flat partitions cut through the factors' rows that LORO's exact step rebuilds)."""
+    """Raise ``ValueError`` naming the field to change for an unknown optimizer or bad LORO settings (LORO with
+    DeepSpeed: :mod:`boost_hf.training.compatibility`)."""
     if args.lowrank_optimizer not in LOWRANK_OPTIMIZERS:
         raise ValueError(f"lowrank_optimizer must be one of {', '.join(LOWRANK_OPTIMIZERS)}, got {args.lowrank_optimizer!r}.")
     if args.loro_schedule not in LORO_SCHEDULES:
@@ -77,8 +79,6 @@ def check_lowrank_optimizer(args) -> None:
         raise ValueError(f"loro_lr_scale must be > 0 (or unset for r/d), got {args.loro_lr_scale}.")
     if args.loro_restart_warmup_steps < 0:
         raise ValueError(f"loro_restart_warmup_steps must be >= 0, got {args.loro_restart_warmup_steps}.")
-    if args.deepspeed:
-        raise ValueError(LORO_WITHOUT_DEEPSPEED)
 
 
 def check_authors_loro_schedule(args) -> None:
@@ -149,7 +149,7 @@ class BoostTrainingArguments(LayoutArguments, TrainingArguments):
             LORO authors' optimizer); LORO only.
         zero1_optimizer: ZeRO-1 without DeepSpeed: each data-parallel rank keeps the optimizer state of a share of the
             parameters (torch's ``ZeroRedundancyOptimizer`` over the DP group; :mod:`boost_hf.training.zero1`), at any
-            layout including ``pp_size > 1``; checkpoints hold the consolidated state (resumable at any layout, with or
+            layout including ``pp_size > 1``; each rank saves its own share (resumable at any layout, with or
             without it). At dp 1 there is nothing to shard: the plain optimizer. Not with DeepSpeed or LORO.
         precision_policy: how bf16 (``--bf16``, or accelerate's ``mixed_precision``) trains
             (:mod:`boost_hf.training.precision`): ``"autocast"`` (the default: fp32 parameters, the forward under bf16
@@ -160,6 +160,16 @@ class BoostTrainingArguments(LayoutArguments, TrainingArguments):
             (default) or ``"bf16"`` (half the bytes; each bucket rounded to bf16 for the sum, then accumulated back in fp32).
         fp32_residual: ``bf16_params`` only: keep the residual stream in fp32 while the layers compute in bf16
             (Megatron-LM's ``fp32_residual_connection``; off by default, as there).
+        exit_signals: signals (default ``"SIGTERM,SIGUSR1"``; ``""``: none) after which every rank finishes its step, the
+            run saves a checkpoint and every rank exits with status 76 (:mod:`boost_hf.training.preemption`).
+        exit_after_minutes: the same after this many minutes since the process started (default 0: no budget), e.g. a
+            few minutes less than the job's time limit.
+        save_async: write each checkpoint in the background: the model's and optimizer's shards are copied to host
+            memory (this rank's own, once), training goes on, and a thread writes them, hashes them, writes the
+            manifest and renames the folder; the next save, the final model and the end of ``train`` wait for it. A
+            run killed meanwhile leaves only a staging folder (:mod:`boost_hf.training.checkpoint`).
+        save_max_shard_size: largest safetensors file of ``final/`` and of every parallel ``save_pretrained`` (default
+            ``"5GB"``): each file is written by one rank, which holds at most that much of the model.
 
     Without CUDA, ``use_cpu`` is set (and ``ddp_backend="gloo"`` when launched on several processes), so
     ``accelerate launch`` runs on CPU processes with or without DeepSpeed. ``ddp_timeout`` bounds every collective
@@ -216,6 +226,22 @@ class BoostTrainingArguments(LayoutArguments, TrainingArguments):
     fp32_residual: bool = field(
         default=False, metadata={"help": "bf16_params: keep the residual stream in fp32 (Megatron's fp32_residual_connection)."}
     )
+    # preemption: stop at a step boundary, save, exit with status 76 (boost_hf.training.preemption)
+    exit_signals: str = field(
+        default=DEFAULT_EXIT_SIGNALS,
+        metadata={"help": "Signals after which every rank finishes its step, the run saves a checkpoint and exits with status "
+                          "76 ('': none)."},
+    )
+    exit_after_minutes: float = field(
+        default=0.0, metadata={"help": "Save a checkpoint and exit (status 76) after this many minutes of the process (0: never)."}
+    )
+    # checkpoints (issue 27): every rank writes its own shards; asynchronously if asked
+    save_async: bool = field(
+        default=False, metadata={"help": "Write checkpoints in the background (host copy of each rank's shards); the next save waits."}
+    )
+    save_max_shard_size: str = field(
+        default="5GB", metadata={"help": "Largest safetensors file of final/ (each written by one rank, holding at most that)."}
+    )
 
     # CoLA recipe defaults (BOOST.md section 1)
     weight_decay: float = 0.01
@@ -242,7 +268,10 @@ class BoostTrainingArguments(LayoutArguments, TrainingArguments):
             )
             self.activation_checkpointing = self.gradient_checkpointing = False
         check_lowrank_optimizer(self)
-        check_zero1(self)
+        settings_from_accelerate(self)
+        check_settings(self)  # whatever set them: flags, recipe, accelerate config, environment
+        if self.hang_timeout_s < 0:
+            raise ValueError(f"hang_timeout_s must be >= 0 (0 disables the watchdog), got {self.hang_timeout_s}.")
         super().__post_init__()
         check_authors_loro_schedule(self)
         if self.peak_tflops is None:
@@ -260,10 +289,11 @@ class BoostTrainingArguments(LayoutArguments, TrainingArguments):
                 f"this run would train no step (max_steps={self.max_steps}, num_train_epochs={self.num_train_epochs}): set "
                 "--max_steps to a positive number of optimizer steps, or --max_steps -1 and --num_train_epochs > 0."
             )
-        if self.hang_timeout_s < 0:
-            raise ValueError(f"hang_timeout_s must be >= 0 (0 disables the watchdog), got {self.hang_timeout_s}.")
         if self.peak_tflops <= 0:
             raise ValueError(f"peak_tflops must be > 0, got {self.peak_tflops}.")
+        parse_exit_signals(self.exit_signals)
+        if not self.exit_after_minutes >= 0:
+            raise ValueError(f"exit_after_minutes must be >= 0 (0: no time budget), got {self.exit_after_minutes}.")
         self.to_parallel_config()  # validate the layout fields now, not after the model is built
         resolve_precision(self)  # validate the precision fields (--bf16, accelerate's mixed precision, DeepSpeed's bf16)
         if self.sequence_parallel and self.tp_size > 1 and self.sample_max_new_tokens > 0:
@@ -279,24 +309,23 @@ class BoostTrainingArguments(LayoutArguments, TrainingArguments):
                 "step already accumulates the gradients of its micro-batches. Use gradient_accumulation_steps=1 and raise "
                 "per_device_train_batch_size (split into pp_microbatches micro-batches) instead."
             )
-        if self.pp_size > 1 and self.deepspeed:
-            raise ValueError(
-                f"DeepSpeed cannot run with pp_size={self.pp_size}: the pipeline schedule runs each micro-batch's backward "
-                "itself, which DeepSpeed's engine must own (DeepSpeed's own pipeline engine refuses ZeRO-2/3 for the same "
-                "reason). Drop --deepspeed: boost-hf trains pipelines with DDP over the data-parallel group, and "
-                "--zero1_optimizer shards the optimizer state over it (ZeRO-1 with torch's ZeroRedundancyOptimizer)."
-            )
 
     @cached_property
     def _setup_devices(self) -> torch.device:
         """transformers initialises the process group with ``ddp_timeout`` on GPU but, with ``use_cpu``, without it
         (gloo's 30-minute default). Launched on CPU, the group is initialised here first, through accelerate as
-        transformers would, with the timeout; transformers then finds it initialised."""
+        transformers would, with the timeout; transformers then finds it initialised. The hang watchdog starts first
+        (under ``torchrun`` / ``accelerate launch``), so a rank frozen during the set-up is named within
+        ``hang_timeout_s`` (:func:`~boost_hf.training.watchdog.watch_launch`)."""
+        exit_with_launcher()
+        watch_launch(self.hang_timeout_s)
         if self.use_cpu and int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
             from accelerate import PartialState
 
             PartialState(cpu=True, backend=self.ddp_backend, timeout=self.ddp_timeout_delta)
-        return TrainingArguments._setup_devices.func(self)
+        device = TrainingArguments._setup_devices.func(self)
+        enter_phase("start-up")
+        return device
 
     def to_parallel_config(self, model_config=None) -> ParallelConfig:
         """The :class:`ParallelConfig` of these arguments; ``tp_style="auto"`` resolves with ``model_config``

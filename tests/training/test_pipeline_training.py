@@ -94,7 +94,7 @@ def test_final_model_is_canonical_and_loads_in_plain_transformers(runs):
         assert rel <= RELATIVE_TOLERANCE, (name, float(rel))
     layout = json.loads((runs / "pp2-tp2" / "checkpoint-3" / "training_layout.json").read_text())
     assert layout["pp_size"] == 2 and layout["tp_size"] == 2
-    assert all((runs / "pp2-tp2" / "checkpoint-3" / f"optimizer_pp{p:02d}_tp{t:02d}.pt").is_file() for p in (0, 1) for t in (0, 1))
+    assert sorted(p.name for p in (runs / "pp2-tp2" / "checkpoint-3" / "dcp").glob("*.distcp")) == [f"__{r}_0.distcp" for r in range(4)]
     assert torch.isfinite(torch.tensor(list(losses(runs / "pp2-tp2").values()))).all()
 
 

@@ -40,6 +40,7 @@ from boost_hf.training.precision import (
 )
 from tests.distributed import launch
 
+from .checkpoint_files import read_checkpoint
 from .launcher import DEMO_RECIPE, REPO, TINY, accelerate_command, python_command, run_command
 
 CASES = REPO / "tests" / "training" / "precision_cases.py"
@@ -364,20 +365,20 @@ def losses(run: Path) -> dict[int, float]:
     return {e["step"]: e["loss"] for e in json.loads((run / "trainer_state.json").read_text())["log_history"] if "loss" in e}
 
 
-#: every run asking for bf16 -> what its ranks ran: a training step, an evaluation, the sample (``sample``: on every
-#: rank; ``sample-0``: on global rank 0, which gathers a pipeline into one process), compiled graphs
+#: every run asking for bf16 -> what its ranks ran: a training step, an evaluation, the sample (on every rank: a
+#: pipeline generates through its stages), compiled graphs
 BF16_RUNS = {
     "single-autocast": {"train", "eval", "sample"},
     "single-bf16": {"train", "eval", "sample"},
-    "pp2-tp2-bf16": {"train", "eval", "sample-0"},
+    "pp2-tp2-bf16": {"train", "eval", "sample"},
     "pp2-tp2-bf16-resumed": {"train"},  # its first step is the run's fourth
     "tp2-dp2-bf16-from-pp2": {"train"},
     "tp2-dp2-bf16-sp": {"train", "eval"},
-    "pp2-dp2-bf16-zero1": {"train", "eval", "sample-0"},
+    "pp2-dp2-bf16-zero1": {"train", "eval", "sample"},
     "tp2-dp2-autocast": {"train", "eval", "sample"},
-    "pp2-tp2-lax-autocast": {"train", "eval", "sample-0"},
-    "pp2-dp2-gpipe-autocast": {"train", "eval", "sample-0"},
-    "pp2-dp2-looped-fp32-residual": {"train", "eval", "sample-0"},
+    "pp2-tp2-lax-autocast": {"train", "eval", "sample"},
+    "pp2-dp2-gpipe-autocast": {"train", "eval", "sample"},
+    "pp2-dp2-looped-fp32-residual": {"train", "eval", "sample"},
     "tp2-dp2-loro": {"train", "eval", "sample"},
     "pp2-tp2-compiled": {"compiled"},
     "tp2-dp2-deepspeed": {"train", "eval", "sample"},
@@ -399,8 +400,6 @@ def test_every_gemm_runs_in_bf16_in_every_mode(runs, run):
         for phase in BF16_RUNS[run]:
             if phase == "compiled":
                 expected.add("compiled")
-            elif phase == "sample-0":
-                expected |= {"sample-forward"} if rank == 0 else set()
             elif phase == "train":
                 expected |= {"train-forward", "train-backward"}
             else:
@@ -485,16 +484,18 @@ def test_deepspeed_bf16_is_reported_as_what_it_runs(runs):
 
 
 def test_bf16_params_checkpoints_hold_the_fp32_masters_and_record_the_policy(runs):
-    """``checkpoint-3`` and ``final`` of bf16_params at pp 2 x tp 2 hold fp32 weights that bf16 cannot represent (the
-    masters, not the bf16 parameters) and fp32 optimizer moments; ``training_layout.json`` records the policy."""
+    """``checkpoint-3`` (its ``dcp/``) and ``final`` of bf16_params at pp 2 x tp 2 hold fp32 weights that bf16 cannot
+    represent (the masters, not the bf16 parameters) and fp32 optimizer moments; ``training_layout.json`` records the
+    policy."""
     checkpoint = runs / "pp2-tp2-bf16" / "checkpoint-3"
-    for folder in (checkpoint, runs / "pp2-tp2-bf16" / "final"):
-        weights = load_file(folder / "model.safetensors")
+    saved = read_checkpoint(checkpoint)
+    final = {k: v for f in sorted((runs / "pp2-tp2-bf16" / "final").glob("*.safetensors")) for k, v in load_file(f).items()}
+    for weights in (saved["model"], final):
         assert {t.dtype for t in weights.values()} == {torch.float32}
         layer = weights["model.layers.1.self_attn.q_proj.A"]
         assert (layer != layer.bfloat16().float()).float().mean() > 0.9
-    state = torch.load(checkpoint / "optimizer_pp00_tp00.pt", weights_only=True)["state"]
-    assert {v.dtype for s in state.values() for k, v in s.items() if k != "step"} == {torch.float32}
+    moments = [v for state in saved["optimizer"]["state"].values() for k, v in state.items() if k != "step"]
+    assert moments and {v.dtype for v in moments} == {torch.float32}
     layout = json.loads((checkpoint / "training_layout.json").read_text())
     assert layout["precision"] == BF16_PARAMS.record()
 
@@ -509,18 +510,9 @@ def test_bf16_params_resume_at_another_layout_loads_masters_and_moments_exactly(
     sees them (the fp32 masters) and its AdamW moments are bit-identical to its slices of the checkpoint's fp32
     weights and of the saved moments; steps 4-6 then stay within bf16 noise of the uninterrupted run."""
     from boost_hf.parallel.sharding import ShardSpec
-    from boost_hf.training.resume import read_training_layout, saved_optimizer_record
 
-    checkpoint = runs / "pp2-tp2-bf16" / "checkpoint-3"
-    weights = load_file(checkpoint / "model.safetensors")
-    record = saved_optimizer_record(read_training_layout(str(checkpoint)))
-    saved = {}
-    for stage in record:
-        files = [torch.load(checkpoint / name, weights_only=True) for name in stage["files"]]
-        for j, parameter in enumerate(stage["parameters"]):
-            pdim = parameter["partition_dim"]
-            saved[parameter["name"]] = {key: torch.cat([f["state"][j][key] for f in files], pdim) if pdim is not None else files[0]["state"][j][key]
-                                        for key in ("exp_avg", "exp_avg_sq")}
+    saved = read_checkpoint(runs / "pp2-tp2-bf16" / "checkpoint-3")
+    weights, moments = saved["model"], saved["optimizer"]["state"]
     for rank in range(4):
         loaded = torch.load(runs / "tp2-dp2-bf16-from-pp2" / "loaded" / f"rank{rank}.pt", weights_only=False)
         assert sorted(loaded) == sorted(weights)
@@ -528,7 +520,7 @@ def test_bf16_params_resume_at_another_layout_loads_masters_and_moments_exactly(
             spec = ShardSpec(tuple(entry["spec"][0]), *entry["spec"][1:])
             assert entry["value"].dtype == torch.float32 and torch.equal(entry["value"], spec.local_slice(weights[name])), name
             for key in ("exp_avg", "exp_avg_sq"):
-                assert torch.equal(entry["state"][key], spec.local_slice(saved[name][key])), (name, key)
+                assert torch.equal(entry["state"][key], spec.local_slice(moments[name][key])), (name, key)
     resumed, uninterrupted = losses(runs / "tp2-dp2-bf16-from-pp2"), losses(runs / "pp2-tp2-bf16")
     assert sorted(resumed) == sorted(uninterrupted)
     assert all(abs(resumed[s] - uninterrupted[s]) <= 1e-3 * uninterrupted[s] for s in resumed)
