@@ -154,7 +154,7 @@ class PrecisionPolicy:
         r = self.record()
         return (f"precision policy {self.name} ({self.owner}): compute {r['compute']}, parameters {r['parameters']}, "
                 f"masters {r['masters']}, gradients accumulated in {r['grad_accumulation']} and reduced in "
-                f"{r['grad_reduce']}, residual {r['residual']}")
+                f"{r['grad_reduce']}, residual {r['residual']}, pipeline boundaries in {dtype_name(self.boundary_dtype)}")
 
 
 FP32 = PrecisionPolicy("fp32")

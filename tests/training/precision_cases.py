@@ -12,7 +12,7 @@ Every run writes under ``OUT/<run>``:
   a dispatch mode would keep dynamo from compiling);
 * ``dp_reduce.json``: per rank, the all-reduces over its DP group (dtype, elements, whether asynchronous: the
   gradient buckets of ``bf16_params`` are, the pipeline's loss sums are not) from the first training step to the end of
-  its optimizer step, and its trainable elements; ``precision.json``: the run's policy (its record);
+  its optimizer step, its trainable elements and the ``comm_dp_grad_bytes_per_step`` it logged; ``precision.json``: the run's policy (its record);
 * ``p2p.json`` (pipelines): per rank, the bytes its stages handed to the engine's sends in each training step and the
   ``comm_p2p_bytes_per_step`` it logged;
 * resumed runs, ``loaded/rank<r>.pt``: right after loading, per canonical parameter name, the parameter as the
@@ -109,7 +109,7 @@ USE_CPU = os.environ.get("ACCELERATE_USE_CPU", "false")
 
 def reset_run(compiled: bool) -> None:
     RUN.clear()
-    RUN.update(gemms=Counter(), recorded=set(), reduces=[], recording_reduces=False, sent=[], logged=[], in_step=False,
+    RUN.update(gemms=Counter(), recorded=set(), reduces=[], recording_reduces=False, sent=[], logged=[], logged_dp=[], in_step=False,
                compiled=compiled, trainable=0)
 
 
@@ -192,6 +192,8 @@ def _recorded_log(self, logs, start_time=None):
     _log(self, logs, start_time)
     if "comm_p2p_bytes_per_step" in logs:
         RUN["logged"].append(logs["comm_p2p_bytes_per_step"])
+    if "comm_dp_grad_bytes_per_step" in logs:
+        RUN["logged_dp"].append(logs["comm_dp_grad_bytes_per_step"])
 
 
 _load_optimizer_and_scheduler = BoostTrainer._load_optimizer_and_scheduler
@@ -268,7 +270,7 @@ def train(out: Path, run: str, *argv: str, masters_fp32: bool = False, deepspeed
         trainer_module.resolve_precision = _resolve_precision
         inductor_config.post_grad_custom_pre_pass = None
     gemms = every_rank(dict(RUN["gemms"]))
-    reduces = every_rank({"reduces": RUN["reduces"], "trainable": RUN["trainable"]})
+    reduces = every_rank({"reduces": RUN["reduces"], "trainable": RUN["trainable"], "logged": RUN["logged_dp"]})
     p2p = every_rank({"sent": RUN["sent"], "logged": RUN["logged"]})
     if not dist.is_initialized() or dist.get_rank() == 0:
         for name, value in (("gemms", gemms), ("dp_reduce", reduces), ("p2p", p2p), ("precision", RUN.get("precision"))):

@@ -473,6 +473,18 @@ def test_bf16_params_reduce_every_gradient_over_dp_once_in_the_reduce_dtype(runs
         assert sum(r["numel"] for r in buckets) == rank["trainable"] > 0
 
 
+@pytest.mark.parametrize("run, itemsize", [
+    ("tp2-dp2-autocast", 4), ("tp2-dp2-masters32", 4), ("tp2-dp2-bf16-sp", 4), ("pp2-dp2-bf16-zero1", 4),
+    ("pp2-dp2-looped-fp32-residual", 2), ("tp2-dp2-deepspeed", 2),
+])
+def test_logged_dp_gradient_bytes_are_counted_in_the_reduce_dtype(runs, run, itemsize):
+    """``comm_dp_grad_bytes_per_step`` is each rank's trainable elements times the bytes of the dtype its gradients
+    are reduced in: 4 under autocast (DDP over fp32 gradients) and bf16_params (fp32 reduction), 2 with
+    ``--grad_reduce_dtype bf16`` and under DeepSpeed's bf16 (its default communication_data_type)."""
+    for rank in read(runs / run, "dp_reduce"):
+        assert rank["logged"] and set(rank["logged"]) == {rank["trainable"] * itemsize} and rank["trainable"] > 0, rank
+
+
 def test_deepspeed_bf16_is_reported_as_what_it_runs(runs):
     """DeepSpeed's bf16 mode: the policy bf16_params owned by DeepSpeed, its gradients reduced in bf16 (DeepSpeed's
     default communication_data_type), as the all-reduces it issued show."""
