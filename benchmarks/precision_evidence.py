@@ -16,7 +16,7 @@ loss (absolute and relative), the median logged step time and the counted traffi
 gradients reduced over DP, in the reduce dtype; ``comm_tp_bytes_per_step``: the TP collectives counted). Loss curves go
 to ``precision_evidence.png``, every run's logged values to ``precision_evidence.json``. Not part of ``run_all.py`` (it trains for tens of minutes):
 
-    python benchmarks/precision_evidence.py                 # 600 steps each, ~1 h on 2 idle cores
+    python benchmarks/precision_evidence.py                 # 600 steps each: hours on a shared 2-core machine
     python benchmarks/precision_evidence.py --steps 200
     python benchmarks/precision_evidence.py --quick         # 6 steps each, smoke test
 """
