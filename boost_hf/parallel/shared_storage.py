@@ -19,8 +19,9 @@ views, so each parameter's ``.grad`` is a row block of one gradient buffer too.
   bf16 mode does, keeping the grouped ones stored together (a per-parameter ``p.data = p.data.to(dtype)``
   would give each its own storage).
 * :func:`joined_rows` is the stacked view, or ``None`` when the parameters are not consecutive blocks of one
-  storage (after ``load_state_dict(assign=True)``, under DeepSpeed ZeRO, which re-homes parameters in its own
-  flat buffers, ...). Callers then concatenate: the result is the same, one copy slower.
+  storage (after ``load_state_dict(assign=True)``, under DeepSpeed ZeRO-3, which partitions them, ...). Callers
+  then concatenate: the result is the same, one copy slower. (DeepSpeed's ZeRO-1/2 and bf16 flat buffers keep
+  them consecutive: :mod:`boost_hf.training.deepspeed` orders the optimizer's parameters for that.)
 """
 
 from __future__ import annotations
@@ -96,7 +97,7 @@ class SharedStorageOwner:
 
     ``module.to(...)``, ``.half()``, ``.to_empty(...)`` etc. give every parameter new storage of its own;
     blocks that were stored together before are stored together again afterwards. Blocks that were not (a
-    framework such as DeepSpeed had re-homed them) are left where they are."""
+    framework such as DeepSpeed ZeRO-3 had re-homed them) are left where they are."""
 
     shared_storage: tuple[tuple[tuple[str, ...], str], ...] = ()
 
