@@ -23,7 +23,9 @@ together (see that module) the same functions concatenate instead: same values, 
 
 :func:`down_projection` and :func:`scale_latents` are the eager kernels (GEMMs written straight into the
 communication buffer, one pass over ``x`` for its cast and one for its statistics, the latent scale
-computed in fp32 and stored in the compute dtype, backward writing each gradient once). Under
+computed in fp32 and stored in the compute dtype, backward writing each gradient once). A grouped BTP group whose
+latent function is SiLU or none runs the scale and the function as one kernel each way instead
+(:mod:`boost_hf.parallel.latent_op`); :func:`scale_latents` serves the others (ungrouped, LaX's crossing). Under
 ``torch.compile`` every function here falls back to the same arithmetic written as plain ops, which inductor
 fuses. Arithmetic runs in the autocast dtype when autocast is on (statistics and ``1/rms`` in fp32), else in
 the input's dtype. No communication here.

@@ -44,7 +44,7 @@ def compute_dtype(x: torch.Tensor) -> torch.dtype:
 def statistics_dtype(x: torch.Tensor) -> torch.dtype:
     """The dtype norm statistics of ``x`` are computed in: fp32, or ``x``'s dtype where that is wider (fp64 in
     gradient checks)."""
-    return torch.promote_types(x.dtype, torch.float32)
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
 def add_bias(y: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

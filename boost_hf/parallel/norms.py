@@ -103,6 +103,10 @@ class SyncRMSNorm(ShardedRMSNorm):
         return self.weight * (xf * torch.rsqrt(total / self.hidden_size + self.variance_epsilon)).to(x.dtype)
 
 
+# x's dtype -> the weight dtypes that ``weight * normed`` promotes to it (the fused op then reads the weight in x's dtype)
+_NARROWER_WEIGHTS = {torch.float32: (torch.bfloat16, torch.float16), torch.bfloat16: (), torch.float16: ()}
+
+
 class FusedRMSNorm:
     """``BoostLlamaRMSNorm`` of a full-width ``x: [..., d]`` run by the fused RMSNorm ops
     (:mod:`boost_hf.parallel.rmsnorm_op`) in ``x``'s dtype (fp32 under autocast, bf16 with bf16 parameters: bf16 in,
@@ -115,7 +119,7 @@ class FusedRMSNorm:
 
     def normalize(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """The norm of ``x`` scaled by ``weight`` (``self.weight`` or a tensor standing for it)."""
-        if x.dtype in FUSED_DTYPES and torch.promote_types(x.dtype, weight.dtype) == x.dtype and not torch.compiler.is_compiling():
+        if x.dtype in FUSED_DTYPES and weight.dtype in (x.dtype, *_NARROWER_WEIGHTS[x.dtype]) and not torch.compiler.is_compiling():
             return rms_norm(x, weight.to(x.dtype), self.variance_epsilon)
         xf = x.to(torch.float32)
         return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)).to(x.dtype)

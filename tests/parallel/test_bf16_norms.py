@@ -36,6 +36,8 @@ from boost_hf.perf.rank_cost import fake_process_group
 U = 2.0 ** -8  # bf16 unit roundoff: rounding changes a value by at most this, relative
 EPS = 1e-6
 D = 64
+# the kernels on this machine's devices (`make gpu-check` runs the CUDA ones: `pytest ... -k cuda`)
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"))]
 
 
 def _inputs(d=D, rows=(3, 5)):
@@ -61,22 +63,49 @@ def _reference(x, weight, grad):
     return y.detach(), grad_x, (terms, grad_w, scale)
 
 
-def _within_bf16_rounding(norm_fn, x, weight, grad, input_roundings=1):
-    xb, wb = x.clone().requires_grad_(), weight.clone().requires_grad_()
+def _within_bf16_rounding(norm_fn, x, weight, grad, device, input_roundings=1):
+    """``norm_fn`` run on ``device`` (inputs made on the CPU and moved), checked against the CPU fp32 reference."""
+    xb, wb = x.to(device).requires_grad_(), weight.to(device).requires_grad_()
     y = norm_fn(xb, wb)
-    grad_x, grad_w = torch.autograd.grad(y, (xb, wb), grad)
+    grad_x, grad_w = torch.autograd.grad(y, (xb, wb), grad.to(device))
     assert y.dtype == grad_x.dtype == grad_w.dtype == torch.bfloat16
+    y, grad_x, grad_w = y.cpu(), grad_x.cpu(), grad_w.cpu()
     y_ref, grad_x_ref, (terms, grad_w_ref, scale) = _reference(x, weight, grad)
     assert ((y.float() - y_ref).abs() <= 2 * U * y_ref.abs() * (1 + 1e-5)).all()
     assert ((grad_x.float() - grad_x_ref).abs() <= input_roundings * U * terms * (1 + 1e-5)).all()
     assert ((grad_w.float() - grad_w_ref).abs() <= U * (grad_w_ref.abs() + scale) * (1 + 1e-5)).all()
 
 
-def test_fused_norm_op_in_bf16_is_within_bf16_rounding_of_fp32():
-    _within_bf16_rounding(lambda x, w: rms_norm(x, w, EPS), *_inputs())
+@pytest.mark.parametrize("device", DEVICES)
+def test_fused_norm_op_in_bf16_is_within_bf16_rounding_of_fp32(device):
+    _within_bf16_rounding(lambda x, w: rms_norm(x, w, EPS), *_inputs(), device)
 
 
-def test_sync_norm_in_bf16_is_within_bf16_rounding_of_fp32():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("device", DEVICES)
+def test_fused_norm_op_is_pytorchs_kernel_on_cuda_and_the_module_elsewhere(device, dtype):
+    """On CUDA each op is PyTorch's fused kernel (outputs bit-identical to ``aten._fused_rms_norm`` and its
+    backward); fp32 within fp32 rounding of the reference. Elsewhere the module's arithmetic (bit-identical forward)."""
+    x, weight, grad = (t.to(dtype) for t in _inputs())
+    xd, wd, gd = x.to(device).requires_grad_(), weight.to(device).requires_grad_(), grad.to(device)
+    y = rms_norm(xd, wd, EPS)
+    grad_x, grad_w = torch.autograd.grad(y, (xd, wd), gd)
+    if device == "cuda":
+        fused, rstd = torch.ops.aten._fused_rms_norm(xd.detach(), [D], wd.detach(), EPS)
+        expected = torch.ops.aten._fused_rms_norm_backward(gd, xd.detach(), [D], rstd, wd.detach(), [True, True])
+        assert torch.equal(y, fused) and torch.equal(grad_x, expected[0]) and torch.equal(grad_w, expected[1])
+    else:
+        norm = BoostLlamaRMSNorm(D, EPS).to(dtype)
+        norm.weight.data = weight
+        assert torch.equal(y, norm(x))
+    if dtype == torch.float32:
+        y_ref, grad_x_ref, (_, grad_w_ref, _) = _reference(x, weight, grad)
+        for got, ref in ((y, y_ref), (grad_x, grad_x_ref), (grad_w, grad_w_ref)):
+            torch.testing.assert_close(got.cpu(), ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_sync_norm_in_bf16_is_within_bf16_rounding_of_fp32(device):
     """One rank's arithmetic (the all-reduces of the ``[..., 1]`` statistics are sums, here of one rank)."""
     def sync(x, w):
         norm = adopt(BoostLlamaRMSNorm(D, EPS).to(torch.bfloat16), SyncRMSNorm, group=None, hidden_size=D)
@@ -84,15 +113,16 @@ def test_sync_norm_in_bf16_is_within_bf16_rounding_of_fp32():
         norm.weight = w
         return norm(x)
 
-    _within_bf16_rounding(sync, *_inputs(), input_roundings=4)
+    _within_bf16_rounding(sync, *_inputs(), device, input_roundings=4)
 
 
-def test_online_norm_in_bf16_is_within_bf16_rounding_of_fp32():
+@pytest.mark.parametrize("device", DEVICES)
+def test_online_norm_in_bf16_is_within_bf16_rounding_of_fp32(device):
     """``scale(reduce(down(x)))`` with bf16 x, gamma and A's: ``A (gamma x / rms(x))`` at bf16 rounding."""
     x, gamma, grad = _inputs(rows=(2, 7))
     torch.manual_seed(1)
     factors = [(0.3 * torch.randn(8, D)).to(torch.bfloat16) for _ in range(3)]
-    leaves = [t.clone().requires_grad_() for t in (x, gamma, *factors)]
+    leaves = [t.to(device).requires_grad_() for t in (x, gamma, *factors)]
     (latents,) = scale_latents(down_projection(leaves[0], leaves[2:], gamma=leaves[1], statistics=True), D, EPS)
     assert latents.dtype == torch.bfloat16
     upcast = [t.float().requires_grad_() for t in (x, gamma, *factors)]
@@ -100,13 +130,13 @@ def test_online_norm_in_bf16_is_within_bf16_rounding_of_fp32():
     rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + EPS)
     reference = (gf * xf * rstd) @ torch.cat(af).T
     bound = 3 * U * (xf.abs() * rstd) @ (torch.cat(af) * gf).abs().T
-    assert ((latents.float() - reference).abs() <= bound.detach()).all()
+    assert ((latents.float().cpu() - reference).abs() <= bound.detach()).all()
     grad_latents = torch.randn(latents.shape).to(torch.bfloat16)
-    got = torch.autograd.grad(latents, leaves, grad_latents)
+    got = torch.autograd.grad(latents, leaves, grad_latents.to(device))
     expected = torch.autograd.grad(reference, upcast, grad_latents.float())
     for name, a, b in zip(["x", "gamma", "A_q", "A_k", "A_v"], got, expected):
         assert a.dtype == torch.bfloat16, name
-        assert (a.float() - b).norm() <= 4 * U * b.norm(), name
+        assert (a.float().cpu() - b).norm() <= 4 * U * b.norm(), name
 
 
 class _WrittenDtypes(TorchDispatchMode):
@@ -137,15 +167,16 @@ LAYOUTS = {
 TP = 2
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("name", LAYOUTS)
-def test_layers_with_bf16_parameters_write_no_fp32_activation(make_config, name):
+def test_layers_with_bf16_parameters_write_no_fp32_activation(make_config, name, device):
     """A decoder layer of one TP-2 rank (fake process group: collectives do nothing, dtypes are what counts) with
     bf16 parameters, forward and backward: its norms run on the bf16 residual, and no op writes an fp32 tensor
     wider than one column of statistics per token (the norms' ``rstd``, the online norm's sums of squares; the
     attention kernel's log-sum-exp per head and token, which is attention's own, is not a norm's)."""
     variant, fields = LAYOUTS[name]
     with fake_process_group(TP):
-        model = BoostLlamaForCausalLM(make_config(variant), parallel_config=ParallelConfig(tp_size=TP, **fields))
+        model = BoostLlamaForCausalLM(make_config(variant), parallel_config=ParallelConfig(tp_size=TP, **fields)).to(device)
         cast_parameters(model, torch.bfloat16)
         batch, seq, hidden = 2, 4, model.config.hidden_size
         layout = model.model.layers[1]
@@ -155,11 +186,11 @@ def test_layers_with_bf16_parameters_write_no_fp32_activation(make_config, name)
             shape = (batch, seq // TP, hidden)
         else:
             shape = (batch, seq, hidden)
-        x = torch.randn(shape, dtype=torch.bfloat16, requires_grad=True)
-        position = model.model.rotary_emb(x, torch.arange(seq)[None].expand(batch, -1))
+        x = torch.randn(shape, dtype=torch.bfloat16, device=device, requires_grad=True)
+        position = model.model.rotary_emb(x, torch.arange(seq, device=device)[None].expand(batch, -1))
         previous = None
         if variant.startswith("lax"):
-            previous = {name: torch.randn(batch, seq, model.config.rank, dtype=torch.bfloat16) for name in
+            previous = {name: torch.randn(batch, seq, model.config.rank, dtype=torch.bfloat16, device=device) for name in
                         ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")}
         with _WrittenDtypes() as record:
             out, _ = layout(x, position_embeddings=position, lax_latents=previous)
