@@ -163,7 +163,7 @@ def _step(model, ids, precision: str, masters: list | None, optimizer) -> float:
 
 
 def _run(case: Case, precision: str, compile: bool, seq: int, batch: int, steps: int, device: str) -> dict:
-    from boost_hf.training.compile import compile_decoder_layers
+    from boost_hf.parallel.compile import compile_decoder_layers
 
     cuda = torch.device(device).type == "cuda"
     model = _model(case, seq, precision, device)

@@ -40,7 +40,7 @@ def device_peak_tflops(device_name: str) -> float | None:
 def measure(presets, layers: int, batch: int, seq: int, warmup: int, reps: int, device: str, compile: bool = False) -> dict:
     from boost_hf import BoostLlamaConfig, BoostLlamaForCausalLM
     from boost_hf.perf.flops import training_flops_per_token
-    from boost_hf.training.compile import compile_decoder_layers
+    from boost_hf.parallel.compile import compile_decoder_layers
 
     dev = torch.device(device)
     cuda = dev.type == "cuda"

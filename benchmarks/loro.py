@@ -3,8 +3,10 @@ step costs next to a training step.
 
 Both optimizers train the demo recipe's model (``recipes/demo.yaml``) with ``--bottleneck svd`` in one process for
 the same steps on the same tokens (same seed, data order and global batch): AdamW with the recipe's settings, LORO
-with the authors' (lr 0.01, no weight decay, exact step every ``--exact-every`` steps, 5-step warm-up after each;
-their K is 500 at 130M scale, shorter here for a run of a few hundred steps). The exact step's cost is timed
+with the authors' rate and decay (lr 0.01, no weight decay), an exact step every ``--exact-every`` steps (their K is
+500 at 130M scale, shorter here for a run of a few hundred steps) and boost-hf's defaults otherwise (the recipe's
+schedule warmed up over 5 steps after each exact step, eps 1e-8 in torch's place, clipping 0.5, CoLA's init; the
+``loro-*`` recipes have the authors' own). The exact step's cost is timed
 (interleaved medians) on the demo shape and on a 350M-class block, next to a training step (forward, backward,
 lazy step); its communication under TP is ``6 r^2`` float64 values per projection, next to a step's from the
 communication formula.
@@ -30,7 +32,7 @@ DEMO = REPO / "recipes" / "demo.yaml"
 def optimizers(exact_every: int) -> dict[str, list[str]]:
     return {
         "AdamW (recipe: lr 3e-3, wd 0.01)": ["--lowrank_optimizer", "adamw"],
-        f"LORO (authors: lr 1e-2, wd 0, K={exact_every})": [
+        f"LORO (lr 1e-2, wd 0, K={exact_every}; boost-hf's defaults otherwise)": [
             "--lowrank_optimizer", "loro", "--learning_rate", "1e-2", "--weight_decay", "0", "--loro_exact_every", str(exact_every),
         ],
     }

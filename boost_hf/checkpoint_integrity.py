@@ -6,7 +6,10 @@ the model's *architecture record*: the configuration fields that change the func
 tensor names (bottleneck, rank, activations, LaX options, sizes, ...). A cola checkpoint therefore cannot be
 loaded as svd, ``only_lr_act`` cannot be flipped on load, and a flipped byte is reported by file name.
 
-Pure functions, no collectives: call them on the process that writes or reads the folder.
+Pure functions, no collectives: call them on the process that writes or reads the folder. A launched run spreads
+the work: each rank hashes its share of the files (:func:`hashing_shares`: the files it wrote itself, then the
+others balanced by size), the shares' digests are gathered into one manifest (:func:`write_manifest` with
+``files=``), and a resume verifies each rank's share (:func:`check_files`); see :mod:`boost_hf.training.checkpoint`.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from concurrent.futures import ThreadPoolExecutor
 
 from .configuration_boost_llama import BoostLlamaConfig
@@ -83,15 +87,54 @@ def check_architecture(record: dict, config) -> None:
         )
 
 
-def write_manifest(folder: str, config=None) -> dict:
-    """Write ``<folder>/manifest.json`` (size and SHA-256 of every file, and ``config``'s architecture record);
-    return it. Call after every other file of the folder is written: the manifest marks the folder complete."""
-    names = _files(folder)
+def file_digests(folder: str, names: list[str]) -> dict[str, dict]:
+    """``{name: {"size", "sha256"}}`` of the files ``names`` of ``folder`` (several at a time)."""
     digests = _sha256_all([os.path.join(folder, name) for name in names])
+    return {name: {"size": os.path.getsize(os.path.join(folder, name)), "sha256": digest} for name, digest in zip(names, digests)}
+
+
+def file_sizes(folder: str) -> dict[str, int]:
+    """``{relative path: size}`` of every file under ``folder`` but the manifest."""
+    return {name: os.path.getsize(os.path.join(folder, name)) for name in _files(folder)}
+
+
+_RANK_FILE = re.compile(r"(?:^|/)(?:__(\d+)_\d+\.distcp|rng_state_(\d+)\.pth)$")
+"""Files named after the rank that writes them: DCP's ``__<rank>_<n>.distcp``, the Trainer's ``rng_state_<rank>.pth``."""
+
+
+def hashing_shares(files: dict[str, int], world: int) -> list[list[str]]:
+    """Which files each of ``world`` ranks hashes (or verifies): a file named after a rank (:data:`_RANK_FILE`) goes
+    to that rank (it wrote it), the others, largest first, to the rank with the fewest bytes so far. The same answer
+    on every rank for the same ``files`` (``{name: size}``)."""
+    shares: list[list[str]] = [[] for _ in range(world)]
+    load = [0] * world
+    others = []
+    for name, size in sorted(files.items()):
+        match = _RANK_FILE.search(name)
+        owner = int(match.group(1) or match.group(2)) if match else None
+        if owner is not None and owner < world:
+            shares[owner].append(name)
+            load[owner] += size
+        else:
+            others.append(name)
+    for name in sorted(others, key=lambda n: (-files[n], n)):
+        rank = min(range(world), key=lambda r: (load[r], r))
+        shares[rank].append(name)
+        load[rank] += files[name]
+    return shares
+
+
+def write_manifest(folder: str, config=None, files: dict[str, dict] | None = None) -> dict:
+    """Write ``<folder>/manifest.json`` (size and SHA-256 of every file, and ``config``'s architecture record);
+    return it. ``files``: the digests, already computed by the ranks that wrote the files (:func:`file_digests` of
+    each rank's :func:`hashing_shares`); without it every file is hashed here. Call after every other file of the
+    folder is written: the manifest marks the folder complete."""
+    if files is None:
+        files = file_digests(folder, _files(folder))
     manifest = {
         "version": MANIFEST_VERSION,
         "architecture": architecture_record(config) if config is not None else None,
-        "files": {name: {"size": os.path.getsize(os.path.join(folder, name)), "sha256": digest} for name, digest in zip(names, digests)},
+        "files": dict(sorted(files.items())),
     }
     staging = os.path.join(folder, f".{MANIFEST_NAME}.tmp")
     with open(staging, "w") as f:
@@ -103,23 +146,35 @@ def write_manifest(folder: str, config=None) -> dict:
 
 
 def read_manifest(folder: str) -> dict:
-    """The manifest of ``folder``; :class:`CheckpointIntegrityError` if there is none (an incomplete save)."""
+    """The manifest of ``folder``; :class:`CheckpointIntegrityError` if there is none (an incomplete save) or it is
+    damaged (not a manifest: truncated, overwritten), naming the file."""
     path = os.path.join(folder, MANIFEST_NAME)
     if not os.path.isfile(path):
         raise CheckpointIntegrityError(
             f"{folder!r} has no {MANIFEST_NAME}: its save did not complete (or it predates manifests); "
             "resume from an earlier checkpoint."
         )
-    with open(path) as f:
-        return json.load(f)
+    try:
+        with open(path, "rb") as f:
+            manifest = json.loads(f.read().decode("utf-8"))
+        entries = manifest["files"]
+        if not isinstance(entries, dict) or not all(
+            isinstance(e, dict) and isinstance(e.get("size"), int) and isinstance(e.get("sha256"), str) for e in entries.values()
+        ):
+            raise ValueError("its 'files' are not {name: {size, sha256}}")
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError) as error:
+        raise CheckpointIntegrityError(
+            f"{path!r} is damaged (not a valid manifest: {type(error).__name__}: {error}), so {folder!r} cannot be "
+            "verified and is not a complete checkpoint."
+        ) from None
+    return manifest
 
 
-def verify_manifest(folder: str, *, hashes: bool = True) -> dict:
-    """Check every file of ``folder`` against its manifest (presence, size and, if ``hashes``, SHA-256); return
-    the manifest. Raises :class:`CheckpointIntegrityError` naming the first missing, resized or altered file."""
-    manifest = read_manifest(folder)
-    for name, entry in manifest["files"].items():
-        path = os.path.join(folder, name)
+def check_files(folder: str, manifest: dict, names: list[str], *, hashes: bool = True) -> None:
+    """Check the files ``names`` of ``folder`` against ``manifest`` (presence, size and, if ``hashes``, SHA-256);
+    raise :class:`CheckpointIntegrityError` naming the first missing, resized or altered one."""
+    for name in names:
+        entry, path = manifest["files"][name], os.path.join(folder, name)
         if not os.path.isfile(path):
             raise CheckpointIntegrityError(f"checkpoint {folder!r} is incomplete: {name} is missing.")
         size = os.path.getsize(path)
@@ -128,13 +183,19 @@ def verify_manifest(folder: str, *, hashes: bool = True) -> dict:
                 f"checkpoint file {path!r} has {size} bytes, the manifest says {entry['size']}: it was truncated or replaced."
             )
     if hashes:
-        names = list(manifest["files"])
         for name, digest in zip(names, _sha256_all([os.path.join(folder, name) for name in names])):
             if digest != manifest["files"][name]["sha256"]:
                 raise CheckpointIntegrityError(
                     f"checkpoint file {os.path.join(folder, name)!r} is corrupted (SHA-256 differs from the manifest): restore "
                     "it or use another checkpoint."
                 )
+
+
+def verify_manifest(folder: str, *, hashes: bool = True) -> dict:
+    """Check every file of ``folder`` against its manifest (presence, size and, if ``hashes``, SHA-256); return
+    the manifest. Raises :class:`CheckpointIntegrityError` naming the first missing, resized or altered file."""
+    manifest = read_manifest(folder)
+    check_files(folder, manifest, list(manifest["files"]), hashes=hashes)
     return manifest
 
 
@@ -153,6 +214,10 @@ __all__ = [
     "architecture_record",
     "architecture_metadata",
     "check_architecture",
+    "check_files",
+    "file_digests",
+    "file_sizes",
+    "hashing_shares",
     "write_manifest",
     "read_manifest",
     "verify_manifest",

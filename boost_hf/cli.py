@@ -7,6 +7,8 @@ Subcommands live in :data:`SUBCOMMANDS` (name -> help, argument builder, runner)
     boost-hf train RECIPE.yaml|NAME [--field value ...]      (accelerate launch ... -m boost_hf.cli train ...)
     boost-hf demo [--num-processes 4] [--tp-size 2] [--max-steps N]
     boost-hf eval CHECKPOINT --data FILE [--block-size N] [--json]
+    boost-hf export CHECKPOINT OUT [--max-shard-size 5GB]           (or under torchrun: each process writes its share)
+    boost-hf convert RELEASE_CHECKPOINT OUTPUT [--dtype float32]   (the BOOST release's Nanotron checkpoints)
 """
 
 from __future__ import annotations
@@ -21,33 +23,27 @@ GIB = 2**30
 
 
 def _add_estimate_arguments(parser: argparse.ArgumentParser) -> None:
+    from .parallel.settings import add_options
     from .perf.hardware import HARDWARE_PRESETS
-    from .perf.pipeline import PP_SCHEDULES
 
     model = parser.add_argument_group("model and workload")
     model.add_argument("--preset", default="cola-7b", help="model preset, e.g. cola-7b, lax-13b, llama-3b "
                        "(megatron always runs the full-rank model of that size; vanilla and btp the low-rank one)")
-    model.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
-    model.add_argument("--pp", type=int, default=1, help="pipeline ranks")
-    model.add_argument("--pp-schedule", "--pp_schedule", dest="pp_schedule", choices=PP_SCHEDULES, default="1f1b",
-                       help="pipeline schedule (default: 1f1b)")
-    model.add_argument("--stages-per-rank", "--pp_stages_per_rank", dest="stages_per_rank", type=int,
-                       help="model chunks per pipeline rank (interleaved-1f1b only; default 2)")
     model.add_argument("--micro-batch", type=int, default=4, help="sequences per micro-batch")
     model.add_argument("--seq", type=int, default=4096, help="sequence length")
-    model.add_argument("--num-micro-batches", "--microbatches", dest="num_micro_batches", type=int, default=1,
-                       help="micro-batches per iteration (pipeline m, or gradient accumulation); with --pp > 1 the "
-                            "estimate also recommends how to split the same micro-batch x m sequences")
-    model.add_argument("--rmsnorm", choices=("online", "sync", "local"), default="online", help="btp RMSNorm mode")
-    model.add_argument("--no-group-linears", dest="group_linears", action="store_false",
-                       help="do not fuse A_qkv / A_gate_up (and megatron's qkv / gate_up)")
-    model.add_argument("--checkpointing", choices=("none", "full", "lowrank"), default="none",
-                       help="activation checkpointing (megatron turns lowrank into full)")
-    model.add_argument("--sequence-parallel", "--sequence_parallel", dest="sequence_parallel", action="store_true",
-                       help="sequence parallelism for megatron (Megatron-LM's) and btp (latent); vanilla has none "
-                            "(the sequence length must be a multiple of --tp; pp 1 only)")
     model.add_argument("--layouts", nargs="+", choices=("megatron", "vanilla", "btp"),
                        default=["megatron", "vanilla", "btp"], help="layouts to compare")
+    # The layout settings, as ParallelConfig declares them; the estimate's own: --layouts compares tp_style's values,
+    # and the micro-batches default to 1 (the paper's calibration workload) and are timed even where torch refuses them.
+    layout = parser.add_argument_group("layout (ParallelConfig's fields; the estimator models the 1f1b, gpipe and "
+                                       "interleaved-1f1b schedules)")
+    add_options(layout, exclude=("tp_style",), defaults={"pp_microbatches": 1}, notes={
+        "pp_microbatches": " Here: micro-batches per iteration (default 1; gradient accumulation at pp 1), timed even "
+        "where torch's schedule refuses them (noted); with --pp > 1 the estimate also recommends how to split the same "
+        "micro-batch x M sequences.",
+        "activation_checkpointing": " Megatron turns lowrank into full.",
+        "sequence_parallel": " Vanilla is estimated without it.",
+    })
 
     gpu = parser.add_argument_group("hardware (overrides the --gpu preset)")
     gpu.add_argument("--gpu", choices=tuple(HARDWARE_PRESETS), default="a100", help="GPU preset")
@@ -77,6 +73,7 @@ def _estimate_table(est, preset: str, model_config) -> str:
     from .perf.estimator import COMPONENTS
 
     w, hw, layouts = est.workload, est.hardware, est.layouts
+    parallel = w.parallel_config
     names = list(layouts)
     pipeline_rows: list[tuple[str, Callable]] = [
         ("pipeline bubble (% of step)", lambda e: f"{e.bubble_fraction:.1%}"),
@@ -102,7 +99,7 @@ def _estimate_table(est, preset: str, model_config) -> str:
         ("layer time bwd (ms)", lambda e: f"{e.layer_time_bwd_s * 1e3:.2f}"),
         *[(f"  {c} (s)", lambda e, c=c: f"{e.breakdown_s[c]:.3f}") for c in COMPONENTS],
         ("  of which pipeline bubble (s)", lambda e: f"{e.bubble_s:.3f}"),
-        *(pipeline_rows if w.pp > 1 else []),
+        *(pipeline_rows if parallel.pp_size > 1 else []),
         ("step time (s)", lambda e: f"{e.step_time_s:.3f}"),
         ("tokens/s", lambda e: f"{e.tokens_per_s:,.0f}"),
         ("MFU", lambda e: f"{e.mfu:.1%}"),
@@ -111,9 +108,9 @@ def _estimate_table(est, preset: str, model_config) -> str:
     col = max(14, *(len(e.model.split(",")[0]) + 2 for e in layouts.values()))
     lines = [
         f"boost-hf estimate: {preset} ({model_config.num_hidden_layers} layers, d={model_config.hidden_size}, "
-        f"f={model_config.intermediate_size}, r={model_config.rank}), TP={w.tp} PP={w.pp}, "
+        f"f={model_config.intermediate_size}, r={model_config.rank}), TP={parallel.tp_size} PP={parallel.pp_size}, "
         f"{w.num_micro_batches} micro-batch(es) of {w.micro_batch} x {w.seq_len} tokens per iteration"
-        + (f", {w.pp_schedule} with {w.stages_per_rank} stage(s) per rank" if w.pp > 1 else "") + f", {hw.name}",
+        + (f", {parallel.pp_schedule} with {w.stages_per_rank} stage(s) per rank" if parallel.pp_size > 1 else "") + f", {hw.name}",
         "",
         " " * width + "".join(name.rjust(col) for name in names),
     ]
@@ -129,12 +126,12 @@ def _estimate_table(est, preset: str, model_config) -> str:
         "",
         "assumptions:",
         f"  GPU {hw.name}: {hw.peak_tflops:g} TFLOP/s bf16, HBM {hw.hbm_gbps:g} GB/s, {hw.gpus_per_node} GPUs/node "
-        f"({switch}); collectives {hw.collective_gbps(w.tp):g} GB/s bus bandwidth at TP{w.tp} "
+        f"({switch}); collectives {hw.collective_gbps(parallel.tp_size):g} GB/s bus bandwidth at TP{parallel.tp_size} "
         f"(node: {hw.link_gbps:g}), latency {hw.latency_us:g} us; inter-node {hw.inter_node_gbps:g} GB/s",
         f"  efficiency: GEMM {e.gemm_max:g} x 1/(1 + {e.gemm_half_dim:g} (1/M + 1/K + 1/N)), attention {e.attention:g}, "
         f"elementwise {e.memory:g} of HBM",
-        f"  layout options: rmsnorm={w.rmsnorm}, group_linears={w.group_linears}, "
-        f"activation_checkpointing={w.activation_checkpointing}, sequence_parallel={w.sequence_parallel}, bf16 activations ({w.dtype_bytes} bytes)",
+        f"  layout options: rmsnorm={parallel.rmsnorm}, group_linears={parallel.group_linears}, "
+        f"activation_checkpointing={parallel.activation_checkpointing}, sequence_parallel={parallel.sequence_parallel}, bf16 activations ({w.dtype_bytes} bytes)",
         *(f"  {note}" for note in est.notes),
     ]
     return "\n".join(lines)
@@ -146,16 +143,17 @@ def _micro_batch_text(options, layout: str, workload) -> str:
 
     best = recommend_micro_batches(options)
     sequences = workload.micro_batch * workload.num_micro_batches
+    schedule, pp = workload.parallel_config.pp_schedule, workload.parallel_config.pp_size
     if best is None:
-        return (f"\nno split of {sequences} sequences per pipeline replica suits {workload.pp_schedule} at pp {workload.pp}: "
-                f"give each replica at least {workload.pp} sequences per step")
+        return (f"\nno split of {sequences} sequences per pipeline replica suits {schedule} at pp {pp}: "
+                f"give each replica at least {pp} sequences per step")
 
     def memory(option) -> str:
         return "" if option.peak_activation_bytes is None else f", peak activations {option.peak_activation_bytes / GIB:.1f} GiB"
 
     lines = [
         "",
-        f"micro-batches ({layout}, {workload.pp_schedule}, {sequences} sequences per pipeline replica and step):",
+        f"micro-batches ({layout}, {schedule}, {sequences} sequences per pipeline replica and step):",
         *(f"  m={o.num_micro_batches:<4} micro-batch {o.micro_batch:<4} step {o.step_time_s:.3f} s, "
           f"bubble {o.bubble_fraction:.1%}{memory(o)}" for o in options),
         f"recommended: --microbatches {best.num_micro_batches} (micro-batch {best.micro_batch}); "
@@ -190,22 +188,11 @@ def _run_estimate(args: argparse.Namespace) -> int:
         micro_batch_options,
         recommend_micro_batches,
     )
+    from .parallel.settings import layout_values
     from .perf.hardware import get_hardware
 
     config = BoostLlamaConfig.from_preset(args.preset)
-    workload = Workload(
-        tp=args.tp,
-        pp=args.pp,
-        micro_batch=args.micro_batch,
-        seq_len=args.seq,
-        num_micro_batches=args.num_micro_batches,
-        pp_schedule=args.pp_schedule,
-        stages_per_rank=args.stages_per_rank,
-        rmsnorm=args.rmsnorm,
-        group_linears=args.group_linears,
-        activation_checkpointing=args.checkpointing,
-        sequence_parallel=args.sequence_parallel,
-    )
+    workload = Workload(micro_batch=args.micro_batch, seq_len=args.seq, **layout_values(args))
     hardware = get_hardware(
         args.gpu,
         peak_tflops=args.peak_tflops,
@@ -228,13 +215,14 @@ def _run_estimate(args: argparse.Namespace) -> int:
     est = estimate(config, workload, hardware, efficiency, layouts=layouts, measured_layer_s=measured)
     # the split recommendation models compute (a measured layer time holds for one micro-batch size only)
     advised = "btp" if "btp" in layouts else layouts[-1]
-    options = micro_batch_options(config, workload, hardware, efficiency, advised) if workload.pp > 1 and not measured else []
+    pipelined = workload.parallel_config.pp_size > 1
+    options = micro_batch_options(config, workload, hardware, efficiency, advised) if pipelined and not measured else []
     if args.json:
         out = est.to_dict()
         out["assumptions"]["preset"] = args.preset
         if measured:
             out["assumptions"]["measured"] = {"path": args.measured, "device": device, "mode": args.measured_mode}
-        if workload.pp > 1 and not measured:
+        if pipelined and not measured:
             best = recommend_micro_batches(options)
             out["micro_batch_options"] = {"layout": advised, "options": [asdict(o) for o in options],
                                           "recommended": None if best is None else best.num_micro_batches}
@@ -244,7 +232,7 @@ def _run_estimate(args: argparse.Namespace) -> int:
         if measured:
             print(f"  compute per layer measured ({args.measured_mode}) on {device}, from {args.measured}; "
                   "communication, LM head and the other parameters' optimizer step modelled")
-        if workload.pp > 1 and not measured:
+        if pipelined and not measured:
             print(_micro_batch_text(options, advised, workload))
     return 0
 
@@ -312,6 +300,53 @@ def _run_eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_export_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("checkpoint", help="a training checkpoint folder (e.g. outputs/demo/checkpoint-200)")
+    parser.add_argument("output_dir", help="the Hugging Face folder to write (replaced atomically if it exists)")
+    parser.add_argument("--max-shard-size", default="5GB", help="largest safetensors file (default: 5GB)")
+
+
+def _run_export(args: argparse.Namespace) -> int:
+    """One process, or every process of a ``torchrun`` launch (each writes every world-th file)."""
+    import os
+
+    import torch.distributed as dist
+
+    from .training.publish import export_checkpoint
+
+    launched = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    if launched and not dist.is_initialized():
+        dist.init_process_group("gloo")
+    try:
+        folder = export_checkpoint(args.checkpoint, args.output_dir, max_shard_size=args.max_shard_size)
+    finally:
+        if launched:
+            dist.destroy_process_group()
+    if not launched or int(os.environ.get("RANK", "0")) == 0:
+        print(f"exported {args.checkpoint} to {folder}")
+    return 0
+
+
+def _add_convert_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("source", help="a checkpoint of the BOOST release (Arcana-2236/BOOST, Nanotron): its <checkpoints_path>/<step> "
+                                       "folder, or <checkpoints_path> (the step its latest.txt names)")
+    parser.add_argument("output", help="the canonical boost-hf checkpoint to write (a new folder)")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
+                        help="dtype of the written weights (default: as the release stored them)")
+
+
+def _run_convert(args: argparse.Namespace) -> int:
+    import torch
+
+    from .convert import convert_boost_release
+
+    output = convert_boost_release(args.source, args.output, dtype=getattr(torch, args.dtype) if args.dtype else None)
+    record = json.loads((output / "conversion.json").read_text())
+    print(f"converted {record['folder']} ({record['model']}, written at TP {record['tp_size']} x PP {record['pp_size']}, "
+          f"{record['files_read']} files) -> {output}: BoostLlamaForCausalLM.from_pretrained({str(output)!r})")
+    return 0
+
+
 # name -> (help, add_arguments(parser), run(args) -> exit code).
 SUBCOMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]] = {
     "estimate": (
@@ -329,10 +364,21 @@ SUBCOMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Cal
         _add_eval_arguments,
         _run_eval,
     ),
+    "export": (
+        "write a training checkpoint's Hugging Face folder (sharded safetensors streamed from its dcp/, config, remote "
+        "code, tokenizer, card); under `torchrun` each process writes its share of the files",
+        _add_export_arguments,
+        _run_export,
+    ),
     "train": (
         "pre-train from a YAML recipe (any field overridable); under `accelerate launch ... -m boost_hf.cli train` on many processes",
         _add_train_arguments,
         _run_train,
+    ),
+    "convert": (
+        "convert a checkpoint of the BOOST authors' Nanotron release (its CoLA models, any TP x PP) to a canonical boost-hf checkpoint",
+        _add_convert_arguments,
+        _run_convert,
     ),
     "demo": (
         "pre-train the tiny CoLA demo with BTP x DP on local CPU processes: perplexity, a sample, ./outputs/demo/final",

@@ -10,6 +10,8 @@ cola       ``y = B act(A x)``                                   (CoLA)
 lax        block 0: ``h = act(A x)``; block l > 0: ``h = act(LayerNorm_r(A x + G h_prev))``;
            ``y = B h``; ``h_prev`` is the previous block's ``h`` of the same projection
            (LaX latent crossing, as its authors' ``TensorizedLinear``)
+tt         ``y = B (A x)`` with ``A`` and ``B`` contracted from tensor-train cores (the BOOST release's
+           ``TensorTrainLinear``, :class:`TensorTrainShape`)
 =========  ==============================================================================
 
 With ``attention_bias`` / ``mlp_bias`` a bottleneck projection adds its bias after ``B`` (as CoLA does).
@@ -19,17 +21,24 @@ All validation lives in :meth:`BoostLlamaConfig.validate`, called on constructio
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import numbers
+from dataclasses import dataclass
 from typing import Any
 
 from transformers import PretrainedConfig
 from transformers.activations import ACT2FN
 
-BOTTLENECKS = (None, "svd", "cola", "lax")
+BOTTLENECKS = (None, "svd", "cola", "lax", "tt")
 LAX_GATES = ("dense", "kronecker", "identity")
 LAX_BASES = ("cola", "svd")
+FACTOR_INITS = ("cola", "xavier")
+"""How the bottleneck factors ``A`` and ``B`` are drawn (``factor_init``): ``"cola"``, both ``N(0, s^2)`` with
+``s = r^(-1/4) (d_in + d_out)^(-1/4)`` (CoLA's ``ColaLayer``); ``"xavier"``, each factor Xavier-normal on its own shape,
+``A [r, d_in]`` with std ``sqrt(2 / (r + d_in))`` and ``B [d_out, r]`` with ``sqrt(2 / (d_out + r))`` (the LORO authors'
+``--loro_init xavier``, ``torch.nn.init.xavier_normal_`` per factor)."""
 LAX_VERSION = 2
 """The LaX definition this code computes: 2 = the authors' (block 0 plain, the latent fed to ``B`` handed on,
 latent LayerNorm eps 1e-6, dense gate with a bias). 1 = boost-hf's earlier LaX (a latent LayerNorm in block 0,
@@ -46,11 +55,21 @@ PRESET_SIZES: dict[str, tuple[int, int, int, int, int]] = {
     "13b": (40, 5120, 40, 13824, 1280),
     "30b": (36, 8192, 64, 22016, 2048),
 }
-PRESET_ARCHS: dict[str, str | None] = {"llama": None, "svd": "svd", "cola": "cola", "lax": "lax"}
+PRESET_ARCHS: dict[str, str | None] = {"llama": None, "svd": "svd", "cola": "cola", "lax": "lax", "tt": "tt"}
+# Tensor-train presets: the BOOST release's configs (examples/tensor/config_tt_llama_{60m,1b}.yaml: an intermediate size
+# with balanced modes, 6 cores, tt_rank = the table's rank, 4096 positions; its 1b ties the embeddings) and, for the
+# other sizes, boost-hf's: the table's shape, 6 cores, leading modes multiples of 4 (BTP at tp_size 2 and 4).
+RELEASE_TT_PRESETS: dict[str, dict[str, Any]] = {
+    "60m": dict(intermediate_size=1344, max_position_embeddings=4096),
+    "1b": dict(intermediate_size=5472, max_position_embeddings=4096, tie_word_embeddings=True),
+}
+TT_PRESET_CORES = 6
+TT_PRESET_LEADING_MODE_MULTIPLE = 4
 
 AUTHORS_COLA_MODEL_TYPE = "cola"
 """``model_type`` of a ``config.json`` written by the CoLA authors' code (``alvin-zyl/CoLA``)."""
 AUTHORS_COLA_M_MODEL_TYPE = "cola_m"
+TENSOR_TRAIN_FIELDS = ("tt_rank", "tt_cores", "tt_rank_ratio", "tt_leading_mode_multiple")
 AUTHORS_COLA_DROPPED = ("model_type", "architectures", "auto_map", "lr_act_type", "pretraining_tp", "max_sequence_length", "rope_scaling")
 
 
@@ -85,6 +104,104 @@ def from_authors_cola(config_dict: dict[str, Any]) -> dict[str, Any]:
     ours.update(bottleneck="cola", lr_act=config_dict.get("hidden_act", "silu"))
     return ours
 
+
+# ---------------------------------------------------------------------- tensor train
+@dataclass(frozen=True)
+class TensorTrainShape:
+    """The cores of one tensor-train projection ``d_in -> d_out``, as the BOOST release's ``TensorTrainLinear``
+    (``examples/tensor/basic_tt_llama.py``) lays them out.
+
+    ``modes = input_modes + output_modes`` (products ``d_in`` and ``d_out``); core ``i`` is
+    ``[ranks[i], modes[i], ranks[i + 1]]`` (``ranks[0] = ranks[-1] = 1``). The input cores contract into
+    ``A^T: [d_in, r]`` and the output cores into ``B^T: [r, d_out]``, ``r = ranks[len(input_modes)]`` (the
+    *middle rank*); a row of ``A^T`` is indexed by ``(i_0, i_1, ...)`` row-major (``i_0``, the first input core's
+    mode, varies slowest), a column of ``B^T`` by ``(o_0, o_1, ...)`` likewise."""
+
+    input_modes: tuple[int, ...]
+    output_modes: tuple[int, ...]
+    ranks: tuple[int, ...]
+
+    @property
+    def modes(self) -> tuple[int, ...]:
+        return self.input_modes + self.output_modes
+
+    @property
+    def core_shapes(self) -> list[tuple[int, int, int]]:
+        """``[rank_in, mode, rank_out]`` of every core, input cores first."""
+        return [(self.ranks[i], mode, self.ranks[i + 1]) for i, mode in enumerate(self.modes)]
+
+    @property
+    def split(self) -> int:
+        """Index of the first output core."""
+        return len(self.input_modes)
+
+    @property
+    def middle_rank(self) -> int:
+        return self.ranks[self.split]
+
+    @property
+    def parameters(self) -> int:
+        return sum(math.prod(shape) for shape in self.core_shapes)
+
+
+def _divisors(n: int) -> list[int]:
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return small + [n // d for d in reversed(small) if d * d != n]
+
+
+@functools.cache
+def _balanced_factors(n: int, count: int) -> tuple[int, ...]:
+    """The release's balanced exact factorisation of ``n`` into ``count`` factors, in the order it builds them: one
+    factor is ``n`` itself; otherwise each divisor ``d`` of ``n`` (ascending) followed by the balanced factorisation
+    of ``n / d`` into ``count - 1`` factors is a candidate, and the candidate with the smallest sum of squared
+    deviations from its mean wins (the first one on a tie; float arithmetic as the release computes it)."""
+    if count == 1:
+        return (n,)
+    best, best_spread = None, math.inf
+    for d in _divisors(n):
+        candidate = (d, *_balanced_factors(n // d, count - 1))
+        mean = sum(candidate) / len(candidate)
+        spread = sum((f - mean) ** 2 for f in candidate)
+        if spread < best_spread:
+            best, best_spread = candidate, spread
+    return best
+
+
+def tensor_train_modes(n: int, count: int, *, descending: bool, leading_multiple: int = 1) -> tuple[int, ...]:
+    """The modes of ``n`` over ``count`` cores: the release's balanced factors sorted descending (input modes) or
+    ascending (output modes). With ``leading_multiple > 1`` and a first mode that is not a multiple of it, the first
+    mode (in that order) that is becomes the leading one, the others keeping their order (the same factors, another
+    order: boost-hf's choice, so that tensor parallelism can split the leading mode); unchanged if none is."""
+    modes = sorted(_balanced_factors(n, count), reverse=descending)
+    if modes[0] % leading_multiple != 0:
+        multiples = [mode for mode in modes if mode % leading_multiple == 0]
+        if multiples:
+            modes.remove(multiples[0])
+            modes.insert(0, multiples[0])
+    return tuple(modes)
+
+
+def tensor_train_ranks(modes: tuple[int, ...], tt_rank: int, tt_rank_ratio: float) -> tuple[int, ...]:
+    """Bond ranks of cores of ``modes`` as the release's ``validate_tt_rank(rank=tt_rank, constant_rank=True,
+    allow_overparametrization=False, per_decomp_rank_ratio_limit=tt_rank_ratio)`` gives them: 1 at both ends; the
+    rank after core ``i - 1`` is ``tt_rank`` if that is at most ``cap = min(rank_{i-1} modes[i-1], prod(modes[i:]))``
+    (what an SVD of that unfolding can realise), else ``int(cap * tt_rank_ratio)``."""
+    ranks = [1]
+    for i in range(1, len(modes)):
+        cap = min(ranks[-1] * modes[i - 1], math.prod(modes[i:]))
+        ranks.append(tt_rank if tt_rank <= cap else int(cap * tt_rank_ratio))
+    return (*ranks, 1)
+
+
+def tensor_train_shape(d_in: int, d_out: int, tt_rank: int, tt_cores: int, tt_rank_ratio: float = 1.0,
+                       leading_mode_multiple: int = 1) -> TensorTrainShape:
+    """The cores of a projection ``d_in -> d_out`` with ``tt_cores`` cores (even): ``tt_cores / 2`` input modes of
+    ``d_in`` (descending) and as many output modes of ``d_out`` (ascending), see :func:`tensor_train_modes`, with
+    the ranks of :func:`tensor_train_ranks`."""
+    half = tt_cores // 2
+    inputs = tensor_train_modes(d_in, half, descending=True, leading_multiple=leading_mode_multiple)
+    outputs = tensor_train_modes(d_out, half, descending=False, leading_multiple=leading_mode_multiple)
+    return TensorTrainShape(inputs, outputs, tensor_train_ranks(inputs + outputs, tt_rank, tt_rank_ratio))
 
 
 # ---------------------------------------------------------------------- field checks
@@ -176,8 +293,9 @@ class BoostLlamaConfig(PretrainedConfig):
     The LLaMA fields have the names and defaults of ``transformers.LlamaConfig``. Extra fields:
 
     Args:
-        bottleneck: ``None`` (full-rank LLaMA), ``"svd"``, ``"cola"`` or ``"lax"``.
-        rank: bottleneck rank ``r`` of every projection; default ``hidden_size // 4``.
+        bottleneck: ``None`` (full-rank LLaMA), ``"svd"``, ``"cola"``, ``"lax"`` or ``"tt"``.
+        rank: bottleneck rank ``r`` of every projection; default ``hidden_size // 4``. For ``"tt"`` it is the middle
+            rank of the tensor trains, derived from the ``tt_*`` fields (leave it unset, or give that value).
         only_lr_act: CoLA: drop the SwiGLU SiLU of the MLP and keep only the latent activations
             (``down(gate(x) * up(x))``). CoLA's 60M/130M reference configs set it to ``False``.
         lr_act: activation applied to the r-dim latent (cola, and lax on a cola base); any
@@ -192,7 +310,22 @@ class BoostLlamaConfig(PretrainedConfig):
             largest divisor of ``rank`` not above ``sqrt(rank)`` (the authors' most balanced pair).
         lax_version: the LaX definition (see :data:`LAX_VERSION`); only the current one is accepted. A saved
             LaX ``config.json`` without it was written by the earlier definition and is refused on load.
-        initializer_range: std of the dense weights (embedding, LM head, full-rank projections).
+        tt_rank: tensor train (``bottleneck="tt"``): the bond rank of every core, where a core's unfolding can
+            realise it (see :func:`tensor_train_ranks`); default ``hidden_size // 4``.
+        tt_cores: tensor train: cores per projection (even: half for the input modes, half for the output modes).
+            Default 4, as the BOOST release.
+        tt_rank_ratio: tensor train: a bond rank that ``tt_rank`` exceeds becomes ``int(cap * tt_rank_ratio)`` of
+            the largest rank its unfolding realises (the release's ``per_decomp_rank_ratio_limit``). Default 1.0.
+        tt_leading_mode_multiple: tensor train: the first input mode and the first output mode of every projection
+            are multiples of this (the modes tensor parallelism splits under ``tp_style="btp"``: ``tp_size`` must
+            divide them). Default 1: the release's modes and order. Otherwise a balanced mode that is a multiple
+            leads (:func:`tensor_train_modes`): the same factors in another order, another model than the release's.
+        initializer_range: std of the dense weights (embedding, LM head, full-rank projections); tensor-train cores
+            take it as the release does: core ``[r_in, m, r_out]`` ``N(0, s^2)``,
+            ``s = (r_in r_out)^(-1/4) initializer_range^(1 / tt_cores)``.
+        factor_init: how the bottleneck factors are initialised, ``"cola"`` (default) or ``"xavier"`` (each factor
+            Xavier-normal, as the LORO authors initialise theirs); see :data:`FACTOR_INITS`. Initialisation only: it
+            does not change what given weights compute.
     """
 
     model_type = "boost_llama"
@@ -230,6 +363,11 @@ class BoostLlamaConfig(PretrainedConfig):
         lax_base: str = "cola",
         lax_kronecker_factor: int | None = None,
         lax_version: int = LAX_VERSION,
+        factor_init: str = "cola",
+        tt_rank: int | None = None,
+        tt_cores: int = 4,
+        tt_rank_ratio: float = 1.0,
+        tt_leading_mode_multiple: int = 1,
         **kwargs,
     ):
         self.vocab_size = vocab_size
@@ -251,7 +389,8 @@ class BoostLlamaConfig(PretrainedConfig):
             rope_parameters = {"rope_type": "default", "rope_theta": float(rope_theta)}
         self.rope_parameters = dict(rope_parameters)
         self.bottleneck = bottleneck
-        self.rank = rank if rank is not None else hidden_size // 4
+        # a tensor train's rank is its middle rank, derived in validate()
+        self.rank = rank if rank is not None or bottleneck == "tt" else hidden_size // 4
         self.only_lr_act = only_lr_act
         self.lr_act = lr_act
         self.lax_gate = lax_gate
@@ -259,6 +398,11 @@ class BoostLlamaConfig(PretrainedConfig):
         self.lax_base = lax_base
         self.lax_kronecker_factor = lax_kronecker_factor
         self.lax_version = lax_version
+        self.factor_init = factor_init
+        self.tt_rank = tt_rank if tt_rank is not None else hidden_size // 4
+        self.tt_cores = tt_cores
+        self.tt_rank_ratio = tt_rank_ratio
+        self.tt_leading_mode_multiple = tt_leading_mode_multiple
         self.validate()  # before transformers' own checks, so every mistake gets our ValueError
         super().__init__(
             pad_token_id=pad_token_id,
@@ -313,7 +457,7 @@ class BoostLlamaConfig(PretrainedConfig):
         "model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
         "num_key_value_heads", "head_dim", "hidden_act", "rms_norm_eps", "tie_word_embeddings", "attention_bias",
         "mlp_bias", "rope_theta", "bottleneck", "rank", "only_lr_act", "lr_act", "lax_gate", "lax_latent_norm",
-        "lax_base", "lax_kronecker_factor", "lax_version",
+        "lax_base", "lax_kronecker_factor", "lax_version", "tt_rank", "tt_cores", "tt_rank_ratio", "tt_leading_mode_multiple",
     )
     """Fields that change what the same weights compute (the *architecture record* of a checkpoint's manifest)."""
 
@@ -331,6 +475,9 @@ class BoostLlamaConfig(PretrainedConfig):
             record["lax_kronecker_factor"] = list(self.kronecker_factors) if self.lax_gate == "kronecker" else None
         else:
             for name in ("lax_gate", "lax_latent_norm", "lax_base", "lax_kronecker_factor", "lax_version"):
+                record[name] = None
+        if record["bottleneck"] != "tt":
+            for name in TENSOR_TRAIN_FIELDS:
                 record[name] = None
         return record
 
@@ -353,13 +500,18 @@ class BoostLlamaConfig(PretrainedConfig):
             "down_proj": (f, d),
         }
 
+    def tensor_train_shape(self, name: str) -> TensorTrainShape:
+        """The tensor-train cores of projection ``name`` (``q_proj`` ... ``down_proj``) of a ``"tt"`` model."""
+        d_in, d_out = self.projection_shapes()[name]
+        return tensor_train_shape(d_in, d_out, self.tt_rank, self.tt_cores, self.tt_rank_ratio, self.tt_leading_mode_multiple)
+
     # ------------------------------------------------------------------ validation
     def validate(self) -> None:
         """Raise ``TypeError``/``ValueError`` naming the field to change if the configuration is wrong or inconsistent."""
         check_config_fields(self)
         if self.bottleneck not in BOTTLENECKS:
             raise ValueError(
-                f"Unknown bottleneck {self.bottleneck!r}: use one of None (full rank), 'svd', 'cola', 'lax'."
+                f"Unknown bottleneck {self.bottleneck!r}: use one of None (full rank), 'svd', 'cola', 'lax', 'tt'."
             )
         if self.num_key_value_heads < 1 or self.num_attention_heads % self.num_key_value_heads != 0:
             raise ValueError(
@@ -377,8 +529,12 @@ class BoostLlamaConfig(PretrainedConfig):
                 f"hidden_size ({self.hidden_size}) must be divisible by num_attention_heads "
                 f"({self.num_attention_heads}) into an even head size."
             )
+        if self.factor_init not in FACTOR_INITS:
+            raise ValueError(f"Unknown factor_init {self.factor_init!r}: use one of {FACTOR_INITS}.")
         if self.bottleneck is None:
             return
+        if self.bottleneck == "tt":
+            self._validate_tensor_train()
         smallest = min(min(shape) for shape in self.projection_shapes().values())
         if not 1 <= self.rank <= smallest:
             raise ValueError(
@@ -404,6 +560,54 @@ class BoostLlamaConfig(PretrainedConfig):
                     raise ValueError(
                         f"lax_kronecker_factor ({self.lax_kronecker_factor}) must divide rank ({self.rank})."
                     )
+
+    def _validate_tensor_train(self) -> None:
+        """The ``tt_*`` fields; sets ``rank`` to the middle rank shared by the 7 projections' tensor trains."""
+        check_int("tt_rank", self.tt_rank)
+        check_int("tt_cores", self.tt_cores, minimum=2)
+        if self.tt_cores % 2 != 0:
+            raise ValueError(
+                f"tt_cores must be even (half the cores take the input modes, half the output modes), got {self.tt_cores}: "
+                "the BOOST release's TensorTrainLinear cannot build an odd count either."
+            )
+        check_real("tt_rank_ratio", self.tt_rank_ratio, positive=True)
+        check_int("tt_leading_mode_multiple", self.tt_leading_mode_multiple)
+        if self.factor_init != "cola":
+            raise ValueError(
+                f"factor_init={self.factor_init!r} initialises factors A and B, which a tensor train (bottleneck='tt') "
+                "does not hold: its cores start as the BOOST release draws them. Leave factor_init at its default."
+            )
+        shapes = {name: self.tensor_train_shape(name) for name in self.projection_shapes()}
+        multiple = self.tt_leading_mode_multiple
+        for name, shape in shapes.items():
+            if min(shape.ranks) < 1:
+                raise ValueError(
+                    f"tt_rank_ratio ({self.tt_rank_ratio}) makes a bond rank of {name} zero (ranks {list(shape.ranks)} for "
+                    f"modes {list(shape.modes)}): raise tt_rank_ratio or lower tt_rank."
+                )
+            for kind, modes in (("input", shape.input_modes), ("output", shape.output_modes)):
+                if modes[0] % multiple != 0:
+                    raise ValueError(
+                        f"tt_leading_mode_multiple={multiple}: no {kind} mode of {name} is a multiple of it ({kind} modes "
+                        f"{list(modes)}, the balanced factors of {math.prod(modes)} over {len(modes)} cores): choose a "
+                        "multiple that one of them has, another tt_cores, or tt_leading_mode_multiple=1."
+                    )
+        middle = {name: shape.middle_rank for name, shape in shapes.items()}
+        if len(set(middle.values())) > 1:
+            raise ValueError(
+                f"tt_rank ({self.tt_rank}) gives the projections different middle ranks ({middle}: a tensor train's middle "
+                "rank is at most its input and output widths): every projection needs the same bottleneck rank; lower "
+                f"tt_rank to at most {min(middle.values())}."
+            )
+        derived = next(iter(middle.values()))
+        if self.rank is None:
+            self.rank = derived
+        elif self.rank != derived:
+            raise ValueError(
+                f"rank ({self.rank}) is derived for bottleneck='tt' (the middle rank of the tensor trains, {derived} from "
+                f"tt_rank={self.tt_rank}, tt_cores={self.tt_cores}, tt_rank_ratio={self.tt_rank_ratio}): leave rank unset, "
+                "or set tt_rank instead."
+            )
 
     @classmethod
     def get_config_dict(cls, pretrained_model_name_or_path, **kwargs) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -433,9 +637,11 @@ class BoostLlamaConfig(PretrainedConfig):
     @classmethod
     def from_preset(cls, name: str, **overrides) -> "BoostLlamaConfig":
         """Build a reference configuration: ``"<arch>-<size>"`` with arch in llama (full rank), svd, cola,
-        lax and size in 60m, 130m, 350m, 1b, 7b (CoLA's table) or 3b, 13b, 30b (BOOST's table).
+        lax, tt and size in 60m, 130m, 350m, 1b, 7b (CoLA's table) or 3b, 13b, 30b (BOOST's table).
 
-        Vocabulary 32000, untied LM head, r = d/4 (CoLA), no GQA. ``overrides`` replace any field.
+        Vocabulary 32000, untied LM head, r = d/4 (CoLA), no GQA. ``tt``: ``tt_rank`` = that r, 6 cores; ``tt-60m``
+        and ``tt-1b`` are the BOOST release's configs (see :data:`RELEASE_TT_PRESETS`), the other sizes boost-hf's
+        (leading modes multiples of 4). ``overrides`` replace any field.
         """
         arch, _, size = name.lower().partition("-")
         if arch not in PRESET_ARCHS or size not in PRESET_SIZES:
@@ -455,6 +661,10 @@ class BoostLlamaConfig(PretrainedConfig):
             # CoLA's 60M/130M reference configs keep the SwiGLU SiLU.
             only_lr_act=size not in ("60m", "130m"),
         )
+        if arch == "tt":
+            del fields["rank"]  # derived from the tensor trains
+            fields.update(tt_rank=rank, tt_cores=TT_PRESET_CORES)
+            fields.update(RELEASE_TT_PRESETS.get(size, dict(tt_leading_mode_multiple=TT_PRESET_LEADING_MODE_MULTIPLE)))
         fields.update(overrides)
         return cls(**fields)
 
@@ -462,4 +672,8 @@ class BoostLlamaConfig(PretrainedConfig):
 # Every saved config ships this file and names it in ``auto_map`` (remote code: ``trust_remote_code=True``).
 BoostLlamaConfig.register_for_auto_class()
 
-__all__ = ["BoostLlamaConfig", "BOTTLENECKS", "LAX_GATES", "LAX_BASES", "LAX_VERSION", "PRESET_SIZES", "AUTHORS_COLA_MODEL_TYPE", "from_authors_cola"]
+__all__ = [
+    "BoostLlamaConfig", "BOTTLENECKS", "FACTOR_INITS", "LAX_GATES", "LAX_BASES", "LAX_VERSION", "PRESET_SIZES",
+    "RELEASE_TT_PRESETS", "AUTHORS_COLA_MODEL_TYPE", "from_authors_cola", "TensorTrainShape", "tensor_train_modes",
+    "tensor_train_ranks", "tensor_train_shape",
+]

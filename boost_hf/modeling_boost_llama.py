@@ -1,4 +1,4 @@
-"""The boost-hf LLaMA family: full-rank LLaMA and its low-rank bottleneck variants (svd, cola, lax).
+"""The boost-hf LLaMA family: full-rank LLaMA and its low-rank bottleneck variants (svd, cola, lax, tt).
 
 A single-device model that reads like ``transformers``' ``modeling_llama.py``: norm -> rotary ->
 projections -> MLP -> attention -> decoder layer -> base model -> causal-LM head. It imports only
@@ -38,11 +38,12 @@ from transformers.utils import can_return_tuple, logging
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
-from .configuration_boost_llama import AUTHORS_COLA_MODEL_TYPE, BoostLlamaConfig
+from .configuration_boost_llama import AUTHORS_COLA_MODEL_TYPE, BoostLlamaConfig, TensorTrainShape
 
 logger = logging.get_logger(__name__)
 
 LATENT_NORM_EPS = 1e-6  # the LaX authors' latent LayerNorm
+IGNORE_INDEX = -100  # a label the loss skips (transformers' convention)
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -169,6 +170,91 @@ class BoostLlamaLaxLinear(BoostLlamaLowRankLinear):
         return f"{super().extra_repr()}, crossing={self.crossing}"
 
 
+def contract_cores(cores: list[torch.Tensor]) -> torch.Tensor:
+    """Consecutive tensor-train cores ``[r_0, m_0, r_1], ..., [r_{k-1}, m_{k-1}, r_k]`` contracted over their shared
+    ranks: the matrix ``[r_0 m_0 ... m_{k-1}, r_k]``, rows indexed by ``(r_0, m_0, ..., m_{k-1})`` row-major."""
+    matrix = cores[0].reshape(-1, cores[0].shape[-1])
+    for core in cores[1:]:
+        matrix = (matrix @ core.reshape(core.shape[0], -1)).reshape(-1, core.shape[-1])
+    return matrix
+
+
+class BoostLlamaTensorTrainCores(nn.Module):
+    """The cores of one tensor-train projection, ``[rank_in, mode, rank_out]`` each: parameters ``0``, ``1``, ...
+    (``<projection>.cores.<i>``, as the release names them).
+
+    Module call ``cores(start, stop)``: cores ``start .. stop - 1`` contracted (:func:`contract_cores`). A module
+    call, so that what gathers a module's parameters before its forward (DeepSpeed ZeRO-3) gathers the cores."""
+
+    def __init__(self, shapes: list[tuple[int, int, int]]):
+        super().__init__()
+        for i, shape in enumerate(shapes):
+            self.register_parameter(str(i), nn.Parameter(torch.empty(shape)))
+
+    def __len__(self) -> int:
+        return len(self._parameters)
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return self._parameters[str(i)]
+
+    def __iter__(self):
+        return iter(self._parameters.values())
+
+    def forward(self, start: int, stop: int) -> torch.Tensor:
+        return contract_cores([self[i] for i in range(start, stop)])
+
+    def extra_repr(self) -> str:
+        return ", ".join(f"{name}: {tuple(core.shape)}" for name, core in self._parameters.items())
+
+
+class BoostLlamaTensorTrainLinear(nn.Module):
+    """Tensor-train projection (the BOOST release's ``TensorTrainLinear``): ``y = (x A^T) B^T (+ bias)``.
+
+    ``cores``: the input cores (modes of ``in_features``) then the output cores (modes of ``out_features``), see
+    :class:`~.configuration_boost_llama.TensorTrainShape`. The input cores contract into ``A^T: [in_features, r]``,
+    the output cores into ``B^T: [r, out_features]`` (``r`` the middle rank), both at every call, and the tokens
+    go through two GEMMs, as the release's half reconstruction; nothing between the factors. ``A: [r, in_features]``
+    and ``B: [out_features, r]`` are these reconstructions (properties, not parameters), so the tensor-parallel
+    layouts run it as any bottleneck. ``bias: [out_features]`` after ``B``.
+    """
+
+    def __init__(self, in_features: int, out_features: int, tensor_train: TensorTrainShape, bias: bool = False):
+        super().__init__()
+        self.in_features, self.out_features, self.tensor_train = in_features, out_features, tensor_train
+        self.rank = tensor_train.middle_rank
+        self.cores = BoostLlamaTensorTrainCores(tensor_train.core_shapes)
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+
+    @property
+    def A(self) -> torch.Tensor:
+        """``[r, in_features]``: the input cores contracted (rows of ``A^T`` indexed by the input modes)."""
+        return self.cores(0, self.tensor_train.split).T
+
+    @property
+    def B(self) -> torch.Tensor:
+        """``[out_features, r]``: the output cores contracted (columns of ``B^T`` indexed by the output modes)."""
+        split = self.tensor_train.split
+        rank = self.cores[split].shape[0]  # r, or the slice of it that a tensor-parallel rank holds
+        return self.cores(split, len(self.cores)).reshape(rank, -1).T
+
+    def latent(self, z: torch.Tensor) -> torch.Tensor:
+        """The function between the factors: none."""
+        return z
+
+    def up(self, h: torch.Tensor) -> torch.Tensor:
+        return F.linear(h, self.B, self.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.up(F.linear(x, self.A))
+
+    def extra_repr(self) -> str:
+        tt = self.tensor_train
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, rank={self.rank}, "
+            f"modes={list(tt.input_modes)}x{list(tt.output_modes)}, ranks={list(tt.ranks)}, bias={self.bias is not None}"
+        )
+
+
 def make_projection(config: BoostLlamaConfig, name: str, layer_idx: int) -> nn.Module:
     """Projection ``name`` (``q_proj`` ... ``down_proj``) of block ``layer_idx``: ``nn.Linear`` at full rank."""
     in_features, out_features = config.projection_shapes()[name]
@@ -186,6 +272,8 @@ def make_projection(config: BoostLlamaConfig, name: str, layer_idx: int) -> nn.M
             kronecker_factors=config.kronecker_factors,
             latent_norm=config.lax_latent_norm,
         )
+    if config.bottleneck == "tt":
+        return BoostLlamaTensorTrainLinear(in_features, out_features, config.tensor_train_shape(name), bias)
     return BoostLlamaLowRankLinear(in_features, out_features, config.rank, config.latent_activation, bias)
 
 
@@ -393,18 +481,26 @@ class BoostLlamaPreTrainedModel(PreTrainedModel):
         """The initial value of parameter ``name`` of ``module`` at its full ``shape`` (``None``: not ours).
 
         Dense weights ``N(0, initializer_range^2)``; bottleneck factors ``N(0, s^2)`` with
-        ``s = r^(-1/4) (in + out)^(-1/4)`` and the bias after ``B`` ``U(-out^(-1/2), out^(-1/2))`` (CoLA); LaX
+        ``s = r^(-1/4) (in + out)^(-1/4)`` (CoLA; ``factor_init="xavier"``: ``s = sqrt(2 / (rows + columns))`` of each
+        factor's own shape) and the bias after ``B`` ``U(-out^(-1/2), out^(-1/2))`` (CoLA); LaX
         gates as their authors initialise them: the dense gate ``N(0, 0.02^2)`` with a zero bias (timm's
-        ``nn.Linear`` init), each Kronecker factor ``[n, n]`` Kaiming-uniform ``U(-sqrt(6/n), sqrt(6/n))``; norm
-        weights 1 and other biases 0.
+        ``nn.Linear`` init), each Kronecker factor ``[n, n]`` Kaiming-uniform ``U(-sqrt(6/n), sqrt(6/n))``;
+        tensor-train cores ``[r_in, m, r_out]`` as the BOOST release initialises them, ``N(0, s^2)`` with
+        ``s = (r_in r_out)^(-1/4) initializer_range^(1 / tt_cores)`` (their product has std about
+        ``initializer_range``), and a zero bias; norm weights 1 and other biases 0.
         """
-        if isinstance(module, BoostLlamaLowRankLinear) and name in ("A", "B"):
+        if isinstance(module, BoostLlamaLowRankLinear) and name in ("A", "B") and self.config.factor_init == "xavier":
+            std = (2.0 / (shape[0] + shape[1])) ** 0.5
+        elif isinstance(module, BoostLlamaLowRankLinear) and name in ("A", "B"):
             std = (module.rank**-0.25) * ((module.in_features + module.out_features) ** -0.25)
         elif isinstance(module, BoostLlamaLowRankLinear) and name == "bias":
             bound = module.out_features**-0.5
             return torch.empty(shape).uniform_(-bound, bound, generator=generator)
         elif isinstance(module, BoostLlamaLaxLinear) and name == "gate":
             std = 0.02
+        elif isinstance(module, BoostLlamaTensorTrainCores):
+            rank_in, _, rank_out = shape
+            std = (rank_in * rank_out) ** -0.25 * self.config.initializer_range ** (1.0 / self.config.tt_cores)
         elif isinstance(module, BoostLlamaLaxLinear) and name in ("gate_left", "gate_right"):
             bound = (6.0 / shape[1]) ** 0.5  # torch.nn.init.kaiming_uniform_ with its defaults (fan_in, a=0)
             return torch.empty(shape).uniform_(-bound, bound, generator=generator)
@@ -442,8 +538,28 @@ class BoostLlamaPreTrainedModel(PreTrainedModel):
             init.copy_(param, value)
 
 
+def check_token_ids(ids: torch.Tensor, vocab_size: int, where: str = "input_ids", ignore_index: int | None = None) -> None:
+    """Raise if an entry of ``ids`` is outside ``[0, vocab_size)`` (``ignore_index`` allowed: labels). One min/max pass:
+    on the CPU a ``ValueError`` naming the id; on an accelerator (and inside ``torch.compile``) a device-side assert
+    (``torch._assert_async``, no host sync) with the same text, without the id. A model split over ranks would
+    otherwise compute with such an id silently (a vocab-parallel embedding or loss counts it as another rank's)."""
+    if ids.numel() == 0 or ids.is_meta:
+        return
+    valid = ids if ignore_index is None else ids.masked_fill(ids == ignore_index, 0)
+    low, high = torch.aminmax(valid)
+    outside = (f"outside the model's vocabulary [0, {vocab_size})" if ignore_index is None else
+               f"neither in the model's vocabulary [0, {vocab_size}) nor the ignore index {ignore_index}")
+    fix = "the data was tokenized with another tokenizer, or vocab_size is too small."
+    if ids.device.type != "cpu" or torch.compiler.is_compiling():  # no host sync, no data-dependent branch
+        torch._assert_async((low >= 0) & (high < vocab_size), f"a token id in {where} is {outside}: {fix}")
+        return
+    if low < 0 or high >= vocab_size:
+        raise ValueError(f"token id {int(low) if low < 0 else int(high)} in {where} is {outside}: {fix}")
+
+
 class BoostLlamaModel(BoostLlamaPreTrainedModel):
-    """Embedding -> decoder layers -> final norm; ``last_hidden_state: [B, S, d]``."""
+    """Embedding -> decoder layers -> final norm; ``last_hidden_state: [B, S, d]``. ``input_ids`` outside the
+    vocabulary raise (:func:`check_token_ids`)."""
 
     def __init__(self, config: BoostLlamaConfig):
         super().__init__(config)
@@ -471,6 +587,8 @@ class BoostLlamaModel(BoostLlamaPreTrainedModel):
         if (input_ids is None) ^ (inputs_embeds is not None):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
         self._check_latent_checkpointing()
+        if input_ids is not None:
+            check_token_ids(input_ids, self.config.vocab_size)
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
         if use_cache and past_key_values is None:
@@ -557,7 +675,8 @@ def converting_authors_cola(class_name: str):
 
 
 class BoostLlamaForCausalLM(BoostLlamaPreTrainedModel, GenerationMixin):
-    """Causal LM: base model -> LM head ``[B, S, V]`` -> next-token cross-entropy.
+    """Causal LM: base model -> LM head ``[B, S, V]`` -> next-token cross-entropy (``labels`` outside the vocabulary,
+    other than ``IGNORE_INDEX``, raise).
 
     ``BoostLlamaForCausalLM(config, parallel_config=ParallelConfig(tp_size=4))`` inside a launched process
     group builds this rank's shard (see :func:`boost_hf.parallel.parallelize`).
@@ -585,9 +704,9 @@ class BoostLlamaForCausalLM(BoostLlamaPreTrainedModel, GenerationMixin):
         A checkpoint (folder or Hub id) must match the model exactly: missing, unexpected or wrongly-shaped
         weights raise, unless ``output_loading_info=True`` (the report is returned instead) or
         ``ignore_mismatched_sizes=True`` (sizes only). ``from_pretrained(None, config=..., state_dict=...)``
-        reads no checkpoint and behaves as in transformers (missing weights are initialised). A boost-hf folder's
-        ``manifest.json`` records the architecture its weights were trained as: a config that computes another
-        function (see :meth:`_check_saved_architecture`) raises unless ``check_architecture=False``.
+        reads no checkpoint and behaves as in transformers (missing weights are initialised). A checkpoint records the
+        architecture its weights were trained as (boost-hf's ``manifest.json``, else its saved ``config.json``): a config
+        that computes another function (see :meth:`_check_saved_architecture`) raises unless ``check_architecture=False``.
 
         A checkpoint written by the CoLA authors' code (``model_type: "cola"``) is converted while it loads
         (:meth:`from_authors_cola`)."""
@@ -595,8 +714,8 @@ class BoostLlamaForCausalLM(BoostLlamaPreTrainedModel, GenerationMixin):
             cls._check_saved_architecture(str(pretrained_model_name_or_path), kwargs)
         if pretrained_model_name_or_path is not None and is_authors_cola_checkpoint(pretrained_model_name_or_path, kwargs):
             return cls.from_authors_cola(pretrained_model_name_or_path, *model_args, parallel_config=parallel_config, **kwargs)
-        if parallel_config is not None:
-            return parallel_config.load_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs)
+        if parallel_config is not None:  # the architecture was checked above
+            return parallel_config.load_pretrained(cls, pretrained_model_name_or_path, *model_args, check_architecture=False, **kwargs)
         return cls._from_pretrained_checked(pretrained_model_name_or_path, *model_args, **kwargs)
 
     @classmethod
@@ -653,28 +772,47 @@ class BoostLlamaForCausalLM(BoostLlamaPreTrainedModel, GenerationMixin):
         return model
 
     @classmethod
-    def _check_saved_architecture(cls, folder: str, kwargs: dict) -> None:
-        """Raise ``ValueError`` naming the fields where the config used to load ``folder`` (``config=``, keyword
-        overrides such as ``only_lr_act=False``, or an edited ``config.json``) differs from the architecture record of
-        the folder's ``manifest.json`` (written by boost-hf): the same tensors would compute another function (a cola
-        checkpoint read as svd, ``only_lr_act`` or the LaX base flipped, ...). Folders without a manifest pass."""
-        manifest = os.path.join(folder, kwargs.get("subfolder") or "", "manifest.json")
-        if not os.path.isfile(manifest):
-            return
-        with open(manifest) as f:
-            record = json.load(f).get("architecture")
+    def _check_saved_architecture(cls, pretrained_model_name_or_path: str, kwargs: dict) -> None:
+        """Raise ``ValueError`` naming the fields where the config used to load a checkpoint (``config=``, keyword
+        overrides such as ``only_lr_act=False``, or an edited ``config.json``) differs from the architecture the
+        checkpoint records: the same tensors would compute another function (a cola checkpoint read as svd,
+        ``only_lr_act`` or the LaX base flipped, ...). The record is the folder's ``manifest.json`` (written by
+        boost-hf's trainer) or else its saved ``config.json`` (``save_pretrained``; local or on the Hub); a checkpoint
+        of another model type (e.g. ``LlamaForCausalLM``) has none here."""
         config = kwargs.get("config")
-        if record is None or (config is not None and not isinstance(config, cls.config_class)):
+        if config is not None and not isinstance(config, cls.config_class):
+            return
+        record = cls._saved_architecture(pretrained_model_name_or_path, kwargs)
+        if record is None:
             return
         if config is None:
-            config, _ = cls.config_class.from_pretrained(folder, return_unused_kwargs=True, **kwargs)
+            config, _ = cls.config_class.from_pretrained(pretrained_model_name_or_path, return_unused_kwargs=True, **kwargs)
         different = config.architecture_differences(record)
         if different:
             raise ValueError(
-                f"{folder!r} was saved from another architecture than the config used to load it ({'; '.join(different)}): "
-                "its weights would compute another function. Load it with its own config.json (no config= or overrides), "
-                "or pass check_architecture=False to load the tensors anyway."
+                f"{pretrained_model_name_or_path!r} was saved from another architecture than the config used to load it "
+                f"({'; '.join(different)}): its weights would compute another function. Load it with its own config.json "
+                "(no config= or overrides), or pass check_architecture=False to load the tensors anyway."
             )
+
+    @classmethod
+    def _saved_architecture(cls, pretrained_model_name_or_path: str, kwargs: dict) -> dict | None:
+        """The architecture record of a checkpoint: its ``manifest.json``'s, else that of its ``config.json`` when it
+        is a config of this model type; ``None`` when there is neither."""
+        manifest = os.path.join(pretrained_model_name_or_path, kwargs.get("subfolder") or "", "manifest.json")
+        if os.path.isfile(manifest):
+            with open(manifest) as f:
+                record = json.load(f).get("architecture")
+            if record is not None:
+                return record
+        hub = {name: kwargs[name] for name in HUB_KWARGS if name in kwargs}
+        try:
+            saved, _ = cls.config_class.get_config_dict(pretrained_model_name_or_path, **hub)
+        except OSError:
+            return None  # no config to read: the ordinary load reports it
+        if saved.get("model_type") != cls.config_class.model_type:
+            return None
+        return cls.config_class.from_dict(saved).architecture_record()
 
     @can_return_tuple
     def forward(
@@ -689,6 +827,8 @@ class BoostLlamaForCausalLM(BoostLlamaPreTrainedModel, GenerationMixin):
         logits_to_keep: int | torch.Tensor = 0,
         **kwargs,
     ) -> CausalLMOutputWithPast:
+        if labels is not None:  # before any work (or, split over ranks, any collective)
+            check_token_ids(labels, self.config.vocab_size, "labels", ignore_index=IGNORE_INDEX)
         outputs: BaseModelOutputWithPast = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -718,6 +858,8 @@ BoostLlamaModel.register_for_auto_class("AutoModel")
 BoostLlamaForCausalLM.register_for_auto_class("AutoModelForCausalLM")
 
 __all__ = [
+    "IGNORE_INDEX",
+    "check_token_ids",
     "BoostLlamaPreTrainedModel",
     "BoostLlamaModel",
     "BoostLlamaForCausalLM",
@@ -725,6 +867,8 @@ __all__ = [
     "BoostLlamaRotaryEmbedding",
     "BoostLlamaLowRankLinear",
     "BoostLlamaLaxLinear",
+    "BoostLlamaTensorTrainCores",
+    "BoostLlamaTensorTrainLinear",
     "BoostLlamaAttention",
     "BoostLlamaMLP",
     "BoostLlamaDecoderLayer",

@@ -1,8 +1,8 @@
 """LoRA from ``peft`` on boost-hf's bottleneck projections, through peft's custom module mapping.
 
 A bottleneck projection ``y = B act(A x)`` (``BoostLlamaLowRankLinear``; LaX: ``BoostLlamaLaxLinear``, whose
-crossing latent is passed through untouched) gets its adapter as a branch **parallel to the whole
-projection**::
+crossing latent is passed through untouched; tensor train: ``BoostLlamaTensorTrainLinear``, ``A`` and ``B``
+contracted from its cores) gets its adapter as a branch **parallel to the whole projection**::
 
     y = proj(x) + (alpha / r_l) * B_l A_l dropout(x)        A_l: [r_l, in], B_l: [out, r_l], B_l = 0 at init
 
@@ -12,7 +12,7 @@ own LoRA layer, which computes the same formula), and ``B A`` plus the branch st
 **Merging is refused.** ``B act(A x) + s B_l A_l x`` has no weight matrix to add ``s B_l A_l`` to: with an
 activation between the factors (cola, lax) no merge is exact; without one (svd) the exact merge
 ``[B, s B_l] [A; A_l]`` raises the rank of that projection to ``r + r_l``, which the checkpoint's single
-``rank`` cannot describe. A silent approximation (or a silently dropped adapter in ``merge_and_unload``) is
+``rank`` cannot describe; a tensor train (tt) would need larger bond ranks than its cores have. A silent approximation (or a silently dropped adapter in ``merge_and_unload``) is
 never acceptable, so ``merge`` / ``merge_and_unload`` raise :class:`BottleneckMergeError` on these layers;
 the un-merged adapter model computes the exact outputs (and ``unload()`` removes adapters without merging).
 Full-rank models (``bottleneck=None``) merge as usual.
@@ -41,7 +41,7 @@ from peft import LoraConfig
 from peft.tuners.lora.layer import LoraLayer
 from torch import nn
 
-from .modeling_boost_llama import BoostLlamaLaxLinear, BoostLlamaLowRankLinear
+from .modeling_boost_llama import BoostLlamaLaxLinear, BoostLlamaLowRankLinear, BoostLlamaTensorTrainLinear
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 """The 7 projections of a decoder block: ``target_modules`` for LoRA on every projection."""
@@ -82,10 +82,16 @@ class BottleneckLoraLinear(nn.Module, LoraLayer):
         return (result, carried) if crossing else result
 
     def merge(self, safe_merge: bool = False, adapter_names: list[str] | None = None) -> None:
+        projection = self.get_base_layer()
+        if isinstance(projection, BoostLlamaTensorTrainLinear):
+            why = ("its weight is a tensor train of fixed bond ranks, and B_l A_l added to it is in general not one of "
+                   "those ranks (the config cannot describe larger ones)")
+        else:
+            why = ("y = B act(A x) has no weight matrix to add B_l A_l to (exact only for svd, by raising the rank to "
+                   "r + r_l, which the config cannot describe)")
         raise BottleneckMergeError(
-            f"cannot merge a LoRA adapter into a bottleneck projection ({self.get_base_layer().extra_repr()}): "
-            "y = B act(A x) has no weight matrix to add B_l A_l to (exact only for svd, by raising the rank to r + r_l, "
-            "which the config cannot describe). Keep the adapter unmerged (PeftModel's outputs are exact), or unload() it."
+            f"cannot merge a LoRA adapter into a bottleneck projection ({projection.extra_repr()}): {why}. Keep the "
+            "adapter unmerged (PeftModel's outputs are exact), or unload() it."
         )
 
     def get_delta_weight(self, adapter: str) -> torch.Tensor:
@@ -96,10 +102,10 @@ class BottleneckLoraLinear(nn.Module, LoraLayer):
 
 
 def register_bottleneck_lora(config: LoraConfig) -> LoraConfig:
-    """Map boost-hf's bottleneck projections (LaX included) to :class:`BottleneckLoraLinear` in ``config``
+    """Map boost-hf's bottleneck projections (LaX and tensor train included) to :class:`BottleneckLoraLinear` in ``config``
     (peft's custom module mapping); returns ``config``. Needed again when loading a saved adapter, because
     peft does not save the mapping."""
-    config._register_custom_module({BoostLlamaLowRankLinear: BottleneckLoraLinear})
+    config._register_custom_module({BoostLlamaLowRankLinear: BottleneckLoraLinear, BoostLlamaTensorTrainLinear: BottleneckLoraLinear})
     return config
 
 

@@ -35,6 +35,7 @@ VARIANTS: dict[str, dict] = {
     "lax-identity": dict(bottleneck="lax", lax_gate="identity"),
     "lax-no-norm": dict(bottleneck="lax", lax_latent_norm=False),
     "lax-svd": dict(bottleneck="lax", lax_base="svd"),
+    "tt": dict(bottleneck="tt"),  # 4 cores, tt_rank 8: modes of 32 (8, 4) / (4, 8), of 64 (8, 8), of 16 (4, 4)
 }
 LOW_RANK_VARIANTS = [name for name, fields in VARIANTS.items() if fields["bottleneck"] is not None]
 

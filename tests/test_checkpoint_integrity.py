@@ -121,3 +121,46 @@ def test_from_pretrained_with_its_own_config_loads(saved_cola):
     from boost_hf import BoostLlamaForCausalLM
 
     assert BoostLlamaForCausalLM.from_pretrained(saved_cola).config.lax_base == "cola"
+
+
+@pytest.mark.parametrize("saved, used, message", [
+    (config(), config(bottleneck="svd"), "bottleneck: checkpoint 'cola', config 'svd'"),  # the same tensors, no activation
+    (config(bottleneck="lax", lax_base="cola", num_key_value_heads=4), config(bottleneck="lax", lax_base="svd", num_key_value_heads=4),
+     "lax_base: checkpoint 'cola', config 'svd'"),
+    (config(), {"only_lr_act": False}, "only_lr_act: checkpoint True, config False"),
+], ids=["cola-as-svd", "lax-base-flipped", "only_lr_act-override"])
+def test_a_folder_without_manifest_is_checked_against_its_config_json(tmp_path, saved, used, message):
+    """Plain ``save_pretrained`` writes no manifest: the saved ``config.json`` is the record (the cola folder read as svd
+    used to load and compute another function)."""
+    import torch
+
+    from boost_hf import BoostLlamaForCausalLM
+
+    torch.manual_seed(0)
+    BoostLlamaForCausalLM(saved).save_pretrained(tmp_path)
+    assert not (tmp_path / "manifest.json").exists()
+    kwargs = {"config": used} if isinstance(used, BoostLlamaConfig) else used
+    with pytest.raises(ValueError, match=rf"'{tmp_path}' was saved from another architecture than the config used to load it "
+                                         rf"\(.*{message}.*\): its weights would compute another function.*check_architecture=False"):
+        BoostLlamaForCausalLM.from_pretrained(tmp_path, **kwargs)
+    assert BoostLlamaForCausalLM.from_pretrained(tmp_path, check_architecture=False, **kwargs)  # the documented override
+    assert BoostLlamaForCausalLM.from_pretrained(tmp_path).config.architecture_record() == saved.architecture_record()
+
+
+def test_hashing_shares_give_each_rank_its_own_files_then_balance_the_rest():
+    from boost_hf.checkpoint_integrity import hashing_shares
+
+    files = {"dcp/__0_0.distcp": 100, "dcp/__1_0.distcp": 100, "dcp/__3_0.distcp": 90, "rng_state_2.pth": 5,
+             "dcp/.metadata": 10, "config.json": 2, "big.pt": 60, "rng_state_7.pth": 5}
+    shares = hashing_shares(files, 4)
+    assert sorted(n for share in shares for n in share) == sorted(files)  # every file once
+    assert "dcp/__1_0.distcp" in shares[1] and "dcp/__3_0.distcp" in shares[3] and "rng_state_2.pth" in shares[2]
+    assert shares[2][:2] == ["rng_state_2.pth", "big.pt"]  # the largest other file to the least loaded rank
+    assert hashing_shares(files, 4) == shares and sum(map(len, hashing_shares(files, 1))) == len(files)
+
+
+@pytest.mark.parametrize("text", ['{"files": {"a": {"size": 1', "", '{"version": 1}', '{"files": {"a": 3}}'])
+def test_a_damaged_manifest_is_named(folder, text):
+    (folder / "manifest.json").write_text(text)
+    with pytest.raises(CheckpointIntegrityError, match=rf"'{folder / 'manifest.json'}' is damaged \(not a valid manifest: "):
+        verify_manifest(str(folder))

@@ -9,7 +9,7 @@ import torch
 import transformers
 
 from boost_hf import BoostLlamaConfig, BoostLlamaForCausalLM, ParallelConfig
-from boost_hf.configuration_boost_llama import PRESET_ARCHS, PRESET_SIZES
+from boost_hf.configuration_boost_llama import PRESET_ARCHS, PRESET_SIZES, RELEASE_TT_PRESETS
 
 from .conftest import TINY
 
@@ -133,15 +133,16 @@ def test_every_preset_builds(name):
     arch, size = name.split("-")
     config = BoostLlamaConfig.from_preset(name)
     layers, hidden, heads, intermediate, rank = PRESET_SIZES[size]
+    release_tt = RELEASE_TT_PRESETS.get(size, {}) if arch == "tt" else {}  # the BOOST release's tt configs
     assert config.bottleneck == PRESET_ARCHS[arch]
     assert (config.num_hidden_layers, config.hidden_size, config.num_attention_heads) == (layers, hidden, heads)
-    assert (config.intermediate_size, config.rank, config.vocab_size) == (intermediate, rank, 32000)
-    assert config.num_key_value_heads == heads and not config.tie_word_embeddings
+    assert (config.intermediate_size, config.rank, config.vocab_size) == (release_tt.get("intermediate_size", intermediate), rank, 32000)
+    assert config.num_key_value_heads == heads and config.tie_word_embeddings is release_tt.get("tie_word_embeddings", False)
     assert config.only_lr_act is (size not in ("60m", "130m"))
 
 
 def test_preset_names_cover_every_arch_and_size():
-    assert len(BoostLlamaConfig.preset_names()) == len(PRESET_ARCHS) * len(PRESET_SIZES) == 32
+    assert len(BoostLlamaConfig.preset_names()) == len(PRESET_ARCHS) * len(PRESET_SIZES) == 40
     assert "cola-60m" in BoostLlamaConfig.preset_names() and "llama-13b" in BoostLlamaConfig.preset_names()
 
 
@@ -227,6 +228,12 @@ def test_parallel_config_pipeline_defaults_and_layer_split():
 def test_parallel_config_rejects(fields, name):
     with pytest.raises(ValueError, match=name):
         ParallelConfig(**fields)
+
+
+def test_the_unknown_schedule_message_lists_only_the_schedules_that_run():
+    with pytest.raises(ValueError) as error:
+        ParallelConfig(pp_size=2, pp_schedule="dualpipe")
+    assert str(error.value) == "Unknown pp_schedule 'dualpipe': use one of 1f1b, gpipe, interleaved-1f1b, looped-bfs."
 
 
 @pytest.mark.parametrize(

@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM, GenerationConfig
 
 from boost_hf import BoostLlamaConfig, BoostLlamaForCausalLM, ParallelConfig
 
-BOTTLENECKS = [None, "svd", "cola", "lax"]
+BOTTLENECKS = [None, "svd", "cola", "lax", "tt"]
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 

@@ -133,18 +133,27 @@ def test_svd_and_cola_checkpoints_differ_only_in_config_json(make_config, tmp_pa
 
 @pytest.mark.parametrize("other", ["full", "lax-dense", "cola-rank-4"])
 def test_checkpoint_of_another_architecture_with_parallel_config_raises(make_config, tmp_path, other):
+    """The saved config.json names the fields first; past that check (``check_architecture=False``) the weights do."""
     build(make_config("cola")).save_pretrained(tmp_path)
     config = make_config("cola", rank=4) if other == "cola-rank-4" else make_config(other)
-    with pytest.raises(ValueError, match="does not match this model's architecture"):
+    with pytest.raises(ValueError, match="was saved from another architecture than the config used to load it"):
         BoostLlamaForCausalLM.from_pretrained(tmp_path, config=config, parallel_config=ParallelConfig())
+    with pytest.raises(ValueError, match="does not match this model's architecture"):
+        BoostLlamaForCausalLM.from_pretrained(tmp_path, config=config, parallel_config=ParallelConfig(), check_architecture=False)
 
 
 def test_checkpoint_of_another_architecture_plain_from_pretrained(make_config, tmp_path):
-    """A plain load with the wrong config names the missing/unexpected weights instead of leaving garbage."""
+    """A plain load with the wrong config names the differing fields of the saved config.json, and (past that check)
+    the missing/unexpected weights instead of leaving garbage."""
     build(make_config("cola")).save_pretrained(tmp_path)
-    with pytest.raises(ValueError, match=r"does not match.*missing.*_proj.weight.*unexpected.*_proj.A"):
+    with pytest.raises(ValueError, match=r"another architecture .*\(bottleneck: checkpoint 'cola', config None; rank: checkpoint 8"):
         BoostLlamaForCausalLM.from_pretrained(tmp_path, config=make_config())
-    with pytest.raises(ValueError, match=r"shape mismatch.*q_proj.A"):
+    with pytest.raises(ValueError, match=r"another architecture .*\(rank: checkpoint 8, config 4\)"):
         BoostLlamaForCausalLM.from_pretrained(tmp_path, config=make_config("cola", rank=4))
+    unchecked = {"check_architecture": False}
+    with pytest.raises(ValueError, match=r"does not match.*missing.*_proj.weight.*unexpected.*_proj.A"):
+        BoostLlamaForCausalLM.from_pretrained(tmp_path, config=make_config(), **unchecked)
+    with pytest.raises(ValueError, match=r"shape mismatch.*q_proj.A"):
+        BoostLlamaForCausalLM.from_pretrained(tmp_path, config=make_config("cola", rank=4), **unchecked)
     with pytest.raises(ValueError, match=r"missing.*latent_norm"):
-        BoostLlamaForCausalLM.from_pretrained(tmp_path, config=make_config("lax-dense"))
+        BoostLlamaForCausalLM.from_pretrained(tmp_path, config=make_config("lax-dense"), **unchecked)

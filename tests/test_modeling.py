@@ -12,7 +12,10 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.activations import ACT2FN
 
 from boost_hf import BoostLlamaConfig, BoostLlamaForCausalLM, ParallelConfig
+from boost_hf.configuration_boost_llama import tensor_train_shape
 from boost_hf.parallel.sharding import ShardSpec
+
+from .test_tensor_train import tensor_train_weight
 
 PROJECTIONS = {"self_attn": ("q_proj", "k_proj", "v_proj", "o_proj"), "mlp": ("gate_proj", "up_proj", "down_proj")}
 LLAMA_FIELDS = (
@@ -89,14 +92,19 @@ class ReferenceBottleneck(nn.Module):
     svd / cola: ``y = B act(A x) (+ b)``. LaX (its authors' ``TensorizedLinear``): block 0 ``h = act(A x)``;
     block ``l > 0`` ``h = act(LayerNorm_r(A x + G h_prev))`` (LayerNorm eps 1e-6; ``G h`` is ``W h + c`` for the
     dense gate, ``kron(L, R) h`` or ``h``); ``y = B h (+ b)``; ``h_prev`` is the ``h`` that ``previous`` (the
-    same projection of the previous block) fed to its ``B``.
+    same projection of the previous block) fed to its ``B``. tt (the BOOST release's ``TensorTrainLinear``):
+    ``y = x W (+ b)`` with ``W`` every core contracted (float64, ``tests/test_tensor_train.py``).
     """
 
     def __init__(self, config: BoostLlamaConfig, d_in: int, d_out: int, previous: "ReferenceBottleneck | None", bias: bool = False):
         super().__init__()
         r, lax = config.rank, config.bottleneck == "lax"
-        self.A = nn.Parameter(torch.empty(r, d_in))
-        self.B = nn.Parameter(torch.empty(d_out, r))
+        if config.bottleneck == "tt":  # cores [r_i, m_i, r_i+1]; W = their full contraction (tests/test_tensor_train.py)
+            shape = tensor_train_shape(d_in, d_out, config.tt_rank, config.tt_cores, config.tt_rank_ratio, config.tt_leading_mode_multiple)
+            self.cores = nn.ParameterList(nn.Parameter(torch.empty(core)) for core in shape.core_shapes)
+        else:
+            self.A = nn.Parameter(torch.empty(r, d_in))
+            self.B = nn.Parameter(torch.empty(d_out, r))
         self.bias = nn.Parameter(torch.empty(d_out)) if bias else None
         self.crossing = config.lax_gate if lax and previous is not None else None
         if self.crossing == "dense":
@@ -117,6 +125,9 @@ class ReferenceBottleneck(nn.Module):
         return torch.eye(self.A.shape[0])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if hasattr(self, "cores"):
+            y = (x.double() @ tensor_train_weight(list(self.cores), len(self.cores) // 2)).to(x.dtype)
+            return y if self.bias is None else y + self.bias
         z = x @ self.A.T
         if self.crossing is not None:
             z = z + self._previous[0].latent @ self.gate_matrix().T
@@ -247,6 +258,10 @@ def expected_names(config: BoostLlamaConfig) -> dict[str, tuple[int, ...]]:
                 if config.bottleneck is None:
                     names[f"{prefix}.weight"] = (d_out, d_in)
                     continue
+                if config.bottleneck == "tt":
+                    for index, core in enumerate(config.tensor_train_shape(name).core_shapes):
+                        names[f"{prefix}.cores.{index}"] = core
+                    continue
                 names[f"{prefix}.A"], names[f"{prefix}.B"] = (r, d_in), (d_out, r)
                 if config.bottleneck != "lax":
                     continue
@@ -374,7 +389,7 @@ def test_init_same_seed_same_weights_different_seed_different(make_config, varia
     first, again, other = build(config, seed=3).state_dict(), build(config, seed=3).state_dict(), build(config, seed=4).state_dict()
     for name, tensor in first.items():
         assert torch.equal(tensor, again[name]), name
-        if name.endswith(RANDOM_INIT):
+        if name.endswith(RANDOM_INIT) or ".cores." in name:
             assert not torch.equal(tensor, other[name]), name
 
 

@@ -14,7 +14,7 @@ from boost_hf import BoostLlamaConfig, BoostLlamaForCausalLM  # noqa: E402
 from boost_hf.peft_support import PROJECTIONS, BottleneckLoraLinear, BottleneckMergeError, lora_config, register_bottleneck_lora  # noqa: E402
 
 VARIANTS = {"full": dict(bottleneck=None), "svd": dict(bottleneck="svd"), "cola": dict(bottleneck="cola"),
-            "lax": dict(bottleneck="lax"), "lax-kronecker": dict(bottleneck="lax", lax_gate="kronecker")}
+            "lax": dict(bottleneck="lax"), "lax-kronecker": dict(bottleneck="lax", lax_gate="kronecker"), "tt": dict(bottleneck="tt")}
 
 
 def base_model(variant: str) -> BoostLlamaForCausalLM:
@@ -63,7 +63,7 @@ def test_lora_on_every_projection_trains_only_adapters(variant):
     assert all(p.grad is None for n, p in model.named_parameters() if not p.requires_grad)
 
 
-@pytest.mark.parametrize("variant", ["cola", "lax"])
+@pytest.mark.parametrize("variant", ["cola", "lax", "tt"])
 def test_lora_loss_falls_and_round_trips(variant, tmp_path):
     model, losses = trained_adapter(variant)
     assert losses[-1] < losses[0] - 0.1, losses
@@ -91,6 +91,8 @@ def test_merge_is_exact_at_full_rank_and_refused_on_bottlenecks():
     low_rank, _ = trained_adapter("cola", steps=1)
     with pytest.raises(BottleneckMergeError, match="cannot merge a LoRA adapter into a bottleneck projection"):
         low_rank.merge_and_unload()
+    with pytest.raises(BottleneckMergeError, match="tensor train of fixed bond ranks"):
+        trained_adapter("tt", steps=1)[0].merge_and_unload()
     unloaded = low_rank.unload()  # dropping the adapters (no merge) is fine
     with torch.no_grad():
         assert torch.equal(unloaded(ids).logits, base_model("cola")(ids).logits)

@@ -5,12 +5,18 @@
   be "Repo id must be in the form ...").
 * :func:`check_text_file`: a local text/JSON/CSV file must be non-empty and UTF-8; an undecodable file is
   named with the byte offset of its first bad byte.
+* :func:`token_id_range`: the smallest and largest id of a dataset's ``input_ids``, scanned once per cache file and
+  recorded beside it (a packed corpus is not re-read by every rank of every run to check its ids).
 """
 
 from __future__ import annotations
 
 import codecs
+import json
 import os
+from pathlib import Path
+
+from .cache import atomic_write_text
 
 CHUNK_BYTES = 1 << 20
 
@@ -54,4 +60,45 @@ def check_text_file(path: str | os.PathLike) -> None:
         raise ValueError(f"data file {path!r} is not UTF-8 text: it ends inside a multi-byte character ({error.reason}).") from None
 
 
-__all__ = ["looks_like_local_path", "require_existing_path", "check_text_file"]
+TOKEN_RANGE_SUFFIX = ".token_range.json"
+"""The record of an Arrow cache file's id range: ``<file>.token_range.json``."""
+
+
+def _files_identity(paths: list[str]) -> list[dict]:
+    return [{"file": os.path.basename(path), "size": os.stat(path).st_size, "mtime_ns": os.stat(path).st_mtime_ns} for path in paths]
+
+
+def token_id_range(dataset, column: str = "input_ids", ignore: int | None = None) -> tuple[int, int] | None:
+    """``(smallest, largest)`` id of ``column`` over the whole Arrow table behind ``dataset`` (a ``datasets.Dataset``;
+    a ``select`` of it checks the whole table), entries equal to ``ignore`` left out (labels' ignore index), ``None``
+    if it holds no id.
+
+    A table backed by cache files is scanned once: the result is recorded beside its first file
+    (:data:`TOKEN_RANGE_SUFFIX`, with each file's size and modification time, so a rewritten file is scanned again)
+    and read back afterwards; where the record cannot be written (a read-only cache) the scan is repeated. An
+    in-memory table is scanned each time."""
+    import pyarrow.compute as pc
+
+    files = sorted({entry["filename"] for entry in dataset.cache_files})
+    record_path = files[0] + TOKEN_RANGE_SUFFIX if files else None
+    identity = {"files": _files_identity(files), "column": column, "ignore": ignore} if files else None
+    if record_path is not None and os.path.isfile(record_path):
+        with open(record_path) as f:
+            record = json.load(f)
+        if {key: record.get(key) for key in identity} == identity:
+            return None if record["min"] is None else (record["min"], record["max"])
+    ids = pc.list_flatten(dataset.data.column(column))
+    if ignore is not None:
+        ids = pc.filter(ids, pc.not_equal(ids, ignore))
+    bounds = pc.min_max(ids) if len(ids) else None
+    found = None if bounds is None else (bounds["min"].as_py(), bounds["max"].as_py())
+    if record_path is not None:
+        low, high = found if found is not None else (None, None)
+        try:
+            atomic_write_text(Path(record_path), json.dumps({**identity, "min": low, "max": high}))
+        except OSError:
+            pass
+    return found
+
+
+__all__ = ["looks_like_local_path", "require_existing_path", "check_text_file", "token_id_range"]

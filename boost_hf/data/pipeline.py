@@ -1,11 +1,18 @@
-"""Causal-LM datasets: tokenize documents and pack them into fixed-length blocks.
+"""Causal-LM datasets: documents become token ids, token ids are packed into fixed-length blocks.
 
-Every document becomes its token ids followed by ``eos`` (optionally preceded by
-``bos``); documents are concatenated in order and cut into blocks of exactly
-``block_size`` tokens, the incomplete tail of each packing batch being dropped.
-``labels`` equal ``input_ids`` (the model shifts them), so blocks can be batched with
-``transformers.default_data_collator``. The result depends only on the data, the
-tokenizer and the arguments: two builds give identical blocks.
+A document is text (tokenized without special tokens) or pre-tokenized ids (an ``input_ids`` column, optionally
+``attention_mask``, whose 0 positions are dropped, and ``labels``). Either way ``eos`` follows its ids (unless they
+already end with it) and, with ``add_bos``, ``bos`` precedes them (:func:`document_token_ids`). Documents are
+concatenated in order and cut into blocks of exactly ``block_size`` tokens.
+
+Blocks hold ``input_ids`` only (``labels`` too when the documents had their own): the labels of a causal LM are its
+``input_ids`` (the model shifts them), derived when a batch is collated
+(:func:`~boost_hf.data.collate.causal_lm_collator`), not stored. A map-style build is one ``datasets.map`` (tokenize
+and pack together, one cache file), its ids stored as ``uint16`` when the tokenizer has at most 65,536 tokens (else
+``int32``): about 2 bytes per token, against 12 when ``int64`` labels were stored beside ``int32`` ids. The
+incomplete tail of each packing batch of :data:`PACK_BATCH_SIZE` documents is dropped. A streamed build is a
+:class:`~boost_hf.data.stream.BlockStream`: the remainder is carried to the next document, and its position
+resumes without re-reading. The result depends only on the data, the tokenizer and the arguments.
 """
 
 from __future__ import annotations
@@ -13,21 +20,28 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from collections.abc import Mapping
-from itertools import chain
+from collections.abc import Callable, Mapping
 from typing import Any
 
-from datasets import Dataset, DatasetDict, IterableDataset, IterableDatasetDict
+import numpy as np
+from datasets import Dataset, DatasetDict, Features, IterableDataset, List, Value
 from transformers import PreTrainedTokenizerBase
 
+from .checks import token_id_range
 from .corpus import DEFAULT_VALIDATION_PERCENT
-from .sources import AnyDatasetDict, PathLike, Source, load_text_splits
+from .sources import PathLike, Source, load_text_splits
+from .stream import BlockStream
 from .tokenizer import load_tokenizer
 
 
 DEFAULT_BLOCK_SIZE = 256
 PACK_BATCH_SIZE = 1000
 """Documents concatenated together before cutting blocks (the tail of each group is dropped)."""
+TOKEN_COLUMNS = ("input_ids", "attention_mask", "labels")
+"""The columns of a pre-tokenized dataset that the pipeline reads."""
+IGNORE_INDEX = -100
+
+DocumentIds = Callable[[dict[str, list]], dict[str, list[np.ndarray]]]
 
 
 def _fingerprint(*parts: Any) -> str:
@@ -43,6 +57,122 @@ def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase) -> str:
     return _fingerprint(payload, extra)
 
 
+def token_dtype(vocab_size: int) -> str:
+    """The Arrow type that stores ids below ``vocab_size``: ``uint16`` up to 65,536 tokens, else ``int32``."""
+    return "uint16" if vocab_size <= 1 << 16 else "int32"
+
+
+def is_pre_tokenized(columns: list[str] | None) -> bool:
+    """Whether documents with these columns are token ids (an ``input_ids`` column) rather than text."""
+    return columns is not None and "input_ids" in columns
+
+
+def document_token_ids(tokenizer: PreTrainedTokenizerBase, *, text_column: str = "text", add_bos: bool = False) -> DocumentIds:
+    """The batched function ``{column: [value per document]} -> {"input_ids": [ids per document]}`` (and ``"labels"``
+    when the documents carry them), each an ``int64`` array.
+
+    A batch with an ``input_ids`` column is pre-tokenized: ids outside the tokenizer's vocabulary are an error, the
+    positions where ``attention_mask`` is 0 are dropped (from ``labels`` too). Otherwise ``text_column`` is
+    tokenized. Either way ``eos`` is appended unless the ids end with it and, with ``add_bos``, ``bos`` put first
+    unless they start with it (their label is the token itself). Blank texts and empty documents are dropped."""
+    if tokenizer.eos_token_id is None:
+        raise ValueError("the tokenizer has no eos token; set tokenizer.eos_token first")
+    if add_bos and tokenizer.bos_token_id is None:
+        raise ValueError("add_bos=True but the tokenizer has no bos token")
+    eos, bos, vocab = tokenizer.eos_token_id, tokenizer.bos_token_id, len(tokenizer)
+
+    def framed(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``ids`` with bos / eos added where missing, and the index of each output token in ``ids`` (-1: added)."""
+        source = np.arange(len(ids))
+        if add_bos and ids[0] != bos:
+            ids, source = np.concatenate([[bos], ids]), np.concatenate([[-1], source])
+        if ids[-1] != eos:
+            ids, source = np.concatenate([ids, [eos]]), np.concatenate([source, [-1]])
+        return ids, source
+
+    def from_ids(batch: dict[str, list]) -> dict[str, list[np.ndarray]]:
+        out: dict[str, list[np.ndarray]] = {"input_ids": []}
+        labels_in = batch.get("labels")
+        if labels_in is not None:
+            out["labels"] = []
+        masks = batch.get("attention_mask")
+        for i, row in enumerate(batch["input_ids"]):
+            ids = np.asarray(row, dtype=np.int64)
+            if ids.ndim != 1:
+                raise ValueError(f"pre-tokenized input_ids must hold one list of ids per document, got shape {ids.shape}")
+            keep = np.asarray(masks[i], dtype=bool) if masks is not None else slice(None)
+            ids = ids[keep]
+            if len(ids) == 0:
+                continue
+            if ids.min() < 0 or ids.max() >= vocab:
+                bad = int(ids.min()) if ids.min() < 0 else int(ids.max())
+                raise ValueError(
+                    f"a pre-tokenized document holds token id {bad}, outside the tokenizer's vocabulary [0, {vocab}): "
+                    "tokenize the data with the tokenizer given to the recipe (--tokenizer), or give that tokenizer."
+                )
+            ids, source = framed(ids)
+            out["input_ids"].append(ids)
+            if labels_in is not None:
+                labels = np.asarray(labels_in[i], dtype=np.int64)[keep]
+                out["labels"].append(np.where(source >= 0, labels[np.maximum(source, 0)], ids))
+        return out
+
+    def from_text(batch: dict[str, list]) -> dict[str, list[np.ndarray]]:
+        texts = [text for text in batch[text_column] if text is not None and text.strip()]
+        if not texts:
+            return {"input_ids": []}
+        encoded = tokenizer(texts, add_special_tokens=False, verbose=False)["input_ids"]
+        return {"input_ids": [framed(np.asarray(ids, dtype=np.int64))[0] for ids in encoded if ids]}
+
+    def to_ids(batch: dict[str, list]) -> dict[str, list[np.ndarray]]:
+        if "input_ids" in batch:
+            return from_ids(batch)
+        if text_column not in batch:
+            raise ValueError(f"a document has neither the text column {text_column!r} nor input_ids (columns: {sorted(batch)})")
+        return from_text(batch)
+
+    return to_ids
+
+
+def cut_blocks(tokens: np.ndarray, block_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """``tokens [n]`` -> ``(blocks [n // block_size, block_size], remainder [n % block_size])``."""
+    usable = len(tokens) - len(tokens) % block_size
+    return tokens[:usable].reshape(-1, block_size), tokens[usable:]
+
+
+def _pack(documents: dict[str, list[np.ndarray]], block_size: int) -> dict[str, np.ndarray]:
+    """Concatenated documents cut into blocks; the incomplete tail is dropped."""
+    packed = {}
+    for name, rows in documents.items():
+        tokens = np.concatenate(rows) if rows else np.zeros(0, dtype=np.int64)
+        packed[name] = cut_blocks(tokens, block_size)[0]
+    return packed
+
+
+def _check_block_size(block_size: int) -> None:
+    if block_size < 2:
+        raise ValueError(f"block_size must be at least 2, got {block_size}")
+
+
+def _selected_columns(columns: list[str] | None, text_column: str) -> list[str] | None:
+    """The columns the pipeline reads from documents with ``columns`` (``None``: unknown, read whatever comes)."""
+    if columns is None:
+        return None
+    if is_pre_tokenized(columns):
+        return [name for name in TOKEN_COLUMNS if name in columns]
+    if text_column not in columns:
+        raise ValueError(f"text column {text_column!r} not found, and no input_ids column; columns are {columns}")
+    return [text_column]
+
+
+def block_features(vocab_size: int, with_labels: bool) -> Features:
+    """The Arrow schema of packed blocks: ids in :func:`token_dtype`, labels (when stored) in ``int32``."""
+    features = {"input_ids": List(Value(token_dtype(vocab_size)))}
+    if with_labels:
+        features["labels"] = List(Value("int32"))
+    return Features(features)
+
+
 def tokenize_documents(
     dataset: Dataset | IterableDataset,
     tokenizer: PreTrainedTokenizerBase,
@@ -51,75 +181,66 @@ def tokenize_documents(
     add_bos: bool = False,
     num_proc: int | None = None,
 ) -> Dataset | IterableDataset:
-    """Map documents to ``input_ids`` (one row per non-blank document, ``eos`` appended).
-
-    All other columns are removed. Blank documents (e.g. empty lines of a text file) are dropped.
-    """
-    if tokenizer.eos_token_id is None:
-        raise ValueError("the tokenizer has no eos token; set tokenizer.eos_token first")
-    if add_bos and tokenizer.bos_token_id is None:
-        raise ValueError("add_bos=True but the tokenizer has no bos token")
-    eos, bos = tokenizer.eos_token_id, tokenizer.bos_token_id
-
-    def tokenize(batch: dict[str, list[Any]]) -> dict[str, list[list[int]]]:
-        texts = [text for text in batch[text_column] if text is not None and text.strip()]
-        if not texts:
-            return {"input_ids": []}
-        encoded = tokenizer(texts, add_special_tokens=False, verbose=False)["input_ids"]
-        prefix = [bos] if add_bos else []
-        return {"input_ids": [prefix + list(ids) + [eos] for ids in encoded]}
-
-    # Selecting the text column first also works for streams whose columns are unknown.
-    dataset = dataset.select_columns([text_column])
-    kwargs: dict[str, Any] = {"batched": True, "remove_columns": [text_column]}
+    """Map documents to their ids (:func:`document_token_ids`: one row per non-blank document, ``eos`` appended).
+    All other columns are removed."""
+    to_ids = document_token_ids(tokenizer, text_column=text_column, add_bos=add_bos)
+    columns = _selected_columns(dataset.column_names, text_column) or [text_column]  # unknown columns: text
+    dataset = dataset.select_columns(columns)
+    kwargs: dict[str, Any] = {"batched": True, "remove_columns": columns}
     if isinstance(dataset, Dataset):
-        kwargs.update(
-            num_proc=num_proc,
-            desc="Tokenizing",
-            new_fingerprint=_fingerprint(
-                "tokenize-v1", dataset._fingerprint, tokenizer_fingerprint(tokenizer), text_column, add_bos
-            ),
-        )
-    return dataset.map(tokenize, **kwargs)
+        kwargs.update(num_proc=num_proc, desc="Tokenizing", new_fingerprint=_fingerprint(
+            "tokenize-v2", dataset._fingerprint, tokenizer_fingerprint(tokenizer), text_column, add_bos))
+    return dataset.map(to_ids, **kwargs)
 
 
-def pack_blocks(
-    dataset: Dataset | IterableDataset,
-    block_size: int,
-    *,
-    num_proc: int | None = None,
-) -> Dataset | IterableDataset:
-    """Concatenate tokenized documents and cut them into ``block_size`` blocks with ``labels``.
+def pack_blocks(dataset: Dataset | IterableDataset, block_size: int, *, num_proc: int | None = None) -> Dataset | IterableDataset:
+    """Concatenate tokenized documents (``input_ids``, and ``labels`` if present) and cut them into ``block_size``
+    blocks. Groups of :data:`PACK_BATCH_SIZE` documents are concatenated; each group's remainder shorter than
+    ``block_size`` is dropped."""
+    _check_block_size(block_size)
 
-    Groups of :data:`PACK_BATCH_SIZE` documents are concatenated; each group's remainder
-    shorter than ``block_size`` is dropped.
-    """
-    if block_size < 2:
-        raise ValueError(f"block_size must be at least 2, got {block_size}")
+    def pack(batch: dict[str, list]) -> dict[str, np.ndarray]:
+        ids = {name: [np.asarray(row, dtype=np.int64) for row in batch[name]] for name in ("input_ids", "labels") if name in batch}
+        return _pack(ids, block_size)
 
-    def pack(batch: dict[str, list[list[int]]]) -> dict[str, list[list[int]]]:
-        tokens = list(chain.from_iterable(batch["input_ids"]))
-        usable = len(tokens) - len(tokens) % block_size
-        blocks = [tokens[start : start + block_size] for start in range(0, usable, block_size)]
-        return {"input_ids": blocks, "labels": [list(block) for block in blocks]}
-
-    kwargs: dict[str, Any] = {"batched": True, "batch_size": PACK_BATCH_SIZE, "remove_columns": ["input_ids"]}
+    kwargs: dict[str, Any] = {"batched": True, "batch_size": PACK_BATCH_SIZE, "remove_columns": dataset.column_names}
     if isinstance(dataset, Dataset):
-        kwargs.update(
-            num_proc=num_proc,
-            desc=f"Packing into blocks of {block_size}",
-            new_fingerprint=_fingerprint("pack-v1", dataset._fingerprint, block_size, PACK_BATCH_SIZE),
-        )
+        kwargs.update(num_proc=num_proc, desc=f"Packing into blocks of {block_size}",
+                      new_fingerprint=_fingerprint("pack-v2", dataset._fingerprint, block_size, PACK_BATCH_SIZE))
     return dataset.map(pack, **kwargs)
 
 
-def _cap(dataset: Dataset | IterableDataset, limit: int | None) -> Dataset | IterableDataset:
+def pack_documents(
+    dataset: Dataset,
+    tokenizer: PreTrainedTokenizerBase,
+    block_size: int,
+    *,
+    text_column: str = "text",
+    add_bos: bool = False,
+    num_proc: int | None = None,
+) -> Dataset:
+    """Blocks of a map-style dataset of documents in one ``datasets.map`` (:func:`tokenize_documents` then
+    :func:`pack_blocks`, without caching the tokenized documents), stored in :func:`block_features`."""
+    _check_block_size(block_size)
+    to_ids = document_token_ids(tokenizer, text_column=text_column, add_bos=add_bos)
+    columns = _selected_columns(dataset.column_names, text_column)
+    with_labels = "labels" in columns
+    return dataset.select_columns(columns).map(
+        lambda batch: _pack(to_ids(batch), block_size),
+        batched=True,
+        batch_size=PACK_BATCH_SIZE,
+        remove_columns=columns,
+        features=block_features(len(tokenizer), with_labels),
+        num_proc=num_proc,
+        desc=f"Tokenizing and packing into blocks of {block_size}",
+        new_fingerprint=_fingerprint("blocks-v1", dataset._fingerprint, tokenizer_fingerprint(tokenizer), text_column, add_bos,
+                                     block_size, PACK_BATCH_SIZE, with_labels),
+    )
+
+
+def _cap(dataset: Dataset, limit: int | None) -> Dataset:
     if limit is None:
         return dataset
-    if limit < 0:
-        raise ValueError(f"block caps must be >= 0, got {limit}")
-    if isinstance(dataset, IterableDataset):
-        return dataset.take(limit)
     return dataset.select(range(min(limit, len(dataset))))
 
 
@@ -135,35 +256,47 @@ def build_lm_datasets(
     max_train_blocks: int | None = None,
     max_eval_blocks: int | None = None,
     add_bos: bool = False,
+    shuffle_buffer: int = 0,
+    seed: int = 0,
+    stream_shards: int | None = None,
     num_proc: int | None = None,
     cache_dir: PathLike | None = None,
     datasets_cache_dir: PathLike | None = None,
     load_kwargs: Mapping[str, Any] | None = None,
-) -> AnyDatasetDict:
+) -> DatasetDict | dict[str, BlockStream]:
     """Build packed causal-LM ``train`` and ``validation`` datasets.
 
     Args:
         source: the data (see :mod:`boost_hf.data.sources`): ``None`` for the Wikipedia sample,
-            local text/JSON(L)/CSV/Parquet files, a ``save_to_disk`` folder, or a Hub dataset name.
+            local text/JSON(L)/CSV/Parquet files, a ``save_to_disk`` folder, or a Hub dataset name; documents are
+            text (``text_column``) or pre-tokenized (an ``input_ids`` column, see :func:`document_token_ids`).
         tokenizer: a tokenizer, or a name for :func:`boost_hf.data.tokenizer.load_tokenizer`
             (``None``: the default BPE trained on the Wikipedia sample's train split).
         block_size: tokens per block.
         text_column: column holding the document text.
         validation_percent: share of documents held out when the source has no validation split.
         config: Hub dataset configuration.
-        streaming: build lazily from an iterable dataset (Hub sources are not downloaded whole).
-        max_train_blocks: keep at most this many (leading) train blocks.
+        streaming: build lazily, as :class:`~boost_hf.data.stream.BlockStream` s (Hub sources are not downloaded whole).
+        max_train_blocks: keep at most this many (leading) train blocks (per pass over a stream).
         max_eval_blocks: keep at most this many (leading) validation blocks.
         add_bos: also put ``bos`` in front of every document.
+        shuffle_buffer: (streaming) blocks in the training stream's seeded shuffle buffer (0: stream order).
+        seed: (streaming) the shuffle buffer's seed.
+        stream_shards: (streaming) the logical streams the training stream is split into (``None``: the DP size of
+            the run that starts it; see :mod:`boost_hf.training.data`).
         num_proc: worker processes for ``datasets.map`` (``None``: in-process).
         cache_dir: boost_hf cache root (corpus and tokenizer caches).
         datasets_cache_dir: ``datasets`` cache folder for ``load_dataset``.
         load_kwargs: extra ``load_dataset`` keyword arguments.
 
     Returns:
-        ``DatasetDict`` (``IterableDatasetDict`` when streaming) with ``train`` and
-        ``validation``, each with ``input_ids`` and ``labels`` columns of ``block_size`` ints.
+        A ``DatasetDict`` with ``train`` and ``validation`` blocks (``input_ids`` of ``block_size`` ids, ``labels``
+        only when the documents had their own), or, streaming, a dict of two :class:`BlockStream`.
     """
+    _check_block_size(block_size)
+    for name, limit in (("max_train_blocks", max_train_blocks), ("max_eval_blocks", max_eval_blocks)):
+        if limit is not None and limit < 0:
+            raise ValueError(f"{name} must be >= 0, got {limit}")
     if tokenizer is None or isinstance(tokenizer, (str, os.PathLike)):
         tokenizer = load_tokenizer(tokenizer, cache_dir=cache_dir)
     splits = load_text_splits(
@@ -176,21 +309,33 @@ def build_lm_datasets(
         datasets_cache_dir=datasets_cache_dir,
         load_kwargs=load_kwargs,
     )
+    if streaming:
+        to_ids = document_token_ids(tokenizer, text_column=text_column, add_bos=add_bos)
+        streams = {}
+        for name, split in splits.items():
+            columns = _selected_columns(split.column_names, text_column)
+            training = name == "train"
+            streams[name] = BlockStream(
+                split.select_columns(columns) if columns is not None else split, to_ids, block_size,
+                max_blocks=max_train_blocks if training else max_eval_blocks,
+                shuffle_buffer=shuffle_buffer if training else 0, seed=seed,
+                logical_streams=stream_shards if training else 1,
+            )
+        return streams
     caps = {"train": max_train_blocks, "validation": max_eval_blocks}
-    built: dict[str, Dataset | IterableDataset] = {}
+    built: dict[str, Dataset] = {}
     for name, split in splits.items():
-        if isinstance(split, Dataset) and len(split) == 0:
+        if len(split) == 0:
             raise ValueError(
                 f"the {name} split of {source!r} has no documents (validation_percent={validation_percent} of "
                 f"{sum(len(s) for s in splits.values())} documents): add documents or give the split its own files, "
                 "e.g. {'train': 'train.txt', 'validation': 'valid.txt'}."
             )
-        tokens = tokenize_documents(split, tokenizer, text_column=text_column, add_bos=add_bos, num_proc=num_proc)
-        built[name] = _cap(pack_blocks(tokens, block_size, num_proc=num_proc), caps[name])
-        if isinstance(built[name], Dataset) and len(built[name]) == 0 and caps[name] != 0:
+        blocks = pack_documents(split, tokenizer, block_size, text_column=text_column, add_bos=add_bos, num_proc=num_proc)
+        token_id_range(blocks)  # scanned once per cache file and recorded beside it
+        built[name] = _cap(blocks, caps[name])
+        if len(built[name]) == 0 and caps[name] != 0:
             raise ValueError(
                 f"the {name} split of {source!r} has no complete block of {block_size} tokens: add text or lower block_size."
             )
-    if streaming:
-        return IterableDatasetDict(built)
     return DatasetDict(built)

@@ -14,7 +14,7 @@ Supported sources:
   needs network access or a populated cache; ``streaming=True`` avoids downloading it whole.
 
 If the source has no validation split (``validation``, ``valid``, ``val``, ``dev`` or
-``test``), one is carved from ``train`` by a stable hash of each document's text.
+``test``), one is carved from ``train`` by a stable hash of each document's text (of its ids, pre-tokenized).
 """
 
 from __future__ import annotations
@@ -213,7 +213,7 @@ def load_text_splits(
 
     A source with one split (or a plain dataset) is used as ``train``; a missing validation
     split is carved from ``train`` with :func:`boost_hf.data.splits.split_by_key` on
-    ``text_column``, so it is deterministic and disjoint by document.
+    ``text_column`` (``input_ids`` for pre-tokenized documents), so it is deterministic and disjoint by document.
     """
     loaded = load_raw_dataset(
         source,
@@ -236,10 +236,11 @@ def load_text_splits(
         raise ValueError(f"source has no 'train' split (splits: {sorted(splits)})")
     validation = next((splits[name] for name in VALIDATION_SPLIT_NAMES if name in splits), None)
     columns = train.column_names
-    if columns is not None and text_column not in columns:
-        raise ValueError(f"text column {text_column!r} not found; columns are {columns}")
+    pre_tokenized = columns is not None and "input_ids" in columns
+    if columns is not None and text_column not in columns and not pre_tokenized:
+        raise ValueError(f"text column {text_column!r} not found, and no input_ids column; columns are {columns}")
     if validation is None:
-        return split_by_key(train, text_column, validation_percent)
+        return split_by_key(train, "input_ids" if pre_tokenized else text_column, validation_percent)
     if isinstance(train, IterableDataset):
         return IterableDatasetDict({"train": train, "validation": validation})
     return DatasetDict({"train": train, "validation": validation})

@@ -2,13 +2,16 @@
 
 A record goes to validation when a stable hash (SHA-256, never Python's salted
 ``hash``) of its key falls below ``validation_percent``. The split therefore
-depends only on the key (an article title, or the text itself), not on record
-order, process, machine or random seed.
+depends only on the key (an article title, the text itself, or a pre-tokenized
+document's ids), not on record order, process, machine or random seed. A map-style
+split is a cached ``datasets.filter`` (fingerprinted by the dataset, key and
+percentage): the documents are hashed once per cache, not by every rank of every run.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 from typing import Any
 
 from datasets import Dataset, DatasetDict, IterableDataset, IterableDatasetDict
@@ -40,23 +43,27 @@ def split_by_key(
     key_column: str,
     validation_percent: float,
 ) -> DatasetDict | IterableDatasetDict:
-    """Split ``dataset`` into ``train``/``validation`` by hashing the ``key_column`` of each record.
+    """Split ``dataset`` into ``train``/``validation`` by hashing the ``key_column`` of each record (a record of a
+    stream without it: its ``input_ids``).
 
-    Works for map-style and streaming datasets (a lazy filter in the latter case).
+    Works for map-style (a cached filter) and streaming datasets (a lazy filter).
     """
     check_percent(validation_percent)
 
     def in_validation(record: dict[str, Any]) -> bool:
-        return is_validation(str(record[key_column]), validation_percent)
+        return is_validation(str(record[key_column] if key_column in record else record["input_ids"]), validation_percent)
 
     def in_train(record: dict[str, Any]) -> bool:
         return not in_validation(record)
 
-    kwargs: dict[str, Any] = {}
-    if isinstance(dataset, Dataset):
-        kwargs["keep_in_memory"] = True
-    train = dataset.filter(in_train, **kwargs)
-    validation = dataset.filter(in_validation, **kwargs)
+    def cached(name: str) -> dict[str, Any]:
+        if not isinstance(dataset, Dataset):
+            return {}
+        parts = json.dumps([_SALT.decode(), dataset._fingerprint, key_column, validation_percent, name])
+        return {"new_fingerprint": hashlib.sha256(parts.encode()).hexdigest()[:32], "desc": f"Selecting the {name} split"}
+
+    train = dataset.filter(in_train, **cached("train"))
+    validation = dataset.filter(in_validation, **cached("validation"))
     if isinstance(dataset, IterableDataset):
         return IterableDatasetDict({"train": train, "validation": validation})
     return DatasetDict({"train": train, "validation": validation})

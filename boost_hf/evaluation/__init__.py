@@ -76,11 +76,17 @@ def evaluate_checkpoint(checkpoint: str, data: str, *, block_size: int | None = 
     from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from ..data.pipeline import pack_blocks, tokenize_documents
+    from ..data.collate import causal_lm_collator
+    from ..data.pipeline import pack_documents
     from ..data.sources import builder_for_file
 
     if not os.path.exists(data):
         raise FileNotFoundError(f"--data: no such file: {data!r}")
+    if os.path.isfile(os.path.join(checkpoint, "dcp", ".metadata")):
+        raise ValueError(
+            f"{checkpoint!r} is a training checkpoint (its model's shards in dcp/): write its Hugging Face folder with "
+            f"`boost-hf export {checkpoint} OUT`, then evaluate OUT."
+        )
     if os.path.isfile(os.path.join(checkpoint, MANIFEST_NAME)):
         verify_manifest(checkpoint)  # every file's size and SHA-256 (the architecture: from_pretrained)
     try:
@@ -94,15 +100,14 @@ def evaluate_checkpoint(checkpoint: str, data: str, *, block_size: int | None = 
     if block_size is None:
         block_size = tokenizer.model_max_length if tokenizer.model_max_length < 1e9 else 256
     documents = load_dataset(builder_for_file(data), data_files=data, split="train")
-    blocks = pack_blocks(tokenize_documents(documents, tokenizer, text_column=text_column), block_size)
+    blocks = pack_documents(documents, tokenizer, block_size, text_column=text_column)
     if max_blocks is not None:
         blocks = blocks.select(range(min(max_blocks, len(blocks))))
     if len(blocks) == 0:
         raise ValueError(f"{data!r} has no complete block of {block_size} tokens: add text or lower --block-size.")
     totals = torch.zeros(3, dtype=torch.float64)
     for start in range(0, len(blocks), batch_size):
-        rows = blocks[start : start + batch_size]
-        batch = {name: torch.tensor(rows[name]) for name in ("input_ids", "labels")}
+        batch = causal_lm_collator([blocks[i] for i in range(start, min(start + batch_size, len(blocks)))])
         totals += sums_of_batch(model, batch, tokenizer)
     return {**metrics_from_sums(totals, "eval"), "eval_tokens": int(totals[1]), "eval_bytes": int(totals[2]), "eval_blocks": len(blocks)}
 

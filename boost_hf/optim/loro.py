@@ -10,6 +10,12 @@ for ``bottleneck="svd"`` models, ``W = B A``, at any tensor-parallel size.
   all-reduce per bucket of projections, without gathering a factor. Then every Adam moment is reset, and
   :func:`restart_schedule_at_exact_steps` warms the learning rate up again over a few steps.
 * Embeddings, norms and the LM head are plain AdamW throughout.
+* Adam's ``eps`` sits where ``epsilon_placement`` says (:data:`EPSILON_PLACEMENTS`): ``"torch"`` (default,
+  ``torch.optim.AdamW``: ``lr m_hat / (sqrt(v_hat) + eps)``, ``m_hat = m / bc1``, ``v_hat = v / bc2``) or
+  ``"transformers"`` (transformers' former ``AdamW``, which the LORO authors' ``LOROAdamW`` copies:
+  ``lr sqrt(bc2) / bc1 m / (sqrt(v) + eps)``, i.e. torch's with ``eps / sqrt(bc2)``: after each moment reset
+  ``bc2 = 1 - beta2^k`` restarts from ``1 - beta2``, so their ``eps`` 1e-6 acts as 3.2e-5 on the first step, 1.6e-6
+  after 500). Both on every parameter, lazy steps and the exact step's directions alike.
 
 Only valid where nothing sits between the factors (:func:`check_loro_model`). The optimizer's state has AdamW's
 keys (``step``, ``exp_avg``, ``exp_avg_sq`` per parameter) and its place in the period is the factor group's
@@ -28,6 +34,7 @@ from ..parallel.sharding import shard_spec_of
 from .low_rank_retraction import PRODUCTS, FactorPair, retract
 
 LOWRANK_OPTIMIZERS = ("adamw", "loro")
+EPSILON_PLACEMENTS = ("torch", "transformers")
 BUCKET_ELEMENTS = 1 << 22
 """Float64 values of ``r x r`` products all-reduced together at an exact step (32 MiB): one collective per bucket."""
 RESTART_FLOOR = 1e-6
@@ -41,6 +48,12 @@ def check_loro_model(config) -> None:
         return
     if config.bottleneck is None:
         raise ValueError(f"--lowrank_optimizer loro trains the factors of low-rank weights W = B A, and this model is full rank: {fix}.")
+    if config.bottleneck == "tt":
+        raise ValueError(
+            "--lowrank_optimizer loro trains factors B and A held as parameters; a tensor train (bottleneck='tt') holds "
+            "cores, from which A and B are contracted at every call, and LORO's steps on B and A cannot be written back "
+            f"into cores of the same ranks: {fix}."
+        )
     between = {
         "cola": "an activation on the r-dim latent (y = B act(A x))",
         "lax": "a latent LayerNorm, activation and crossing from the previous block (y = B act(LN(A x + G c)))",
@@ -95,13 +108,20 @@ class LoroAdamW(torch.optim.Optimizer):
 
     Param groups take AdamW's ``lr``, ``betas``, ``eps``, ``weight_decay`` and ``lr_scale`` (1 for non-factor
     groups). A factor group's ``lr`` defaults to ``lr x lr_scale``; the exact step moves ``W`` with
-    ``lr / lr_scale``. Updates are ``torch.optim.AdamW``'s (single-tensor) arithmetic, operation for operation.
+    ``lr / lr_scale``. With ``epsilon_placement="torch"`` updates are ``torch.optim.AdamW``'s (single-tensor)
+    arithmetic, operation for operation; ``"transformers"`` puts ``eps`` where the LORO authors' optimizer does (module
+    docstring). Weight decay is torch's (``p (1 - lr wd)`` before the update, and ``(1 - lr wd) W`` in the exact step)
+    with either placement; the authors' optimizer decays after the update, factors with the bias-corrected step
+    size, and not in the exact step: the same only at their ``weight_decay`` 0.
     """
 
     def __init__(self, params, pairs, *, exact_every: int, tp_group=None, lr: float = 1e-3, betas=(0.9, 0.999),
-                 eps: float = 1e-8, weight_decay: float = 0.0, bucket_elements: int = BUCKET_ELEMENTS):
+                 eps: float = 1e-8, weight_decay: float = 0.0, bucket_elements: int = BUCKET_ELEMENTS,
+                 epsilon_placement: str = "torch"):
         if exact_every < 1:
             raise ValueError(f"exact_every must be >= 1 (optimizer steps between exact steps), got {exact_every}.")
+        if epsilon_placement not in EPSILON_PLACEMENTS:
+            raise ValueError(f"adam_epsilon_placement must be one of {', '.join(EPSILON_PLACEMENTS)}, got {epsilon_placement!r}.")
         defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay, "lr_scale": 1.0, "loro_step": 0}
         groups = [dict(g) for g in params]
         for group in groups:
@@ -110,6 +130,7 @@ class LoroAdamW(torch.optim.Optimizer):
         super().__init__(groups, defaults)
         self.pairs = list(pairs)
         self.exact_every, self.tp_group, self.bucket_elements = exact_every, tp_group, bucket_elements
+        self.epsilon_placement = epsilon_placement
         groups = self._group_of()
         for B, A in self.pairs:
             for factor in (B, A):
@@ -134,7 +155,11 @@ class LoroAdamW(torch.optim.Optimizer):
         exp_avg.lerp_(grad, 1 - beta1)
         exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
         step = state["step"].item()
-        denom = (exp_avg_sq.sqrt() / (1 - beta2**step) ** 0.5).add_(group["eps"])
+        bias_correction2_sqrt = (1 - beta2**step) ** 0.5
+        if self.epsilon_placement == "transformers":  # sqrt(bc2) / bc1 m / (sqrt(v) + eps)
+            denom = exp_avg_sq.sqrt().add_(group["eps"]).div_(bias_correction2_sqrt)
+        else:  # m / bc1 / (sqrt(v) / sqrt(bc2) + eps), torch's AdamW
+            denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(group["eps"])
         return exp_avg, denom, 1 - beta1**step
 
     def _adamw_(self, param: torch.Tensor, group: dict) -> None:
@@ -200,10 +225,12 @@ class LoroAdamW(torch.optim.Optimizer):
 
 
 def loro_optimizer(model: nn.Module, *, lr: float, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
-                   exact_every: int, lr_scale: float | None = None, decay_parameter_names=None) -> LoroAdamW:
+                   exact_every: int, lr_scale: float | None = None, decay_parameter_names=None,
+                   epsilon_placement: str = "torch") -> LoroAdamW:
     """A :class:`LoroAdamW` over ``model``'s trainable parameters: the factors in one group (``lr_scale``, default
     ``r / hidden_size``; ``weight_decay``), the others in AdamW's two groups (``weight_decay`` on
-    ``decay_parameter_names``, default every parameter, and 0 on the rest). Checks the model first."""
+    ``decay_parameter_names``, default every parameter, and 0 on the rest); ``eps`` where ``epsilon_placement`` says.
+    Checks the model first."""
     config = model.config
     check_loro_model(config)
     pairs = factor_pairs(model)
@@ -222,7 +249,7 @@ def loro_optimizer(model: nn.Module, *, lr: float, betas=(0.9, 0.999), eps: floa
     return LoroAdamW(
         [g for g in groups if g["params"]], [pair for pair in pairs if all(p.requires_grad for p in pair)],
         exact_every=exact_every, tp_group=plan.group if plan is not None else None,
-        lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+        lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, epsilon_placement=epsilon_placement,
     )
 
 
@@ -251,4 +278,4 @@ def restart_schedule_at_exact_steps(scheduler, every: int, warmup_steps: int):
     return scheduler
 
 
-__all__ = ["LOWRANK_OPTIMIZERS", "LORO_WITHOUT_DEEPSPEED", "LoroAdamW", "check_loro_model", "check_loro_training", "factor_pairs", "loro_optimizer", "restart_schedule_at_exact_steps"]
+__all__ = ["EPSILON_PLACEMENTS", "LOWRANK_OPTIMIZERS", "LORO_WITHOUT_DEEPSPEED", "LoroAdamW", "check_loro_model", "check_loro_training", "factor_pairs", "loro_optimizer", "restart_schedule_at_exact_steps"]

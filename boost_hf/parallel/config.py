@@ -1,11 +1,18 @@
 """``ParallelConfig``: how a model is laid out across the tensor-parallel group and the pipeline stages.
 
-All fields are validated here, once, with errors that say what to change.
+Plain data: it imports no other boost-hf module. Each field is declared once, here, with its type (the
+``Literal`` choices are the validation source), its default and its help text (``field(metadata={"help": ...})``);
+the training arguments, the command-line options and the estimator's workload are generated from these fields
+(:mod:`boost_hf.parallel.settings`). All fields are validated here, once, with errors that say what to change.
+
+The single-device model file, which cannot import boost-hf, reaches the code that builds, loads and checks a
+shard through this object's four model-facing methods; they call the functions that
+:mod:`boost_hf.parallel.model_hooks` registers (:func:`register_model_hooks`) when ``boost_hf.parallel`` is imported.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Literal, get_args
 
 TPStyle = Literal["btp", "vanilla", "megatron"]
@@ -19,67 +26,76 @@ MULTI_STAGE_SCHEDULES = ("interleaved-1f1b", "looped-bfs", "interleaved-zb", "zb
 ZERO_BUBBLE_SCHEDULES = ("interleaved-zb", "zbv")
 
 
+def _setting(default, help_text: str):
+    """A field of :class:`ParallelConfig`: its default and its help text (the one declaration of both)."""
+    return field(default=default, metadata={"help": help_text})
+
+
 @dataclass(frozen=True)
 class ParallelConfig:
-    """Tensor-parallel layout of a :class:`~boost_hf.BoostLlamaForCausalLM`.
+    """Tensor-parallel and pipeline layout of a :class:`~boost_hf.BoostLlamaForCausalLM`; each field's help says
+    what it does (``ParallelConfig.help(name)``)."""
 
-    Args:
-        tp_size: ranks per tensor-parallel group (must divide the world size).
-        tp_style: ``"btp"`` bottleneck-aware TP (A row-parallel, B column-parallel, residual stream
-            sharded along d, r-dim latents replicated); ``"vanilla"`` the paper's naive low-rank TP (each
-            (A, B) pair a Megatron MLP: A column-split along r, B row-split, full-width all-reduce);
-            ``"megatron"`` classic TP of a full-rank model. Default: ``"btp"`` for low-rank models.
-        rmsnorm: BTP only. ``"online"`` (exact; the norm statistics travel in the same all-reduce as the
-            next A's partial output), ``"sync"`` (exact; one extra all-reduce of N scalars per norm) or
-            ``"local"`` (APPROXIMATE: normalises each d/p shard by its own statistics, a group norm that
-            changes the model with tp_size; never the default).
-        group_linears: low-rank layouts run the A's that share an input (A_qkv, A_gate_up) as one GEMM
-            with one collective (and, under BTP, copy the latents their B's read in one collective);
-            Megatron runs q/k/v and gate/up as one GEMM each (one collective either way). The parameters a
-            group reads together are stored as row blocks of one buffer (no copy per step); checkpoint names
-            and parameters are unchanged.
-        activation_checkpointing: ``"none"``; ``"full"`` (recompute each decoder layer, re-running its
-            forward collectives); ``"lowrank"`` (save only r-dim latents and the residual; under BTP the
-            recomputation issues no collective).
-        sequence_parallel: ``"megatron"``: Megatron-LM's sequence parallelism: the residual stream, its norms
-            and residual adds run on this rank's ``N/p`` tokens; each all-reduce of a layer becomes a
-            reduce-scatter over tokens (after o and down) plus an all-gather (before q/k/v and gate/up): the
-            same bytes, ``1/p`` of the element-wise work and of the residual kept for backward. ``"btp"``:
-            latent sequence parallelism: each latent all-reduce becomes a
-            reduce-scatter over tokens, the latent element-wise work runs on ``N/p`` tokens, and an all-gather
-            feeds the B's (the residual stays sharded along ``d``). The sequence length of each micro-batch
-            must be divisible by ``tp_size`` (checked at each forward); for generation (one new token per
-            step) turn it off. A no-op at ``tp_size=1``; not supported by ``"vanilla"``. Under pipeline
-            parallelism a stage sends its token shards to the next (:mod:`boost_hf.parallel.pipeline`).
-        pp_size: pipeline ranks (``tp_size x pp_size`` must divide the world size; the ranks are laid out as
-            ``("pp", "dp", "tp")``, pipeline outermost, TP ranks adjacent). See :mod:`boost_hf.parallel.pipeline`.
-        pp_schedule: ``"1f1b"`` (default), ``"gpipe"``, ``"interleaved-1f1b"``, ``"looped-bfs"`` (several stages
-            per rank). The zero-bubble schedules (``"interleaved-zb"``, ``"zbv"``) are refused with the reason.
-        pp_microbatches: micro-batches a pipeline step splits its batch into (default: the number of stages;
-            1F1B needs at least that many).
-        pp_stages_per_rank: model chunks each pipeline rank holds (default 2 for the interleaved schedules, else 1).
-        pp_layer_split: decoder layers of each stage, first to last (default: as even as possible); e.g.
-            ``(3, 5, 5, 3)`` gives the first and last stages fewer layers for the embedding and the head and loss.
-    """
-
-    tp_size: int = 1
-    tp_style: TPStyle = "btp"
-    rmsnorm: RMSNormMode = "online"
-    group_linears: bool = True
-    activation_checkpointing: CheckpointingMode = "none"
-    sequence_parallel: bool = False
-    pp_size: int = 1
-    pp_schedule: PipelineSchedule = "1f1b"
-    pp_microbatches: int | None = None
-    pp_stages_per_rank: int | None = None
-    pp_layer_split: tuple[int, ...] | None = None
+    tp_size: int = _setting(1, "Ranks per tensor-parallel group; tp_size x pp_size must divide the world size.")
+    tp_style: TPStyle = _setting(
+        "btp",
+        "'btp': bottleneck-aware TP (A row-parallel, B column-parallel, residual stream sharded along d, r-dim latents "
+        "replicated); 'vanilla': the paper's naive low-rank TP (each (A, B) pair a Megatron MLP: A column-split along r, B "
+        "row-split, full-width all-reduce); 'megatron': classic TP of a full-rank model (a full-rank model at tp_size 1 "
+        "always runs it).",
+    )
+    rmsnorm: RMSNormMode = _setting(
+        "online",
+        "BTP's RMSNorm: 'online' (exact; the norm statistics travel in the same all-reduce as the next A's partial "
+        "output), 'sync' (exact; one extra all-reduce of N scalars per norm) or 'local' (APPROXIMATE: each d/p shard "
+        "normalised by its own statistics, a group norm that changes the model with tp_size; never the default).",
+    )
+    group_linears: bool = _setting(
+        True,
+        "Run the A's sharing an input (A_qkv, A_gate_up; Megatron: q/k/v and gate/up) as one GEMM with one collective "
+        "(under BTP the latents their B's read are also copied in one collective); the parameters read together are row "
+        "blocks of one buffer (no copy per step), their names and checkpoints unchanged.",
+    )
+    activation_checkpointing: CheckpointingMode = _setting(
+        "none",
+        "'none'; 'full' (recompute each decoder layer, re-running its forward collectives); 'lowrank' (keep only the "
+        "r-dim latents and the residual; under BTP the recomputation issues no collective).",
+    )
+    sequence_parallel: bool = _setting(
+        False,
+        "Sequence parallelism over the TP group. 'megatron': Megatron-LM's: the residual stream, its norms and residual "
+        "adds run on this rank's N/p tokens, each all-reduce becomes a reduce-scatter over tokens plus an all-gather (the "
+        "same bytes). 'btp': latent sequence parallelism: each latent all-reduce becomes a reduce-scatter over tokens, the "
+        "latent element-wise work runs on N/p tokens, an all-gather feeds the B's. The sequence length of each "
+        "micro-batch must be divisible by tp_size (turn it off to generate, one token per step); a no-op at tp_size 1; "
+        "not supported by 'vanilla'. Under pipeline parallelism a stage sends its token shards to the next.",
+    )
+    pp_size: int = _setting(
+        1, "Pipeline ranks; the ranks are laid out (pp, dp, tp): pipeline outermost, TP ranks adjacent."
+    )
+    pp_schedule: PipelineSchedule = _setting(
+        "1f1b",
+        "Pipeline schedule: '1f1b', 'gpipe', 'interleaved-1f1b' or 'looped-bfs' (several stages per rank); the "
+        "zero-bubble schedules ('interleaved-zb', 'zbv') are refused with the reason.",
+    )
+    pp_microbatches: int | None = _setting(
+        None, "Micro-batches a pipeline step splits its batch into (default: the number of stages; 1F1B needs at least that many)."
+    )
+    pp_stages_per_rank: int | None = _setting(
+        None, "Model chunks each pipeline rank holds (default: 2 for the interleaved schedules, else 1)."
+    )
+    pp_layer_split: tuple[int, ...] | None = _setting(
+        None,
+        "Decoder layers of each stage, first to last (default: as even as possible, earlier stages taking the "
+        "remainder); e.g. 3,5,5,3 gives the first and last stages fewer layers for the embedding and the head and loss.",
+    )
 
     def __post_init__(self) -> None:
         if not isinstance(self.tp_size, int) or self.tp_size < 1:
             raise ValueError(f"tp_size must be a positive integer, got {self.tp_size!r}.")
-        for field, kind in (("tp_style", TPStyle), ("rmsnorm", RMSNormMode), ("activation_checkpointing", CheckpointingMode)):
-            if getattr(self, field) not in get_args(kind):
-                raise ValueError(f"Unknown {field} {getattr(self, field)!r}: use one of {', '.join(get_args(kind))}.")
+        for name, kind in (("tp_style", TPStyle), ("rmsnorm", RMSNormMode), ("activation_checkpointing", CheckpointingMode)):
+            if getattr(self, name) not in get_args(kind):
+                raise ValueError(f"Unknown {name} {getattr(self, name)!r}: use one of {', '.join(get_args(kind))}.")
         if not isinstance(self.group_linears, bool):
             raise ValueError(f"group_linears must be True or False, got {self.group_linears!r}.")
         if not isinstance(self.sequence_parallel, bool):
@@ -92,12 +108,13 @@ class ParallelConfig:
         self._check_pipeline()
 
     def _check_pipeline(self) -> None:
-        for field in ("pp_size", "pp_microbatches", "pp_stages_per_rank"):
-            value = getattr(self, field)
+        for name in ("pp_size", "pp_microbatches", "pp_stages_per_rank"):
+            value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-                raise ValueError(f"{field} must be a positive integer, got {value!r}.")
+                raise ValueError(f"{name} must be a positive integer, got {value!r}.")
         if self.pp_schedule not in get_args(PipelineSchedule):
-            raise ValueError(f"Unknown pp_schedule {self.pp_schedule!r}: use one of {', '.join(get_args(PipelineSchedule))}.")
+            supported = [name for name in get_args(PipelineSchedule) if name not in ZERO_BUBBLE_SCHEDULES]
+            raise ValueError(f"Unknown pp_schedule {self.pp_schedule!r}: use one of {', '.join(supported)}.")
         if self.pp_schedule in ZERO_BUBBLE_SCHEDULES:
             raise ValueError(
                 f"pp_schedule={self.pp_schedule!r} is not supported: zero-bubble schedules split each backward into an "
@@ -163,38 +180,50 @@ class ParallelConfig:
         """Sequence parallelism is on and there is more than one rank to shard the tokens over."""
         return self.sequence_parallel and self.tp_size > 1
 
+    @staticmethod
+    def help(name: str) -> str:
+        """The help text of field ``name``."""
+        return ParallelConfig.__dataclass_fields__[name].metadata["help"]
+
+    # The single-device model file reaches boost-hf through the last three (it never imports boost-hf itself);
+    # check_model is the same check for callers holding a model config. Each calls the function of the same name in
+    # boost_hf.parallel.model_hooks.
     def check_model(self, config) -> None:
         """Raise ``ValueError`` naming the field to change if this layout cannot hold ``config``."""
-        from .parallelize import layout_for
+        _hooks().check_model(config, self)
 
-        layout_for(config, self)
-        if self.pp_size > 1:
-            from .pipeline import check_pipeline_model
-
-            check_pipeline_model(config, self)
-
-    # The single-device model file calls these three (it never imports boost-hf itself).
     def single_device_skeleton(self):
         """Context in which the single-device modules are built on the meta device, uninitialised."""
-        from .parallelize import single_device_skeleton
-
-        return single_device_skeleton()
+        return _hooks().single_device_skeleton()
 
     def parallelize(self, model):
         """Shard ``model`` in place for this rank (see :func:`boost_hf.parallel.parallelize`)."""
-        from .parallelize import parallelize
-
-        return parallelize(model, self)
+        return _hooks().parallelize(model, self)
 
     def load_pretrained(self, model_class, pretrained_model_name_or_path, *model_args, **kwargs):
         """``model_class.from_pretrained(..., parallel_config=self)``: this rank's shard, reading only this
-        rank's slices (see :func:`boost_hf.parallel.weights_io.load_pretrained`)."""
-        from .weights_io import load_pretrained
-
-        return load_pretrained(model_class, pretrained_model_name_or_path, self, *model_args, **kwargs)
+        rank's slices (see :func:`boost_hf.parallel.model_hooks.load_pretrained`)."""
+        return _hooks().load_pretrained(model_class, pretrained_model_name_or_path, self, *model_args, **kwargs)
 
     def to_dict(self) -> dict:
         return asdict(self)
 
 
-__all__ = ["ParallelConfig", "TPStyle", "RMSNormMode", "CheckpointingMode", "PipelineSchedule", "MULTI_STAGE_SCHEDULES", "ZERO_BUBBLE_SCHEDULES"]
+_model_hooks = None
+
+
+def register_model_hooks(hooks) -> None:
+    """Install what :class:`ParallelConfig`'s model-facing methods call: an object with ``check_model(config,
+    parallel)``, ``single_device_skeleton()``, ``parallelize(model, parallel)`` and ``load_pretrained(model_class,
+    path, parallel, *args, **kwargs)`` (:mod:`boost_hf.parallel.model_hooks` registers itself when imported)."""
+    global _model_hooks
+    _model_hooks = hooks
+
+
+def _hooks():
+    if _model_hooks is None:
+        raise RuntimeError("boost-hf's model hooks are not loaded: import boost_hf (importing boost_hf.parallel loads them).")
+    return _model_hooks
+
+
+__all__ = ["ParallelConfig", "register_model_hooks", "TPStyle", "RMSNormMode", "CheckpointingMode", "PipelineSchedule", "MULTI_STAGE_SCHEDULES", "ZERO_BUBBLE_SCHEDULES"]

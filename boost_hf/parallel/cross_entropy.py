@@ -5,9 +5,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..modeling_boost_llama import IGNORE_INDEX
 from .primitives import ProcessGroup, all_reduce_max_, group_rank, reduce_from_tp
-
-IGNORE_INDEX = -100
 
 
 def vocab_parallel_causal_lm_loss(

@@ -74,15 +74,6 @@ def shard_repr(param: torch.Tensor) -> str:
     return f"local={tuple(param.shape)}, split_dim={spec.partition_dim}, tp={spec.tp_rank}/{spec.tp_size}"
 
 
-def check_token_ids(input_ids: torch.Tensor, vocab_size: int) -> None:
-    """Raise ``RuntimeError`` if an id of ``input_ids`` is outside ``[0, vocab_size)``. No host sync: on GPU a
-    device-side assert (``torch._assert_async``), on CPU an immediate error. (A vocab-parallel lookup would
-    otherwise embed such an id as zeros on every rank, silently.)"""
-    in_range = ((input_ids >= 0) & (input_ids < vocab_size)).all()
-    torch._assert_async(in_range, f"token ids must be in [0, vocab_size={vocab_size}): an id is negative or >= vocab_size "
-                                  "(was the data tokenized with another tokenizer?)")
-
-
 class VocabParallelEmbedding:
     """``nn.Embedding`` split along the vocabulary (local ``[V/p, d]``): masked local lookup, then an
     all-reduce of ``[B, S, d]`` (forward only). The ``padding_idx`` row gets no gradient, as on one device."""
@@ -123,4 +114,4 @@ class VocabParallelHead:
         return f"{super().extra_repr()}, {shard_repr(self.weight)}"
 
 
-__all__ = ["add_bias", "adopt", "check_token_ids", "compute_dtype", "statistics_dtype", "parallel_class", "shard_parameter", "shard_repr", "VocabParallelEmbedding", "VocabParallelHead"]
+__all__ = ["add_bias", "adopt", "compute_dtype", "statistics_dtype", "parallel_class", "shard_parameter", "shard_repr", "VocabParallelEmbedding", "VocabParallelHead"]

@@ -11,24 +11,23 @@ checkpoints load at any TP size and hooks registered on the single-device module
 
 from __future__ import annotations
 
-import contextlib
 import functools
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from transformers.initialization import no_init_weights
 
 from .config import ParallelConfig
 from .cross_entropy import vocab_parallel_causal_lm_loss
-from .layouts import LAYOUTS, Layout
-from .modules import VocabParallelEmbedding, VocabParallelHead, adopt, check_token_ids, parallel_class, shard_parameter
+from .layouts import Layout, layout_for
+from .modules import VocabParallelEmbedding, VocabParallelHead, adopt, parallel_class, shard_parameter
 from .norms import FusedRMSNorm, GatheredRMSNorm
-from .pipeline import Pipeline, keep_this_ranks_stages
+from .pipeline import Pipeline, check_pipeline_model, keep_this_ranks_stages
 from .primitives import split_to_tp
 from .rotary import ComputeDtypeRotaryEmbedding
 from .decoder_layer import ParallelDecoderLayer
+from .export import DEFAULT_MAX_SHARD_SIZE, save_sharded_pretrained
 from .sequence_parallel import TokenGatheringRMSNorm, check_sequence_length
 from .sharding import shard_spec_of
 from .state import ParallelState, check_world, get_parallel_state
@@ -65,23 +64,13 @@ class TensorParallelPlan:
         return self.parallel.shards_tokens and not self.layout.residual_sharded
 
 
-def layout_for(config, parallel: ParallelConfig) -> Layout:
-    """The :class:`Layout` running ``config`` under ``parallel`` (the full-rank model always runs
-    Megatron's); raises ``ValueError`` naming the field to change when they do not fit."""
-    style = parallel.tp_style
-    if config.bottleneck is None and parallel.tp_size == 1:
-        style = "megatron"
-    layout = LAYOUTS[style](parallel)
-    layout.check(config)
+def checked_layout(config, parallel: ParallelConfig) -> Layout:
+    """The :class:`Layout` running ``config`` under ``parallel``, after checking that ``config`` fits it and, under
+    pipeline parallelism, its stages; raises ``ValueError`` naming the field to change (no collective)."""
+    layout = layout_for(config, parallel)
+    if parallel.pp_size > 1:
+        check_pipeline_model(config, parallel)
     return layout
-
-
-def single_device_skeleton():
-    """Build modules on the meta device without initialising them (nothing allocated)."""
-    stack = contextlib.ExitStack()
-    stack.enter_context(torch.device("meta"))
-    stack.enter_context(no_init_weights())
-    return stack
 
 
 def parallelize(model: nn.Module, parallel: ParallelConfig, *, initialize: bool = True) -> nn.Module:
@@ -100,8 +89,7 @@ def parallelize(model: nn.Module, parallel: ParallelConfig, *, initialize: bool 
             "the meta device and others are not: build it with BoostLlamaForCausalLM(config, parallel_config=...) or load it."
         )
     check_world(parallel.tp_size, parallel.pp_size)
-    layout = layout_for(config, parallel)
-    parallel.check_model(config)
+    layout = checked_layout(config, parallel)
     plan = TensorParallelPlan(parallel, layout, get_parallel_state(parallel.tp_size, parallel.pp_size))
     seed = _shared_seed()
     placement = None
@@ -177,17 +165,15 @@ def initialize_shards(model: nn.Module, seed: int) -> None:
 
 
 class TensorParallelBaseModel:
-    """The base model under a layout: token ids outside the vocabulary raise in every layout
-    (:func:`~boost_hf.parallel.modules.check_token_ids`, no host sync); under sequence parallelism the sequence
-    length is checked first (before any collective); under BTP, ``inputs_embeds: [B, S, d]`` are split to this
-    rank's ``[B, S, d/p]`` (backward: all-gather of their gradient)."""
+    """The base model under a layout (its forward checks the token ids before any collective:
+    :func:`~boost_hf.modeling_boost_llama.check_token_ids`); under sequence parallelism the sequence length is checked
+    first (before any collective); under BTP, ``inputs_embeds: [B, S, d]`` are split to this rank's ``[B, S, d/p]``
+    (backward: all-gather of their gradient)."""
 
     plan: TensorParallelPlan
 
     def forward(self, *args, **kwargs):
         input_ids = kwargs.get("input_ids", args[0] if args else None)
-        if input_ids is not None:
-            check_token_ids(input_ids, self.config.vocab_size)
         if self.plan.parallel.shards_tokens:
             tokens = input_ids if input_ids is not None else kwargs.get("inputs_embeds")
             if tokens is not None:  # neither: the single-device model's own error
@@ -205,8 +191,8 @@ class TensorParallelCausalLM:
       gathered for it); the same value on every rank.
     * ``logits``: the full ``[B, S, V]`` (one all-gather) when no labels are given (``generate`` works),
       at ``tp_size=1`` or when ``return_logits=True``; otherwise ``None``.
-    * ``save_pretrained``: call on every rank; the canonical unsharded checkpoint is gathered over the TP
-      group (and the pipeline stages) and global rank 0 writes it.
+    * ``save_pretrained``: call on every rank; the canonical safetensors files are written from every rank's
+      shards, one output file per rank at a time (:mod:`boost_hf.parallel.export`): nothing is gathered.
     """
 
     plan: TensorParallelPlan
@@ -249,19 +235,29 @@ class TensorParallelCausalLM:
             return outputs.to_tuple()
         return outputs
 
-    def save_pretrained(self, save_directory, *args, is_main_process: bool | None = None, state_dict=None, **kwargs):
-        from .weights_io import canonical_state_dict
-
-        if state_dict is None:
-            state_dict = canonical_state_dict(self, self.plan.group)
-            if getattr(self, "pipeline", None) is not None:  # every stage's tensors, on global rank 0
-                state_dict = self.pipeline.whole_state_dict(state_dict)
+    def save_pretrained(self, save_directory, *args, is_main_process: bool | None = None, state_dict=None,
+                        max_shard_size: int | str | None = None, **kwargs):
+        """Collective: the single-device model's folder (canonical safetensors files of at most ``max_shard_size``,
+        default 5GB, config, remote code), written from every rank's shards without gathering them
+        (:func:`~boost_hf.parallel.export.save_sharded_pretrained`). With an explicit ``state_dict`` (whole
+        tensors), transformers' own ``save_pretrained`` on the main process."""
         if is_main_process is None:
             is_main_process = not dist.is_initialized() or dist.get_rank() == 0
-        if is_main_process:
-            super().save_pretrained(save_directory, *args, is_main_process=True, state_dict=state_dict, **kwargs)
-        if dist.is_initialized():
-            dist.barrier()
+        if state_dict is not None:
+            if is_main_process:
+                super().save_pretrained(save_directory, *args, is_main_process=True, state_dict=state_dict,
+                                        **({"max_shard_size": max_shard_size} if max_shard_size else {}), **kwargs)
+            if dist.is_initialized():
+                dist.barrier()
+            return
+        unsupported = sorted(k for k, v in kwargs.items() if v and k not in ("safe_serialization", "token"))
+        if args or unsupported:
+            raise ValueError(
+                f"save_pretrained of a parallel model writes the canonical safetensors from every rank's shards and takes "
+                f"max_shard_size only; got {unsupported or args}: save, then upload the folder (huggingface_hub.upload_folder)."
+            )
+        save_sharded_pretrained(self, str(save_directory), is_main_process=is_main_process,
+                                max_shard_size=max_shard_size or DEFAULT_MAX_SHARD_SIZE)
 
 
 def _keep_class_identity(mixin: type, cls: type) -> type:
@@ -271,4 +267,4 @@ def _keep_class_identity(mixin: type, cls: type) -> type:
     return adopted
 
 
-__all__ = ["parallelize", "layout_for", "single_device_skeleton", "initialize_shards", "TensorParallelPlan"]
+__all__ = ["parallelize", "checked_layout", "initialize_shards", "TensorParallelPlan"]

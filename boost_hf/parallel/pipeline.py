@@ -239,16 +239,6 @@ class Pipeline:
         self._wrapped: list[nn.Module] | None = None
         self._schedules: dict[tuple[int, int, torch.dtype], object] = {}
 
-    def whole_state_dict(self, own: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
-        """Every stage's canonical tensors, from each pipeline rank's ``own`` ones (full over TP): on global rank 0
-        the whole model's, elsewhere ``None``. Collective over the pipeline group of the ``dp 0, tp 0`` ranks
-        (one object gather to global rank 0); the other ranks communicate nothing."""
-        if self.state.dp_rank != 0 or self.state.tp_rank != 0:
-            return None
-        parts = [None] * self.parallel.pp_size if self.state.pp_rank == 0 else None
-        dist.gather_object(own, parts, dst=dist.get_global_rank(self.state.pp_group, 0), group=self.state.pp_group)
-        return {name: tensor for part in parts for name, tensor in part.items()} if parts is not None else None
-
     @property
     def holds_last_stage(self) -> bool:
         return self.placement.num_stages - 1 in self.placement.stages
@@ -303,7 +293,13 @@ class Pipeline:
         return vocab_parallel_causal_lm_loss(logits, labels, group=self.plan.group, num_items_in_batch=normaliser)
 
     # ------------------------------------------------------------------ running
-    def _check_batch(self, input_ids: torch.Tensor) -> None:
+    def _check_batch(self, input_ids: torch.Tensor, labels: torch.Tensor) -> None:
+        """On every rank, before any collective: token ids and labels in the vocabulary (as the model checks them),
+        the sequence length under sequence parallelism, the batch splitting into the micro-batches."""
+        from ..modeling_boost_llama import check_token_ids
+
+        check_token_ids(input_ids, self.model.config.vocab_size)
+        check_token_ids(labels, self.model.config.vocab_size, "labels", ignore_index=IGNORE_INDEX)
         batch, m = input_ids.shape[0], self.parallel.microbatches
         if self.parallel.shards_tokens:
             check_sequence_length(input_ids.shape[1], self.parallel.tp_size)
@@ -316,7 +312,7 @@ class Pipeline:
     def _run(self, input_ids, labels, attention_mask, *, train: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """Run the schedule on this DP replica's batch; returns ``(loss sum over the step, target tokens)``,
         both summed over DP and identical on every rank."""
-        self._check_batch(input_ids)
+        self._check_batch(input_ids, labels)
         tokens = count_targets(labels)
         if self.state.dp_group is not None:
             dist.all_reduce(tokens, group=self.state.dp_group)

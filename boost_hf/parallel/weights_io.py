@@ -11,27 +11,14 @@ import json
 import os
 
 import torch
-import torch.distributed as dist
 from safetensors import safe_open
 from torch import nn
 
-from .sharding import gather_full, shard_spec_of
+from .sharding import shard_spec_of
 
 SAFE_WEIGHTS_NAME = "model.safetensors"
 SAFE_WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
 HUB_KWARGS = ("cache_dir", "revision", "token", "local_files_only", "force_download", "subfolder", "proxies")
-
-
-def canonical_state_dict(model: nn.Module, group: dist.ProcessGroup | None) -> dict[str, torch.Tensor]:
-    """Full (unsharded) parameters by canonical name, on every rank of ``group``.
-
-    Collective: one all-gather per sharded parameter in ``group`` (call on all TP ranks). Tied
-    parameters appear once per name, as ``state_dict`` does.
-    """
-    full = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        full[name] = gather_full(param.detach(), shard_spec_of(param), group).cpu()
-    return full
 
 
 def resolve_checkpoint_files(path: str, **hub_kwargs) -> list[str]:
@@ -51,6 +38,11 @@ def resolve_checkpoint_files(path: str, **hub_kwargs) -> list[str]:
         with open(index) as f:
             names = sorted(set(json.load(f)["weight_map"].values()))
         return [os.path.join(folder, n) for n in names]
+    if os.path.isdir(path) and os.path.isfile(os.path.join(path, "dcp", ".metadata")):
+        raise FileNotFoundError(
+            f"{path!r} is a training checkpoint (the model's shards as a torch.distributed.checkpoint in dcp/), not a "
+            f"Hugging Face folder: export it with `boost-hf export {path} OUT` (or start a run from it with --init_from)."
+        )
     raise FileNotFoundError(f"no {SAFE_WEIGHTS_NAME} or {SAFE_WEIGHTS_INDEX_NAME} in {path!r}: is it a boost-hf checkpoint folder?")
 
 
@@ -101,60 +93,4 @@ def load_canonical_checkpoint(model: nn.Module, files: list[str]) -> None:
         param.copy_(tensor_slice[tuple(index)].to(param.dtype))
 
 
-# from_pretrained arguments with nothing to do when each rank reads its own slices itself
-IGNORED_UNDER_TP = ("trust_remote_code", "low_cpu_mem_usage", "use_safetensors", "_from_auto", "_from_pipeline", "_commit_hash", "adapter_kwargs")
-
-
-def load_pretrained(model_class, pretrained_model_name_or_path, parallel, *model_args, **kwargs):
-    """``model_class.from_pretrained`` into this rank's shard of ``parallel``'s layout.
-
-    At ``tp_size=1`` without recomputation this is transformers' own ``from_pretrained`` (every argument
-    applies), then :func:`~boost_hf.parallel.parallelize.parallelize`, which slices the loaded values (never re-draws
-    them). Otherwise the model is built on
-    the meta device, sharded, and each rank reads only its slices of the canonical safetensors files.
-    Arguments that cannot apply there (``device_map`` other than ``"cpu"``, ``state_dict``,
-    ``quantization_config``, ``ignore_mismatched_sizes``, ...) raise a ``ValueError`` naming them.
-    """
-    from .parallelize import parallelize
-
-    if parallel.tp_size == 1 and parallel.pp_size == 1 and parallel.activation_checkpointing == "none":
-        loaded = model_class.from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
-        model, info = loaded if isinstance(loaded, tuple) else (loaded, None)
-        parallelize(model, parallel)
-        return (model, info) if info is not None else model
-    if model_args:
-        raise ValueError(f"from_pretrained takes no positional model arguments under tensor parallelism, got {model_args!r}")
-    path = str(pretrained_model_name_or_path)
-    config = kwargs.pop("config", None)
-    dtype = kwargs.pop("dtype", None)
-    dtype = kwargs.pop("torch_dtype", None) if dtype is None else dtype
-    attn_implementation = kwargs.pop("attn_implementation", None)
-    output_loading_info = kwargs.pop("output_loading_info", False)
-    if kwargs.get("device_map") in (None, "cpu"):
-        kwargs.pop("device_map", None)
-    hub = {k: kwargs.pop(k) for k in HUB_KWARGS if k in kwargs}
-    for name in IGNORED_UNDER_TP:
-        kwargs.pop(name, None)
-    if config is None:
-        config, kwargs = model_class.config_class.from_pretrained(path, return_unused_kwargs=True, **hub, **kwargs)
-    if kwargs:
-        raise ValueError(
-            f"from_pretrained arguments {sorted(kwargs)} cannot apply under tensor parallelism "
-            f"(tp_size={parallel.tp_size}, activation_checkpointing={parallel.activation_checkpointing!r}): each rank "
-            "reads its own slices of the canonical checkpoint on the CPU. Drop them, or load with tp_size=1."
-        )
-    if attn_implementation is not None:
-        config._attn_implementation = attn_implementation
-    with parallel.single_device_skeleton():
-        model = model_class(config)
-    parallelize(model, parallel, initialize=False)
-    load_canonical_checkpoint(model, resolve_checkpoint_files(path, **hub))
-    if dtype is not None and dtype != "auto":
-        model = model.to(getattr(torch, dtype) if isinstance(dtype, str) else dtype)
-    model.eval()
-    if output_loading_info:
-        return model, {"missing_keys": [], "unexpected_keys": [], "mismatched_keys": [], "error_msgs": []}
-    return model
-
-
-__all__ = ["HUB_KWARGS", "canonical_state_dict", "resolve_checkpoint_files", "load_canonical_checkpoint", "load_pretrained"]
+__all__ = ["HUB_KWARGS", "resolve_checkpoint_files", "load_canonical_checkpoint"]

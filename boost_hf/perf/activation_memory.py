@@ -17,7 +17,7 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from ..parallel.config import ParallelConfig
-from ..parallel.parallelize import layout_for
+from ..parallel.layouts import layout_for
 
 
 def saved_parts_per_layer(config, parallel: ParallelConfig, tokens: int, layer_idx: int = 1) -> tuple[int, int]:

@@ -29,7 +29,7 @@ from ..parallel.communication import (
     ring_traffic_bytes,
 )
 from ..parallel.config import ParallelConfig
-from ..parallel.parallelize import layout_for
+from ..parallel.layouts import layout_for
 
 
 def layer_communication(config, parallel: ParallelConfig, tokens: int, layer_idx: int = 1) -> PassCommunication:

@@ -28,7 +28,7 @@ Time of one decoder layer, forward (backward in parentheses)::
   the replicated residual, vanilla everything between chunks replicated at full width. btp's online
   RMSNorm adds two passes over the ``5r``-wide outputs of A_qkv and A_gate_up (scale the partial
   output by the local rms, divide the reduced one by the global rms).
-* **Sequence parallelism** (``Workload.sequence_parallel``; megatron and btp): the work each layout
+* **Sequence parallelism** (``sequence_parallel`` of the workload's ``parallel_config``; megatron and btp): the work each layout
   repeats on every rank runs on ``N/p`` tokens, megatron's norms and residual adds, btp's latent
   element-wise work; the GEMMs are unchanged (the tokens are gathered before them); the collectives are the
   layout's (each all-reduce a reduce-scatter plus an all-gather of the same ring bytes, twice the calls); the
@@ -46,7 +46,7 @@ Time of one decoder layer, forward (backward in parentheses)::
 * **Outside the layers**: the LM head GEMM ``(N, d) x (d, V/p)`` and the outside collectives (with
   the vocab-parallel loss), counted on the last pipeline stage.
 * **Pipeline** (``pp > 1``, :mod:`boost_hf.perf.pipeline`): the layers split evenly over ``pp x v``
-  stages (``v`` stages per rank under ``interleaved-1f1b``, else 1); with ``T_i`` rank ``i``'s forward +
+  stages (``v`` stages per rank under ``interleaved-1f1b``, else 1), or as ``pp_layer_split`` says; with ``T_i`` rank ``i``'s forward +
   backward time for one micro-batch and ``m`` micro-batches,
   ``iteration = m max_i T_i + (sum_i T_i - max_i T_i) / v``: ``(m + pp - 1) T`` for equal ranks under 1F1B
   and GPipe, a bubble of ``(pp-1)/(m+pp-1)``, and ``(pp-1)/(v m+pp-1)`` interleaved. Every stage pays one
@@ -62,7 +62,8 @@ Time of one decoder layer, forward (backward in parentheses)::
   ``m``; interleaved: torch's warm-up, :func:`~boost_hf.perf.pipeline.micro_batches_in_flight`). Without
   checkpointing it is not modelled.
 * **Optimizer**: AdamW with fp32 master weights and moments touches ``ADAMW_BYTES_PER_PARAM`` bytes per
-  local parameter, at ``memory_efficiency * HBM bandwidth``, once per iteration.
+  local parameter (``1/p`` of the model's, plus a tensor train's cores that every TP rank holds whole), at
+  ``memory_efficiency * HBM bandwidth``, once per iteration.
 * Not modelled: data parallelism (gradient all-reduce / ZeRO), the cross-entropy's elementwise work,
   kernel launch gaps, compute/communication overlap.
 
@@ -101,9 +102,11 @@ from dataclasses import asdict, dataclass, replace
 from typing import Literal
 
 from ..parallel.config import SEQUENCE_PARALLEL_STYLES, ParallelConfig
+from ..parallel.settings import field_of
 from ..parallel.layouts import Gemm
-from ..parallel.parallelize import layout_for
+from ..parallel.layouts import layout_for
 from ..parallel.sequence_parallel import check_sequence_length
+from ..parallel.tensor_train import whole_core_parameters
 from .activation_memory import saved_bytes_per_layer
 from .comm_formula import Communication, layer_communication, outside_layers_communication, stage_boundary_communication
 from .flops import attention_flops_per_token, training_flops_per_token
@@ -221,6 +224,8 @@ def parameter_count(config) -> int:
     shapes = config.projection_shapes().values()
     if config.bottleneck is None:
         block = sum(d_in * d_out for d_in, d_out in shapes)
+    elif config.bottleneck == "tt":
+        block = sum(config.tensor_train_shape(name).parameters for name in config.projection_shapes())
     else:
         block = sum(config.rank * (d_in + d_out) for d_in, d_out in shapes)
     gates = 0
@@ -246,64 +251,83 @@ def low_rank_counterpart(config):
     return type(config).from_dict({**config.to_dict(), "bottleneck": "cola"})
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class Workload:
-    """What one training iteration runs on one data-parallel replica (``tp * pp`` GPUs).
+    """What one training iteration runs on one data-parallel replica (``tp_size * pp_size`` GPUs).
 
     Args:
-        tp: tensor-parallel size. pp: pipeline ranks.
+        parallel_config: the layout (:class:`ParallelConfig`); its ``tp_style`` is replaced by each estimated layout's
+            (:meth:`parallel`). The layout fields may also be given as keywords, by field name or by the short names
+            of :data:`~boost_hf.parallel.settings.SHORT_NAMES` (``Workload(tp=4, pp=2)``), over ``parallel_config``.
         micro_batch: sequences per micro-batch. seq_len: tokens per sequence.
-        num_micro_batches: micro-batches per iteration (the pipeline's ``m``; gradient accumulation at pp=1).
-        pp_schedule: ``"1f1b"``, ``"gpipe"`` or ``"interleaved-1f1b"`` (:mod:`boost_hf.perf.pipeline`).
-        stages_per_rank: model chunks per pipeline rank (interleaved only; default 2 there, else 1).
+        num_micro_batches: micro-batches per iteration: the pipeline's ``m`` (gradient accumulation at pp 1),
+            default 1. ``pp_microbatches`` (of ``parallel_config`` or as a keyword) gives it too, and is kept here, the
+            config's field cleared: the estimate also times counts that torch's schedule refuses, which a
+            ``ParallelConfig`` does not hold (noted in :attr:`Estimate.notes`).
         dtype_bytes: bytes per activation element (2: bf16); the saved residual stream is counted in fp32, as
             mixed precision (fp32 weights, bf16 autocast) keeps it.
-        rmsnorm, group_linears, activation_checkpointing: as in :class:`ParallelConfig`.
-        sequence_parallel: as in :class:`ParallelConfig`, for the layouts that have it (megatron: Megatron-LM's;
-            btp: latent sequence parallelism); vanilla, which has none, is estimated without it. Needs
-            ``seq_len`` divisible by ``tp``; under ``pp > 1`` stages send their token shards (``Layout.stage_boundary``).
+
+    The schedules modelled are ``"1f1b"``, ``"gpipe"`` and ``"interleaved-1f1b"`` (:mod:`boost_hf.perf.pipeline`).
+    Sequence parallelism applies to the layouts that have it (megatron: Megatron-LM's; btp: latent sequence
+    parallelism); vanilla, which has none, is estimated without it. It needs ``seq_len`` divisible by ``tp_size``;
+    under ``pp_size > 1`` stages send their token shards (``Layout.stage_boundary``).
     """
 
-    tp: int = 1
-    pp: int = 1
-    micro_batch: int = 4
-    seq_len: int = 4096
-    num_micro_batches: int = 1
-    pp_schedule: str = "1f1b"
-    stages_per_rank: int | None = None
-    dtype_bytes: int = 2
-    rmsnorm: str = "online"
-    group_linears: bool = True
-    activation_checkpointing: str = "none"
-    sequence_parallel: bool = False
+    parallel_config: ParallelConfig
+    micro_batch: int
+    seq_len: int
+    num_micro_batches: int
+    dtype_bytes: int
 
-    def __post_init__(self) -> None:
-        for name in ("tp", "pp", "micro_batch", "seq_len", "num_micro_batches", "dtype_bytes"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
-                raise ValueError(f"Workload.{name} must be a positive integer, got {getattr(self, name)!r}.")
-        object.__setattr__(self, "stages_per_rank", check_schedule(self.pp_schedule, self.stages_per_rank))
-        if self.sequence_parallel and self.tp > 1:
-            check_sequence_length(self.seq_len, self.tp)
+    def __init__(self, parallel_config: ParallelConfig | None = None, *, micro_batch: int = 4, seq_len: int = 4096,
+                 num_micro_batches: int | None = None, dtype_bytes: int = 2, **layout) -> None:
+        parallel = parallel_config or ParallelConfig()
+        layout = {field_of(name): value for name, value in layout.items()}
+        given = {m for m in (num_micro_batches, layout.pop("pp_microbatches", None), parallel.pp_microbatches) if m is not None}
+        if len(given) > 1:
+            raise ValueError(f"Workload: micro-batches per iteration given as {sorted(given)}: give one number.")
+        num_micro_batches = given.pop() if given else 1
+        parallel = replace(parallel, pp_microbatches=None, **layout)
+        values = dict(parallel_config=parallel, micro_batch=micro_batch, seq_len=seq_len,
+                      num_micro_batches=num_micro_batches, dtype_bytes=dtype_bytes)
+        for name, value in values.items():
+            if name != "parallel_config" and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"Workload.{name} must be a positive integer, got {value!r}.")
+            object.__setattr__(self, name, value)
+        check_schedule(parallel.pp_schedule, parallel.pp_stages_per_rank)
+        if parallel.shards_tokens:
+            check_sequence_length(seq_len, parallel.tp_size)
 
     @property
     def tokens(self) -> int:
         """Tokens per micro-batch, ``N``."""
         return self.micro_batch * self.seq_len
 
+    @property
+    def stages_per_rank(self) -> int:
+        """Model chunks per pipeline rank as the estimator models the schedule (default 2 interleaved, else 1)."""
+        return check_schedule(self.parallel_config.pp_schedule, self.parallel_config.pp_stages_per_rank)
+
     def parallel(self, layout: str) -> ParallelConfig:
         """The :class:`ParallelConfig` of ``layout`` (megatron turns ``"lowrank"`` checkpointing, which it
         cannot do, into ``"full"``; vanilla runs without ``sequence_parallel``, which it does not have)."""
-        checkpointing = self.activation_checkpointing
+        checkpointing = self.parallel_config.activation_checkpointing
         if layout == "megatron" and checkpointing == "lowrank":
             checkpointing = "full"
-        return ParallelConfig(
-            tp_size=self.tp,
+        return replace(
+            self.parallel_config,
             tp_style=layout,
-            rmsnorm=self.rmsnorm,
-            group_linears=self.group_linears,
             activation_checkpointing=checkpointing,
-            sequence_parallel=self.sequence_parallel and layout in SEQUENCE_PARALLEL_STYLES,
+            sequence_parallel=self.parallel_config.sequence_parallel and layout in SEQUENCE_PARALLEL_STYLES,
         )
+
+    def assumptions(self) -> dict:
+        """The workload as the estimate's JSON records it: the layout fields (but ``tp_style``, which each estimated
+        layout sets, and ``pp_microbatches``, which is ``num_micro_batches`` here) and the workload's own."""
+        layout = {k: v for k, v in self.parallel_config.to_dict().items() if k not in ("tp_style", "pp_microbatches")}
+        return {**layout, "micro_batch": self.micro_batch, "seq_len": self.seq_len,
+                "num_micro_batches": self.num_micro_batches, "stages_per_rank": self.stages_per_rank,
+                "dtype_bytes": self.dtype_bytes, "tokens_per_micro_batch": self.tokens}
 
 
 COMPONENTS = ("gemm", "attention", "memory", "measured", "tp_comm", "pp_comm", "optimizer")
@@ -392,7 +416,7 @@ class Estimate:
 
     def assumptions(self) -> dict:
         return {
-            "workload": {**asdict(self.workload), "tokens_per_micro_batch": self.workload.tokens},
+            "workload": self.workload.assumptions(),
             "hardware": asdict(self.hardware),
             "efficiency": asdict(self.efficiency),
             "adamw_bytes_per_param": ADAMW_BYTES_PER_PARAM,
@@ -406,10 +430,11 @@ class Estimate:
 
 def _comm_time(comm: Communication, workload: Workload, hardware: Hardware) -> float:
     """``latency * calls + ring traffic / bandwidth`` of the TP collectives ``comm``."""
-    if workload.tp == 1:
+    p = workload.parallel_config.tp_size
+    if p == 1:
         return 0.0
-    traffic = comm.ring_traffic_bytes(workload.tp, workload.dtype_bytes)
-    return comm.calls * hardware.latency_us * 1e-6 + traffic / (hardware.collective_gbps(workload.tp) * 1e9)
+    traffic = comm.ring_traffic_bytes(p, workload.dtype_bytes)
+    return comm.calls * hardware.latency_us * 1e-6 + traffic / (hardware.collective_gbps(p) * 1e9)
 
 
 def _with_layers(config, layers: int) -> int:
@@ -438,10 +463,10 @@ def estimate_layout(
     and the optimizer time of the layers' parameters; communication, the LM head and the pipeline stay
     modelled."""
     parallel = workload.parallel(layout)
-    parallel.check_model(config)
-    n, p, pp, peak = workload.tokens, workload.tp, workload.pp, hardware.peak_flops
+    n, p, pp, peak = workload.tokens, parallel.tp_size, parallel.pp_size, hardware.peak_flops
     v = workload.stages_per_rank
-    counts = stage_layer_counts(config.num_hidden_layers, pp * v)
+    counts = stage_layer_counts(config.num_hidden_layers, pp * v, parallel.pp_layer_split)
+    parallel.check_model(config)
     hbm = efficiency.memory * hardware.hbm_gbps * 1e9
 
     def gemm_time(gemms: list[Gemm]) -> float:
@@ -515,12 +540,14 @@ def estimate_layout(
     optimized = parameter_count(config)
     if measured_layer_s is not None:  # the measured layer time includes its parameters' AdamW step
         optimized -= layers * (_with_layers(config, 2) - _with_layers(config, 1))
+    if config.bottleneck == "tt" and measured_layer_s is None:  # every TP rank holds some cores whole
+        optimized += layers * whole_core_parameters(config, tp_layout.tensor_train_splits) * (p - 1)
     optimizer = {"optimizer": optimized / (p * pp) * ADAMW_BYTES_PER_PARAM / hbm}
     weights = critical_path_weights(totals, m, v)
     breakdown = _add(*(_add(rank, scale=w) for rank, w in zip(ranks, weights)), optimizer)
     step = sum(breakdown.values())
     bubble = (sum(totals) - max(totals)) / v
-    in_flight = tuple(micro_batches_in_flight(workload.pp_schedule, pp, m, v, i) for i in range(pp))
+    in_flight = tuple(micro_batches_in_flight(parallel.pp_schedule, pp, m, v, i) for i in range(pp))
 
     gemms = layer_gemms(config, parallel, n)
     gemm_flops = sum(g.flops for g in gemms)
@@ -566,9 +593,9 @@ def _peak_activation_bytes(config, parallel: ParallelConfig, workload: Workload,
     if parallel.activation_checkpointing == "none":
         return None
     starts = [sum(counts[:j]) for j in range(len(counts))]
-    per_micro_batch = [0] * workload.pp
+    per_micro_batch = [0] * parallel.pp_size
     for j, (start, count) in enumerate(zip(starts, counts)):
-        per_micro_batch[j % workload.pp] += sum(
+        per_micro_batch[j % parallel.pp_size] += sum(
             saved_bytes_per_layer(config, parallel, workload.tokens, layer_idx, latent_bytes=workload.dtype_bytes)
             for layer_idx in range(start, start + count)
         )
@@ -606,23 +633,24 @@ def estimate(
         "megatron runs the full-rank model of the same size; vanilla and btp the low-rank model",
         "no overlap of compute and communication",
     ]
-    if workload.pp > 1:
+    layout_config = workload.parallel_config
+    if layout_config.pp_size > 1:
         v = workload.stages_per_rank
         notes.append(
-            f"{workload.pp_schedule} pipeline, {workload.pp} ranks x {v} stage(s), m={workload.num_micro_batches}: "
+            f"{layout_config.pp_schedule} pipeline, {layout_config.pp_size} ranks x {v} stage(s), m={workload.num_micro_batches}: "
             "iteration = m * max(rank time) + (sum(rank times) - max(rank time)) / "
             f"{v} + optimizer step"
         )
-        refusal = engine_refusal(workload.pp_schedule, workload.pp, workload.num_micro_batches)
+        refusal = engine_refusal(layout_config.pp_schedule, layout_config.pp_size, workload.num_micro_batches)
         if refusal:
             notes.append(f"torch.distributed.pipelining would refuse this: {refusal} (timed all the same)")
     if measured_layer_s:
         notes.append(f"measured layer time (compute, with recomputation and the layers' AdamW) for: {', '.join(measured_layer_s)}")
-    if workload.sequence_parallel:
+    if layout_config.sequence_parallel:
         with_sp = [layout for layout in layouts if layout in SEQUENCE_PARALLEL_STYLES]
         notes.append(f"sequence parallelism on for {', '.join(with_sp) or 'no layout'}"
                      + ("; vanilla has none: estimated without it" if "vanilla" in layouts else ""))
-    if workload.activation_checkpointing == "lowrank" and "megatron" in layouts:
+    if layout_config.activation_checkpointing == "lowrank" and "megatron" in layouts:
         notes.append("megatron has no low-rank checkpointing: it uses full-layer checkpointing")
     return Estimate(results, workload, hardware, efficiency, tuple(notes))
 
@@ -657,7 +685,7 @@ def micro_batch_options(
     sequences = workload.micro_batch * workload.num_micro_batches
     options = []
     for m in range(1, sequences + 1):
-        if sequences % m or engine_refusal(workload.pp_schedule, workload.pp, m):
+        if sequences % m or engine_refusal(workload.parallel_config.pp_schedule, workload.parallel_config.pp_size, m):
             continue
         split = replace(workload, micro_batch=sequences // m, num_micro_batches=m)
         e = estimate_layout(model, layout, split, hardware, efficiency)

@@ -6,6 +6,9 @@ Conventions (one multiply-add = 2 FLOPs; forward pass unless stated):
   ``A: d_in -> r``, ``B: r -> d_out``); summed over the 7 projections this is
   ``2 (2 d dq + 2 d dkv + 3 d f)`` (``= 2 (4d^2 + 3 d f)`` without GQA) and ``2 r sum(d_in + d_out)``
   (``= 2 (8 d r + 3 r (d + f))``);
+* a tensor-train projection (``tt``) costs ``2 r (d_in + d_out)`` per token as any bottleneck (``r`` its middle
+  rank), and contracting its cores into the two factors once per forward pass, whatever the tokens
+  (:func:`contraction_flops`; not in the per-token counts);
 * a LaX crossing ``G h_prev`` costs ``2 r^2`` per projection with a dense gate, ``2 r (a + b)`` with a
   Kronecker gate ``G = L (a x a) kron R (b x b)``, nothing with the identity gate; block 0 has none;
 * attention scores ``Q K^T`` and ``P V`` cost ``2 s dq`` each per token over a context of ``s`` keys,
@@ -18,6 +21,8 @@ Conventions (one multiply-add = 2 FLOPs; forward pass unless stated):
 """
 
 from __future__ import annotations
+
+from ..parallel.tensor_train import contraction_gemms
 
 
 def projection_flops_per_token(config) -> dict[str, int]:
@@ -40,6 +45,14 @@ def crossing_flops_per_token(config) -> int:
         return 7 * 2 * r * r
     a, b = config.kronecker_factors
     return 7 * 2 * r * (a + b)
+
+
+def contraction_flops(config) -> int:
+    """Forward FLOPs of contracting one decoder layer's tensor-train cores into their factors on one device, once
+    per forward pass (per micro-batch, whatever its tokens). Zero unless ``config.bottleneck == "tt"``."""
+    if config.bottleneck != "tt":
+        return 0
+    return sum(gemm.flops for gemm in contraction_gemms(config, lambda shape: {}, 1))
 
 
 def linear_flops_per_token(config, *, crossing: bool = True) -> int:
@@ -76,6 +89,7 @@ def training_flops_per_token(config, seq_len: int, *, causal: bool = True) -> in
 
 __all__ = [
     "attention_flops_per_token",
+    "contraction_flops",
     "crossing_flops_per_token",
     "forward_flops_per_token",
     "linear_flops_per_token",

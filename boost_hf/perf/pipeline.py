@@ -43,14 +43,16 @@ def check_schedule(schedule: str, stages_per_rank: int | None) -> int:
     return stages_per_rank
 
 
-def stage_layer_counts(num_layers: int, num_stages: int) -> list[int]:
-    """Decoder layers of each of ``num_stages`` stages, first to last: an even split, earlier stages taking
-    the remainder."""
+def stage_layer_counts(num_layers: int, num_stages: int, split: tuple[int, ...] | None = None) -> list[int]:
+    """Decoder layers of each of ``num_stages`` stages, first to last: ``split`` (a ``pp_layer_split``, checked
+    against the model by ``ParallelConfig.check_model``) or an even split, earlier stages taking the remainder."""
     if num_stages > num_layers:
         raise ValueError(
             f"pp x stages per rank ({num_stages}) exceeds num_hidden_layers ({num_layers}): use at most one "
             "stage per layer."
         )
+    if split is not None:
+        return list(split)
     base, extra = divmod(num_layers, num_stages)
     return [base + (1 if stage < extra else 0) for stage in range(num_stages)]
 

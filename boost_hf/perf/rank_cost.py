@@ -42,7 +42,7 @@ from ..parallel.comm_counter import CommCounter
 from ..parallel.communication import COLLECTIVE_KINDS
 from ..parallel.shared_storage import cast_parameters
 from ..parallel.state import reset_parallel_states
-from ..training.compile import compile_decoder_layers
+from ..parallel.compile import compile_decoder_layers
 from .activation_memory import SavedTensorsProbe
 from .op_counter import OpCounter
 
@@ -327,7 +327,7 @@ def measure_rank_layers(
     starting model rotating each round; after ``warmup`` rounds, each of ``reps`` rounds gives
     ``(t(L2) - t(L1)) / (L2 - L1)``. ``param_dtype``: the parameters' dtype (``None``: fp32; AdamW then steps
     them directly, in that dtype). ``compile``: each model's decoder layers are compiled in place, as
-    ``BoostTrainer --torch_compile`` does (:func:`~boost_hf.training.compile.compile_decoder_layers`;
+    ``BoostTrainer --torch_compile`` does (:func:`~boost_hf.parallel.compile.compile_decoder_layers`;
     ``warmup`` must be at least 1 to compile outside the timed rounds).
 
     Returns per variant ``{"ms_per_layer", "ms_per_layer_min", "ms_per_layer_max", "step_ms": {L: median}}``,

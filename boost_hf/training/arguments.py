@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, make_dataclass
 from functools import cached_property
 
 import torch
@@ -20,9 +20,13 @@ import torch.distributed as dist
 from transformers import TrainingArguments
 
 from ..parallel.config import ParallelConfig
-from ..optim.loro import LORO_WITHOUT_DEEPSPEED, LOWRANK_OPTIMIZERS
+from ..parallel.settings import config_of_training_arguments, parse_layer_split, training_fields
+from ..optim.loro import EPSILON_PLACEMENTS, LOWRANK_OPTIMIZERS
+from ..optim.loro_schedule import check_authors_schedule
+from .compatibility import check_settings, settings_from_accelerate
 from .health import NONFINITE_POLICIES
-from .zero1 import check_zero1
+from .preemption import DEFAULT_EXIT_SIGNALS, parse_exit_signals
+from .watchdog import enter_phase, exit_with_launcher, watch_launch
 
 logger = logging.getLogger(__name__)
 
@@ -43,48 +47,81 @@ def default_peak_tflops() -> float:
     return CPU_PEAK_TFLOPS
 
 
+LORO_SCHEDULES = ("restarted", "authors")
+"""``--loro_schedule``: ``restarted`` (``lr_scheduler_type``, warmed up again after each exact step) or ``authors`` (the
+LORO authors' ``cosine_restart``, :mod:`boost_hf.optim.loro_schedule`)."""
+
+
 def check_lowrank_optimizer(args) -> None:
-    """Raise ``ValueError`` naming the field to change for an unknown optimizer, bad LORO settings, or LORO with
-    DeepSpeed (ZeRO's flat partitions cut through the factors' rows that LORO's exact step rebuilds)."""
+    """Raise ``ValueError`` naming the field to change for an unknown optimizer or bad LORO settings (LORO with
+    DeepSpeed: :mod:`boost_hf.training.compatibility`)."""
     if args.lowrank_optimizer not in LOWRANK_OPTIMIZERS:
         raise ValueError(f"lowrank_optimizer must be one of {', '.join(LOWRANK_OPTIMIZERS)}, got {args.lowrank_optimizer!r}.")
+    if args.loro_schedule not in LORO_SCHEDULES:
+        raise ValueError(f"loro_schedule must be one of {', '.join(LORO_SCHEDULES)}, got {args.loro_schedule!r}.")
+    if args.adam_epsilon_placement not in EPSILON_PLACEMENTS:
+        raise ValueError(f"adam_epsilon_placement must be one of {', '.join(EPSILON_PLACEMENTS)}, got {args.adam_epsilon_placement!r}.")
     if args.lowrank_optimizer != "loro":
+        for name, default, what in (("loro_schedule", "restarted", "restarts at LORO's exact steps"),
+                                    ("adam_epsilon_placement", "torch", "is implemented by LORO's optimizer (AdamW is torch's)")):
+            if getattr(args, name) != default:
+                raise ValueError(f"{name}={getattr(args, name)!r} {what}: use it with --lowrank_optimizer loro, or drop it.")
         return
+    if args.loro_schedule_shift is not None and args.loro_schedule != "authors":
+        raise ValueError(
+            f"loro_schedule_shift={args.loro_schedule_shift} shifts the LORO authors' schedule only: add --loro_schedule authors, "
+            "or drop it."
+        )
     if args.loro_exact_every < 1:
         raise ValueError(f"loro_exact_every must be >= 1 (optimizer steps between exact steps), got {args.loro_exact_every}.")
     if args.loro_lr_scale is not None and not args.loro_lr_scale > 0:
         raise ValueError(f"loro_lr_scale must be > 0 (or unset for r/d), got {args.loro_lr_scale}.")
     if args.loro_restart_warmup_steps < 0:
         raise ValueError(f"loro_restart_warmup_steps must be >= 0, got {args.loro_restart_warmup_steps}.")
-    if args.deepspeed:
-        raise ValueError(LORO_WITHOUT_DEEPSPEED)
 
 
+def check_authors_loro_schedule(args) -> None:
+    """With ``--loro_schedule authors``: ``lr_scheduler_type`` must be ``cosine_with_min_lr`` with only ``min_lr_rate``
+    (the authors' ``min_lr_ratio``: every other setting would be silently unused) and, when ``max_steps`` is known,
+    the schedule's own checks (:func:`~boost_hf.optim.loro_schedule.check_authors_schedule`). After
+    ``TrainingArguments.__post_init__`` (which parses ``lr_scheduler_kwargs``)."""
+    if args.lowrank_optimizer != "loro" or args.loro_schedule != "authors":
+        return
+    scheduler = getattr(args.lr_scheduler_type, "value", args.lr_scheduler_type)
+    kwargs = args.lr_scheduler_kwargs or {}
+    if scheduler != "cosine_with_min_lr" or set(kwargs) != {"min_lr_rate"}:
+        raise ValueError(
+            f"--loro_schedule authors computes the LORO authors' cosine_restart from warmup_steps, loro_exact_every, "
+            f"loro_restart_warmup_steps, loro_schedule_shift and lr_scheduler_kwargs' min_lr_rate alone: set "
+            f"lr_scheduler_type cosine_with_min_lr with lr_scheduler_kwargs {{\"min_lr_rate\": ...}} (got {scheduler!r} with "
+            f"{kwargs!r}), or use --loro_schedule restarted."
+        )
+    if args.max_steps > 0:
+        check_authors_schedule(training_steps=args.max_steps, warmup_steps=args.get_warmup_steps(args.max_steps),
+                               restart_every=args.loro_exact_every, restart_warmup_steps=args.loro_restart_warmup_steps,
+                               min_ratio=kwargs["min_lr_rate"], shift=authors_schedule_shift(args, args.max_steps))
+
+
+def authors_schedule_shift(args, training_steps: int) -> int:
+    """``loro_schedule_shift``, by default minus the warm-up steps (the authors' 60m, 130m and 1b scripts)."""
+    return -args.get_warmup_steps(training_steps) if args.loro_schedule_shift is None else args.loro_schedule_shift
+
+
+LayoutArguments = make_dataclass("LayoutArguments", training_fields(), kw_only=True)
+LayoutArguments.__doc__ = """The layout fields of :class:`BoostTrainingArguments`: :class:`ParallelConfig`'s, generated from its
+declaration (names, types, defaults, help) with the differences :mod:`boost_hf.parallel.settings` states
+(``activation_checkpointing_mode``, ``tp_style="auto"``, ``pp_layer_split`` as a comma-separated list)."""
+LayoutArguments.__module__ = __name__
 
 
 @dataclass(kw_only=True)
-class BoostTrainingArguments(TrainingArguments):
-    """Training arguments of boost-hf (see :class:`~boost_hf.parallel.config.ParallelConfig` for the layout).
+class BoostTrainingArguments(LayoutArguments, TrainingArguments):
+    """Training arguments of boost-hf: ``TrainingArguments``, the layout fields of :class:`LayoutArguments` (those of
+    :class:`~boost_hf.parallel.config.ParallelConfig`, whose help says what each does: ``tp_size``, ``tp_style``,
+    ``rmsnorm``, ``group_linears``, ``activation_checkpointing_mode``, ``sequence_parallel``, ``pp_size``,
+    ``pp_schedule``, ``pp_microbatches``, ``pp_stages_per_rank``, ``pp_layer_split``), and:
 
     Args:
-        tp_size: ranks per tensor-parallel group; the launched world is ``dp x tp_size`` processes.
-        tp_style: ``"btp"`` (bottleneck-aware), ``"vanilla"`` (naive low-rank TP), ``"megatron"`` (full-rank
-            models), or ``"auto"``: btp for low-rank models, megatron for full rank.
-        rmsnorm: BTP norm statistics, ``"online"`` (default, exact), ``"sync"`` (exact) or ``"local"``
-            (approximate).
-        group_linears: one GEMM and one collective for the A's sharing an input.
-        activation_checkpointing_mode: ``"none"``, ``"full"`` (recompute each decoder layer) or ``"lowrank"``
-            (BOOST's low-rank checkpointing; no collective recomputed under BTP). It replaces the Trainer's
-            ``activation_checkpointing`` flag, which boost-hf models do not use: passing that flag selects
-            ``"full"``.
-        sequence_parallel: sequence parallelism over the tensor-parallel group (megatron: Megatron-LM's, the
-            residual on ``N/p`` tokens; btp: latent sequence parallelism); vanilla has none. Needs ``block_size``
-            divisible by ``tp_size``, ``pp_size=1`` and ``sample_max_new_tokens=0`` (generation runs one token
-            per step, which cannot be split over the ranks).
-        pp_size: pipeline stages' ranks (the world is ``pp_size x dp x tp_size``; PP outermost, TP adjacent).
-        pp_schedule: ``1f1b`` (default), ``gpipe``, ``interleaved-1f1b``, ``looped-bfs`` (zero-bubble ones refused).
-        pp_microbatches: micro-batches per pipeline step (default: the number of stages).
-        pp_stages_per_rank: model chunks per pipeline rank of the interleaved schedules (default 2).
         peak_tflops: dense peak TFLOP/s of one device, the denominator of MFU (default: the GPU preset of
             :mod:`boost_hf.perf.hardware`, or a rough CPU guess).
         sample_prompt / sample_max_new_tokens: the greedy sample printed at the end of training.
@@ -102,10 +139,27 @@ class BoostTrainingArguments(TrainingArguments):
             the Adam moments are reset and the learning rate warms up again after each.
         loro_lr_scale: the factors' learning rate on lazy steps, relative to ``learning_rate`` (default ``r / d``).
         loro_restart_warmup_steps: steps of the linear warm-up after each exact step (the authors: 5; 0: none).
+        loro_schedule: ``"restarted"`` (default: ``lr_scheduler_type``, warmed up again over
+            ``loro_restart_warmup_steps`` after each exact step) or ``"authors"`` (the LORO authors' ``cosine_restart``,
+            :mod:`boost_hf.optim.loro_schedule`: warm-up from ``min_lr_rate``, a cosine shifted by ``loro_schedule_shift``,
+            restarts as theirs).
+        loro_schedule_shift: the authors' ``lr_adjust_steps`` (default ``-warmup steps``, their 60m/130m/1b scripts).
+        adam_epsilon_placement: ``"torch"`` (default) or ``"transformers"`` (``lr sqrt(bc2)/bc1 m/(sqrt(v) + eps)``, the
+            LORO authors' optimizer); LORO only.
         zero1_optimizer: ZeRO-1 without DeepSpeed: each data-parallel rank keeps the optimizer state of a share of the
             parameters (torch's ``ZeroRedundancyOptimizer`` over the DP group; :mod:`boost_hf.training.zero1`), at any
-            layout including ``pp_size > 1``; checkpoints hold the consolidated state (resumable at any layout, with or
+            layout including ``pp_size > 1``; each rank saves its own share (resumable at any layout, with or
             without it). At dp 1 there is nothing to shard: the plain optimizer. Not with DeepSpeed or LORO.
+        exit_signals: signals (default ``"SIGTERM,SIGUSR1"``; ``""``: none) after which every rank finishes its step, the
+            run saves a checkpoint and every rank exits with status 76 (:mod:`boost_hf.training.preemption`).
+        exit_after_minutes: the same after this many minutes since the process started (default 0: no budget), e.g. a
+            few minutes less than the job's time limit.
+        save_async: write each checkpoint in the background: the model's and optimizer's shards are copied to host
+            memory (this rank's own, once), training goes on, and a thread writes them, hashes them, writes the
+            manifest and renames the folder; the next save, the final model and the end of ``train`` wait for it. A
+            run killed meanwhile leaves only a staging folder (:mod:`boost_hf.training.checkpoint`).
+        save_max_shard_size: largest safetensors file of ``final/`` and of every parallel ``save_pretrained`` (default
+            ``"5GB"``): each file is written by one rank, which holds at most that much of the model.
 
     Without CUDA, ``use_cpu`` is set (and ``ddp_backend="gloo"`` when launched on several processes), so
     ``accelerate launch`` runs on CPU processes with or without DeepSpeed. ``ddp_timeout`` bounds every collective
@@ -113,27 +167,6 @@ class BoostTrainingArguments(TrainingArguments):
     from the default group, :func:`~boost_hf.parallel.state.new_group_with_timeout`).
     """
 
-    tp_size: int = field(default=1, metadata={"help": "Ranks per tensor-parallel group (the world is dp x tp_size)."})
-    tp_style: str = field(
-        default="auto", metadata={"help": "btp, vanilla, megatron, or auto (btp for low-rank models, megatron for full rank)."}
-    )
-    rmsnorm: str = field(default="online", metadata={"help": "BTP RMSNorm statistics: online, sync (both exact) or local (approximate)."})
-    group_linears: bool = field(default=True, metadata={"help": "Fuse the A's sharing an input into one GEMM and one collective."})
-    activation_checkpointing_mode: str = field(
-        default="none", metadata={"help": "none, full (recompute each layer) or lowrank (recompute between r-dim latents)."}
-    )
-    sequence_parallel: bool = field(
-        default=False, metadata={"help": "Sequence parallelism over the TP group (megatron, btp); needs block_size divisible "
-                                         "by tp_size and --sample_max_new_tokens 0."}
-    )
-    pp_size: int = field(default=1, metadata={"help": "Pipeline ranks (the world is pp_size x dp x tp_size)."})
-    pp_schedule: str = field(
-        default="1f1b", metadata={"help": "Pipeline schedule: 1f1b, gpipe, interleaved-1f1b or looped-bfs."}
-    )
-    pp_microbatches: int | None = field(default=None, metadata={"help": "Micro-batches per pipeline step (default: stages)."})
-    pp_stages_per_rank: int | None = field(
-        default=None, metadata={"help": "Model chunks per pipeline rank (interleaved schedules; default 2)."}
-    )
     peak_tflops: float | None = field(
         default=None, metadata={"help": "Dense peak TFLOP/s per device for MFU (default: GPU preset or a CPU guess)."}
     )
@@ -159,6 +192,34 @@ class BoostTrainingArguments(TrainingArguments):
         default=False,
         metadata={"help": "ZeRO-1 without DeepSpeed: the optimizer state sharded over the data-parallel group (any pp_size)."},
     )
+    # LORO as its authors train it (issue 29): their schedule and their Adam epsilon placement
+    loro_schedule: str = field(
+        default="restarted", metadata={"help": "LORO: restarted (lr_scheduler_type, warmed up after each exact step) or authors "
+                                               "(the LORO authors' cosine_restart)."}
+    )
+    loro_schedule_shift: int | None = field(
+        default=None, metadata={"help": "LORO authors' schedule: their lr_adjust_steps (default: minus the warm-up steps)."}
+    )
+    adam_epsilon_placement: str = field(
+        default="torch", metadata={"help": "torch (torch's AdamW) or transformers (lr sqrt(bc2)/bc1 m/(sqrt(v)+eps), the LORO "
+                                           "authors' optimizer); LORO only."}
+    )
+    # preemption: stop at a step boundary, save, exit with status 76 (boost_hf.training.preemption)
+    exit_signals: str = field(
+        default=DEFAULT_EXIT_SIGNALS,
+        metadata={"help": "Signals after which every rank finishes its step, the run saves a checkpoint and exits with status "
+                          "76 ('': none)."},
+    )
+    exit_after_minutes: float = field(
+        default=0.0, metadata={"help": "Save a checkpoint and exit (status 76) after this many minutes of the process (0: never)."}
+    )
+    # checkpoints (issue 27): every rank writes its own shards; asynchronously if asked
+    save_async: bool = field(
+        default=False, metadata={"help": "Write checkpoints in the background (host copy of each rank's shards); the next save waits."}
+    )
+    save_max_shard_size: str = field(
+        default="5GB", metadata={"help": "Largest safetensors file of final/ (each written by one rank, holding at most that)."}
+    )
 
     # CoLA recipe defaults (BOOST.md section 1)
     weight_decay: float = 0.01
@@ -170,6 +231,7 @@ class BoostTrainingArguments(TrainingArguments):
     dataloader_drop_last: bool = True
 
     def __post_init__(self) -> None:
+        self.pp_layer_split = parse_layer_split(self.pp_layer_split)
         if not torch.cuda.is_available():
             self.use_cpu = True
             if int(os.environ.get("WORLD_SIZE", "1")) > 1:
@@ -184,8 +246,12 @@ class BoostTrainingArguments(TrainingArguments):
             )
             self.activation_checkpointing = self.gradient_checkpointing = False
         check_lowrank_optimizer(self)
-        check_zero1(self)
+        settings_from_accelerate(self)
+        check_settings(self)  # whatever set them: flags, recipe, accelerate config, environment
+        if self.hang_timeout_s < 0:
+            raise ValueError(f"hang_timeout_s must be >= 0 (0 disables the watchdog), got {self.hang_timeout_s}.")
         super().__post_init__()
+        check_authors_loro_schedule(self)
         if self.peak_tflops is None:
             self.peak_tflops = default_peak_tflops()
         if self.nonfinite not in NONFINITE_POLICIES:
@@ -201,10 +267,11 @@ class BoostTrainingArguments(TrainingArguments):
                 f"this run would train no step (max_steps={self.max_steps}, num_train_epochs={self.num_train_epochs}): set "
                 "--max_steps to a positive number of optimizer steps, or --max_steps -1 and --num_train_epochs > 0."
             )
-        if self.hang_timeout_s < 0:
-            raise ValueError(f"hang_timeout_s must be >= 0 (0 disables the watchdog), got {self.hang_timeout_s}.")
         if self.peak_tflops <= 0:
             raise ValueError(f"peak_tflops must be > 0, got {self.peak_tflops}.")
+        parse_exit_signals(self.exit_signals)
+        if not self.exit_after_minutes >= 0:
+            raise ValueError(f"exit_after_minutes must be >= 0 (0: no time budget), got {self.exit_after_minutes}.")
         self.to_parallel_config()  # validate the layout fields now, not after the model is built
         if self.sequence_parallel and self.tp_size > 1 and self.sample_max_new_tokens > 0:
             raise ValueError(
@@ -219,43 +286,28 @@ class BoostTrainingArguments(TrainingArguments):
                 "step already accumulates the gradients of its micro-batches. Use gradient_accumulation_steps=1 and raise "
                 "per_device_train_batch_size (split into pp_microbatches micro-batches) instead."
             )
-        if self.pp_size > 1 and self.deepspeed:
-            raise ValueError(
-                f"DeepSpeed cannot run with pp_size={self.pp_size}: the pipeline schedule runs each micro-batch's backward "
-                "itself, which DeepSpeed's engine must own (DeepSpeed's own pipeline engine refuses ZeRO-2/3 for the same "
-                "reason). Drop --deepspeed: boost-hf trains pipelines with DDP over the data-parallel group, and "
-                "--zero1_optimizer shards the optimizer state over it (ZeRO-1 with torch's ZeroRedundancyOptimizer)."
-            )
 
     @cached_property
     def _setup_devices(self) -> torch.device:
         """transformers initialises the process group with ``ddp_timeout`` on GPU but, with ``use_cpu``, without it
         (gloo's 30-minute default). Launched on CPU, the group is initialised here first, through accelerate as
-        transformers would, with the timeout; transformers then finds it initialised."""
+        transformers would, with the timeout; transformers then finds it initialised. The hang watchdog starts first
+        (under ``torchrun`` / ``accelerate launch``), so a rank frozen during the set-up is named within
+        ``hang_timeout_s`` (:func:`~boost_hf.training.watchdog.watch_launch`)."""
+        exit_with_launcher()
+        watch_launch(self.hang_timeout_s)
         if self.use_cpu and int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
             from accelerate import PartialState
 
             PartialState(cpu=True, backend=self.ddp_backend, timeout=self.ddp_timeout_delta)
-        return TrainingArguments._setup_devices.func(self)
+        device = TrainingArguments._setup_devices.func(self)
+        enter_phase("start-up")
+        return device
 
     def to_parallel_config(self, model_config=None) -> ParallelConfig:
         """The :class:`ParallelConfig` of these arguments; ``tp_style="auto"`` resolves with ``model_config``
         (btp for a low-rank model, megatron for a full-rank one; btp without a config)."""
-        style = self.tp_style
-        if style == "auto":
-            style = "megatron" if model_config is not None and model_config.bottleneck is None else "btp"
-        return ParallelConfig(
-            tp_size=self.tp_size,
-            tp_style=style,
-            rmsnorm=self.rmsnorm,
-            group_linears=self.group_linears,
-            activation_checkpointing=self.activation_checkpointing_mode,
-            sequence_parallel=self.sequence_parallel,
-            pp_size=self.pp_size,
-            pp_schedule=self.pp_schedule,
-            pp_microbatches=self.pp_microbatches,
-            pp_stages_per_rank=self.pp_stages_per_rank,
-        )
+        return config_of_training_arguments(self, model_config)
 
 
-__all__ = ["BoostTrainingArguments", "default_peak_tflops", "CPU_PEAK_TFLOPS"]
+__all__ = ["BoostTrainingArguments", "LayoutArguments", "default_peak_tflops", "CPU_PEAK_TFLOPS"]

@@ -2,87 +2,144 @@
 
 A checkpoint folder ``checkpoint-<step>`` holds
 
-* the model as the canonical, unsharded ``model.safetensors`` + ``config.json`` + tokenizer (loadable with
-  ``from_pretrained`` at any TP size; written by global rank 0 after a TP all-gather);
-* the optimizer: without DeepSpeed, one file per (pipeline rank, TP rank) over that pipeline rank's parameters
-  (:func:`optimizer_file_name`: ``optimizer.pt`` at pp 1 x tp 1, ``optimizer_tp<rank>.pt`` at pp 1,
-  ``optimizer_pp<rank>_tp<rank>.pt`` under PP; DP ranks hold identical copies, or ZeRO-1 shares consolidated
-  first, and DP rank 0 writes); with DeepSpeed, its own ``global_step<N>/`` folder (ZeRO partitions per DP rank
-  and TP rank);
-* ``scheduler.pt``, ``rng_state_<rank>.pth`` (every rank) and ``trainer_state.json`` (step, epoch, logs:
-  the data position follows from the step and the seeded sampler);
+* ``dcp/``: the model's parameters and the optimizer's state as a ``torch.distributed.checkpoint`` (DCP): every
+  rank writes the shards it holds, in parallel, into its own files ``__<rank>_<n>.distcp`` (DP replicas and TP
+  copies of a replicated tensor written once; :mod:`boost_hf.parallel.sharded_state`,
+  :mod:`boost_hf.training.optimizer_state`), global rank 0 the small ``.metadata``; under DeepSpeed the model only,
+  the optimizer in DeepSpeed's own ``global_step<N>/`` folder (ZeRO partitions per DP and TP rank);
+* ``config.json``, ``generation_config.json``, the remote code, the tokenizer and ``README.md`` (the model card): the
+  Hugging Face folder without its weights, which :func:`~boost_hf.training.publish.export_checkpoint` (``boost-hf
+  export``) turns into one, streaming the weights out of ``dcp/``;
+* ``scheduler.pt``, ``rng_state_<rank>.pth`` (every rank), ``trainer_state.json``, ``training_args.bin`` and any
+  other file the trainer writes into the folder;
 * ``training_layout.json``: PP x TP x DP sizes, ZeRO stage, global batch and, per pipeline rank, the optimizer's
-  parameters (canonical names) with their sharding, which lets a run at another layout reshard the optimizer state
-  (:mod:`boost_hf.training.resume`);
-* ``manifest.json``, written last by rank 0 once every rank has written (:mod:`boost_hf.checkpoint_integrity`):
-  size and SHA-256 of every file and the model's architecture record. A folder without it is incomplete;
-  resuming verifies it.
+  parameters (canonical names) and groups (:mod:`boost_hf.training.resume`);
+* ``manifest.json``, written last by global rank 0 once every rank has written
+  (:mod:`boost_hf.checkpoint_integrity`): size and SHA-256 of every file and the model's architecture record. Each
+  rank hashes its share of the files (those it wrote itself, then the others balanced by size) and the digests are
+  gathered: no rank reads every file. A folder without it is incomplete; resuming verifies it, each rank its share
+  (:func:`verify_checkpoint_once`).
 
-Every checkpoint and the ``final`` model are written by :func:`atomic_directory`: into a staging folder unique to
-the run (``.checkpoint-<step>.tmp-<run id>``), then its manifest, then one rename to the final name; the trainer
-rotates old checkpoints out (``--save_total_limit``) only after that. A folder named ``checkpoint-<step>`` is
-therefore always complete, and a complete checkpoint exists at every moment. If a save fails (disk full, I/O
+Every checkpoint and the ``final`` model are written into a staging folder unique to the run
+(``.checkpoint-<step>.tmp-<run id>``), then its manifest, then one rename to the final name; the trainer rotates
+old checkpoints out (``--save_total_limit``) only after that. A folder named ``checkpoint-<step>`` is therefore
+always complete, and a complete checkpoint exists at every moment. :class:`CheckpointSaver` does this at once
+(``--save_async false``) or with the writes in the background (``--save_async true``: the tensors are copied to
+host memory, training goes on, a thread writes ``dcp/``, hashes, gathers the digests, writes the manifest and
+renames; the next save, the final model and the end of ``train`` wait for it). If a save fails (disk full, I/O
 error) the staging folder is removed, the earlier folders are untouched, and :class:`CheckpointWriteError` says
 what happened (and how much space is left). Staging folders left by a killed run are removed when the next run
-takes the output folder's lock (:func:`remove_stale_staging`).
-:class:`OutputDirLock` keeps a second run out of an ``output_dir`` in use.
+takes the output folder's lock (:func:`remove_stale_staging`; the lock, which keeps a second run out of an
+``output_dir`` in use, is :mod:`boost_hf.training.output_lock`).
+
+The folders must be on a file system every rank reads and writes at the same path (shared by all nodes): global
+rank 0 writes ``.metadata``, the manifest and the rename, and a resume at another layout reads other ranks' files.
 """
 
 from __future__ import annotations
 
-import atexit
 import contextlib
+import copy
 import errno
-import json
+import logging
 import os
 import re
 import shutil
-import socket
-import time
+import threading
 
+import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.staging import AsyncStager
 from transformers.trainer import OPTIMIZER_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from ..checkpoint_integrity import MANIFEST_NAME, CheckpointIntegrityError, verify_checkpoint, write_manifest
+from ..checkpoint_integrity import (
+    MANIFEST_NAME,
+    CheckpointIntegrityError,
+    check_architecture,
+    check_files,
+    file_digests,
+    file_sizes,
+    hashing_shares,
+    read_manifest,
+    write_manifest,
+)
 
-LOCK_NAME = ".boost_hf.lock"
+from ..parallel.sharded_state import DCP_FOLDER, is_distributed_checkpoint, quiet_single_process_warning
+
+logger = logging.getLogger(__name__)
+
 LOW_SPACE_BYTES = 1 << 20
 """A failed write with less free space than this on the target's file system is reported as a full disk."""
 _CHECKPOINT = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")
 
 
 class CheckpointWriteError(OSError):
-    """A checkpoint or the final model could not be written (disk full or another I/O error)."""
+    """A checkpoint or the final model could not be written (disk full or another I/O error). Its text is the message
+    alone (no ``[Errno N]`` prefix); ``errno`` stays readable."""
 
-
-class OutputDirInUseError(RuntimeError):
-    """Another run holds the lock of this ``output_dir``."""
+    def __str__(self) -> str:
+        return self.strerror or super().__str__()
 
 
 def optimizer_file_name(tp_rank: int, tp_size: int, pp_rank: int = 0, pp_size: int = 1) -> str:
-    """The optimizer state file of one TP rank (``transformers``' own name at tp_size 1), and of one pipeline rank
-    under pipeline parallelism (``optimizer_pp<rank>_tp<rank>.pt``)."""
+    """The optimizer state file of one TP rank in checkpoints of boost-hf 0.x (before distributed checkpoints):
+    ``transformers``' own name at tp_size 1, ``optimizer_tp<rank>.pt``, under PP ``optimizer_pp<rank>_tp<rank>.pt``."""
     if pp_size > 1:
         return f"optimizer_pp{pp_rank:02d}_tp{tp_rank:02d}.pt"
     return OPTIMIZER_NAME if tp_size == 1 else f"optimizer_tp{tp_rank:02d}.pt"
 
 
-def _barrier() -> None:
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
+def _launched() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _barrier(group=None) -> None:
+    if _launched():
+        dist.barrier(group=group)
 
 
 _DISK_FULL_MESSAGES = ("no space left on device", "os error 28", "disk quota exceeded", "os error 122")
 """How a full disk reads in errors that are not ``OSError`` (safetensors' ``SafetensorError: ... os error 28``)."""
 
 
+def _cause(error: BaseException) -> BaseException:
+    """The error of the first failing rank inside DCP's ``CheckpointException``, else ``error``."""
+    failures = getattr(error, "failures", None)
+    if isinstance(failures, dict) and failures:
+        return next(iter(failures.values()))[0]
+    return error
+
+
 def _is_disk_full(error: BaseException) -> bool:
     return getattr(error, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or any(m in str(error).lower() for m in _DISK_FULL_MESSAGES)
 
 
+_WRITE_FAILED_MESSAGES = ("unexpected pos", "pytorchstreamwriter failed", "iostream error", "file write failed")
+"""How ``torch.save`` reports a write that failed (its zip writer checks positions, not ``errno``)."""
+_PEER_GONE_MESSAGES = ("connection closed by peer", "connection reset by peer")
+"""A collective of the save broke because another rank stopped (gloo's words)."""
+
+
 def _is_io_error(error: BaseException, free_bytes: int) -> bool:
-    return isinstance(error, OSError) or _is_disk_full(error) or free_bytes < LOW_SPACE_BYTES
+    text = str(error).lower()
+    return (isinstance(error, OSError) or _is_disk_full(error) or free_bytes < LOW_SPACE_BYTES
+            or any(m in text for m in _WRITE_FAILED_MESSAGES + _PEER_GONE_MESSAGES))
+
+
+def _write_error_cause(error: BaseException, free: int) -> tuple[str, str]:
+    """``(cause, fix)`` of a failed save, for :class:`CheckpointWriteError`."""
+    text = str(error).lower()
+    if _is_disk_full(error) or free < LOW_SPACE_BYTES:
+        return f"no space left on device ({free / 2**20:.1f} MiB free)", "free space or point output_dir to a larger disk"
+    if any(m in text for m in _PEER_GONE_MESSAGES):
+        return ("another rank stopped while saving (this rank's collective lost it); that rank's error names the cause "
+                "(a full disk, an I/O error)"), "see the first failing rank's error"
+    if any(m in text for m in _WRITE_FAILED_MESSAGES):
+        return (f"a write failed ({type(error).__name__}: {error}), {free / 2**20:.1f} MiB free now (a full disk is the "
+                "usual cause: other ranks may have removed their partial files since)"), \
+            "free space or point output_dir to a larger disk, or check the file system"
+    return f"I/O error ({type(error).__name__}: {error})", "check the file system"
 
 
 @contextlib.contextmanager
@@ -91,7 +148,8 @@ def _removed_on_error(target: str, partial: str | None, previous: str | None = N
     error (or any error on a nearly full disk) as :class:`CheckpointWriteError` naming the cause."""
     try:
         yield
-    except BaseException as error:
+    except BaseException as raised:
+        error = _cause(raised)
         parent = os.path.dirname(os.path.abspath(target))
         free = shutil.disk_usage(parent).free if os.path.isdir(parent) else LOW_SPACE_BYTES
         if partial is not None:
@@ -100,40 +158,176 @@ def _removed_on_error(target: str, partial: str | None, previous: str | None = N
             os.replace(previous, target)
         if not _is_io_error(error, free) or isinstance(error, CheckpointWriteError):
             raise
-        full = _is_disk_full(error) or free < LOW_SPACE_BYTES
-        cause = f"no space left on device ({free / 2**20:.1f} MiB free)" if full else f"I/O error ({type(error).__name__}: {error})"
-        fix = "free space or point output_dir to a larger disk" if full else "check the file system"
+        cause, fix = _write_error_cause(error, free)
         raise CheckpointWriteError(
-            getattr(error, "errno", None) or errno.EIO,
+            getattr(error, "errno", None) or (errno.ENOSPC if cause.startswith("no space") else errno.EIO),
             f"could not save {target!r}: {cause}; {fix}. The partial folder was removed; earlier checkpoints are intact.",
         ) from error
 
 
-@contextlib.contextmanager
-def atomic_directory(target: str, *, is_writer: bool, run_id: str, config=None):
-    """Collective (all ranks): yield a staging folder to write into; on success it becomes ``target``.
-
-    The staging folder ``.<name>.tmp-<run_id>`` is unique to the run. ``is_writer`` (one rank) creates it, writes
-    its manifest (with ``config``'s architecture record) after every rank wrote, and renames it; an existing
-    ``target`` is replaced (moved aside first, so a crash never leaves a half-written folder under that name).
-    """
+def _staging_path(target: str, run_id: str, kind: str = "tmp") -> str:
     parent, name = os.path.split(os.path.abspath(target))
-    staging = os.path.join(parent, f".{name}.tmp-{run_id}")
+    return os.path.join(parent, f".{name}.{kind}-{run_id}")
+
+
+def _write_manifest_spread(staging: str, *, is_writer: bool, config, group=None) -> None:
+    """Collective over ``group`` (all ranks): each rank hashes its share of ``staging``'s files
+    (:func:`~boost_hf.checkpoint_integrity.hashing_shares`: what it wrote, then the rest balanced by size), the digests
+    are gathered on global rank 0 (``is_writer``), which writes the manifest."""
+    _barrier(group)
+    if not _launched():
+        write_manifest(staging, config)
+        return
+    sizes = [file_sizes(staging) if is_writer else None]
+    dist.broadcast_object_list(sizes, src=0, group=group)
+    share = hashing_shares(sizes[0], dist.get_world_size(group))[dist.get_rank(group)]
+    digests = file_digests(staging, share)
+    gathered = [None] * dist.get_world_size(group) if is_writer else None
+    dist.gather_object(digests, gathered, dst=0, group=group)
+    if is_writer:
+        write_manifest(staging, config, files={name: entry for part in gathered for name, entry in part.items()})
+
+
+def _replace(target: str, staging: str, run_id: str) -> None:
+    """Rename ``staging`` to ``target``; an existing ``target`` is moved aside first, then deleted."""
+    previous = _staging_path(target, run_id, "old")
+    if os.path.exists(target):
+        os.replace(target, previous)
+    os.replace(staging, target)
+    shutil.rmtree(previous, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def atomic_directory(target: str, *, is_writer: bool, run_id: str, config=None, group=None):
+    """Collective (all ranks of ``group``, default every rank): yield a staging folder to write into; on success it
+    becomes ``target``.
+
+    The staging folder ``.<name>.tmp-<run_id>`` is unique to the run. ``is_writer`` (global rank 0) creates it; after
+    every rank wrote, the ranks hash their shares of the files and global rank 0 writes the manifest (with
+    ``config``'s architecture record) and renames the folder; an existing ``target`` is replaced (moved aside first, so
+    a crash never leaves a half-written folder under that name).
+    """
+    staging = _staging_path(target, run_id)
     with _removed_on_error(target, staging if is_writer else None):
         if is_writer:
             os.makedirs(staging)
-        _barrier()
+        _barrier(group)
         yield staging
-        _barrier()
-        if is_writer:
-            write_manifest(staging, config)
+        _write_manifest_spread(staging, is_writer=is_writer, config=config, group=group)
     if is_writer:
-        previous = os.path.join(parent, f".{name}.old-{run_id}")
-        if os.path.exists(target):
-            os.replace(target, previous)
-        os.replace(staging, target)
-        shutil.rmtree(previous, ignore_errors=True)
-    _barrier()
+        _replace(target, staging, run_id)
+    _barrier(group)
+
+
+def host_copy(state):
+    """A copy of the (nested) DCP state dict ``state`` in host memory that later training steps cannot change: every
+    tensor's own elements copied (a view of a larger buffer becomes a tensor of its own size), a DTensor re-wrapped
+    with its placements; other values deep-copied."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(state, dict):
+        return {key: host_copy(value) for key, value in state.items()}
+    if isinstance(state, DTensor):
+        return DTensor.from_local(state.to_local().detach().to("cpu", copy=True), state.device_mesh, state.placements,
+                                  run_check=False, shape=state.shape, stride=state.stride())
+    if isinstance(state, torch.Tensor):
+        return state.detach().to("cpu", copy=True)
+    return copy.deepcopy(state)
+
+
+class HostCopyStager(AsyncStager):
+    """``dcp.async_save``'s staging: :func:`host_copy` of the state dict (this rank's own shards, once), made before
+    ``async_save`` returns."""
+
+    _synchronize_after_execute = False
+
+    def stage(self, state_dict):
+        return host_copy(state_dict)
+
+
+class CheckpointSaver:
+    """Writes the trainer's checkpoint folders with :func:`atomic_directory`'s guarantees, at once or in the
+    background.
+
+    :meth:`save` is collective: the small files are written by the caller into the staging folder, then the DCP state
+    dict (the model's and optimizer's shards) into its ``dcp/``. Synchronous: ``dcp.save``, the spread hashing, the
+    manifest and the rename before returning. Asynchronous: ``dcp.async_save`` copies this rank's tensors to host
+    memory (its own shards only), then a daemon thread waits for the write, hashes, gathers and renames, in a gloo
+    group of its own (the training's collectives go on meanwhile); :meth:`wait` joins it and raises its error. A
+    crash before the manifest leaves only a staging folder (never a complete-looking checkpoint)."""
+
+    def __init__(self, *, is_writer: bool, run_id: str):
+        self.is_writer, self.run_id = is_writer, run_id
+        self._group = None
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    def _checkpoint_group(self):
+        """A gloo group of every rank for the checkpoint's collectives (created once, collectively, at the first
+        save; ``None`` in one process)."""
+        if self._group is None and _launched() and dist.get_world_size() > 1:
+            from ..parallel.state import new_group_with_timeout
+
+            self._group = new_group_with_timeout(list(range(dist.get_world_size())), "the checkpoint group", backend="gloo")
+        return self._group
+
+    def save(self, target: str, *, write_files, state_dict: dict, config=None, asynchronous: bool = False, after_commit=None) -> None:
+        """Write the checkpoint ``target``: ``write_files(staging)`` (every rank, at once), then ``state_dict`` as a DCP
+        checkpoint in ``staging/dcp`` (each rank its entries), the manifest, the rename, then ``after_commit()`` on the
+        writer (e.g. the rotation of old checkpoints). Waits for the previous save first."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint import FileSystemWriter
+
+        self.wait()
+        group = self._checkpoint_group()
+        staging = _staging_path(target, self.run_id)
+        writer = FileSystemWriter(os.path.join(staging, DCP_FOLDER))
+        with _removed_on_error(target, staging if self.is_writer else None), quiet_single_process_warning():
+            if self.is_writer:
+                os.makedirs(staging)
+            _barrier(group)
+            write_files(staging)
+            if not asynchronous:
+                dcp.save(state_dict, storage_writer=writer, process_group=group)
+                _write_manifest_spread(staging, is_writer=self.is_writer, config=config, group=group)
+            else:
+                upload = dcp.async_save(state_dict, storage_writer=writer, process_group=group, async_stager=HostCopyStager())
+        if not asynchronous:
+            self._commit(target, staging, after_commit, group)
+            return
+        self._thread = threading.Thread(target=self._finish, args=(upload, target, staging, config, after_commit, group),
+                                        name=f"boost-hf checkpoint {os.path.basename(target)}", daemon=True)
+        self._thread.start()
+
+    def _commit(self, target: str, staging: str, after_commit, group) -> None:
+        if self.is_writer:
+            _replace(target, staging, self.run_id)
+            if after_commit is not None:
+                after_commit()
+        _barrier(group)
+
+    def _finish(self, upload, target: str, staging: str, config, after_commit, group) -> None:
+        """The background half of an asynchronous save (runs in :meth:`save`'s thread)."""
+        try:
+            with _removed_on_error(target, staging if self.is_writer else None):
+                upload.result()
+                _write_manifest_spread(staging, is_writer=self.is_writer, config=config, group=group)
+            self._commit(target, staging, after_commit, group)
+        except BaseException as error:  # noqa: BLE001 (raised by wait() in the training thread)
+            self._error = error
+
+    @property
+    def pending(self) -> bool:
+        return self._thread is not None
+
+    def wait(self) -> None:
+        """Wait for the asynchronous save in flight (if any) to be complete under its final name; raise its error."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
 
 
 _STAGING = re.compile(rf"^\.({PREFIX_CHECKPOINT_DIR}-\d+|final)\.(tmp|old)-(.+)$")
@@ -148,36 +342,90 @@ def remove_stale_staging(output_dir: str, run_id: str) -> list[str]:
     return stale
 
 
+def _previous_complete(folder: str) -> str | None:
+    """The newest complete checkpoint of ``folder``'s run older than ``folder`` (a ``checkpoint-<step>``), if any."""
+    match = _CHECKPOINT.match(os.path.basename(os.path.normpath(folder)))
+    if not match:
+        return None
+    earlier = [c for c in completed_checkpoints(os.path.dirname(os.path.abspath(folder)))
+               if int(_CHECKPOINT.match(os.path.basename(c)).group(1)) < int(match.group(1))]
+    return earlier[-1] if earlier else None
+
+
 def verify_checkpoint_once(folder: str, config) -> None:
-    """Collective when launched: global rank 0 checks every file of ``folder`` against its manifest (size and SHA-256,
-    each file read once, by one process) and its architecture record against ``config``; every rank raises the same
-    :class:`~boost_hf.checkpoint_integrity.CheckpointIntegrityError`. A damaged ``checkpoint-<step>`` names the
-    previous complete checkpoint of its run to resume from instead."""
-    launched = dist.is_available() and dist.is_initialized()
-    error = [None]
-    if not launched or dist.get_rank() == 0:
-        try:
-            verify_checkpoint(folder, config)
-        except CheckpointIntegrityError as failure:
-            error[0] = str(failure)
-            match = _CHECKPOINT.match(os.path.basename(os.path.normpath(folder)))
-            earlier = [c for c in completed_checkpoints(os.path.dirname(os.path.abspath(folder)))
-                       if match and int(_CHECKPOINT.match(os.path.basename(c)).group(1)) < int(match.group(1))]
-            if earlier:
-                error[0] += (f" The previous complete checkpoint of this run is {earlier[-1]!r}: resume from it with "
-                             f"--resume_from_checkpoint {earlier[-1]}.")
-    if launched:
-        dist.broadcast_object_list(error, src=0)
-    if error[0] is not None:
-        raise CheckpointIntegrityError(error[0])
+    """Collective when launched: ``folder`` checked against its manifest, the work spread over the ranks: every rank
+    reads the manifest and checks the architecture record against ``config``, then checks its share of the files
+    (size and SHA-256, :func:`~boost_hf.checkpoint_integrity.hashing_shares`: each file read once, by one rank); every
+    rank raises the same :class:`~boost_hf.checkpoint_integrity.CheckpointIntegrityError`. A damaged
+    ``checkpoint-<step>`` (its manifest included) names the previous complete checkpoint of its run to resume from."""
+    problem = None
+    try:
+        manifest = read_manifest(folder)
+        if manifest["architecture"] is not None:
+            check_architecture(manifest["architecture"], config)
+        sizes = {name: entry["size"] for name, entry in manifest["files"].items()}
+        rank, world = (dist.get_rank(), dist.get_world_size()) if _launched() else (0, 1)
+        check_files(folder, manifest, hashing_shares(sizes, world)[rank])
+    except CheckpointIntegrityError as failure:
+        problem = str(failure)
+    if _launched():
+        problems = [None] * dist.get_world_size()
+        dist.all_gather_object(problems, problem)
+        problem = next((p for p in problems if p is not None), None)
+    if problem is not None:
+        earlier = _previous_complete(folder)
+        if earlier is not None:
+            problem += (f" The previous complete checkpoint of this run is {earlier!r}: resume from it with "
+                        f"--resume_from_checkpoint {earlier}.")
+        raise CheckpointIntegrityError(problem)
 
 
-def completed_checkpoints(run_dir: str) -> list[str]:
-    """``checkpoint-<step>`` folders of ``run_dir`` that have a manifest, oldest step first."""
+def incomplete_reason(folder: str) -> str | None:
+    """Why ``folder`` is not a complete checkpoint without reading its data (no manifest, a damaged manifest, a file
+    missing or of another size than recorded), else ``None``."""
+    try:
+        manifest = read_manifest(folder)
+        check_files(folder, manifest, list(manifest["files"]), hashes=False)
+    except CheckpointIntegrityError as problem:
+        return str(problem)
+    return None
+
+
+def completed_checkpoints(run_dir: str, skipped: list[tuple[str, str]] | None = None) -> list[str]:
+    """``checkpoint-<step>`` folders of ``run_dir`` that are complete (a valid manifest, every file present with its
+    recorded size; :func:`incomplete_reason`), oldest step first; the others are appended to ``skipped`` as
+    ``(folder, reason)``."""
     if not os.path.isdir(run_dir):
         return []
     found = [(int(m.group(1)), m.group(0)) for m in map(_CHECKPOINT.match, os.listdir(run_dir)) if m]
-    return [os.path.join(run_dir, name) for _, name in sorted(found) if os.path.isfile(os.path.join(run_dir, name, MANIFEST_NAME))]
+    complete = []
+    for _, name in sorted(found):
+        folder = os.path.join(run_dir, name)
+        reason = incomplete_reason(folder)
+        if reason is None:
+            complete.append(folder)
+        elif skipped is not None:
+            skipped.append((folder, reason))
+    return complete
+
+
+def newest_complete_checkpoint(run_dir: str) -> str:
+    """The newest complete checkpoint of ``run_dir`` (``--resume_from_checkpoint last``); newer incomplete or damaged
+    ones are skipped with a warning naming each and why. ``FileNotFoundError`` when there is none."""
+    skipped: list[tuple[str, str]] = []
+    complete = completed_checkpoints(run_dir, skipped)
+    newest = complete[-1] if complete else None
+    for folder, reason in skipped:
+        if newest is None or int(_CHECKPOINT.match(os.path.basename(folder)).group(1)) > int(_CHECKPOINT.match(os.path.basename(newest)).group(1)):
+            logger.warning("--resume_from_checkpoint last: skipping %s, not a complete checkpoint: %s", folder, reason)
+    if newest is None:
+        raise FileNotFoundError(
+            f"no complete checkpoint (with a valid manifest.json) in output_dir {run_dir!r} to resume from"
+            + (f"; skipped: {', '.join(os.path.basename(f) for f, _ in skipped)}" if skipped else "") + "."
+        )
+    if skipped:
+        logger.warning("--resume_from_checkpoint last: resuming from %s", newest)
+    return newest
 
 
 def check_fresh_output_dir(output_dir: str, overwrite: bool) -> None:
@@ -199,66 +447,6 @@ def remove_earlier_run(output_dir: str) -> None:
             shutil.rmtree(os.path.join(output_dir, name))
 
 
-def _process_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-class OutputDirLock:
-    """``<output_dir>/.boost_hf.lock``, created exclusively by one process of a run and removed at its exit.
-
-    A lock left by a dead process of this host is taken over; any other lock raises :class:`OutputDirInUseError`.
-    """
-
-    def __init__(self, output_dir: str):
-        self.output_dir = output_dir
-        self.path = os.path.join(output_dir, LOCK_NAME)
-        self.held = False
-
-    def acquire(self, run_id: str) -> None:
-        os.makedirs(self.output_dir, exist_ok=True)
-        owner = {"run_id": run_id, "pid": os.getpid(), "host": socket.gethostname(), "since": time.strftime("%Y-%m-%d %H:%M:%S")}
-        for _ in range(2):
-            try:
-                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-            except FileExistsError:
-                self._take_over_if_stale()
-                continue
-            with os.fdopen(fd, "w") as f:
-                json.dump(owner, f)
-            self.held = True
-            atexit.register(self.release)
-            return
-        raise OutputDirInUseError(f"could not lock output_dir {self.output_dir!r}: another run keeps creating {self.path}.")
-
-    def _take_over_if_stale(self) -> None:
-        try:
-            with open(self.path) as f:
-                owner = json.load(f)
-        except (OSError, ValueError):
-            owner = {}
-        if owner.get("host") == socket.gethostname() and not _process_alive(int(owner.get("pid", -1))):
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(self.path)
-            return
-        raise OutputDirInUseError(
-            f"output_dir {self.output_dir!r} is in use by another run (pid {owner.get('pid')} on {owner.get('host')}, "
-            f"since {owner.get('since')}): wait for it to finish or choose another output_dir; if that run is dead, "
-            f"delete {self.path}."
-        )
-
-    def release(self) -> None:
-        if self.held:
-            self.held = False
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(self.path)
-
-
 @contextlib.contextmanager
 def full_parameters(model, zero_stage: int | None):
     """Under ZeRO-3, gather this rank's (TP-local) parameters from the DP group for the block; else nothing."""
@@ -272,12 +460,15 @@ def full_parameters(model, zero_stage: int | None):
 
 
 __all__ = [
+    "DCP_FOLDER",
+    "CheckpointSaver",
     "CheckpointWriteError",
-    "OutputDirInUseError",
-    "OutputDirLock",
     "optimizer_file_name",
     "atomic_directory",
     "completed_checkpoints",
+    "incomplete_reason",
+    "is_distributed_checkpoint",
+    "newest_complete_checkpoint",
     "verify_checkpoint_once",
     "remove_stale_staging",
     "check_fresh_output_dir",

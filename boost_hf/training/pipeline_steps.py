@@ -8,7 +8,8 @@ instead of calling the model (whose stages live on several ranks).
 * :func:`last_stage_logits` / :func:`from_last_stage`: ``compute_metrics`` under PP: the logits of each evaluation
   batch, where they live (the last stage's ranks), and what those ranks computed from them, on every rank.
 * :func:`boundary_bytes_per_step`: the point-to-point bytes this rank sends in one training step.
-* :func:`on_one_process`: what needs the whole model in one process (the end-of-training sample).
+* :func:`pipeline_greedy_generate`: the end-of-training sample, generated through the pipeline (no rank holds
+  more than its stages).
 """
 
 from __future__ import annotations
@@ -107,20 +108,27 @@ def boundary_bytes_per_step(pipeline, batch_shape: tuple[int, int]) -> int:
     return crossings * crossing.bytes(activation_dtype(pipeline.model).itemsize)
 
 
-def on_one_process(model, run):
-    """``run(single_device_model)`` on global rank 0, with the whole model gathered from every stage (canonical
-    weights, as ``save_pretrained`` gathers them); its result broadcast to every rank. Collective."""
-    from ..modeling_boost_llama import BoostLlamaForCausalLM
-    from ..parallel.weights_io import canonical_state_dict
+@torch.no_grad()
+def pipeline_greedy_generate(pipeline, input_ids: torch.Tensor, max_new_tokens: int, eos_token_id: int | None = None) -> torch.Tensor:
+    """Greedy continuation of ``input_ids [1, S]`` through the pipeline, as ``generate(do_sample=False)`` of the
+    single-device model gives it; collective (every rank of the pipeline calls it), the ids on every rank.
 
-    state = model.pipeline.whole_state_dict(canonical_state_dict(model, model.plan.group))
-    result = [None]
-    if dist.get_rank() == 0:
-        single = BoostLlamaForCausalLM(model.config)
-        single.load_state_dict(state)
-        result[0] = run(single)
-    dist.broadcast_object_list(result, src=0)
-    return result[0]
+    Each new token is the argmax of the last position's logits of a forward of the whole sequence (no KV cache)
+    through the stages (:meth:`~boost_hf.parallel.pipeline.Pipeline.eval_step` on the sequence repeated once per
+    micro-batch): the last stage's vocab-parallel logits of that position are gathered over TP, and the token is
+    broadcast over the PP group (:func:`from_last_stage`). Stops after ``eos_token_id``."""
+    ids = input_ids
+    rows = pipeline.parallel.microbatches
+    for _ in range(max_new_tokens):
+        batch = ids.expand(rows, -1).contiguous()
+        with last_stage_logits(pipeline) as outputs:
+            pipeline.eval_step(batch, torch.full_like(batch, IGNORE_INDEX))
+            token = None if outputs is None else int(pipeline.model.lm_head.gather_logits(outputs[0][:1, -1:])[0, -1].argmax())
+        token = from_last_stage(pipeline, token)
+        ids = torch.cat([ids, ids.new_tensor([[token]])], dim=-1)
+        if token == eos_token_id:
+            break
+    return ids
 
 
 __all__ = [
@@ -128,8 +136,8 @@ __all__ = [
     "boundary_bytes_per_step",
     "from_last_stage",
     "last_stage_logits",
-    "on_one_process",
     "pipeline_evaluation_sums",
+    "pipeline_greedy_generate",
     "pipeline_of",
     "pipeline_training_step",
 ]

@@ -1,9 +1,11 @@
 """Checks of a training run that fail before any collective, with the same error on every rank.
 
 Each rank checks the same facts (the configuration, the tokenizer, the whole training and validation sets),
-so all ranks raise the same error before a collective could hang. Token ids are also checked per batch
+so all ranks raise the same error before a collective could hang. Token ids and labels are also checked per batch
 (:class:`TokenIdCheckingCollator`, on the CPU before the batch moves to the device) for data that cannot be
-checked up front (streams); an out-of-range id on a DP rank then stops that rank with a message naming it.
+checked up front (streams); an out-of-range id on a DP rank then stops that rank with a message naming it. The
+check is the model's own (:func:`~boost_hf.modeling_boost_llama.check_token_ids`), so the trainer and the model
+raise the same message.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from ..configuration_boost_llama import check_int
+from ..modeling_boost_llama import IGNORE_INDEX, check_token_ids
 
 
 def check_model_and_data(config, tokenizer, block_size, parallel=None) -> None:
@@ -35,22 +38,10 @@ def check_model_and_data(config, tokenizer, block_size, parallel=None) -> None:
         )
 
 
-def check_token_ids(input_ids: torch.Tensor, vocab_size: int, where: str = "a batch") -> None:
-    """Every id of ``input_ids`` is in ``[0, vocab_size)``."""
-    if input_ids.numel() == 0:
-        return
-    low, high = int(input_ids.min()), int(input_ids.max())
-    if low < 0 or high >= vocab_size:
-        bad = low if low < 0 else high
-        raise ValueError(
-            f"{where} holds token id {bad}, outside the model's vocabulary [0, {vocab_size}): the data was tokenized "
-            "with another tokenizer, or vocab_size is too small."
-        )
-
-
 def check_dataset(dataset, vocab_size: int, name: str, minimum_blocks: int) -> None:
-    """A sized dataset has at least ``minimum_blocks`` rows and, for a ``datasets.Dataset`` with ``input_ids``,
-    only ids in range (one vectorised pass over the Arrow column)."""
+    """A sized dataset has at least ``minimum_blocks`` rows and, for a ``datasets.Dataset`` with ``input_ids`` (and
+    ``labels``), only ids in range (labels may hold the ignore index): :func:`~boost_hf.data.checks.token_id_range`, one vectorised pass over
+    each Arrow column, recorded beside its cache file, so each cache is scanned once."""
     if not hasattr(dataset, "__len__"):
         return
     if len(dataset) < minimum_blocks:
@@ -62,26 +53,31 @@ def check_dataset(dataset, vocab_size: int, name: str, minimum_blocks: int) -> N
         )
     from datasets import Dataset
 
-    if not isinstance(dataset, Dataset) or "input_ids" not in dataset.column_names:
+    if not isinstance(dataset, Dataset):
         return
-    import pyarrow.compute as pc
+    from ..data.checks import token_id_range
 
-    ids = pc.list_flatten(dataset.data.column("input_ids"))
-    if len(ids):
-        bounds = pc.min_max(ids)
-        check_token_ids(torch.tensor([bounds["min"].as_py(), bounds["max"].as_py()]), vocab_size, f"the {name} set")
+    for column, where, ignore in (("input_ids", f"the {name} set", None), ("labels", f"the {name} set's labels", IGNORE_INDEX)):
+        if column not in dataset.column_names:
+            continue
+        bounds = token_id_range(dataset, column, ignore)
+        if bounds is not None:
+            check_token_ids(torch.tensor(bounds), vocab_size, where, ignore_index=ignore)
 
 
 class TokenIdCheckingCollator:
-    """Wraps a data collator: every batch's ``input_ids`` must lie in ``[0, vocab_size)``."""
+    """Wraps a data collator: every batch's ``input_ids`` must lie in ``[0, vocab_size)``, its ``labels`` too (or be
+    the ignore index); checked on the CPU, where the error names the id."""
 
     def __init__(self, collator, vocab_size: int):
         self.collator, self.vocab_size = collator, vocab_size
 
     def __call__(self, features):
         batch = self.collator(features)
-        check_token_ids(torch.as_tensor(batch["input_ids"]), self.vocab_size)
+        check_token_ids(torch.as_tensor(batch["input_ids"]), self.vocab_size, "a batch")
+        if batch.get("labels") is not None:
+            check_token_ids(torch.as_tensor(batch["labels"]), self.vocab_size, "a batch's labels", ignore_index=IGNORE_INDEX)
         return batch
 
 
-__all__ = ["check_model_and_data", "check_token_ids", "check_dataset", "TokenIdCheckingCollator"]
+__all__ = ["check_model_and_data", "check_dataset", "TokenIdCheckingCollator"]

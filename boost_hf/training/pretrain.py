@@ -5,15 +5,19 @@
     python recipes/pretrain.py recipes/demo.yaml              # the same, from a source checkout
 
 Logs validation perplexity before training and every ``eval_steps``, trains (``--resume_from_checkpoint
-PATH|last`` continues a run), evaluates again, prints a greedy sample and saves the model with its
-tokenizer, its remote code and model card (``README.md``) to ``<output_dir>/final``.
+PATH|last`` continues a run; ``auto``: from the last complete checkpoint if there is one, else a new run), evaluates again, prints a greedy sample and saves the model with its
+tokenizer, its remote code and model card (``README.md``) to ``<output_dir>/final``. A signal of ``--exit_signals``
+(SIGTERM, SIGUSR1) or the end of ``--exit_after_minutes`` saves a checkpoint and exits with status 76 instead
+(:mod:`boost_hf.training.preemption`).
 """
 
 from __future__ import annotations
 
+from .checkpoint import completed_checkpoints
 from .preflight import check_model_and_data
 from .recipe import build_config, build_datasets, build_model, build_tokenizer, card_datasets, parse_recipe
 from .trainer import BoostTrainer
+from .watchdog import enter_phase
 
 
 def build_trainer(argv: list[str], **trainer_kwargs) -> BoostTrainer:
@@ -23,8 +27,11 @@ def build_trainer(argv: list[str], **trainer_kwargs) -> BoostTrainer:
     tokenizer = build_tokenizer(data_args)
     config = build_config(model_args, tokenizer)
     check_model_and_data(config, tokenizer, data_args.block_size, training_args.to_parallel_config(config))  # before any collective
+    enter_phase("dataset building")
     datasets = build_datasets(data_args, tokenizer, training_args)
+    enter_phase("model building")
     model = build_model(model_args, training_args, tokenizer)
+    enter_phase("trainer set-up")
     trainer = BoostTrainer(
         model=model,
         args=training_args,
@@ -41,12 +48,18 @@ def main(argv: list[str]) -> None:
     trainer = build_trainer(argv)
     training_args = trainer.args
     resume = training_args.resume_from_checkpoint
+    if resume == "auto":  # a job script's first launch and its requeues alike
+        resume = "last" if completed_checkpoints(training_args.output_dir) else None
     training_args.eval_on_start = training_args.eval_on_start or not resume  # logged at step 0
-    trainer.train(resume_from_checkpoint=True if resume == "last" else resume)
-    end = trainer.evaluate()
-    trainer.save_state()  # <output_dir>/trainer_state.json: every logged loss, lr, grad norm, throughput
-    sample = trainer.generate_sample() if training_args.sample_max_new_tokens > 0 else None
-    final = trainer.save_final_model()
+    with trainer.stop_requests.handling():  # a signal after the last step still saves a checkpoint
+        trainer.train(resume_from_checkpoint=True if resume == "last" else resume)
+        trainer.stop_if_requested()
+        end = trainer.evaluate()
+        trainer.save_state()  # <output_dir>/trainer_state.json: every logged loss, lr, grad norm, throughput
+        trainer.stop_if_requested()
+        sample = trainer.generate_sample() if training_args.sample_max_new_tokens > 0 else None
+        trainer.stop_if_requested()
+        final = trainer.save_final_model()
     if trainer.is_world_process_zero():
         start = next((log for log in trainer.state.log_history if "eval_perplexity" in log), end)
         print(f"validation perplexity: {start['eval_perplexity']:.1f} at step {start['step']}")

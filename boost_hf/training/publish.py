@@ -8,13 +8,19 @@ model card.
   tools that prepend the declared BOS, e.g. lm-evaluation-harness, would score text the model never saw);
 * :func:`model_card`: ``README.md`` with the Hub's YAML metadata, the architecture, its cost against full rank,
   the parallel layout and recipe it was trained with, held-out perplexity / bits per byte, and how to load it
-  with and without boost-hf.
+  with and without boost-hf;
+* :func:`export_checkpoint` (``boost-hf export CHECKPOINT OUT``): a training checkpoint (its model's shards in
+  ``dcp/``) as that folder, the weights streamed into safetensors files of at most ``max_shard_size``, one file per
+  rank at a time (:mod:`boost_hf.parallel.export`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import os
+import shutil
+import uuid
 
 import yaml
 
@@ -25,6 +31,7 @@ ARCHITECTURE_NAMES = {
     "svd": "SVD-factorised LLaMA (y = B A x)",
     "cola": "CoLA (y = B act(A x))",
     "lax": "LaX (latent crossing between blocks)",
+    "tt": "tensor-train LLaMA (y = B A x, A and B contracted from tensor-train cores)",
 }
 
 
@@ -154,6 +161,9 @@ def model_card(config, *, seq_len: int, license: str = "apache-2.0", datasets: l
         details = [f"latent activation `{config.latent_activation}`", f"`only_lr_act={config.only_lr_act}`"]
         if bottleneck == "lax":
             details += [f"gate `{config.lax_gate}`", f"latent norm `{config.lax_latent_norm}`", f"base `{config.lax_base}`"]
+        if bottleneck == "tt":
+            details = [f"contracted from `{config.tt_cores}` tensor-train cores (`tt_rank={config.tt_rank}`, "
+                       f"`tt_rank_ratio={config.tt_rank_ratio}`, `tt_leading_mode_multiple={config.tt_leading_mode_multiple}`)"]
         lines += ["", "Every projection (q, k, v, o, gate, up, down) is `A (d_in -> r)`, `B (r -> d_out)`; " + ", ".join(details) + "."]
     if parallel:
         lines += ["", "## Training", "", "Parallel layout: " + ", ".join(f"{k} `{v}`" for k, v in parallel.items()) + "."]
@@ -209,4 +219,50 @@ def model_card(config, *, seq_len: int, license: str = "apache-2.0", datasets: l
     return "\n".join(lines)
 
 
-__all__ = ["inference_settings", "save_tokenizer", "publish_special_tokens", "model_card", "parameter_count"]
+PUBLISHED_FILES = ("config.json", "generation_config.json", "README.md", "training_args.bin")
+"""Files of a training checkpoint that an export copies as they are (with the remote code named in ``auto_map`` and
+the tokenizer)."""
+
+
+def export_checkpoint(checkpoint: str, output_dir: str, *, max_shard_size: int | str | None = None) -> str:
+    """Write the Hugging Face folder of the training checkpoint ``checkpoint`` into ``output_dir``: its weights as
+    transformers' safetensors files of at most ``max_shard_size`` (default 5GB), streamed out of ``dcp/`` file by
+    file (:func:`~boost_hf.parallel.export.export_weights`; launched on several processes, each writes every
+    ``world``-th file), its config, generation config, remote code, tokenizer and model card, and a manifest. The
+    checkpoint is verified first (each rank its share of the files). Atomic like a checkpoint: a staging folder,
+    the manifest, one rename. Collective when ``torch.distributed`` is initialised. Returns ``output_dir``."""
+    import torch.distributed as dist
+
+    from ..configuration_boost_llama import BoostLlamaConfig
+    from ..parallel.export import DEFAULT_MAX_SHARD_SIZE, export_weights
+    from .checkpoint import DCP_FOLDER, atomic_directory, is_distributed_checkpoint, verify_checkpoint_once
+
+    if not is_distributed_checkpoint(checkpoint):
+        raise FileNotFoundError(
+            f"{checkpoint!r} is not a training checkpoint with its model in {DCP_FOLDER}/ (a checkpoint-<step> folder of a "
+            "boost-hf run); a Hugging Face folder needs no export."
+        )
+    config = BoostLlamaConfig.from_pretrained(checkpoint)
+    verify_checkpoint_once(checkpoint, config)
+    launched = dist.is_available() and dist.is_initialized()
+    writer = not launched or dist.get_rank() == 0
+    run_id = [uuid.uuid4().hex[:8]]
+    if launched:
+        dist.broadcast_object_list(run_id, src=0)
+    with atomic_directory(output_dir, is_writer=writer, run_id=f"export-{run_id[0]}", config=config) as staging:
+        if writer:
+            code = {f"{target.split('.')[0]}.py" for target in (getattr(config, "auto_map", None) or {}).values()}
+            for name in (*PUBLISHED_FILES, *sorted(code)):
+                if os.path.isfile(os.path.join(checkpoint, name)):
+                    shutil.copy2(os.path.join(checkpoint, name), os.path.join(staging, name))
+            if os.path.isfile(os.path.join(checkpoint, "tokenizer_config.json")):
+                from transformers import AutoTokenizer
+
+                AutoTokenizer.from_pretrained(checkpoint).save_pretrained(staging)
+        if launched:
+            dist.barrier()
+        export_weights(os.path.join(checkpoint, DCP_FOLDER), staging, config, max_shard_size=max_shard_size or DEFAULT_MAX_SHARD_SIZE)
+    return output_dir
+
+
+__all__ = ["export_checkpoint", "inference_settings", "save_tokenizer", "publish_special_tokens", "model_card", "parameter_count"]

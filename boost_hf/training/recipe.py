@@ -21,6 +21,7 @@ import typing
 from dataclasses import dataclass, field, fields, make_dataclass
 from pathlib import Path
 
+import torch.distributed as dist
 import yaml
 from datasets import Dataset
 from transformers import HfArgumentParser, set_seed
@@ -71,7 +72,8 @@ class DataArguments:
 
     dataset: str | None = field(
         default=None,
-        metadata={"help": "None: the Wikipedia sample shipped with gensim; else local text/JSON files, a folder or a Hub dataset."},
+        metadata={"help": "None: the Wikipedia sample shipped with gensim; else local text/JSON files, a folder or a Hub "
+                          "dataset, of text or pre-tokenized (an input_ids column, optionally attention_mask and labels)."},
     )
     dataset_config: str | None = field(default=None, metadata={"help": "Hub dataset configuration."})
     text_column: str = field(default="text", metadata={"help": "Column holding the document text."})
@@ -86,6 +88,15 @@ class DataArguments:
         default=DEFAULT_VALIDATION_PERCENT, metadata={"help": "Share of documents held out when the source has no validation split."}
     )
     streaming: bool = field(default=False, metadata={"help": "Stream the corpus (Hub datasets) instead of downloading it."})
+    shuffle_buffer: int = field(
+        default=0,
+        metadata={"help": "(streaming) Blocks in the training stream's shuffle buffer, seeded by data_seed (else seed); 0: stream order."},
+    )
+    stream_shards: int | None = field(
+        default=None,
+        metadata={"help": "(streaming) Logical streams the training stream is split into: the run resumes at any DP size that "
+                          "divides it (default: the DP size of the run that starts the stream)."},
+    )
 
 
 SECTIONS = {"model": ModelArguments, "data": DataArguments, "training": BoostTrainingArguments}
@@ -156,10 +167,12 @@ def build_tokenizer(data_args: DataArguments):
 
 
 def build_datasets(data_args: DataArguments, tokenizer, training_args: BoostTrainingArguments):
-    """Packed ``train`` / ``validation`` blocks; the local main process builds the caches first. A streamed
-    validation split is read once (``max_eval_blocks`` blocks) and kept in memory."""
+    """Packed ``train`` / ``validation`` blocks; the local main process builds the caches first. Streaming, the
+    training set is a :class:`~boost_hf.data.stream.BlockStream` and the validation split is read once, by global
+    rank 0 (``max_eval_blocks`` blocks), and sent to every rank (:func:`read_on_rank_zero`)."""
     if data_args.streaming and data_args.max_eval_blocks is None:
         raise ValueError("streaming=True needs max_eval_blocks: the validation blocks are kept in memory.")
+    seed = training_args.data_seed if training_args.data_seed is not None else training_args.seed
     with training_args.main_process_first(local=True, desc="building the datasets"):
         datasets = build_lm_datasets(
             data_args.dataset,
@@ -171,10 +184,34 @@ def build_datasets(data_args: DataArguments, tokenizer, training_args: BoostTrai
             streaming=data_args.streaming,
             max_train_blocks=data_args.max_train_blocks,
             max_eval_blocks=data_args.max_eval_blocks,
+            shuffle_buffer=data_args.shuffle_buffer,
+            seed=seed,
+            stream_shards=data_args.stream_shards,
         )
     if data_args.streaming:
-        datasets["validation"] = Dataset.from_list(list(datasets["validation"]))
+        validation = datasets["validation"]
+        rows = read_on_rank_zero(lambda: [{name: ids.tolist() for name, ids in block.items()} for block in validation])
+        datasets["validation"] = Dataset.from_list(rows)
     return datasets
+
+
+def read_on_rank_zero(read):
+    """``read()`` on global rank 0, its result (or its error, raised on every rank) sent to every rank: one
+    ``broadcast_object_list`` when launched."""
+    launched = dist.is_available() and dist.is_initialized()
+    outcome = [None, None]  # [result, error]
+    if not launched or dist.get_rank() == 0:
+        try:
+            outcome[0] = read()
+        except Exception as error:  # noqa: BLE001 (raised on every rank below)
+            outcome[1] = (type(error).__name__, str(error))
+            if not launched:
+                raise
+    if launched:
+        dist.broadcast_object_list(outcome, src=0)
+    if outcome[1] is not None:
+        raise (ValueError if outcome[1][0] == "ValueError" else RuntimeError)(f"{outcome[1][1]} (read on rank 0)")
+    return outcome[0]
 
 
 DEFAULT_CORPUS_HUB_NAME = "wikimedia/wikipedia"
@@ -235,6 +272,7 @@ __all__ = [
     "recipe_to_argv",
     "build_tokenizer",
     "build_datasets",
+    "read_on_rank_zero",
     "build_config",
     "build_model",
     "check_checkpoint_folder",

@@ -74,7 +74,7 @@ def optimizer_record(model, optimizer) -> dict:
 def training_layout(*, tp_size: int, dp_size: int, zero_stage: int | None, args, pp_size: int = 1,
                     optimizer_records: list[dict] | None = None) -> dict:
     """The layout a checkpoint records; ``optimizer_records``: :func:`optimizer_record` of each pipeline rank (without
-    DeepSpeed), stored under ``"optimizer"`` with the files of its TP ranks."""
+    DeepSpeed), stored under ``"optimizer"``."""
     layout = {
         "pp_size": pp_size,
         "tp_size": tp_size,
@@ -87,10 +87,7 @@ def training_layout(*, tp_size: int, dp_size: int, zero_stage: int | None, args,
     if zero_stage is not None:
         layout["deepspeed_parameter_order"] = DEEPSPEED_PARAMETER_ORDER
     if zero_stage is None and optimizer_records is not None:
-        layout["optimizer"] = [
-            {"files": [optimizer_file_name(t, tp_size, p, pp_size) for t in range(tp_size)], **record}
-            for p, record in enumerate(optimizer_records)
-        ]
+        layout["optimizer"] = optimizer_records
     return layout
 
 
@@ -184,20 +181,13 @@ def _group_of(counts: list[int], position: int) -> int:
     return bisect.bisect_right(list(itertools.accumulate(counts)), position)
 
 
-def reshard_optimizer_state(load, record: list[dict], names: list[str], specs: list, groups: list[dict],
-                            held_elsewhere: frozenset[str] = frozenset()) -> dict:
-    """The state dict of an optimizer over parameters ``names`` (with :class:`ShardSpec` ``specs``, grouped as
-    ``groups`` = the optimizer's ``param_groups``) from a checkpoint of any PP x TP layout.
-
-    ``record``: the checkpoint's :func:`saved_optimizer_record` (per pipeline rank: its parameters in state-dict order,
-    ``{"name", "partition_dim"}``, and its groups' sizes); ``load(q)``: the state dicts of pipeline rank ``q``'s TP
-    ranks, called only for the pipeline ranks holding one of ``names``. ``held_elsewhere``: canonical names of the
-    parameters other pipeline ranks of this run hold (a saved parameter in neither is an error).
-
-    Per-parameter tensors (AdamW's ``exp_avg`` / ``exp_avg_sq``) are concatenated over the saved TP ranks along the
-    saved ``partition_dim`` (the canonical tensor) and sliced with this rank's spec; scalar entries (``step``) come
-    from TP rank 0; each group's hyper-parameters from the first pipeline rank read. Exact: no arithmetic on values.
-    """
+def locate_saved_parameters(record: list[dict], names: list[str], groups: list[dict],
+                            held_elsewhere: frozenset[str] = frozenset()) -> dict[str, tuple[int, int]]:
+    """``{name: (saved pipeline rank q, position j in its optimizer)}`` for each of ``names`` (an optimizer's
+    parameters in state-dict order, grouped as ``groups``) in the checkpoint's optimizer ``record``
+    (:func:`saved_optimizer_record`). Raises :class:`ResumeLayoutError` when the saved parameters are others (a saved
+    parameter neither here nor in ``held_elsewhere``, the parameters other pipeline ranks of this run hold) or a
+    parameter sits in another group (weight decay or learning rates per group)."""
     where = {p["name"]: (q, j) for q, entry in enumerate(record) for j, p in enumerate(entry["parameters"])}
     missing = [n for n in names if n not in where]
     unexpected = sorted(set(where) - set(names) - set(held_elsewhere))
@@ -205,17 +195,36 @@ def reshard_optimizer_state(load, record: list[dict], names: list[str], specs: l
         raise ResumeLayoutError(
             f"the checkpoint's optimizer state is over other parameters: missing {missing[:5]}, unexpected {unexpected[:5]}."
         )
-    other_groups = ResumeLayoutError(
-        "the checkpoint's optimizer has other parameter groups (weight decay or learning rates per group): resume with "
-        "the optimizer settings it was saved with, or start from its weights only with --init_from."
-    )
     counts = [len(group["params"]) for group in groups]
+    for i, name in enumerate(names):
+        q, j = where[name]
+        if len(record[q]["groups"]) != len(groups) or _group_of(record[q]["groups"], j) != _group_of(counts, i):
+            raise ResumeLayoutError(
+                "the checkpoint's optimizer has other parameter groups (weight decay or learning rates per group): resume "
+                "with the optimizer settings it was saved with, or start from its weights only with --init_from."
+            )
+    return {name: where[name] for name in names}
+
+
+def reshard_optimizer_state(load, record: list[dict], names: list[str], specs: list, groups: list[dict],
+                            held_elsewhere: frozenset[str] = frozenset()) -> dict:
+    """The state dict of an optimizer over parameters ``names`` (with :class:`ShardSpec` ``specs``, grouped as
+    ``groups`` = the optimizer's ``param_groups``) from a checkpoint of the per-(PP, TP)-rank file format of
+    boost-hf 0.x (before distributed checkpoints), saved at any PP x TP layout.
+
+    ``record``: the checkpoint's :func:`saved_optimizer_record`; ``load(q)``: the state dicts of pipeline rank ``q``'s
+    TP ranks, called only for the pipeline ranks holding one of ``names``; ``held_elsewhere``: see
+    :func:`locate_saved_parameters`.
+
+    Per-parameter tensors (AdamW's ``exp_avg`` / ``exp_avg_sq``) are concatenated over the saved TP ranks along the
+    saved ``partition_dim`` (the canonical tensor) and sliced with this rank's spec; scalar entries (``step``) come
+    from TP rank 0; each group's hyper-parameters from the first pipeline rank read. Exact: no arithmetic on values.
+    """
+    where = locate_saved_parameters(record, names, groups, held_elsewhere)
     loaded: dict[int, list[dict]] = {}
     state = {}
     for i, (name, spec) in enumerate(zip(names, specs)):
         q, j = where[name]
-        if len(record[q]["groups"]) != len(groups) or _group_of(record[q]["groups"], j) != _group_of(counts, i):
-            raise other_groups
         if q not in loaded:
             loaded[q] = load(q)
         saved = loaded[q]
@@ -242,7 +251,7 @@ def reshard_optimizer_state(load, record: list[dict], names: list[str], specs: l
     return {"state": state, "param_groups": param_groups}
 
 
-def load_optimizer_state(optimizer, model, checkpoint: str, tp_rank: int, tp_size: int, device, pp_rank: int = 0,
+def load_optimizer_files(optimizer, model, checkpoint: str, tp_rank: int, tp_size: int, device, pp_rank: int = 0,
                          pp_size: int = 1, held_elsewhere: frozenset[str] = frozenset()) -> None:
     """Load ``checkpoint``'s optimizer state into ``optimizer`` (this rank: ``tp_rank`` of ``tp_size``, ``pp_rank`` of
     ``pp_size``; ``held_elsewhere``: the parameters of the other pipeline ranks). The rank's own file as saved when the
@@ -293,6 +302,7 @@ __all__ = [
     "read_training_layout",
     "check_resume_layout",
     "reshard_optimizer_state",
-    "load_optimizer_state",
+    "load_optimizer_files",
+    "locate_saved_parameters",
     "missing_file_error",
 ]

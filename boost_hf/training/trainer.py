@@ -7,17 +7,19 @@ evaluation, checkpoints, callbacks, ``report_to``). What it changes, and why:
 =====================================  ======================================================================
 Trainer hook                           boost-hf behaviour
 =====================================  ======================================================================
-``get_train_dataloader``               shard by DP rank: TP peers get the same micro-batch
-                                       (:mod:`boost_hf.training.data`)
+``get_train_dataloader``               shard by DP rank: TP peers get the same micro-batch; a stream
+                                       (``BlockStream``) read once per DP replica, its position restored on
+                                       resume (:mod:`boost_hf.training.data`)
 ``get_eval_dataloader`` /              DP-sharded validation, exact token-weighted loss all-reduced over DP;
 ``evaluation_loop``                    ``eval_perplexity = exp(eval_loss)``, ``eval_bits_per_byte`` (with a
                                        tokenizer), through the local ``evaluate`` metric (:mod:`boost_hf.evaluation`);
                                        (pp > 1) forward only through the pipeline, ``compute_metrics`` on the
                                        last stage's logits, its metrics broadcast to every stage
 ``create_accelerator_and_postprocess``  ``--torch_compile``: each decoder layer compiled in place
-                                       (:mod:`boost_hf.training.compile`), not the whole model
+                                       (:mod:`boost_hf.parallel.compile`), not the whole model
 ``create_optimizer`` /                 ``--lowrank_optimizer loro``: LORO on the factors of an svd model, AdamW on the rest,
-``create_scheduler``                   the schedule restarting after each exact step (:mod:`boost_hf.optim.loro`);
+``create_scheduler``                   the schedule restarting after each exact step (:mod:`boost_hf.optim.loro`), or the
+                                       LORO authors' (``--loro_schedule authors``, :mod:`boost_hf.optim.loro_schedule`);
                                        ``--zero1_optimizer``: the optimizer sharded over DP (:mod:`boost_hf.training.zero1`)
 ``get_tp_size``                        our TP size: global batch and loss scaling count DP ranks only
 ``_wrap_model``                        (tp > 1, no DeepSpeed) DDP over the DP group, never across TP ranks;
@@ -32,23 +34,29 @@ Trainer hook                           boost-hf behaviour
                                        its point-to-point bytes logged
 ``compute_loss`` / ``_get_grad_norm``  non-finite loss or grad norm: stop or skip the step
                                        (:mod:`boost_hf.training.health`)
-``save_model`` / ``_save_checkpoint``  canonical checkpoint from every rank's shard, publishable (remote code,
-                                       ``use_cache``, tokenizer context and BOS, ``README.md`` model card:
-                                       :mod:`boost_hf.training.publish`); the Trainer's checkpoint files written
-                                       to a staging folder, manifest, rename, then rotation
-``_save_optimizer_and_scheduler``      inside a guard that writes the manifest and removes a failed save;
-                                       optimizer state per (PP, TP) rank and ``training_layout.json``
-                                       (:mod:`boost_hf.training.checkpoint`, :mod:`boost_hf.training.resume`)
-``train``                              resume from the last *complete* checkpoint, refused at a layout it cannot
+``save_model``                         the Hugging Face folder (``final/``) streamed from every rank's shards (no
+                                       gather), publishable (remote code, ``use_cache``, tokenizer context and BOS,
+                                       ``README.md`` model card: :mod:`boost_hf.training.publish`)
+``_save_checkpoint``                   every rank writes its own model and optimizer shards (DCP, ``--save_async``:
+                                       in the background), the Trainer's small files beside them; staging folder,
+                                       manifest of every rank's digests, rename, then rotation
+                                       (:mod:`boost_hf.training.checkpoint`, :mod:`.optimizer_state`); also the
+                                       data position (:func:`~boost_hf.training.data.save_data_position`)
+``_save_optimizer_and_scheduler``      the scheduler and ``training_layout.json`` (:mod:`boost_hf.training.resume`);
+                                       under DeepSpeed its own optimizer folder
+``train``                              resume from the last *complete* checkpoint (newer damaged ones skipped,
+                                       logged; a stream continues from its saved position: the Trainer skips no
+                                       batch, ``ignore_data_skip`` during ``train``), refused at a layout it cannot
                                        resume exactly (another global batch; DeepSpeed at another tp x dp);
                                        refuse an earlier run's ``output_dir`` unless ``overwrite_output_dir``;
                                        lock ``output_dir``; start the hang watchdog; a collective that
                                        times out (``--ddp_timeout``) is named, also in ``evaluate``
                                        (:mod:`boost_hf.training.watchdog`)
-``_load_from_checkpoint`` /            resume (``train`` verified manifest and architecture once, on rank 0,
-                                       also under DeepSpeed), then this rank's slice of
-``_load_optimizer_and_scheduler``      the canonical weights and of the optimizer state (resharded when saved
-                                       at another PP x TP layout); a missing optimizer or scheduler file raises
+``_load_from_checkpoint`` /            resume (``train`` verified manifest and architecture, each rank its share of
+                                       the files, also under DeepSpeed), then this rank's shards of
+``_load_optimizer_and_scheduler``      the weights and of the optimizer state (resharded by DCP when saved at another
+                                       PP x TP x DP layout; checkpoints of boost-hf 0.x through
+                                       :mod:`boost_hf.training.resume`); a missing optimizer or scheduler raises
 =====================================  ======================================================================
 
 Launch with ``accelerate launch`` (``world = dp x tp_size`` processes; TP ranks are adjacent, see
@@ -59,63 +67,74 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import uuid
 
+import datasets
 import numpy as np
 import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader
 from accelerate.utils import DynamoBackend
-from transformers import Trainer, default_data_collator
+from transformers import Trainer
 from transformers.trainer import SCHEDULER_NAME, TRAINER_STATE_NAME
 from transformers.trainer_callback import ExportableState
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, EvalLoopOutput, EvalPrediction, SaveStrategy, rotate_checkpoints
 
+from ..parallel.export import save_model_files
+from ..parallel.sharded_state import load_model_state, model_state
 from ..parallel.weights_io import load_canonical_checkpoint, resolve_checkpoint_files
 from ..perf.flops import training_flops_per_token
 from ..optim.loro import check_loro_training, loro_optimizer, restart_schedule_at_exact_steps
-from .arguments import default_peak_tflops
+from ..optim.loro_schedule import authors_schedule
+from .arguments import authors_schedule_shift, default_peak_tflops
 from .checkpoint import (
-    OutputDirInUseError,
-    OutputDirLock,
+    DCP_FOLDER,
+    CheckpointSaver,
     atomic_directory,
     check_fresh_output_dir,
     completed_checkpoints,
     full_parameters,
-    optimizer_file_name,
+    is_distributed_checkpoint,
+    newest_complete_checkpoint,
     remove_earlier_run,
     remove_stale_staging,
     verify_checkpoint_once,
 )
-from .compile import compile_decoder_layers
-from .data import EvalShard, shard_by_data_parallel_rank, streaming_loader
+from ..parallel.compile import compile_decoder_layers
+from ..data.collate import causal_lm_collator
+from ..data.stream import BlockStream
+from .output_lock import OutputDirInUseError, OutputDirLock
+from .data import EvalShard, StreamLoader, restore_data_position, save_data_position, shard_by_data_parallel_rank
 from ..parallel.state import ParallelState
 from ..evaluation import batch_sums, metrics_from_sums, sums_of_batch
 from .deepspeed import ModelParallelUnit, configure_deepspeed, deepspeed_initialize_hooks, skip_shm_comm_if_requested
 from .grad_norm import clip_grad_norm_, global_grad_norm
 from .health import is_finite, nonfinite_error, poison_nonfinite_loss
 from .metrics import TrainingMetrics
+from .optimizer_state import load_optimizer_state, optimizer_state
 from .pipeline_steps import (
     PipelineReplica,
     boundary_bytes_per_step,
     from_last_stage,
     last_stage_logits,
-    on_one_process,
     pipeline_evaluation_sums,
+    pipeline_greedy_generate,
     pipeline_of,
     pipeline_training_step,
 )
+from .preemption import StopAtStepEnd, StopRequests, TrainingStopped, parse_exit_signals
 from .preflight import TokenIdCheckingCollator, check_dataset
 from .resume import (
     check_resume_layout,
-    load_optimizer_state,
+    load_optimizer_files,
     missing_file_error,
     optimizer_record,
     training_layout,
     write_training_layout,
 )
-from .watchdog import HangWatchdog, exit_with_launcher, naming_collective_timeouts
-from .zero1 import sharded_over_data_parallel, zero1_class_and_kwargs
+from .watchdog import TRAINING, HangWatchdog, enter_phase, exit_with_launcher, in_phase, naming_collective_timeouts, running_watchdog
+from .zero1 import zero1_class_and_kwargs
 from .publish import inference_settings, model_card, publish_special_tokens, save_tokenizer
 
 
@@ -124,8 +143,9 @@ class BoostTrainer(Trainer):
 
     Takes the Trainer's arguments; ``args`` is usually a
     :class:`~boost_hf.training.arguments.BoostTrainingArguments` whose ``tp_size`` must match the model's.
-    Without ``data_collator``, batches are stacked as they are (``default_data_collator``: packed blocks); every
-    batch's token ids are checked against the model's vocabulary. Before anything else, every rank checks the
+    Without ``data_collator``, batches are stacked as they are with ``labels`` derived from ``input_ids``
+    (:func:`~boost_hf.data.collate.causal_lm_collator`: packed blocks); every batch's token ids are checked against
+    the model's vocabulary. Before anything else, every rank checks the
     datasets (at least one global batch of training blocks, a non-empty validation set, token ids in range).
     ``compute_metrics`` (with ``preprocess_logits_for_metrics``) is honoured: evaluation gathers each batch's
     full-vocabulary logits (one all-gather over TP), hands them to ``preprocess_logits_for_metrics`` on each rank,
@@ -149,7 +169,7 @@ class BoostTrainer(Trainer):
                 "optimizers=(...): pass optimizer_cls_and_kwargs=(class, kwargs) instead, or drop --zero1_optimizer."
             )
         vocab_size = model.config.vocab_size
-        kwargs["data_collator"] = TokenIdCheckingCollator(kwargs.get("data_collator") or default_data_collator, vocab_size)
+        kwargs["data_collator"] = TokenIdCheckingCollator(kwargs.get("data_collator") or causal_lm_collator, vocab_size)
         if args is not None:
             global_batch = args.per_device_train_batch_size * self.parallel_state.dp_size * args.gradient_accumulation_steps
             check_dataset(kwargs.get("train_dataset"), vocab_size, "training", global_batch)
@@ -158,6 +178,9 @@ class BoostTrainer(Trainer):
                 if dataset is not None:
                     check_dataset(dataset, vocab_size, name, 1)
         self.run_id: str | None = None
+        self.checkpoint_saver: CheckpointSaver | None = None  # created with the run id (claim_output_dir)
+        self.data_resume_from: str | None = None  # the checkpoint whose data position the training data continues from
+        self.train_loader: DataLoader | StreamLoader | None = None
         self.hang_watchdog: HangWatchdog | None = None
         self.trained_context: int | None = None  # sequence length of the training micro-batches (model card, tokenizer)
         self._bos_seen: torch.Tensor | bool = False  # whether a training micro-batch held the tokenizer's BOS id (no sync)
@@ -175,19 +198,18 @@ class BoostTrainer(Trainer):
             dp_grad_bytes=0 if state.dp_size == 1 else sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad),
         )
         self.add_callback(self.metrics)
+        self.stop_requests = StopRequests(parse_exit_signals(getattr(self.args, "exit_signals", "")),
+                                          getattr(self.args, "exit_after_minutes", 0.0), run_broken=self._a_peer_exited)
+        self.stop_at_step_end = StopAtStepEnd(self.stop_requests, self.args.device)
+        self.add_callback(self.stop_at_step_end)
 
     # ------------------------------------------------------------------ set-up
     def create_accelerator_and_postprocess(self) -> None:
         super().create_accelerator_and_postprocess()
         if self.args.deepspeed_plugin is not None and not self.is_deepspeed_enabled:
             raise ValueError(
-                "DeepSpeed was requested but accelerate runs without it: ACCELERATE_USE_CPU is set (use_cpu: true in "
-                "the accelerate config). Remove it; boost-hf selects the CPU itself when there is no GPU."
-            )
-        if self.is_deepspeed_enabled and getattr(self.args, "nonfinite", "stop") == "skip_step":
-            raise ValueError(
-                "--nonfinite skip_step is not supported with DeepSpeed (its engine applies the update inside backward): "
-                "use --nonfinite stop."
+                "DeepSpeed was requested but accelerate runs without it: ACCELERATE_USE_CPU is set (`accelerate launch "
+                "--cpu`, or the environment). Remove it; boost-hf selects the CPU itself when there is no GPU."
             )
         if getattr(self.args, "lowrank_optimizer", "adamw") == "loro":
             check_loro_training(self.model, deepspeed=self.is_deepspeed_enabled)
@@ -206,7 +228,7 @@ class BoostTrainer(Trainer):
             self.optimizer = loro_optimizer(
                 model, lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon,
                 weight_decay=args.weight_decay, exact_every=args.loro_exact_every, lr_scale=args.loro_lr_scale,
-                decay_parameter_names=self.get_decay_parameter_names(model),
+                decay_parameter_names=self.get_decay_parameter_names(model), epsilon_placement=args.adam_epsilon_placement,
             )
         if self.optimizer is None and getattr(self.args, "zero1_optimizer", False) and self.parallel_state.dp_size > 1:
             chosen = self.optimizer_cls_and_kwargs
@@ -219,10 +241,21 @@ class BoostTrainer(Trainer):
         return super().create_optimizer(model)
 
     def create_scheduler(self, num_training_steps: int, optimizer=None):
+        args = self.args
+        loro = getattr(args, "lowrank_optimizer", "adamw") == "loro"
+        if self.lr_scheduler is None and loro and args.loro_schedule == "authors":
+            self.lr_scheduler = authors_schedule(
+                self.optimizer if optimizer is None else optimizer, training_steps=num_training_steps,
+                warmup_steps=args.get_warmup_steps(num_training_steps), restart_every=args.loro_exact_every,
+                restart_warmup_steps=args.loro_restart_warmup_steps, min_ratio=args.lr_scheduler_kwargs["min_lr_rate"],
+                shift=authors_schedule_shift(args, num_training_steps),
+            )
+            self._created_lr_scheduler = True
+            return self.lr_scheduler
         created = self.lr_scheduler is None
         scheduler = super().create_scheduler(num_training_steps, optimizer)
-        if created and getattr(self.args, "lowrank_optimizer", "adamw") == "loro":
-            restart_schedule_at_exact_steps(scheduler, self.args.loro_exact_every, self.args.loro_restart_warmup_steps)
+        if created and loro:
+            restart_schedule_at_exact_steps(scheduler, args.loro_exact_every, args.loro_restart_warmup_steps)
         return scheduler
 
     def get_tp_size(self) -> int:
@@ -255,14 +288,19 @@ class BoostTrainer(Trainer):
             return super()._prepare_for_training(max_steps, train_dataloader, resume_from_checkpoint)
 
     # ------------------------------------------------------------------ data
-    def get_train_dataloader(self) -> DataLoader:
-        state = self.parallel_state
-        if state.tp_size * state.pp_size > 1 and isinstance(self.train_dataset, torch.utils.data.IterableDataset):
-            return streaming_loader(
-                self.train_dataset, state, batch_size=self._train_batch_size, collate_fn=self.data_collator,
-                num_workers=self.args.dataloader_num_workers, pin_memory=self.args.dataloader_pin_memory,
-            )
-        return shard_by_data_parallel_rank(super().get_train_dataloader(), state)
+    def get_train_dataloader(self) -> DataLoader | StreamLoader:
+        state, args = self.parallel_state, self.args
+        dataset = self.train_dataset
+        if isinstance(dataset, datasets.IterableDataset):  # blocks streamed as they are
+            dataset = BlockStream(dataset, None, len(next(iter(dataset))["input_ids"]))
+        if isinstance(dataset, BlockStream):
+            self.train_loader = StreamLoader(dataset, state, micro_batch=self._train_batch_size, accumulation=args.gradient_accumulation_steps,
+                                             drop_last=args.dataloader_drop_last, collate=self.data_collator, device=args.device)
+        else:
+            self.train_loader = shard_by_data_parallel_rank(super().get_train_dataloader(), state)
+        if self.data_resume_from is not None:
+            restore_data_position(self.data_resume_from, dataset, self.train_loader, args)
+        return self.train_loader
 
     def get_eval_dataloader(self, eval_dataset=None) -> DataLoader:
         if isinstance(eval_dataset, str):
@@ -425,18 +463,34 @@ class BoostTrainer(Trainer):
         super().log(logs, start_time)
 
     # ------------------------------------------------------------------ saving and resuming
-    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-        """Write the canonical (unsharded) model, its config and the tokenizer. Collective: call on every rank."""
-        output_dir = output_dir or self.args.output_dir
+    @contextlib.contextmanager
+    def publishing(self):
+        """During the block the model's config is as published: ``use_cache`` on, the tokenizer's special tokens
+        (:mod:`boost_hf.training.publish`)."""
         tokenizer = self.processing_class if hasattr(self.processing_class, "save_pretrained") else None
         tokens = publish_special_tokens(self.model, tokenizer, self.trained_with_bos) if tokenizer is not None else contextlib.nullcontext()
-        with full_parameters(self.model, self._zero_stage), inference_settings(self.model), tokens:
-            self.model.save_pretrained(output_dir, is_main_process=self.args.should_save)
+        with inference_settings(self.model), tokens:
+            yield
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """Write the Hugging Face folder: canonical safetensors files of at most ``--save_max_shard_size``, written
+        from every rank's shards (no rank holds the whole model), config, remote code, tokenizer and model card.
+        Collective: call on every rank."""
+        output_dir = output_dir or self.args.output_dir
+        with full_parameters(self.model, self._zero_stage), self.publishing():
+            self.model.save_pretrained(output_dir, is_main_process=self.args.should_save,
+                                       max_shard_size=getattr(self.args, "save_max_shard_size", "5GB"))
         if self.args.should_save:
-            if tokenizer is not None:
-                save_tokenizer(tokenizer, output_dir, context=self.context_length(), used_bos=self.trained_with_bos)
-            self.write_model_card(output_dir)
-            torch.save(self.args, os.path.join(output_dir, "training_args.bin"))
+            self.save_publishing_files(output_dir)
+
+    def save_publishing_files(self, output_dir: str) -> None:
+        """The files of a published folder beside the weights and config: the tokenizer, the model card and the
+        training arguments. One process."""
+        tokenizer = self.processing_class if hasattr(self.processing_class, "save_pretrained") else None
+        if tokenizer is not None:
+            save_tokenizer(tokenizer, output_dir, context=self.context_length(), used_bos=self.trained_with_bos)
+        self.write_model_card(output_dir)
+        torch.save(self.args, os.path.join(output_dir, "training_args.bin"))
 
     @property
     def trained_with_bos(self) -> bool:
@@ -462,7 +516,7 @@ class BoostTrainer(Trainer):
         recipe = {"optimizer steps": self.state.global_step, "global batch (sequences)": global_batch,
                   "sequence length": self.context_length(),
                   "training tokens": self.state.global_step * global_batch * self.context_length(),
-                  "peak learning rate": args.learning_rate, "schedule": getattr(args.lr_scheduler_type, "value", args.lr_scheduler_type),
+                  "peak learning rate": args.learning_rate, "schedule": self.schedule_name(),
                   "weight decay": args.weight_decay, "gradient clipping": args.max_grad_norm, "seed": args.seed}
         evaluations = [log for log in self.state.log_history if "eval_perplexity" in log]
         card = model_card(self.model.config, seq_len=self.context_length(), parallel=parallel, recipe=recipe,
@@ -471,6 +525,17 @@ class BoostTrainer(Trainer):
         with open(os.path.join(output_dir, "README.md"), "w") as f:
             f.write(card)
 
+    def schedule_name(self) -> str:
+        """The learning-rate schedule this run follows, as the model card names it."""
+        args = self.args
+        name = getattr(args.lr_scheduler_type, "value", args.lr_scheduler_type)
+        if getattr(args, "lowrank_optimizer", "adamw") != "loro":
+            return name
+        if args.loro_schedule == "authors":
+            return (f"the LORO authors' cosine_restart (min ratio {args.lr_scheduler_kwargs['min_lr_rate']}, restart every "
+                    f"{args.loro_exact_every} steps over {args.loro_restart_warmup_steps})")
+        return f"{name}, restarted after each LORO exact step (every {args.loro_exact_every} steps, over {args.loro_restart_warmup_steps})"
+
     def create_model_card(self, *args, **kwargs) -> None:
         """Transformers' ``push_to_hub`` path writes the card here: boost-hf's card, into ``output_dir``."""
         if self.is_world_process_zero():
@@ -478,24 +543,37 @@ class BoostTrainer(Trainer):
             self.write_model_card(self.args.output_dir)
 
     def save_final_model(self, output_dir: str | None = None) -> str:
-        """Save the model (canonical) + tokenizer + manifest atomically to ``<output_dir>/final``; return that path."""
+        """Save the model (canonical) + tokenizer + manifest atomically to ``<output_dir>/final``; return that path.
+        Waits for an asynchronous checkpoint in flight first."""
         self.claim_output_dir()
+        self.checkpoint_saver.wait()
         target = output_dir or os.path.join(self.args.output_dir, "final")
-        with atomic_directory(target, is_writer=self.args.should_save, run_id=self.run_id, config=self.model.config) as staging:
+        with in_phase("saving the final model"), atomic_directory(target, is_writer=self.args.should_save, run_id=self.run_id,
+                                                                  config=self.model.config) as staging:
             self.save_model(staging)
         return target
 
     def _save_checkpoint(self, model, trial) -> None:
-        """The Trainer's checkpoint (``Trainer._save_checkpoint``'s files, best-model record and hub push), written
-        atomically: into a staging folder, then its manifest, then renamed to ``checkpoint-<step>``; only then are old
-        checkpoints rotated out (``--save_total_limit``), so a complete checkpoint exists at every moment. A failed
-        save leaves no partial folder (:func:`~boost_hf.training.checkpoint.atomic_directory`)."""
+        """The Trainer's checkpoint, every rank writing its own shards: the model's parameters and the optimizer's
+        state as a ``torch.distributed.checkpoint`` in ``dcp/`` (:func:`~boost_hf.parallel.sharded_state.model_state`,
+        :func:`~boost_hf.training.optimizer_state.optimizer_state`; under DeepSpeed the model only, its optimizer in its
+        own folder), beside the Trainer's other files (``Trainer._save_checkpoint``'s: scheduler, RNG, trainer state,
+        best-model record, hub push) and the Hugging Face folder without weights. Written by
+        :class:`~boost_hf.training.checkpoint.CheckpointSaver`: a staging folder, the manifest, the rename; only then
+        are old checkpoints rotated out (``--save_total_limit``). ``--save_async``: the shards are copied to host
+        memory and written in the background; the next save (and the final model) waits for this one."""
         if self.hp_search_backend is None and trial is None:
             self.store_flos()
+        self.claim_output_dir()
         run_dir = self._get_output_dir(trial=trial)
         target = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
-        with atomic_directory(target, is_writer=self.args.should_save, run_id=self.run_id, config=self.model.config) as staging:
-            self.save_model(staging, _internal_call=True)
+        self.checkpoint_saver.wait()  # the previous save is complete under its name (best-model record, rotation)
+
+        def write_files(staging: str) -> None:
+            if self.args.should_save:
+                with self.publishing():
+                    save_model_files(self.model, staging)
+                self.save_publishing_files(staging)
             if self.args.save_strategy in (SaveStrategy.STEPS, SaveStrategy.EPOCH, SaveStrategy.BEST) and self.state.best_global_step:
                 best = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.best_global_step}")
                 if best == target or os.path.exists(best):
@@ -504,6 +582,7 @@ class BoostTrainer(Trainer):
                 self._save_optimizer_and_scheduler(staging)
                 self._save_scaler(staging)
                 self._save_rng_state(staging)
+                save_data_position(staging, self.train_dataset, self.train_loader, self.args)
             if self.args.should_save:
                 for callback in self.callback_handler.callbacks + [self.control]:
                     if isinstance(callback, ExportableState):
@@ -513,11 +592,21 @@ class BoostTrainer(Trainer):
                         else:
                             self.state.stateful_callbacks[name] = exported
                 self.state.save_to_json(os.path.join(staging, TRAINER_STATE_NAME))
-        if self.args.push_to_hub:
-            self._push_from_checkpoint(target)
-        if self.args.should_save:
+
+        def rotate() -> None:
             rotate_checkpoints(output_dir=run_dir, save_total_limit=self.args.save_total_limit,
                                best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=True)
+
+        with full_parameters(self.model, self._zero_stage):
+            shards = {"model": model_state(self.model)}
+            if not self.args.save_only_model and not self.is_deepspeed_enabled:
+                shards["optimizer"] = optimizer_state(self.model, self.optimizer)
+            self.checkpoint_saver.save(target, write_files=write_files, state_dict=shards, config=self.model.config,
+                                       asynchronous=getattr(self.args, "save_async", False),
+                                       after_commit=rotate if self.args.should_save else None)
+        if self.args.push_to_hub:
+            self.checkpoint_saver.wait()
+            self._push_from_checkpoint(target)
 
     # ------------------------------------------------------------------ the run's output folder
     def claim_output_dir(self) -> None:
@@ -539,16 +628,14 @@ class BoostTrainer(Trainer):
         if claim[1] is not None:
             raise OutputDirInUseError(claim[1])
         self.run_id = claim[0]
+        self.checkpoint_saver = CheckpointSaver(is_writer=self.args.should_save, run_id=self.run_id)
 
     def train(self, resume_from_checkpoint: str | bool | None = None, **kwargs):
         """``Trainer.train``; ``resume_from_checkpoint=True`` takes the last *complete* checkpoint. A new run
         refuses an ``output_dir`` holding an earlier run unless ``overwrite_output_dir``; the folder is locked."""
         run_dir = self.args.output_dir
         if resume_from_checkpoint is True:
-            complete = completed_checkpoints(run_dir)
-            if not complete:
-                raise FileNotFoundError(f"no complete checkpoint (with a manifest.json) in output_dir {run_dir!r} to resume from.")
-            resume_from_checkpoint = complete[-1]
+            resume_from_checkpoint = newest_complete_checkpoint(run_dir)
         elif isinstance(resume_from_checkpoint, str) and not os.path.isdir(resume_from_checkpoint):
             raise FileNotFoundError(f"resume_from_checkpoint: no such file or folder: {resume_from_checkpoint!r}")
         elif not resume_from_checkpoint:
@@ -564,14 +651,60 @@ class BoostTrainer(Trainer):
             check_resume_layout(resume_from_checkpoint, self.training_layout())
         self.claim_output_dir()
         self.start_hang_watchdog()
+        enter_phase(TRAINING)
         if not resume_from_checkpoint and self.args.should_save and os.path.isdir(run_dir):
             remove_earlier_run(run_dir)  # only reached with overwrite_output_dir (or nothing to remove)
-        with naming_collective_timeouts(lambda: self.state.global_step + 1):
-            return super().train(resume_from_checkpoint=resume_from_checkpoint or None, **kwargs)
+        self.data_resume_from = resume_from_checkpoint or None
+        if self.args.ignore_data_skip:
+            self.data_resume_from = None  # the user's choice: this training set from its first batch
+        with (self.stop_requests.handling(), naming_collective_timeouts(lambda: self.state.global_step + 1),
+              self.data_continues_itself()):
+            output = super().train(resume_from_checkpoint=resume_from_checkpoint or None, **kwargs)
+            self.checkpoint_saver.wait()  # the last asynchronous checkpoint is complete when train() returns
+        if self.stop_at_step_end.stopped is not None:
+            reason, step = self.stop_at_step_end.stopped
+            self._stop(reason, os.path.join(self._get_output_dir(None), f"{PREFIX_CHECKPOINT_DIR}-{step}"))
+        return output
+
+    def _a_peer_exited(self) -> bool:
+        return self.hang_watchdog is not None and self.hang_watchdog.a_peer_exited()
+
+    def stop_if_requested(self) -> None:
+        """Collective: after training (before the final evaluation, sample and save), a signal of ``--exit_signals`` or
+        the spent ``--exit_after_minutes`` budget saves a checkpoint at the current step (unless there is one) and
+        raises :class:`~boost_hf.training.preemption.TrainingStopped` on every rank. During training the same is
+        decided at every step's end (:class:`~boost_hf.training.preemption.StopAtStepEnd`)."""
+        reason = self.stop_requests.agreed_reason(self.args.device)
+        if reason is None:
+            return
+        checkpoint = os.path.join(self._get_output_dir(None), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+        if checkpoint not in completed_checkpoints(self._get_output_dir(None)):
+            self._save_checkpoint(self.model_wrapped, None)
+        self._stop(reason, checkpoint)
+
+    def _stop(self, reason: str, checkpoint: str):
+        self.checkpoint_saver.wait()  # the checkpoint named below is complete before any rank exits
+        stopped = TrainingStopped(reason, self.state.global_step, checkpoint)
+        if self.is_world_process_zero():
+            print(stopped, file=sys.stderr, flush=True)
+        raise stopped
+
+    @contextlib.contextmanager
+    def data_continues_itself(self):
+        """A stream continues from its saved position (:func:`~boost_hf.training.data.restore_data_position`), so
+        the Trainer must not skip batches on resume (``skip_first_batches`` would read and discard them):
+        ``args.ignore_data_skip`` is set while training a stream, restored afterwards."""
+        stream = isinstance(self.train_dataset, (BlockStream, datasets.IterableDataset))
+        saved = self.args.ignore_data_skip
+        self.args.ignore_data_skip = saved or stream
+        try:
+            yield
+        finally:
+            self.args.ignore_data_skip = saved
 
     def evaluate(self, *args, **kwargs):
         """``Trainer.evaluate``; a collective that times out is named (:func:`~boost_hf.training.watchdog.naming_collective_timeouts`)."""
-        with naming_collective_timeouts(lambda: self.state.global_step):
+        with in_phase("evaluation"), naming_collective_timeouts(lambda: self.state.global_step):
             return super().evaluate(*args, **kwargs)
 
     def training_layout(self, optimizer_records: list[dict] | None = None) -> dict:
@@ -594,28 +727,20 @@ class BoostTrainer(Trainer):
         return records
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
-        """One optimizer file per (pipeline rank, TP rank), written by DP rank 0 (``--zero1_optimizer``: consolidated
-        there first; DeepSpeed: its own folder), the scheduler and ``training_layout.json`` with the optimizer record,
-        which lets a later run at another PP x TP x DP layout reshard the optimizer state. Collective."""
-        state = self.parallel_state
+        """The scheduler and ``training_layout.json`` with each pipeline rank's optimizer record (which lets a run at
+        another PP x TP x DP layout check and reshard the optimizer state, saved by every rank with the model's shards);
+        under DeepSpeed its own checkpoint folder (ZeRO partitions per DP and TP rank). Collective."""
         records = self.optimizer_records()
         if self.is_deepspeed_enabled:
             super()._save_optimizer_and_scheduler(output_dir)
-        else:
-            zero = sharded_over_data_parallel(self.optimizer)
-            # DP replicas hold the same optimizer state; ZeRO-1 shares are gathered on DP rank 0 (collective over DP)
-            whole = zero.consolidated_state_dict() if zero is not None else self.optimizer.state_dict() if state.dp_rank == 0 else None
-            if state.dp_rank == 0:
-                name = optimizer_file_name(state.tp_rank, state.tp_size, state.pp_rank, state.pp_size)
-                torch.save(whole, os.path.join(output_dir, name))
         if self.args.should_save:
             if not self.is_deepspeed_enabled:
                 torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
             write_training_layout(output_dir, self.training_layout(records))
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
-        """The optimizer state of this rank (resharded if the checkpoint has another PP x TP layout) and the scheduler; a
-        missing file is an error naming it (``--init_from`` starts from the weights only)."""
+        """The optimizer state of this rank (resharded if the checkpoint has another PP x TP x DP layout) and the
+        scheduler; a missing one is an error naming it (``--init_from`` starts from the weights only)."""
         if checkpoint is None:
             return
         scheduler = os.path.join(checkpoint, SCHEDULER_NAME)
@@ -624,18 +749,27 @@ class BoostTrainer(Trainer):
                 raise missing_file_error(scheduler, checkpoint, "learning-rate scheduler state")
             return super()._load_optimizer_and_scheduler(checkpoint)
         state = self.parallel_state
-        device = "cpu" if self.args.device.type == "cpu" else self.args.device  # torch cannot restore to "cpu:0"
         pipeline = pipeline_of(self.model)
-        load_optimizer_state(self.optimizer, self.model, checkpoint, state.tp_rank, state.tp_size, device, state.pp_rank, state.pp_size,
-                             held_elsewhere=pipeline.placement.absent if pipeline is not None else frozenset())
+        elsewhere = pipeline.placement.absent if pipeline is not None else frozenset()
+        if is_distributed_checkpoint(checkpoint):
+            load_optimizer_state(self.optimizer, self.model, checkpoint, elsewhere)
+        else:
+            device = "cpu" if self.args.device.type == "cpu" else self.args.device  # torch cannot restore to "cpu:0"
+            load_optimizer_files(self.optimizer, self.model, checkpoint, state.tp_rank, state.tp_size, device, state.pp_rank,
+                                 state.pp_size, held_elsewhere=elsewhere)
         if not os.path.isfile(scheduler):
             raise missing_file_error(scheduler, checkpoint, "learning-rate scheduler state")
         self.lr_scheduler.load_state_dict(torch.load(scheduler, weights_only=True))
 
     def start_hang_watchdog(self) -> None:
-        """Start this rank's :class:`~boost_hf.training.watchdog.HangWatchdog` (launched runs, ``hang_timeout_s > 0``)."""
+        """This rank's :class:`~boost_hf.training.watchdog.HangWatchdog` (launched runs, ``hang_timeout_s > 0``): the
+        one started with the launch (:func:`~boost_hf.training.watchdog.watch_launch`), else one on the process group's
+        store."""
         timeout = getattr(self.args, "hang_timeout_s", 0)
         if self.hang_watchdog is not None or not timeout or not (dist.is_available() and dist.is_initialized()):
+            return
+        if running_watchdog() is not None:
+            self.hang_watchdog = running_watchdog()
             return
         if dist.get_world_size() == 1:
             return
@@ -645,10 +779,14 @@ class BoostTrainer(Trainer):
         self.hang_watchdog.start()
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
-        """This rank's slice of the checkpoint's canonical weights (any TP size wrote it); :meth:`train` verified the
-        folder against its manifest and architecture record first."""
+        """This rank's shards of the checkpoint's weights, saved at any layout (its ``dcp/``, resharded by DCP; a
+        checkpoint of boost-hf 0.x: its canonical ``model.safetensors``); :meth:`train` verified the folder against
+        its manifest and architecture record first."""
         model = self.accelerator.unwrap_model(model if model is not None else self.model)
-        load_canonical_checkpoint(model, resolve_checkpoint_files(resume_from_checkpoint))
+        if is_distributed_checkpoint(resume_from_checkpoint):
+            load_model_state(model, os.path.join(resume_from_checkpoint, DCP_FOLDER))
+        else:
+            load_canonical_checkpoint(model, resolve_checkpoint_files(resume_from_checkpoint))
 
     # ------------------------------------------------------------------ generation
     def generate_sample(self, prompt: str | None = None, max_new_tokens: int | None = None) -> str:
@@ -671,9 +809,13 @@ class BoostTrainer(Trainer):
                 )
             return tokenizer.decode(output[0], skip_special_tokens=True)
 
-        if pipeline_of(self.model) is not None:
-            return on_one_process(self.model, sample)
-        return sample(self.model)
+        with in_phase("generation"):
+            pipeline = pipeline_of(self.model)
+            if pipeline is not None:  # through the stages: no rank holds more than its own
+                self.model.eval()
+                output = pipeline_greedy_generate(pipeline, input_ids, max_new_tokens, tokenizer.eos_token_id)
+                return tokenizer.decode(output[0], skip_special_tokens=True)
+            return sample(self.model)
 
 
 __all__ = ["BoostTrainer"]

@@ -1,15 +1,21 @@
 """No hangs: a frozen rank stops the whole run within a timeout, and workers die with their launcher.
 
-:class:`HangWatchdog` (one daemon thread per rank, started by ``BoostTrainer.train`` in a launched process group):
-every ``interval`` seconds each rank increments its counter ``boost_hf/watchdog/beat/<rank>`` in the process
+:class:`HangWatchdog` (one daemon thread per rank) covers the whole run, from the process group's set-up to the last
+save: under ``torchrun`` / ``accelerate launch`` (whose agent hosts the key-value store) :func:`watch_launch` starts
+it before the process group exists (``BoostTrainingArguments`` calls it), on a client of the launcher's store;
+elsewhere (a process group initialised by hand) ``BoostTrainer.train`` starts it on the process group's store. The
+code names the phase each rank is in (:func:`enter_phase`: process-group set-up, dataset building, model building,
+training, evaluation, saving the final model), and the message names the frozen rank's phase. Every ``interval``
+seconds each rank increments its counter ``boost_hf/watchdog/beat/<rank>`` in the process
 group's key-value store (the launcher's TCP store under ``torchrun``/``accelerate launch``, which outlives any
 worker) and reads every other rank's counter. A rank whose counter has not moved for ``timeout_s`` seconds, as
 measured by the reader's own clock (no clock is compared across hosts), is frozen or dead: a SIGSTOPped process,
 a machine that hangs, a process stuck without releasing the interpreter. The thread keeps beating while its main
 thread waits inside a collective (collectives release the interpreter lock), so the ranks that wait are never
-blamed. Every rank that sees it prints ::
+blamed. A rank that never beat (frozen before its watchdog started, e.g. while importing) is judged after
+``max(timeout_s, STARTUP_GRACE_S)``: ranks start at different times. Every rank that sees it prints ::
 
-    boost-hf watchdog: rank 3 (pid 4242 on node-b) has not responded for 300 s ...
+    boost-hf watchdog: rank 3 (pid 4242 on node-b) has not responded for 300 s during dataset building ...
 
 and exits with :data:`HANG_EXIT_CODE`, after sending SIGKILL to the frozen process if it runs on the same host
 (else the launcher stops it: SIGTERM, then SIGKILL after 30 s). A rank that finishes or fails marks itself done and is not watched any more. The
@@ -43,6 +49,10 @@ import time
 
 HANG_EXIT_CODE = 75
 """Exit status of a rank that stopped because another rank stopped responding."""
+STARTUP_GRACE_S = 300.0
+"""A rank that has not beaten once is taken for frozen only after this long (or ``timeout_s`` if longer)."""
+TRAINING = "training"
+"""The phase in which messages name the step rather than the phase."""
 PR_SET_PDEATHSIG = 1
 _PREFIX = "boost_hf/watchdog/"
 _STORE_CALL_GRACE_S = 30.0
@@ -74,23 +84,43 @@ def _is_collective_timeout(error: BaseException) -> bool:
     return "timed out" in text and ("gloo" in text or _in_collective(error) or type(error).__name__ == "DistBackendError")
 
 
+_PIPELINING = os.path.join("torch", "distributed", "pipelining", "")
+
+
+def _pipeline_stage(frame):
+    """The ``PipelineStage`` a frame of torch's pipeline schedules runs (``self._stage``; ``None`` elsewhere)."""
+    schedule = frame.f_locals.get("self")
+    stage = getattr(schedule, "_stage", None)
+    return stage if stage is not None and hasattr(stage, "stage_index") else None
+
+
 def describe_stuck_collective(error: BaseException) -> str:
     """"all_reduce in the TP group (ranks [0, 1]), called from boost_hf/parallel/primitives.py:49 (_all_reduce_)",
-    read from ``error``'s traceback: the innermost ``torch.distributed`` call and the innermost frame outside torch."""
+    read from ``error``'s traceback: the innermost ``torch.distributed`` call and the innermost frame outside torch.
+    A wait on the pipeline engine's sends and receives (``torch.distributed.pipelining``) is named as such, with the
+    stage and the pipeline group."""
     from ..parallel.state import describe_group
 
-    collective, caller, tb = None, None, error.__traceback__
+    collective, pipeline, caller, tb = None, None, None, error.__traceback__
     while tb is not None:
         code = tb.tb_frame.f_code
         if code.co_filename.endswith(_C10D):
             collective = (code.co_name, tb.tb_frame.f_locals.get("group"))
+        elif _PIPELINING in code.co_filename:
+            pipeline = _pipeline_stage(tb.tb_frame) or pipeline or "unknown"
+            if code.co_name == "_wait_batch_p2p":
+                collective = None  # the schedule waits on the sends and receives it posted
         elif f"{os.sep}torch{os.sep}" not in code.co_filename:
             caller = f"{code.co_filename}:{tb.tb_lineno} ({code.co_name})"
         tb = tb.tb_next
-    if collective is None:  # raised inside C++ (e.g. DDP's gradient all-reduce in backward)
-        what = "a collective run by torch itself (e.g. DistributedDataParallel's gradient all-reduce in the DP group)"
-    else:
+    if collective is not None:
         what = f"{collective[0]} in {describe_group(collective[1])}"
+    elif pipeline is not None:
+        where = "" if pipeline == "unknown" else (
+            f" of stage {pipeline.stage_index} (of {pipeline.num_stages}) in {describe_group(pipeline.group)}")
+        what = f"a point-to-point send/receive between pipeline stages{where} (activations forward, gradients backward)"
+    else:  # raised inside C++ (e.g. DDP's gradient all-reduce in backward)
+        what = "a collective run by torch itself (e.g. DistributedDataParallel's gradient all-reduce in the DP group)"
     return what + (f", called from {caller}" if caller else "")
 
 
@@ -163,12 +193,28 @@ def _kill_local(owners) -> None:
 class HangWatchdog:
     """Heartbeats of every rank through ``store``; exits this process when a peer has been silent ``timeout_s``."""
 
-    def __init__(self, store, rank: int, world_size: int, timeout_s: float, interval_s: float | None = None):
+    def __init__(self, store, rank: int, world_size: int, timeout_s: float, interval_s: float | None = None,
+                 phase: str = TRAINING):
         self.store, self.rank, self.world_size, self.timeout_s = store, rank, world_size, timeout_s
         self.interval_s = interval_s if interval_s is not None else min(5.0, max(timeout_s / 10, 0.2))
         self.step = 0
+        self.phase = phase
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+
+    def enter_phase(self, phase: str) -> None:
+        """Record (in the store, for the other ranks' messages) that this rank now runs ``phase``."""
+        self.phase = phase
+        self._publish()
+
+    def where(self, phase: str | None = None) -> str:
+        """"at step 37" in training (ranks train in step), else "during <phase>"."""
+        phase = self.phase if phase is None else phase
+        return f"at step {self.step}" if phase == TRAINING else f"during {phase}"
+
+    def _publish(self) -> None:
+        record = {"pid": os.getpid(), "host": socket.gethostname(), "phase": self.phase}
+        self.store.set(f"{_PREFIX}who/{self.rank}", json.dumps(record))
 
     def start(self) -> None:
         """Start beating and watching. A watchdog already running in this process (an earlier ``Trainer.train``)
@@ -176,7 +222,7 @@ class HangWatchdog:
         global _running
         if _running is not None:
             _running.stop(mark_done=False)
-        self.store.set(f"{_PREFIX}who/{self.rank}", json.dumps({"pid": os.getpid(), "host": socket.gethostname()}))
+        self._publish()
         self.store.add(f"{_PREFIX}beat/{self.rank}", 1)
         self._thread = threading.Thread(target=self._run, name="boost-hf-hang-watchdog", daemon=True)
         self._thread.start()
@@ -199,14 +245,27 @@ class HangWatchdog:
         if _running is self:
             _running = None
         if mark_done:
-            try:
-                self.store.add(f"{_PREFIX}done/{self.rank}", 1)
-            except Exception:  # the store may be gone at exit
-                pass
+            self._mark_exited()
+
+    def _mark_exited(self) -> None:
+        try:
+            self.store.add(f"{_PREFIX}done/{self.rank}", 1)
+            self.store.add(f"{_PREFIX}exited", 1)
+        except Exception:  # the store may be gone at exit
+            pass
+
+    def a_peer_exited(self) -> bool:
+        """Whether another rank has already left the run (finished, failed or stopped by this watchdog): one store
+        call. A SIGTERM then comes from the launcher stopping the rest of the run, not from a scheduler."""
+        try:
+            return self.store.add(f"{_PREFIX}exited", 0) > 0
+        except Exception:  # the launcher's store is gone: so is the run
+            return True
 
     def _run(self) -> None:
         peers = [r for r in range(self.world_size) if r != self.rank]
-        last = {r: (-1, time.monotonic()) for r in peers}
+        last = {r: (0, time.monotonic()) for r in peers}  # a rank's counter is 0 until it starts beating
+        never_started_after = max(self.timeout_s, STARTUP_GRACE_S)
         while not self._stop.wait(self.interval_s):
             try:
                 self.store.add(f"{_PREFIX}beat/{self.rank}", 1)
@@ -218,27 +277,82 @@ class HangWatchdog:
                     count = self.store.add(f"{_PREFIX}beat/{r}", 0)
                     if count != last[r][0]:
                         last[r] = (count, now)
-                    elif now - last[r][1] > self.timeout_s:
+                    elif now - last[r][1] > (self.timeout_s if count else never_started_after):
                         silent.append(r)
                 if silent and not self._stop.is_set():
-                    owners = {r: json.loads(self.store.get(f"{_PREFIX}who/{r}")) for r in silent}
-                    who = ", ".join(f"rank {r} (pid {o['pid']} on {o['host']})" for r, o in owners.items())
-                    _kill_local(owners.values())
-                    _die(
-                        f"boost-hf watchdog: {who} has not responded for {self.timeout_s:g} s (frozen, stopped or its "
-                        f"machine hangs); rank {self.rank} stops at step {self.step} with exit status {HANG_EXIT_CODE}, "
-                        "and the launcher stops the others. Resume from the last checkpoint "
-                        "(--resume_from_checkpoint last); raise --hang_timeout_s if this rank was only slow.",
-                        HANG_EXIT_CODE,
-                    )
+                    self._stop_the_run(silent, never_started_after)
             except Exception as error:  # the store is unreachable: the launcher is gone
                 if self._stop.is_set():
                     return
                 _die(f"boost-hf watchdog: rank {self.rank} lost the launcher's store ({type(error).__name__}: {error}); exiting.", 1)
 
+    def _stop_the_run(self, silent: list[int], never_started_after: float) -> None:
+        """Print which ranks are silent (each with its phase), kill those on this host and exit this process."""
+        found = {r: self.store.check([f"{_PREFIX}who/{r}"]) for r in silent}
+        owners = {r: json.loads(self.store.get(f"{_PREFIX}who/{r}")) for r in silent if found[r]}
+        started = [f"rank {r} (pid {o['pid']} on {o['host']}) has not responded for {self.timeout_s:g} s "
+                   f"{self.where(o.get('phase', TRAINING))}" for r, o in owners.items()]
+        never = [f"rank {r} has not started (no heartbeat {never_started_after:g} s after this rank's start)" for r in silent
+                 if not found[r]]
+        _kill_local(owners.values())
+        self._mark_exited()
+        _die(
+            f"boost-hf watchdog: {'; '.join(started + never)} (frozen, stopped or its machine hangs); rank {self.rank} "
+            f"stops {self.where()} with exit status {HANG_EXIT_CODE}, and the launcher stops the others. Resume from the "
+            "last checkpoint (--resume_from_checkpoint last); raise --hang_timeout_s if that rank was only slow.",
+            HANG_EXIT_CODE,
+        )
+
+
+def running_watchdog() -> HangWatchdog | None:
+    """The watchdog running in this process, if any."""
+    return _running
+
+
+def enter_phase(phase: str) -> None:
+    """Name the phase this rank enters (in the running watchdog's messages); nothing without a watchdog."""
+    if _running is not None:
+        _running.enter_phase(phase)
+
+
+@contextlib.contextmanager
+def in_phase(phase: str):
+    """:func:`enter_phase` for the block, then back to the phase before it (an evaluation inside training)."""
+    before = _running.phase if _running is not None else None
+    enter_phase(phase)
+    try:
+        yield
+    finally:
+        if before is not None:
+            enter_phase(before)
+
+
+def watch_launch(timeout_s: float) -> HangWatchdog | None:
+    """Start this rank's watchdog before its process group exists, on a client of the store that ``torchrun``'s agent
+    hosts (``TORCHELASTIC_USE_AGENT_STORE``; ``MASTER_ADDR:MASTER_PORT``), in phase "process-group set-up". Nothing
+    when not launched so (``BoostTrainer.train`` then starts it on the process group's store), for one process, with
+    ``timeout_s == 0``, or when a watchdog already runs. Keys live under ``attempt_<TORCHELASTIC_RESTART_COUNT>``."""
+    env = os.environ
+    world = int(env.get("WORLD_SIZE", "1"))
+    if _running is not None or not timeout_s or world < 2 or env.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return _running
+    from datetime import timedelta
+
+    from torch.distributed import PrefixStore, TCPStore
+
+    client = TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), is_master=False, timeout=timedelta(seconds=60))
+    store = PrefixStore(f"attempt_{env.get('TORCHELASTIC_RESTART_COUNT', '0')}", client)
+    watchdog = HangWatchdog(store, int(env["RANK"]), world, timeout_s, phase="process-group set-up")
+    watchdog.start()
+    return watchdog
+
 
 __all__ = [
     "HANG_EXIT_CODE",
+    "enter_phase",
+    "in_phase",
+    "running_watchdog",
+    "watch_launch",
     "HangWatchdog",
     "exit_with_launcher",
     "CollectiveTimeoutError",

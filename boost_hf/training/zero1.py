@@ -34,16 +34,6 @@ ZERO1_WITH_LORO = (
 )
 
 
-def check_zero1(args) -> None:
-    """Raise ``ValueError`` (no collective) when ``--zero1_optimizer`` cannot run with the other arguments."""
-    if not getattr(args, "zero1_optimizer", False):
-        return
-    if args.deepspeed:
-        raise ValueError(ZERO1_WITH_DEEPSPEED)
-    if args.lowrank_optimizer == "loro":
-        raise ValueError(ZERO1_WITH_LORO)
-
-
 class DataParallelShardedOptimizer(ZeroRedundancyOptimizer):
     """torch's ``ZeroRedundancyOptimizer`` whose ``state_dict()`` also answers before its first step or load, when
     no rank holds any state yet (the empty state dict: nothing to consolidate). accelerate asks for it when it
@@ -88,4 +78,4 @@ def sharded_over_data_parallel(optimizer) -> ZeroRedundancyOptimizer | None:
     return inner if isinstance(inner, ZeroRedundancyOptimizer) else None
 
 
-__all__ = ["DataParallelShardedOptimizer", "check_zero1", "zero1_class_and_kwargs", "sharded_over_data_parallel"]
+__all__ = ["DataParallelShardedOptimizer", "zero1_class_and_kwargs", "sharded_over_data_parallel"]

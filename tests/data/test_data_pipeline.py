@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from datasets import Dataset, DatasetDict, IterableDataset, IterableDatasetDict
 
-from boost_hf.data import build_lm_datasets, sources
+from boost_hf.data import BlockStream, build_lm_datasets, sources
 from boost_hf.data.pipeline import pack_blocks, tokenize_documents
 from boost_hf.data.splits import is_validation
 
@@ -28,11 +28,12 @@ def _write_jsonl(path: Path, texts: list[str]) -> Path:
 
 
 def _assert_blocks(ds: Dataset, block_size: int) -> None:
-    assert ds.column_names == ["input_ids", "labels"]
+    """Blocks hold ids only (labels are derived when batches are collated), stored in 2 bytes."""
+    assert ds.column_names == ["input_ids"]
+    assert ds.features["input_ids"].feature.dtype == "uint16"
     assert len(ds) > 0
     for row in ds:
         assert len(row["input_ids"]) == block_size
-        assert row["labels"] == row["input_ids"]
 
 
 def _expected_stream(texts: list[str], tokenizer) -> list[int]:
@@ -118,11 +119,11 @@ def test_streaming_local_source(small_tokenizer, tmp_path: Path) -> None:
         max_train_blocks=3,
         datasets_cache_dir=tmp_path / "b",
     )
-    assert isinstance(lazy, IterableDatasetDict)
+    assert isinstance(lazy["train"], BlockStream)
     rows = list(lazy["train"])
-    assert [row["input_ids"] for row in rows] == eager["train"]["input_ids"][:3]
-    assert all(row["labels"] == row["input_ids"] for row in rows)
-    assert [row["input_ids"] for row in lazy["validation"]] == eager["validation"]["input_ids"][:]
+    assert [row["input_ids"].tolist() for row in rows] == eager["train"]["input_ids"][:3]
+    assert all(list(row) == ["input_ids"] for row in rows)
+    assert [row["input_ids"].tolist() for row in lazy["validation"]] == eager["validation"]["input_ids"][:]
 
 
 def test_missing_text_column_is_reported(small_tokenizer, tmp_path: Path) -> None:
@@ -142,7 +143,7 @@ def test_stream_with_unknown_columns(small_tokenizer) -> None:
     rows = list(pack_blocks(tokenize_documents(stream, small_tokenizer), BLOCK))
     expected = _expected_stream(SENTENCES, small_tokenizer)
     assert list(chain.from_iterable(row["input_ids"] for row in rows)) == expected[: len(expected) // BLOCK * BLOCK]
-    assert all(row["labels"] == row["input_ids"] for row in rows)
+    assert all(list(row) == ["input_ids"] for row in rows)
 
 
 def test_hub_name_is_routed_to_load_dataset(small_tokenizer, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -163,6 +164,6 @@ def test_hub_name_is_routed_to_load_dataset(small_tokenizer, monkeypatch: pytest
     )
     (args, kwargs), = calls
     assert args == ("someone/some-corpus", "en") and kwargs["streaming"] is True
-    assert isinstance(built, IterableDatasetDict)
+    assert isinstance(built["train"], BlockStream) and isinstance(built["validation"], BlockStream)
     assert len(list(built["validation"])) == 1
     assert all(len(row["input_ids"]) == BLOCK for row in built["train"])

@@ -12,6 +12,7 @@ import sys
 import pytest
 import torch
 
+from boost_hf.data import causal_lm_collator
 from boost_hf.evaluation import METRIC_PATH, load_metric, metrics_from_sums, sums_of_batch, target_bytes
 
 
@@ -31,8 +32,7 @@ def test_sums_split_over_shards_equal_the_whole(trained_run):
     """What DP ranks do: each sums its shard, the sums are added (all-reduce), the metric runs once."""
     trainer, _ = trained_run
     model, tokenizer = trainer.model.eval(), trainer.processing_class
-    blocks = trainer.eval_dataset[:8]
-    batch = {name: torch.tensor(blocks[name]) for name in ("input_ids", "labels")}
+    batch = causal_lm_collator([trainer.eval_dataset[i] for i in range(8)])  # blocks hold ids; labels derived
     halves = [{name: value[i::2] for name, value in batch.items()} for i in range(2)]
     with torch.no_grad():
         whole = sums_of_batch(model, batch, tokenizer)

@@ -88,6 +88,14 @@ def test_full_rank_card_says_how_to_load_as_llama():
     assert "= LlamaForCausalLM.from_pretrained" in card and "| FLOPs vs full rank | 1.000 | 1.000 |" in card
 
 
+def test_tensor_train_card_names_its_cores():
+    config = BoostLlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                              bottleneck="tt", tt_cores=4)
+    card = model_card(config, seq_len=16, license="mit")
+    assert "# tensor-train LLaMA" in card and "contracted from `4` tensor-train cores (`tt_rank=8`" in card
+    assert "tt" in yaml.safe_load(card.split("---\n")[1])["tags"]
+
+
 def test_push_to_hub_card_is_boost_hfs(trained_run, tmp_path):
     """Transformers' push_to_hub path writes its card through ``create_model_card``: ours, in output_dir."""
     trainer, _ = trained_run
@@ -96,10 +104,37 @@ def test_push_to_hub_card_is_boost_hfs(trained_run, tmp_path):
     assert metadata["library_name"] == "transformers" and "boost-hf" in metadata["tags"]
 
 
-def test_checkpoints_are_published_the_same_way(trained_run, tmp_path):
-    """``Trainer._save_checkpoint`` writes the model through ``save_model``: remote code, card and settings too."""
-    trainer, _ = trained_run
-    trainer.save_model(str(tmp_path))
-    assert {"configuration_boost_llama.py", "modeling_boost_llama.py", "README.md", "tokenizer.json"} <= set(os.listdir(tmp_path))
-    assert json.load(open(tmp_path / "config.json"))["use_cache"] is True
-    assert AutoTokenizer.from_pretrained(tmp_path).model_max_length == BLOCK
+def test_a_checkpoint_exports_to_the_final_folder(trained_run, tmp_path):
+    """A training checkpoint holds the Hugging Face folder without weights (config with remote code, card, tokenizer)
+    beside its DCP shards; ``boost-hf export`` (:func:`~boost_hf.training.publish.export_checkpoint`) writes the final folder from it: the same
+    files, the weights split into safetensors files of at most ``max_shard_size`` with transformers' index (the same
+    tensors), loadable, and a manifest that verifies."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from boost_hf.parallel.weights_io import resolve_checkpoint_files
+    from boost_hf.cli import main
+
+    trainer, final = trained_run
+    trainer._save_checkpoint(trainer.model, None)
+    checkpoint = os.path.join(trainer.args.output_dir, "checkpoint-6")
+    assert {"configuration_boost_llama.py", "modeling_boost_llama.py", "README.md", "tokenizer.json", "config.json"} <= set(os.listdir(checkpoint))
+    assert not [name for name in os.listdir(checkpoint) if name.endswith(".safetensors")]
+    exported = str(tmp_path / "exported")
+    assert main(["export", checkpoint, exported, "--max-shard-size", "20KB"]) == 0  # boost-hf export
+    names, final_names = set(os.listdir(exported)), set(os.listdir(final))
+    weights = {n for n in names if n.startswith("model-")}
+    assert len(weights) > 2 and names - weights == (final_names - {"model.safetensors"}) | {"model.safetensors.index.json"}
+    for name in ("config.json", "generation_config.json", "README.md", "tokenizer.json", "modeling_boost_llama.py"):
+        assert open(os.path.join(exported, name)).read() == open(os.path.join(final, name)).read(), name
+    shards = {}
+    for path in resolve_checkpoint_files(exported):
+        tensors = load_file(path)
+        assert len(tensors) == 1 or sum(t.numel() * t.element_size() for t in tensors.values()) <= 20_000, path  # 20KB
+        shards.update(tensors)
+    whole = load_file(os.path.join(final, "model.safetensors"))
+    assert shards.keys() == whole.keys() and all(torch.equal(shards[k], whole[k]) for k in whole)
+    verify_checkpoint(exported, trainer.model.config)
+    ids = torch.tensor([[1, 5, 9, 4]])
+    with torch.no_grad():
+        assert torch.equal(AutoModelForCausalLM.from_pretrained(exported)(ids).logits, AutoModelForCausalLM.from_pretrained(final)(ids).logits)

@@ -78,7 +78,7 @@ def test_remote_code_in_a_fresh_environment_without_boost_hf(tmp_path, trained_r
     _, final = trained_run
     folders = {"final": str(final), "full": str(saved_plain(tmp_path, None)), "lax": str(saved_plain(tmp_path, "lax", lax_gate="kronecker")),
                "svd": str(saved_plain(tmp_path, "svd")), "lax-dense-biases": str(saved_plain(tmp_path, "lax", lax_gate="dense", attention_bias=True, mlp_bias=True)),
-               "converted-cola": str(converted_from_authors_cola(tmp_path))}
+               "converted-cola": str(converted_from_authors_cola(tmp_path)), "tt": str(saved_plain(tmp_path, "tt"))}
     python = isolated_env.create(tmp_path / "venv")
     script = ISOLATED_SCRIPT.replace("INPUT_IDS", repr(INPUT_IDS)).replace("FOLDERS", repr(json.dumps(folders)))
     result = isolated_env.run(python, script, tmp_path)

@@ -165,14 +165,16 @@ def test_schedule_restarts_with_a_warmup_after_each_exact_step():
     schedule.load_state_dict(torch.load(buffer, weights_only=True))
 
 
-@pytest.mark.parametrize("bottleneck", [None, "cola", "lax"])
+@pytest.mark.parametrize("bottleneck", [None, "cola", "lax", "tt"])
 def test_loro_refuses_models_with_something_between_the_factors(bottleneck):
     config = BoostLlamaConfig(bottleneck=bottleneck, **TINY)
-    with pytest.raises(ValueError, match="bottleneck='svd'|full rank") as error:
+    with pytest.raises(ValueError, match="bottleneck='svd'|full rank|tensor train") as error:
         check_loro_model(config)
     assert "--lowrank_optimizer adamw" in str(error.value)
     if bottleneck == "cola":
         assert "activation" in str(error.value) and "changes this function" in str(error.value)
+    if bottleneck == "tt":
+        assert "cores" in str(error.value)
 
 
 def test_a_reloaded_state_continues_the_same_run():

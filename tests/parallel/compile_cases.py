@@ -15,7 +15,7 @@ import torch._inductor.config
 import torch.distributed as dist
 
 from boost_hf import BoostLlamaConfig, BoostLlamaForCausalLM, ParallelConfig
-from boost_hf.training.compile import compile_decoder_layers
+from boost_hf.parallel.compile import compile_decoder_layers
 
 CASES = [
     dict(tp_style="btp", bottleneck="cola"),

@@ -184,7 +184,7 @@ def parity_case(case: dict) -> dict:
 
 def pp2_tp2_cases() -> list[dict]:
     """4 processes: PP2 x TP2 for each layout, with sequence parallelism for megatron and btp (cola, and LaX with
-    low-rank checkpointing)."""
+    low-rank checkpointing); the tensor train under btp with low-rank checkpointing."""
     pp = {"pp_size": 2, "tp_size": 2, "pp_microbatches": 2}
     sequence_parallel = {**pp, "sequence_parallel": True}
     cases = [
@@ -192,6 +192,7 @@ def pp2_tp2_cases() -> list[dict]:
         {"model": {"bottleneck": None}, "parallel": {**sequence_parallel, "tp_style": "megatron"}},
         {"model": {"bottleneck": "cola"}, "parallel": {**sequence_parallel, "tp_style": "btp", "rmsnorm": "online"}},
         {"model": {"bottleneck": "lax"}, "parallel": {**sequence_parallel, "tp_style": "btp", "activation_checkpointing": "lowrank"}},
+        {"model": {"bottleneck": "tt"}, "parallel": {**pp, "tp_style": "btp", "activation_checkpointing": "lowrank"}},
     ]
     for bottleneck in ("cola", "svd", "lax"):
         cases.append({"model": {"bottleneck": bottleneck}, "parallel": {**pp, "tp_style": "vanilla"}})

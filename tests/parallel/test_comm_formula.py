@@ -2,6 +2,9 @@
 
 Small model (GQA so that dq != dkv): d=64, dq=64 (8 heads of 8), dkv=32 (4 kv heads), f=96, r=16,
 V=128, L=3; micro-batch of N=10 tokens. Volumes do not depend on p > 1, so each case runs at p=2 and 4.
+
+The tensor train (4 cores, tt_rank 16) has cores q/o ``(1,8,8) (8,8,16) | (16,8,8) (8,8,1)``, k/v ``(1,8,8) (8,8,16) |
+(16,4,8) (8,8,1)``, gate/up ``(1,8,8) (8,8,16) | (16,8,12) (12,12,1)``, down ``(1,12,12) (12,8,16) | (16,8,8) (8,8,1)``.
 """
 
 from __future__ import annotations
@@ -33,7 +36,9 @@ SMALL = dict(
 
 
 def small(bottleneck):
-    return BoostLlamaConfig(**SMALL, bottleneck=bottleneck)
+    """``bottleneck`` (a name, or a dict of config fields)."""
+    fields = bottleneck if isinstance(bottleneck, dict) else {"bottleneck": bottleneck}
+    return BoostLlamaConfig(**SMALL, **fields)
 
 
 def comm(all_reduce=(0, 0), all_gather=(0, 0), reduce_scatter=(0, 0)) -> Communication:
@@ -150,6 +155,19 @@ LAYER_CASES = {
         "lax", dict(tp_style="btp", sequence_parallel=True), comm(all_gather=(4, 1120), reduce_scatter=(4, 1280)),
         comm((28, 448), (4, 1280), (4, 1120)),
     ),
+    # tensor train: as btp / vanilla, plus in backward one all-reduce per factor of its whole cores' gradients (14).
+    # btp holds cores 0 and 2 split: whole A cores 6 x 1024 + 1536 (down) = 7680, B cores 5 x 64 + 2 x 144 = 608;
+    # vanilla holds cores 1 and 2 split: whole A cores 6 x 64 + 144 = 528, B cores 608; with 2 cores, none is whole
+    "btp-tt": ("tt", dict(tp_style="btp"), comm((4, 1280)), comm((4 + 14, 1120 + 8288))),
+    "btp-tt-ungrouped-lowrank-ckpt": (
+        "tt", dict(tp_style="btp", group_linears=False, activation_checkpointing="lowrank"), comm((7, 1280)), comm((7 + 14, 1120 + 8288)),
+    ),
+    "btp-tt-sp": (
+        "tt", dict(tp_style="btp", sequence_parallel=True), comm(all_gather=(4, 1120), reduce_scatter=(4, 1280)),
+        comm((14, 8288), (4, 1280), (4, 1120)),
+    ),
+    "btp-tt-two-cores": ({"bottleneck": "tt", "tt_cores": 2}, dict(tp_style="btp"), comm((4, 1280)), comm((4, 1120))),
+    "vanilla-tt": ("tt", dict(tp_style="vanilla"), comm((7, 4480)), comm((4 + 14, 2880 + 1136))),
     "btp-sp-sync-lowrank-ckpt": (
         "svd", dict(tp_style="btp", rmsnorm="sync", sequence_parallel=True, activation_checkpointing="lowrank"),
         comm((2, 20), (4, 1120), (4, 1120)), comm((4, 40), (8, 2240), (4, 1120)),

@@ -168,7 +168,21 @@ def all_cases(world_size: int) -> list[dict]:
         {"model": {"bottleneck": "cola", **padded}, "parallel": {"tp_style": "btp"}},
         {"model": {"bottleneck": "lax", "lax_gate": "dense", **biases}, "parallel": {"tp_style": "vanilla", "activation_checkpointing": "lowrank"}},
     ]
-    return cases + sequence_parallel_cases()
+    return cases + tensor_train_cases() + sequence_parallel_cases()
+
+
+def tensor_train_cases() -> list[dict]:
+    """The BOOST release's tensor-train LLaMA (4 cores: modes of 64 (8, 8), of 96 (12, 8) / (8, 12), of 32 (4, 8); and 6
+    cores with leading modes multiples of 4, input modes of 96 (4, 6, 4), output modes of 32 (4, 2, 4)): BTP (the first
+    input and output cores split along their modes) with both exact norms, grouped or not, every checkpointing, biases;
+    vanilla (the middle rank split)."""
+    biases = {"attention_bias": True, "mlp_bias": True}
+    return [
+        {"model": {"bottleneck": "tt", "tt_cores": 6, "tt_leading_mode_multiple": 4}, "parallel": {"tp_style": "btp"}},
+        {"model": {"bottleneck": "tt", **biases}, "parallel": {"tp_style": "btp", "group_linears": False, "activation_checkpointing": "lowrank"}},
+        {"model": {"bottleneck": "tt"}, "parallel": {"tp_style": "btp", "rmsnorm": "sync", "activation_checkpointing": "full"}},
+        {"model": {"bottleneck": "tt"}, "parallel": {"tp_style": "vanilla", "activation_checkpointing": "lowrank"}},
+    ]
 
 
 def sequence_parallel_cases() -> list[dict]:
@@ -191,6 +205,7 @@ def sequence_parallel_cases() -> list[dict]:
                 "tp_style": "btp", "sequence_parallel": True, "rmsnorm": rmsnorm, "group_linears": group_linears,
                 "activation_checkpointing": checkpointing}})
     cases.append({"model": {"bottleneck": "cola", **biases}, "parallel": {"tp_style": "btp", "sequence_parallel": True, "activation_checkpointing": "lowrank"}})
+    cases.append({"model": {"bottleneck": "tt", **biases}, "parallel": {"tp_style": "btp", "sequence_parallel": True, "activation_checkpointing": "lowrank"}})
     btp_sp = {"tp_style": "btp", "sequence_parallel": True}
     for checkpointing in ("none", "full", "lowrank"):  # LaX: the crossing and latent LayerNorm on N/p tokens
         cases.append({"model": {"bottleneck": "lax", "lax_gate": "kronecker"}, "parallel": {**btp_sp, "activation_checkpointing": checkpointing}})
@@ -217,9 +232,9 @@ def sequence_length_not_divisible() -> str | None:
     return message
 
 
-def checkpoint_round_trip(tmp_dir: str) -> dict:
+def checkpoint_round_trip(tmp_dir: str, bottleneck: str = "cola") -> dict:
     """Save at TP=world (BTP), load at TP=1 and TP=2 (and world): identical logits everywhere."""
-    config = tiny_config(bottleneck="cola")
+    config = tiny_config(bottleneck=bottleneck)
     world = dist.get_world_size()
     torch.manual_seed(SEED)
     model = BoostLlamaForCausalLM(config, parallel_config=ParallelConfig(tp_size=world))
@@ -249,6 +264,8 @@ def bad_configurations() -> dict:
         "btp_full_rank": (tiny_config(bottleneck=None), ParallelConfig(tp_size=world, tp_style="btp")),
         "tp_not_dividing_world": (tiny_config(bottleneck="cola"), ParallelConfig(tp_size=world + 1)),
         "tied_btp": (tiny_config(bottleneck="cola", tie_word_embeddings=True), ParallelConfig(tp_size=world)),
+        # down_proj's input modes (9, 8): BTP cannot split the 9
+        "tt_modes_btp": (tiny_config(bottleneck="tt", intermediate_size=72), ParallelConfig(tp_size=world)),
     }
     messages = {}
     for name, (config, parallel) in bad.items():
@@ -271,7 +288,7 @@ def hugging_face_contract() -> dict:
     world = dist.get_world_size()
     ids, _ = batch()
     out = {}
-    for style, bottleneck in (("megatron", None), ("vanilla", "cola"), ("btp", "cola"), ("btp", "lax")):
+    for style, bottleneck in (("megatron", None), ("vanilla", "cola"), ("btp", "cola"), ("btp", "lax"), ("btp", "tt")):
         config = tiny_config(bottleneck=bottleneck)
         torch.manual_seed(SEED)
         model = BoostLlamaForCausalLM(config).eval()
@@ -323,9 +340,11 @@ def shared_temporary_directory():
 def everything(world_size: int) -> dict:
     with shared_temporary_directory() as tmp:
         round_trip = checkpoint_round_trip(tmp + "/ckpt")
+        tensor_train_round_trip = checkpoint_round_trip(tmp + "/ckpt-tt", "tt")
     return {
         "parity": parity_cases(all_cases(world_size)),
         "round_trip": round_trip,
+        "tensor_train_round_trip": tensor_train_round_trip,
         "bad": bad_configurations(),
         "sequence_length_not_divisible": sequence_length_not_divisible(),
         "hugging_face": hugging_face_contract(),

@@ -21,7 +21,7 @@ from boost_hf.perf.estimator import (
     parameter_count,
     recommend_micro_batches,
 )
-from boost_hf.perf.flops import attention_flops_per_token, crossing_flops_per_token, linear_flops_per_token
+from boost_hf.perf.flops import attention_flops_per_token, contraction_flops, crossing_flops_per_token, linear_flops_per_token
 from boost_hf.perf.hardware import get_hardware
 
 # BOOST.md section 6: A100, seq 4096, bf16; seconds per iteration (megatron, vanilla, btp).
@@ -98,6 +98,21 @@ def test_lax_crossing_is_replicated(gate, style):
     with_crossing = sum(g.flops for g in layer_gemms(config, parallel, 10))
     without = sum(g.flops for g in layer_gemms(config, parallel, 10, crossing=False))
     assert with_crossing - without == crossing_flops_per_token(config) * 10  # every rank runs the full r x r gates
+
+
+def test_tensor_train_layers_add_their_contractions_and_whole_cores():
+    """tt-7b at TP4: the token GEMMs split as any bottleneck's; BTP splits the rows of every chain contracting the
+    factors (1/p of the contraction FLOPs per rank); the optimizer touches the cores every rank holds whole."""
+    config = BoostLlamaConfig.from_preset("tt-7b")
+    p, n = 4, 1000
+    gemms = layer_gemms(config, Workload(tp=p).parallel("btp"), n)
+    assert sum(g.flops for g in gemms if g.role != "contraction") * p == linear_flops_per_token(config) * n
+    assert sum(g.flops for g in gemms if g.role == "contraction") * p == contraction_flops(config)
+    est = estimate(config, Workload(tp=p), "a100").layouts
+    assert est["btp"].parameters == parameter_count(config) == est["vanilla"].parameters
+    cola = estimate(BoostLlamaConfig.from_preset("cola-7b"), Workload(tp=p), "a100").layouts["btp"]
+    ratio = parameter_count(config) / parameter_count(BoostLlamaConfig.from_preset("cola-7b"))
+    assert est["btp"].breakdown_s["optimizer"] > 1.5 * ratio * cola.breakdown_s["optimizer"]
 
 
 def test_more_stages_than_layers_is_an_error():

@@ -12,7 +12,7 @@ import torch
 from boost_hf import BoostLlamaForCausalLM
 from boost_hf.configuration_boost_llama import BoostLlamaConfig
 from boost_hf.parallel.config import ParallelConfig
-from boost_hf.parallel.parallelize import layout_for
+from boost_hf.parallel.layouts import layout_for
 from boost_hf.parallel.communication import Communication, all_gather
 from boost_hf.perf.comm_formula import PointToPoint, stage_boundary_communication
 from boost_hf.perf.rank_cost import fake_process_group

@@ -10,14 +10,15 @@ full-rank model, which runs under the megatron layout at tp > 1) and evaluates i
 (``OUT/metrics-single-<model>.json``). ``pipelines`` trains ``pp2-tp2`` (checkpoint at step 3), ``pp2-tp2-resumed``
 (from it), ``pp2-dp2-interleaved`` (interleaved 1F1B, 2 stages per rank), ``pp2-tp2-compiled`` (``--torch_compile``),
 ``pp2-dp2-interleaved-compiled`` (``--torch_compile`` with the interleaved schedule and DDP over DP) and
-``pp2-tp2-sp`` (``--sequence_parallel``: latent sequence parallelism, no end-of-training sample),
+``pp2-tp2-sp`` (``--sequence_parallel``: latent sequence parallelism, no end-of-training sample; ``--pp_layer_split
+1,3``),
 then evaluates ``OUT/single/final`` with the same ``compute_metrics`` at pp 2 x tp 2 and at pp 2 x dp 2 interleaved
 (``OUT/metrics-pp2-tp2.json``, ``OUT/metrics-pp2-dp2-interleaved.json``: every rank's metrics), and each
 ``OUT/single-<model>/final`` at pp 2 x tp 2 (``OUT/metrics-pp2-tp2-<model>.json``).
 
 Every run writes ``<run>/p2p.json``: per rank, the bytes of the tensors its pipeline stages handed to the engine's
 sends in each training step (counted in ``PipelineStage.get_fwd_send_ops`` / ``get_bwd_send_ops``), the
-``comm_p2p_bytes_per_step`` it logged and the graphs dynamo compiled during the run; and ``<run>/sample.json``: the end-of-training sample (rank 0).
+``comm_p2p_bytes_per_step`` it logged, the graphs dynamo compiled during the run and the decoder layers of its stages; and ``<run>/sample.json``: the end-of-training sample (rank 0).
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ PP_DP_INTERLEAVED = [*PIPELINE, "--tp_size", "1", "--pp_schedule", "interleaved-
 OTHER_MODELS = {"lax": ["--preset", "lax-60m"], "full-rank": ["--preset", "llama-60m"]}
 
 SENT: list[int] = []  # per training step of the current run: bytes handed to the engine's sends
+STAGE_LAYERS: list[list[int]] = []  # the decoder layers of each stage this rank ran in the current run
 LOGGED: list[float] = []  # per log of the current run: comm_p2p_bytes_per_step
 IN_TRAINING_STEP = [False]  # evaluation's forward sends are not counted
 
@@ -66,6 +68,8 @@ _training_step, _log, _generate_sample = BoostTrainer.training_step, BoostTraine
 
 
 def _counted_training_step(self, model, inputs, num_items_in_batch=None):
+    pipeline = getattr(self.model, "pipeline", None)  # None in one process
+    STAGE_LAYERS[:] = [list(layers) for layers in pipeline.placement.layers] if pipeline is not None else []
     SENT.append(0)
     IN_TRAINING_STEP[0] = True
     try:
@@ -101,9 +105,11 @@ def every_rank(value) -> list:
 def train(argv: list[str]) -> None:
     SENT.clear()
     LOGGED.clear()
+    STAGE_LAYERS.clear()
     graphs_before = counters["stats"]["unique_graphs"]
     pretrain.main(argv)
-    counts = every_rank({"sent": list(SENT), "logged": list(LOGGED), "compiled_graphs": counters["stats"]["unique_graphs"] - graphs_before})
+    counts = every_rank({"sent": list(SENT), "logged": list(LOGGED), "compiled_graphs": counters["stats"]["unique_graphs"] - graphs_before,
+                         "stage_layers": list(STAGE_LAYERS)})
     if not dist.is_initialized() or dist.get_rank() == 0:
         (Path(argv[argv.index("--output_dir") + 1]) / "p2p.json").write_text(json.dumps(counts))
 
@@ -149,7 +155,8 @@ def main(mode: str, out: str, *common: str) -> None:
     train([*common, *PP_DP_INTERLEAVED, "--output_dir", str(out / "pp2-dp2-interleaved")])
     train([*common, *PP_TP, "--output_dir", str(out / "pp2-tp2-compiled"), "--torch_compile", "true"])
     train([*common, *PP_DP_INTERLEAVED, "--output_dir", str(out / "pp2-dp2-interleaved-compiled"), "--torch_compile", "true"])
-    train([*common, *PP_TP, "--output_dir", str(out / "pp2-tp2-sp"), "--sequence_parallel", "true", "--sample_max_new_tokens", "0"])
+    train([*common, *PP_TP, "--output_dir", str(out / "pp2-tp2-sp"), "--sequence_parallel", "true", "--sample_max_new_tokens", "0",
+           "--pp_layer_split", "1,3"])
     evaluate_with_metrics([*common, *PP_TP, *trained, "--output_dir", str(out / "metrics-pp2-tp2")], out / "metrics-pp2-tp2.json")
     evaluate_with_metrics([*common, *PP_DP_INTERLEAVED, *trained, "--output_dir", str(out / "metrics-pp2-dp2-interleaved")],
                           out / "metrics-pp2-dp2-interleaved.json")

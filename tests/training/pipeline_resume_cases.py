@@ -10,7 +10,8 @@ Every run has the global batch 8 and writes under ``OUT/<run>``; a resumed run a
 loading the checkpoint (its ZeRO-1 share only under ``--zero1_optimizer``) and the parameter's shard spec.
 
 * ``single``: ``single`` (tp 1, one process; checkpoint at step 3).
-* ``four``: ``pp2-tp2`` (checkpoint at 3); ``pp2-tp2-from-single`` (``single/checkpoint-3`` resumed at pp 2 x tp 2);
+* ``four``: ``pp2-tp2`` (checkpoint at 3, ``--save_async``); ``pp2-tp2-from-single`` (``single/checkpoint-3`` resumed at
+  pp 2 x tp 2); ``pp2-tp2-from-legacy`` (the same checkpoint in the format of boost-hf 0.x, ``single-legacy``);
   ``tp2-dp2-from-pp2`` (``pp2-tp2/checkpoint-3`` at pp 1 x tp 2 x dp 2); ``pp2-dp2-interleaved-from-pp2`` (the same at
   pp 2 x dp 2, interleaved 1F1B: 2 stages per rank, other layers per pipeline rank); ``pp2-dp2`` (1F1B, no ZeRO-1);
   ``pp2-dp2-zero1`` (the same with ``--zero1_optimizer``, checkpoint at 3); ``pp2-dp2-zero1-resumed`` (its checkpoint
@@ -20,10 +21,20 @@ loading the checkpoint (its ZeRO-1 share only under ``--zero1_optimizer``) and t
 * ``one``: ``single-from-pp2`` (``pp2-tp2/checkpoint-3`` in one process), ``single-from-zero1``
   (``pp2-dp2-zero1/checkpoint-3`` in one process, without ZeRO-1) and ``single-from-tp2-zero1`` (the same from
   ``tp2-dp2-zero1/checkpoint-3``).
+
+Streamed runs (:data:`STREAM`: 19 blocks per pass, split into 4 logical streams, an 8-block shuffle buffer; each pass
+gives 2 whole global batches and 3 blocks, so 6 steps cross two pass ends and the checkpoint at step 3 is inside
+the second pass): ``stream-single`` (one process, checkpoint at 3), ``stream-single-keep-last``
+(``--dataloader_drop_last false``: the short global batch is trained), ``stream-pp2-dp2`` (checkpoint at 3),
+``stream-tp2-dp2-from-pp2`` (its checkpoint at pp 1 x tp 2 x dp 2), ``stream-dp4-from-single`` (``stream-single``'s at
+dp 4), ``stream-pp2-tp2-keep-last`` (2 micro-batches of 4 rows: the short batch is 3 rows) and
+``stream-single-from-pp2`` (``stream-pp2-dp2``'s checkpoint in one process). Each writes ``documents_read.json``: the
+documents every rank read from the stream.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from pathlib import Path
@@ -61,6 +72,17 @@ def _recording_load(self, checkpoint):
 
 
 BoostTrainer._load_optimizer_and_scheduler = _recording_load
+STREAM = ["--streaming", "true", "--stream_shards", "4", "--shuffle_buffer", "8", "--max_train_blocks", "19"]
+LOADERS = []
+_get_train_dataloader = BoostTrainer.get_train_dataloader
+
+
+def _remembering_get_train_dataloader(self):
+    LOADERS.append(_get_train_dataloader(self))
+    return LOADERS[-1]
+
+
+BoostTrainer.get_train_dataloader = _remembering_get_train_dataloader
 
 
 def train(out: Path, run: str, common: list[str], *layout: str, save: bool = False, resume: str | None = None) -> None:
@@ -69,7 +91,15 @@ def train(out: Path, run: str, common: list[str], *layout: str, save: bool = Fal
         argv += ["--save_strategy", "steps", "--save_steps", "3"]
     if resume:
         argv += ["--resume_from_checkpoint", str(out / resume / "checkpoint-3")]
+    LOADERS.clear()
     pretrain.main(argv)
+    if "--streaming" in layout:
+        read = [LOADERS[-1].documents_read]
+        if dist.is_initialized():
+            read = [None] * dist.get_world_size()
+            dist.all_gather_object(read, LOADERS[-1].documents_read)
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            (out / run / "documents_read.json").write_text(json.dumps(read))
 
 
 def main(mode: str, out: str, *common: str) -> None:
@@ -77,16 +107,20 @@ def main(mode: str, out: str, *common: str) -> None:
     single = ["--tp_size", "1", "--per_device_train_batch_size", "8"]
     if mode == "single":
         train(out, "single", common, *single, save=True)
+        train(out, "stream-single", common, *single, *STREAM, save=True)
+        train(out, "stream-single-keep-last", common, *single, *STREAM, "--dataloader_drop_last", "false")
     elif mode == "one":
         train(out, "single-from-pp2", common, *single, resume="pp2-tp2")
+        train(out, "stream-single-from-pp2", common, *single, *STREAM, resume="stream-pp2-dp2")
         train(out, "single-from-zero1", common, *single, resume="pp2-dp2-zero1")
         train(out, "single-from-tp2-zero1", common, *single, resume="tp2-dp2-zero1")
     elif mode == "four":
         pp2_tp2 = ["--pp_size", "2", "--tp_size", "2", "--pp_microbatches", "2", "--per_device_train_batch_size", "8"]
         pp2_dp2 = ["--pp_size", "2", "--tp_size", "1", "--pp_microbatches", "2", "--per_device_train_batch_size", "4"]
         tp2_dp2 = ["--tp_size", "2", "--per_device_train_batch_size", "4"]
-        train(out, "pp2-tp2", common, *pp2_tp2, save=True)
+        train(out, "pp2-tp2", common, *pp2_tp2, "--save_async", "true", save=True)
         train(out, "pp2-tp2-from-single", common, *pp2_tp2, resume="single")
+        train(out, "pp2-tp2-from-legacy", common, *pp2_tp2, resume="single-legacy")
         train(out, "tp2-dp2-from-pp2", common, *tp2_dp2, resume="pp2-tp2")
         train(out, "pp2-dp2-interleaved-from-pp2", common, "--pp_size", "2", "--tp_size", "1", "--pp_schedule", "interleaved-1f1b",
               "--pp_microbatches", "4", "--per_device_train_batch_size", "4", resume="pp2-tp2")
@@ -97,6 +131,10 @@ def main(mode: str, out: str, *common: str) -> None:
               resume="pp2-dp2-zero1")
         train(out, "tp2-dp2-zero1", common, *tp2_dp2, "--zero1_optimizer", "true", save=True)
         train(out, "tp2-dp2-zero1-resumed", common, *tp2_dp2, "--zero1_optimizer", "true", resume="tp2-dp2-zero1")
+        train(out, "stream-pp2-dp2", common, *pp2_dp2, *STREAM, save=True)
+        train(out, "stream-tp2-dp2-from-pp2", common, *tp2_dp2, *STREAM, resume="stream-pp2-dp2")
+        train(out, "stream-dp4-from-single", common, "--tp_size", "1", "--per_device_train_batch_size", "2", *STREAM, resume="stream-single")
+        train(out, "stream-pp2-tp2-keep-last", common, *pp2_tp2, *STREAM, "--dataloader_drop_last", "false")
     else:
         raise ValueError(f"unknown mode {mode!r}")
 

@@ -18,6 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from .checkpoint_files import read_checkpoint
 from .launcher import DEMO_RECIPE, TINY, accelerate_command, python_command, run_command, run_commands, torchrun_node_commands
 
 RELATIVE_TOLERANCE = 1e-4
@@ -159,11 +160,29 @@ def test_checkpoints_are_complete_and_atomic(runs):
     assert sorted(p.name for p in ddp.iterdir() if p.name.startswith("checkpoint")) == ["checkpoint-3", "checkpoint-6"]
     assert not [p for p in runs.rglob(".*.tmp-*")], "a staging folder was left behind"
     checkpoint = ddp / "checkpoint-3"
-    for name in ("model.safetensors", "config.json", "tokenizer.json", "trainer_state.json", "scheduler.pt",
-                 "optimizer_tp00.pt", "optimizer_tp01.pt", "rng_state_0.pth", "rng_state_3.pth",
-                 "training_layout.json"):
+    for name in ("dcp/.metadata", "config.json", "modeling_boost_llama.py", "tokenizer.json", "trainer_state.json",
+                 "scheduler.pt", "rng_state_0.pth", "rng_state_3.pth", "training_layout.json", "manifest.json"):
         assert (checkpoint / name).is_file(), name
+    assert not list(checkpoint.glob("*.safetensors")) and not list(checkpoint.glob("optimizer*.pt"))
     assert (runs / "zero2" / "checkpoint-3" / "global_step3").is_dir()
+
+
+def test_every_rank_writes_its_share_once(runs):
+    """tp 2 x dp 2: each of the 4 ranks wrote its own DCP file, together the model and AdamW state once (the DP
+    replicas and the TP copies of replicated tensors deduplicated; twice the bytes without), balanced over the ranks."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    folder = runs / "ddp" / "checkpoint-3" / "dcp"
+    files = {p.name: p.stat().st_size for p in folder.glob("__*_0.distcp")}
+    assert sorted(files) == [f"__{rank}_0.distcp" for rank in range(4)]
+    saved = read_checkpoint(runs / "ddp" / "checkpoint-3")
+    tensors = [*saved["model"].values(), *(v for entry in saved["optimizer"]["state"].values() for v in entry.values())]
+    payload = sum(t.numel() * t.element_size() for t in tensors)
+    assert sum(files.values()) < 1.5 * payload, (files, payload)
+    per_file = Counter()
+    for entry in FileSystemReader(str(folder)).read_metadata().storage_data.values():
+        per_file[entry.relative_path] += entry.length
+    assert all(0.1 * payload < per_file[name] for name in files), (per_file, payload)
 
 
 def test_canonical_checkpoint_loads_at_another_tp_size(runs):

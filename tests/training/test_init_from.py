@@ -1,6 +1,7 @@
 """``--init_from CHECKPOINT`` starts from the checkpoint's weights at any TP size: the validation loss logged at
 step 0 is the one the checkpoint's own run measured on the same blocks at its end. Three launches (about a
-minute on 2 cores): a short run, then ``--init_from <run>/final`` at tp 1 (one process) and tp 2 (``torchrun``), these
+minute on 2 cores): a short run, then ``--init_from <run>/final`` (the Hugging Face folder) at tp 1 (one process) and
+``--init_from <run>/checkpoint-6`` (the training checkpoint: its DCP shards, resharded) at tp 2 (``torchrun``), these
 two at the same time (the one-process run alone would leave a core idle)."""
 
 from __future__ import annotations
@@ -24,10 +25,13 @@ def eval_losses(run: Path) -> list[tuple[int, float]]:
 def trained(training_env, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("init_from")
     common = [DEMO_RECIPE, *TINY, "--dataset", training_env["CORPUS"], "--per_device_train_batch_size", "8"]
-    run_command(python_command("recipes/pretrain.py", *common, "--tp_size", "1", "--output_dir", out / "first"), training_env, timeout=300)
-    init = [*common, "--init_from", out / "first" / "final", "--max_steps", "1", "--seed", "7"]
-    run_commands([python_command("recipes/pretrain.py", *init, "--tp_size", "1", "--output_dir", out / "tp1"),
-                  torchrun_command(2, "recipes/pretrain.py", *init, "--tp_size", "2", "--output_dir", out / "tp2")],
+    run_command(python_command("recipes/pretrain.py", *common, "--tp_size", "1", "--output_dir", out / "first",
+                               "--save_strategy", "steps", "--save_steps", "6"), training_env, timeout=300)
+    init = [*common, "--max_steps", "1", "--seed", "7"]
+    run_commands([python_command("recipes/pretrain.py", *init, "--init_from", out / "first" / "final", "--tp_size", "1",
+                                 "--output_dir", out / "tp1"),
+                  torchrun_command(2, "recipes/pretrain.py", *init, "--init_from", out / "first" / "checkpoint-6", "--tp_size", "2",
+                                   "--output_dir", out / "tp2")],
                  training_env, timeout=600)
     return out
 

@@ -3,12 +3,17 @@
 ``recipes/demo.yaml`` (shrunk, see ``launcher.TINY``, with 4 layers; global batch 8) saved at step 3 and resumed
 at another pp x tp x dp: every resumed run's per-step losses equal the uninterrupted single process's (1e-4), and
 the optimizer state each rank holds right after loading is bit-identical to its slice of the saved state
-reassembled from the checkpoint's files (pp 2 x tp 2 -> one process, -> pp 1 x tp 2 x dp 2, -> pp 2 x dp 2
-interleaved; one process -> pp 2 x tp 2). ``--zero1_optimizer`` at pp 2 x dp 2 matches one process and the same
+reassembled from the checkpoint (pp 2 x tp 2, saved with ``--save_async``, -> one process, -> pp 1 x tp 2 x dp 2,
+-> pp 2 x dp 2 interleaved; one process -> pp 2 x tp 2, also from the same checkpoint in the format of boost-hf 0.x). ``--zero1_optimizer`` at pp 2 x dp 2 matches one process and the same
 run without it; its checkpoint (consolidated) resumes at its layout and at pp 1 x dp 4 with ZeRO-1, and in one
 process without; the same at pp 1 x tp 2 x dp 2 (each TP rank's optimizer sharded over its DP group), resumed at its
 layout and in one process.
-Runs: :mod:`tests.training.pipeline_resume_cases`, three launches (about 3-4 minutes on 2 cores). In one process:
+A stream (19 blocks per pass in 4 logical streams, an 8-block shuffle buffer) trains at pp 2 x dp 2 what one process
+trains, and its checkpoint resumes at pp 1 x tp 2 x dp 2 and in one process; the one-process checkpoint resumes at
+dp 4; each pass's short last global batch (3 blocks) is dropped in every layout, or, with
+``--dataloader_drop_last false``, trained at pp 2 x tp 2 with 2 micro-batches as one process trains it. One rank per
+DP replica reads the stream; each logical stream's position is a file of the checkpoint.
+Runs: :mod:`tests.training.pipeline_resume_cases`, three launches (about 4-5 minutes on 2 cores). In one process:
 the resharding across pipeline ranks, the layout checks and the refusals (``--zero1_optimizer`` with DeepSpeed, LORO
 or a given optimizer); at dp 1 ``--zero1_optimizer`` is the plain optimizer.
 """
@@ -27,16 +32,17 @@ from boost_hf.training.resume import (
     ResumeLayoutError,
     check_resume_layout,
     reshard_optimizer_state,
-    saved_optimizer_record,
     write_training_layout,
 )
 
+from .checkpoint_files import read_checkpoint, write_legacy_checkpoint
 from .launcher import DEMO_RECIPE, REPO, TINY, accelerate_command, python_command, run_command
 
 RELATIVE_TOLERANCE = 1e-4
 CASES = REPO / "tests" / "training" / "pipeline_resume_cases.py"
 RESUMED = {  # resumed run -> the run whose checkpoint-3 it resumed
     "pp2-tp2-from-single": "single",
+    "pp2-tp2-from-legacy": "single",  # single/checkpoint-3 as boost-hf 0.x wrote it (checkpoint_files.write_legacy_checkpoint)
     "tp2-dp2-from-pp2": "pp2-tp2",
     "pp2-dp2-interleaved-from-pp2": "pp2-tp2",
     "single-from-pp2": "pp2-tp2",
@@ -46,6 +52,13 @@ RESUMED = {  # resumed run -> the run whose checkpoint-3 it resumed
     "tp2-dp2-zero1-resumed": "tp2-dp2-zero1",
     "single-from-tp2-zero1": "tp2-dp2-zero1",
 }
+STREAMED = {  # streamed run -> the one-process run with the same data and the same global batches
+    "stream-pp2-dp2": "stream-single",
+    "stream-tp2-dp2-from-pp2": "stream-single",
+    "stream-dp4-from-single": "stream-single",
+    "stream-single-from-pp2": "stream-single",
+    "stream-pp2-tp2-keep-last": "stream-single-keep-last",
+}
 ZERO1_TP_SIZE = {"pp2-dp2-zero1": 1, "dp4-zero1": 1, "tp2-dp2-zero1": 2}  # ZeRO-1 runs (as resumed) -> their tp_size
 
 
@@ -53,9 +66,10 @@ ZERO1_TP_SIZE = {"pp2-dp2-zero1": 1, "dp4-zero1": 1, "tp2-dp2-zero1": 2}  # ZeRO
 def runs(training_env, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("pipeline_resume")
     common = [DEMO_RECIPE, *TINY, "--num_hidden_layers", "4", "--dataset", training_env["CORPUS"]]
-    run_command(python_command(CASES, "single", out, *common), training_env, timeout=300)
-    run_command(accelerate_command("cpu-4proc.yaml", CASES, "four", out, *common), training_env, timeout=900)
-    run_command(python_command(CASES, "one", out, *common), training_env, timeout=300)
+    run_command(python_command(CASES, "single", out, *common), training_env, timeout=450)
+    write_legacy_checkpoint(out / "single" / "checkpoint-3", out / "single-legacy" / "checkpoint-3")
+    run_command(accelerate_command("cpu-4proc.yaml", CASES, "four", out, *common), training_env, timeout=1500)
+    run_command(python_command(CASES, "one", out, *common), training_env, timeout=450)
     return out
 
 
@@ -77,24 +91,42 @@ def test_losses_match_one_process(runs, run):
     assert_close(losses(runs / run), losses(runs / "single"))
 
 
+@pytest.mark.parametrize("run", list(STREAMED))
+def test_streamed_runs_match_one_process(runs, run):
+    """Steps 1-6 cross two pass ends; a resumed run continued its checkpoint's position (inside the second pass)."""
+    assert len(losses(runs / STREAMED[run])) == 6
+    assert_close(losses(runs / run), losses(runs / STREAMED[run]))
+
+
+def test_a_short_last_global_batch_is_dropped_or_trained(runs):
+    """Each pass is 2 global batches and 3 blocks: dropped, step 3 starts the next pass; kept (padded with ignored rows,
+    split into 2 micro-batches at pp 2), step 3 trains those 3 blocks and step 4 starts the next pass."""
+    dropped, kept = losses(runs / "stream-single"), losses(runs / "stream-single-keep-last")
+    assert [dropped[1], dropped[2]] == [kept[1], kept[2]] and dropped[3] != kept[3]
+
+
+def test_one_rank_per_replica_reads_the_stream(runs):
+    """The reader of each DP replica (tp rank 0 of stage 0: global ranks 0 and 1 at pp 2 x dp 2, rank 0 at pp 2 x tp 2)
+    reads; its TP peers and later stages receive its batches. A checkpoint holds each logical stream's position."""
+    def read(run: str) -> list[int]:
+        return json.loads((runs / run / "documents_read.json").read_text())
+
+    assert read("stream-pp2-dp2")[:2] > [0, 0] and read("stream-pp2-dp2")[2:] == [0, 0]
+    assert read("stream-pp2-tp2-keep-last")[0] > 0 and read("stream-pp2-tp2-keep-last")[1:] == [0, 0, 0]
+    assert all(n > 0 for n in read("stream-dp4-from-single"))
+    position = runs / "stream-pp2-dp2" / "checkpoint-3" / "data_position"
+    assert sorted(p.name for p in position.iterdir()) == ["position.json"] + [f"stream-{i:05d}.pt" for i in range(4)]
+    record = json.loads((position / "position.json").read_text())
+    assert (record["logical_streams"], record["epoch"], record["steps_in_pass"]) == (4, 1, 1)
+
+
 def test_zero1_matches_the_same_run_without_it(runs):
     assert_close(losses(runs / "pp2-dp2-zero1"), losses(runs / "pp2-dp2"))
 
 
 def canonical_optimizer_state(checkpoint: Path) -> dict[str, dict]:
-    """Every parameter's saved optimizer state, reassembled from the checkpoint's files: per canonical name, each
-    tensor's TP shards concatenated along its ``partition_dim``."""
-    record = saved_optimizer_record(json.loads((checkpoint / LAYOUT_NAME).read_text()))
-    canonical = {}
-    for entry in record:
-        files = [torch.load(checkpoint / name, weights_only=True) for name in entry["files"]]
-        for j, parameter in enumerate(entry["parameters"]):
-            dim = parameter["partition_dim"]
-            canonical[parameter["name"]] = {
-                key: torch.cat([f["state"][j][key] for f in files], dim) if value.dim() > 0 and dim is not None else value
-                for key, value in files[0]["state"][j].items()
-            }
-    return canonical
+    """Every parameter's saved optimizer state, whole tensors, by canonical name (read from ``dcp/`` in one process)."""
+    return read_checkpoint(checkpoint)["optimizer"]["state"]
 
 
 @pytest.mark.parametrize("run", list(RESUMED))
@@ -127,14 +159,16 @@ def test_loaded_optimizer_state_is_the_saved_one(runs, run):
 
 
 def test_checkpoints_record_every_pipeline_rank(runs):
-    layout = json.loads((runs / "pp2-tp2" / "checkpoint-3" / LAYOUT_NAME).read_text())
-    assert [entry["files"] for entry in layout["optimizer"]] == [
-        [f"optimizer_pp{p:02d}_tp{t:02d}.pt" for t in (0, 1)] for p in (0, 1)
-    ]
+    """pp 2 x tp 2 (saved asynchronously): each rank wrote its own shards, the record names each pipeline rank's
+    parameters, and the checkpoint holds every parameter's state once."""
+    checkpoint = runs / "pp2-tp2" / "checkpoint-3"
+    layout = json.loads((checkpoint / LAYOUT_NAME).read_text())
+    assert sorted(p.name for p in (checkpoint / "dcp").glob("*.distcp")) == [f"__{rank}_0.distcp" for rank in range(4)]
     stage_names = [{p["name"] for p in entry["parameters"]} for entry in layout["optimizer"]]
     assert "model.embed_tokens.weight" in stage_names[0] and "lm_head.weight" in stage_names[1]
     assert not stage_names[0] & stage_names[1]
     assert stage_names[0] | stage_names[1] == set(canonical_optimizer_state(runs / "single" / "checkpoint-3"))
+    assert set(canonical_optimizer_state(checkpoint)) == stage_names[0] | stage_names[1]
 
 
 # ---------------------------------------------------------------------------- in one process

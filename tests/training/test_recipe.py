@@ -42,6 +42,20 @@ def test_every_shipped_recipe_parses():
         assert training.output_dir, path
 
 
+@pytest.mark.parametrize("name, lr, warmup, steps, block, sequences", [("tt-60m", 6e-3, 2200, 11000, 256, 512), ("tt-1b", 1e-3, 1200, 6000, 4096, 4096)])
+def test_tensor_train_recipes_are_the_releases(name, lr, warmup, steps, block, sequences):
+    """The BOOST release's settings (config_tt_llama_60m_seq_256.yaml; config_tt_llama_1b.yaml and its launch script):
+    learning rate, linear warm-up steps, cosine to 1e-5, AdamW beta2 0.95, weight decay 0.01, clipping 0.5, sequences
+    per step on 8 GPUs."""
+    model, data, training = parse_recipe([str(REPO / "recipes" / f"{name}.yaml")])
+    assert model.preset == name and data.block_size == block and data.tokenizer == "meta-llama/Llama-2-7b-hf"
+    assert (training.learning_rate, training.warmup_steps, training.max_steps) == (lr, warmup, steps)
+    assert training.lr_scheduler_type == "cosine_with_min_lr" and training.lr_scheduler_kwargs == {"min_lr": 1e-5}
+    assert (training.adam_beta1, training.adam_beta2, training.adam_epsilon, training.weight_decay, training.max_grad_norm) == (0.9, 0.95, 1e-8, 0.01, 0.5)
+    assert training.per_device_train_batch_size * training.gradient_accumulation_steps * 8 == sequences
+    assert training.tp_size == 1 and training.bf16
+
+
 def test_every_accelerate_config_loads():
     from accelerate.commands.config.config_args import load_config_from_file
 

@@ -7,6 +7,7 @@ import errno
 import json
 import math
 import os
+import re
 import shutil
 import subprocess
 
@@ -18,8 +19,10 @@ from transformers import Trainer
 from boost_hf import BoostLlamaConfig, BoostLlamaForCausalLM
 from boost_hf.checkpoint_integrity import CheckpointIntegrityError
 from boost_hf.training import BoostTrainer, BoostTrainingArguments
-from boost_hf.training.checkpoint import CheckpointWriteError, OutputDirInUseError, OutputDirLock
+from boost_hf.training.checkpoint import CheckpointWriteError
 from boost_hf.training.health import NonFiniteError
+from boost_hf.training.output_lock import OutputDirInUseError, OutputDirLock
+from boost_hf.training.preemption import PREEMPTED_EXIT_CODE, TrainingStopped
 
 VOCAB, BLOCK = 64, 16
 
@@ -138,12 +141,19 @@ def test_empty_validation_set(tmp_path):
         BoostTrainer(model=tiny_model(), args=arguments(tmp_path), train_dataset=blocks(8), eval_dataset=blocks(0))
 
 
-def test_token_ids_out_of_range_fail_before_training(tmp_path):
-    with pytest.raises(ValueError, match=rf"the training set holds token id {VOCAB}, outside the model's vocabulary \[0, {VOCAB}\)"):
+def test_token_ids_and_labels_out_of_range_fail_before_training(tmp_path):
+    with pytest.raises(ValueError, match=rf"token id {VOCAB} in the training set is outside the model's vocabulary \[0, {VOCAB}\)"):
         trainer(tmp_path, train=blocks(8, high=VOCAB + 1))
+    labelled = blocks(8).map(lambda row: {"labels": [-100, 300] + row["labels"][2:]})  # -100 is fine, 300 is not
+    with pytest.raises(ValueError, match=rf"token id 300 in the training set's labels is neither in the model's vocabulary "
+                                         rf"\[0, {VOCAB}\) nor the ignore index -100: the data was tokenized with another"):
+        trainer(tmp_path, train=labelled)
     streamed = trainer(tmp_path).data_collator  # batches of streams are checked one by one
-    with pytest.raises(ValueError, match=r"a batch holds token id -1"):
+    with pytest.raises(ValueError, match=r"token id -1 in a batch is outside"):
         streamed([{"input_ids": [1, -1], "labels": [1, -1]}])
+    with pytest.raises(ValueError, match=r"token id -5 in a batch's labels is neither"):
+        streamed([{"input_ids": [1, 2], "labels": [-5, -100]}])
+    assert streamed([{"input_ids": [1, 2], "labels": [-100, 2]}])["labels"].tolist() == [[-100, 2]]
 
 
 @pytest.mark.parametrize("parallel", [False, True], ids=["plain-model", "parallelized-tp1"])
@@ -211,11 +221,11 @@ def test_checkpoints_have_a_manifest_and_resume_verifies_it(finished_run, tmp_pa
     for folder in ("checkpoint-2", "checkpoint-4", "final"):
         assert (finished_run / folder / "manifest.json").is_file(), folder
     assert not [p for p in finished_run.iterdir() if p.name.startswith(".") and p.name != ".boost_hf.lock"]
-    weights = finished_run / "checkpoint-2" / "model.safetensors"
+    weights = finished_run / "checkpoint-2" / "dcp" / "__0_0.distcp"
     data = bytearray(weights.read_bytes())
     data[-3] ^= 0x01
     weights.write_bytes(bytes(data))
-    with pytest.raises(CheckpointIntegrityError, match="checkpoint-2/model.safetensors' is corrupted"):
+    with pytest.raises(CheckpointIntegrityError, match="checkpoint-2/dcp/__0_0.distcp' is corrupted"):
         trainer(finished_run).train(resume_from_checkpoint=str(finished_run / "checkpoint-2"))
     with pytest.raises(FileNotFoundError, match="resume_from_checkpoint: no such file or folder"):
         trainer(finished_run).train(resume_from_checkpoint=str(tmp_path / "nowhere"))
@@ -228,12 +238,31 @@ def flip_byte(path) -> None:
 
 
 def test_resume_last_with_a_damaged_last_checkpoint_names_the_intact_earlier_one(finished_run):
-    flip_byte(finished_run / "checkpoint-4" / "model.safetensors")
+    flip_byte(finished_run / "checkpoint-4" / "dcp" / "__0_0.distcp")
     earlier = finished_run / "checkpoint-2"
-    with pytest.raises(CheckpointIntegrityError, match=rf"checkpoint-4/model.safetensors' is corrupted .* The previous complete "
+    with pytest.raises(CheckpointIntegrityError, match=rf"checkpoint-4/dcp/__0_0.distcp' is corrupted .* The previous complete "
                                                        rf"checkpoint of this run is '{earlier}': resume from it with "
                                                        rf"--resume_from_checkpoint {earlier}\."):
         trainer(finished_run).train(resume_from_checkpoint=True)
+
+
+@pytest.mark.parametrize("damage", ["truncated", "not json", "not a manifest"])
+def test_a_damaged_manifest_names_the_file_and_last_skips_it(finished_run, damage, caplog):
+    """A damaged ``manifest.json`` in the newest checkpoint: resuming it names the file and the previous complete
+    checkpoint; ``--resume_from_checkpoint last`` skips it (a warning naming it) and resumes from the previous one."""
+    manifest = finished_run / "checkpoint-4" / "manifest.json"
+    text = manifest.read_text()
+    manifest.write_text({"truncated": text[: len(text) // 2], "not json": "\x00" * 64, "not a manifest": '{"files": [1, 2]}'}[damage])
+    earlier = finished_run / "checkpoint-2"
+    with pytest.raises(CheckpointIntegrityError, match=rf"'{manifest}' is damaged \(not a valid manifest: .*\), so .*checkpoint-4' cannot "
+                                                       rf"be verified .* The previous complete checkpoint of this run is '{earlier}'"):
+        trainer(finished_run).train(resume_from_checkpoint=str(finished_run / "checkpoint-4"))
+    t = trainer(finished_run)
+    with caplog.at_level("WARNING", logger="boost_hf.training.checkpoint"):
+        t.train(resume_from_checkpoint=True)
+    assert f"skipping {finished_run / 'checkpoint-4'}, not a complete checkpoint: '{manifest}' is damaged" in caplog.text
+    assert f"resuming from {earlier}" in caplog.text
+    assert [log["step"] for log in t.state.log_history if "loss" in log] == [1, 2, 3, 4]  # 3 and 4 retrained
 
 
 def test_eval_verifies_the_checkpoint(finished_run, tmp_path):
@@ -278,6 +307,66 @@ def test_a_second_run_into_a_locked_output_dir_fails(tmp_path):
     dead.wait()
     (tmp_path / ".boost_hf.lock").write_text(json.dumps({"pid": dead.pid, "host": os.uname().nodename}))
     OutputDirLock(str(tmp_path)).acquire("second-run")  # a dead run's lock on this host is taken over
+
+
+def remote_lock(folder, beats: int, heartbeat: float, **fields) -> dict:
+    """The lock of a run on another node ("node-b"), as its heartbeat left it."""
+    owner = {"run_id": "remote-run", "pid": 4242, "host": "node-b", "since": "yesterday", "launch": None,
+             "heartbeat": heartbeat, "beats": beats, **fields}
+    (folder / ".boost_hf.lock").write_text(json.dumps(owner))
+    return owner
+
+
+def test_a_remote_owners_lock_is_taken_over_when_its_heartbeat_stopped_and_refused_while_it_beats(tmp_path, monkeypatch):
+    """A requeued run on another node: the dead owner's pid cannot be checked from here, its heartbeat can."""
+    import threading
+    import time
+
+    for name in ("SLURM_JOB_ID", "SLURM_RESTART_COUNT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT"):
+        monkeypatch.delenv(name, raising=False)
+    remote_lock(tmp_path, beats=7, heartbeat=time.time() - 600)  # dead for 10 minutes
+    lock = OutputDirLock(str(tmp_path), heartbeat_s=0.2, stale_after_s=60)
+    lock.acquire("requeued-run")
+    assert "pid 4242 on node-b" in lock.taken_over and "its heartbeat stopped 60" in lock.taken_over
+    assert json.loads((tmp_path / ".boost_hf.lock").read_text())["run_id"] == "requeued-run"
+    time.sleep(0.5)
+    assert json.loads((tmp_path / ".boost_hf.lock").read_text())["beats"] >= 1  # its own heartbeat goes on
+    lock.release()
+    assert not (tmp_path / ".boost_hf.lock").exists()
+
+    owner = remote_lock(tmp_path, beats=0, heartbeat=time.time() - 600)  # an old time stamp (a skewed clock), but it beats
+    stop = threading.Event()
+
+    def beat():
+        while not stop.wait(0.1):
+            owner["beats"] += 1
+            (tmp_path / ".boost_hf.lock").write_text(json.dumps(owner))
+
+    beating = threading.Thread(target=beat)
+    beating.start()
+    try:
+        with pytest.raises(OutputDirInUseError, match=r"in use by another run \(pid 4242 on node-b, since yesterday; its "
+                                                      r"heartbeat in the lock goes on\)"):
+            OutputDirLock(str(tmp_path), heartbeat_s=0.2, stale_after_s=60).acquire("another-run")
+    finally:
+        stop.set()
+        beating.join()
+
+
+def test_a_requeued_job_takes_its_earlier_launchs_lock_at_once(tmp_path, monkeypatch):
+    import time
+
+    monkeypatch.setenv("SLURM_JOB_ID", "4711")
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
+    launch = {"job": "slurm-4711", "attempt": [0, 0]}
+    remote_lock(tmp_path, beats=3, heartbeat=time.time(), launch=launch)  # fresh: killed a second ago
+    started = time.monotonic()
+    lock = OutputDirLock(str(tmp_path))  # default heartbeat bounds: no waiting needed
+    lock.acquire("requeued")
+    assert time.monotonic() - started < 2
+    assert "slurm-4711 attempt [0, 0]" in lock.taken_over and "an earlier launch of this job" in lock.taken_over
+    assert json.loads((tmp_path / ".boost_hf.lock").read_text())["launch"] == {"job": "slurm-4711", "attempt": [1, 0]}
+    lock.release()
 
 
 def test_checkpoints_are_staged_verified_renamed_then_rotated(tmp_path, monkeypatch):
@@ -330,10 +419,10 @@ def _tmpfs(path, size: str) -> bool:
 
 
 def test_disk_full_keeps_the_previous_checkpoint_and_no_partial_folder(tmp_path, monkeypatch):
-    """On a 360 KiB tmpfs (or, without mount rights, a simulated ENOSPC) the first ~220 KiB checkpoint (with its remote-code
-    files, in 4 KiB blocks) fits and the second does not."""
+    """On a 560 KiB tmpfs (or, without mount rights, a simulated ENOSPC) the first ~370 KiB checkpoint (with its remote-code
+    files, in 4 KiB blocks) fits and the second does not: DCP's writer fails inside its write thread."""
     disk = tmp_path / "disk"
-    mounted = _tmpfs(disk, "360k")
+    mounted = _tmpfs(disk, "560k")
     try:
         t = trainer(disk, max_steps=4)
         if not mounted:
@@ -436,19 +525,92 @@ def test_an_empty_tokenizer_folder_is_named(tmp_path):
         load_tokenizer(str(tmp_path / "tok"))
 
 
+@pytest.mark.parametrize("failure, cause", [
+    (RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 576 vs 534"),  # torch.save on a full disk
+     r"a write failed \(RuntimeError: .*unexpected pos 576 vs 534\), [\d.]+ MiB free now \(a full disk is the usual cause"),
+    (RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:4242"),
+     r"another rank stopped while saving \(this rank's collective lost it\); that rank's error names the cause"),
+], ids=["torch-writer", "peer-gone"])
+def test_a_failed_save_on_any_rank_is_named_without_errno_prefix(tmp_path, monkeypatch, failure, cause):
+    """What the other rank of a tp 2 run saw when the disk filled: torch's zip writer failing (no errno), or the save's
+    barrier broken by the rank that failed first; both used to be raw torch errors, and every message began with
+    ``[Errno 5]``."""
+    t = trainer(tmp_path, max_steps=4)
+    original = torch.save
+
+    def failing_at_step_4(*args, **kwargs):
+        if t.state.global_step == 4:
+            raise failure
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", failing_at_step_4)
+    with pytest.raises(CheckpointWriteError) as error:
+        t.train()
+    assert str(error.value).startswith(f"could not save '{tmp_path / 'checkpoint-4'}': "), str(error.value)
+    assert re.search(cause, str(error.value)), str(error.value)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".boost_hf.lock", "checkpoint-2"]
+
+
 def test_disk_full_inside_safetensors_is_a_checkpoint_write_error(tmp_path, monkeypatch):
+    """The final model's safetensors writer reports a full disk as ``SafetensorError: ... os error 28``."""
     import transformers.modeling_utils
     from safetensors import SafetensorError
 
     t = trainer(tmp_path, max_steps=4)
-    original = transformers.modeling_utils.safe_save_file
+    t.train()
 
-    def full_at_step_4(*args, **kwargs):
-        if t.state.global_step == 4:
-            raise SafetensorError('Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "No space left on device" })')
-        return original(*args, **kwargs)
+    def full(*args, **kwargs):
+        raise SafetensorError('Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "No space left on device" })')
 
-    monkeypatch.setattr(transformers.modeling_utils, "safe_save_file", full_at_step_4)
-    with pytest.raises(CheckpointWriteError, match=r"could not save .*checkpoint-4': no space left on device"):
+    monkeypatch.setattr(transformers.modeling_utils, "safe_save_file", full)
+    with pytest.raises(CheckpointWriteError, match=r"could not save .*final': no space left on device") as error:
+        t.save_final_model()
+    assert error.value.errno == errno.ENOSPC  # no "[Errno 5]" in the text, the right errno on the exception
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".boost_hf.lock", "checkpoint-2", "checkpoint-4"]
+
+
+# ---------------------------------------------------------------------------- preemption (one process; launched: test_hangs.py)
+def logged_losses(t) -> dict[int, float]:
+    return {log["step"]: log["loss"] for log in t.state.log_history if "loss" in log}
+
+
+def test_the_time_budget_saves_a_checkpoint_and_exits_76_and_the_resume_loses_no_step(tmp_path):
+    whole = trainer(tmp_path / "whole", save_strategy="no")
+    whole.train()
+    stopped = trainer(tmp_path / "run", save_strategy="no", exit_after_minutes=1e-9)  # spent at the first step's end
+    with pytest.raises(TrainingStopped) as error:
+        stopped.train()
+    assert error.value.code == PREEMPTED_EXIT_CODE == 76 and error.value.step == 1
+    assert str(error.value) == (
+        "boost-hf: the time budget of --exit_after_minutes 1e-09 is spent: every rank finished step 1 and the run saved "
+        f"'{tmp_path / 'run' / 'checkpoint-1'}'; exiting with status 76. Continue with --resume_from_checkpoint last.")
+    assert (tmp_path / "run" / "checkpoint-1" / "manifest.json").is_file() and not (tmp_path / "run" / "final").exists()
+    stopped._output_dir_lock.release()
+    resumed = trainer(tmp_path / "run", save_strategy="no")
+    resumed.train(resume_from_checkpoint=True)
+    assert list(logged_losses(stopped)) == [1]
+    assert logged_losses(resumed) == logged_losses(whole)  # step 1 from the checkpoint's log, 2-4 trained: bit-identical
+
+
+def test_an_exit_signal_finishes_the_step_saves_and_restores_the_handlers(tmp_path):
+    import signal
+
+    from transformers import TrainerCallback
+
+    class SignalDuringStep2(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            if state.global_step + 1 == 2:
+                os.kill(os.getpid(), signal.SIGUSR1)  # handled at once (main thread); the step goes on
+
+    before = signal.getsignal(signal.SIGUSR1)
+    t = trainer(tmp_path, save_strategy="no", max_steps=6)
+    t.add_callback(SignalDuringStep2())
+    with pytest.raises(TrainingStopped, match=r"SIGUSR1 received: every rank finished step 2 and the run saved .*checkpoint-2'"):
         t.train()
-    assert sorted(p.name for p in tmp_path.iterdir()) == [".boost_hf.lock", "checkpoint-2"]
+    assert t.state.global_step == 2 and (tmp_path / "checkpoint-2" / "manifest.json").is_file()
+    assert signal.getsignal(signal.SIGUSR1) is before
+    with pytest.raises(ValueError, match="exit_signals: 'SIGKILL' is a signal no process can catch"):
+        arguments(tmp_path, exit_signals="SIGTERM,SIGKILL")
+    with pytest.raises(ValueError, match="exit_signals: 'SIGNOPE' is not a signal"):
+        arguments(tmp_path, exit_signals="nope")
+

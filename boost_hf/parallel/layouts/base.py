@@ -28,7 +28,7 @@ from torch import nn
 from ..communication import NO_COMMUNICATION, Communication, PassCommunication
 from ..decoder_layer import Latents, ParallelAttention, ParallelDecoderLayer, ParallelMLP, Tensors
 from ..fused import weight_views
-from ..modules import adopt, compute_dtype
+from ..modules import adopt, compute_dtype, shard_repr
 from ..norms import FusedRMSNorm
 from ..sequence_parallel import TokenShardedRMSNorm
 
@@ -42,8 +42,8 @@ READS_NORM = ("qkv", "gate_up")  # groups whose input is a normalised residual
 
 
 class Gemm(NamedTuple):
-    """One GEMM of a layer's forward on one rank: ``[m, k] x [k, n]``; ``role`` is ``dense``, ``A``, ``B``
-    or ``crossing``."""
+    """One GEMM of a layer's forward on one rank: ``[m, k] x [k, n]``; ``role`` is ``dense``, ``A``, ``B``,
+    ``crossing`` or ``contraction`` (of a tensor train's cores into its factors, whatever the tokens)."""
 
     name: str
     m: int
@@ -217,8 +217,9 @@ class Layout:
                     self.parallelize_projection(getattr(owner, name), group_name, plan)
                 group = self.projection_group(layer, owner, group_name, plan)
                 setattr(owner, group_name, group)
-                if group.several_grouped:
-                    stored_together += [(group.names, name) for name in self.stored_together]
+                if group.several_grouped:  # (a tensor train's factors are contractions, not parameters)
+                    stored_together += [(group.names, name) for name in self.stored_together
+                                        if all(holds_parameter(p, name) for p in group.projections)]
             adopt(owner, mixin, shared_storage=tuple(stored_together))
             owner.share_storage()
         adopt(layer, ParallelDecoderLayer, checkpointing=self.parallel.activation_checkpointing)
@@ -226,6 +227,12 @@ class Layout:
     def parallelize_projection(self, projection: nn.Module, group_name: str, plan) -> None:
         """Shard one projection of group ``group_name`` in place and adopt its parallel module class."""
         raise NotImplementedError
+
+    def tensor_train_splits(self, shape) -> dict[int, int]:
+        """Which core of a tensor-train projection (:class:`~boost_hf.configuration_boost_llama.TensorTrainShape`)
+        each rank holds a slice of, and along which dimension: ``{core index: dimension}``; the other cores are
+        whole on every rank (:mod:`boost_hf.parallel.tensor_train`)."""
+        raise NotImplementedError(f"tp_style={self.name!r} does not run tensor-train projections")
 
     def projection_group(self, layer: nn.Module, owner: nn.Module, group_name: str, plan) -> ProjectionGroup:
         """The communication of group ``group_name`` of ``owner`` (the attention or the MLP of ``layer``)."""
@@ -271,7 +278,7 @@ class Layout:
         raise NotImplementedError
 
     def local_gemms(self, config, tokens: int) -> list[Gemm]:
-        """The GEMMs of one layer's forward on one rank (without LaX crossings)."""
+        """The GEMMs of one layer's forward on one rank (without LaX crossings; with a tensor train's contractions)."""
         raise NotImplementedError
 
     def widths(self, config) -> ResidualWidths:
@@ -300,6 +307,16 @@ class Layout:
         if p > 1 and rows % p == 0:
             return StageBoundary(residual, (rows // p, width), gathered=rows * width)
         return StageBoundary(residual, (rows, width))
+
+
+def holds_parameter(module: nn.Module, name: str) -> bool:
+    """``module.<name>`` is one of its own parameters (a tensor-train projection's ``A`` and ``B`` are not)."""
+    return name in dict(module.named_parameters(recurse=False))
+
+
+def factor_shards_repr(projection: nn.Module) -> str:
+    """``A``'s and ``B``'s shards where they are parameters (a tensor train's cores print their own)."""
+    return ", ".join(f"{name} {shard_repr(getattr(projection, name))}" for name in ("A", "B") if holds_parameter(projection, name))
 
 
 def split_latents(z: torch.Tensor, count: int) -> tuple[torch.Tensor, ...]:
@@ -334,4 +351,7 @@ def low_rank_a_gemms(config, n: int, r_local: int, local: dict[str, int], groupe
     return [Gemm(f"{name}.A", n, local[width], r_local, "A") for name, width in inputs.items()]
 
 
-__all__ = ["Layout", "BackwardOverlap", "ProjectionGroup", "StageBoundary", "Gemm", "ResidualWidths", "GROUPS", "READS_NORM", "split_latents", "apply_latent_functions", "low_rank_a_gemms"]
+__all__ = [
+    "Layout", "BackwardOverlap", "ProjectionGroup", "StageBoundary", "Gemm", "ResidualWidths", "GROUPS", "READS_NORM",
+    "factor_shards_repr", "holds_parameter", "split_latents", "apply_latent_functions", "low_rank_a_gemms",
+]

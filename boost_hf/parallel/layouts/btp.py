@@ -10,6 +10,11 @@ Per layer: all-reduce of each A's partial ``N x r`` output, ``7 N r`` in 4 calls
 adds ``2N`` elements to the forward calls; ``sync`` adds 2 calls and ``2N`` elements forward and
 backward; ``local`` nothing. Low-rank checkpointing recomputes no collective with the online norm.
 
+Tensor train: the factors are contracted from cores; a rank holds the slice of the first input core along its mode
+(its rows of ``A^T``) and of the first output core along its mode (its columns of ``B^T``), the other cores whole, their
+gradients all-reduced in backward, one all-reduce per factor (:mod:`boost_hf.parallel.tensor_train`). The first input
+and output modes must be divisible by ``p``.
+
 LaX: each rank computes the crossing ``h = act(LayerNorm_r(z + G h_prev))`` on the replicated reduced latent
 ``z`` and the replicated ``h_prev``, so ``h`` (fed to this rank's ``B`` shard and handed to the next block) is
 replicated too: no communication. Its gradient is the next block's (replicated) plus the B input gradients,
@@ -37,7 +42,11 @@ from ..latent_op import ACTIVATIONS, scale_activate
 from ..norms import RMSNORM_MODES
 from ..primitives import copy_to_tp, gather_tokens, reduce_from_tp, reduce_scatter_tokens
 from ..sequence_parallel import reduce_gradients_over_tokens
-from .base import GROUPS, READS_NORM, Gemm, Layout, ProjectionGroup, ResidualWidths, apply_latent_functions, low_rank_a_gemms, split_latents
+from ..tensor_train import check_btp_modes, contraction_gemms, gradient_communication, is_tensor_train, shard_tensor_train
+from .base import (
+    GROUPS, READS_NORM, Gemm, Layout, ProjectionGroup, ResidualWidths, apply_latent_functions, factor_shards_repr, low_rank_a_gemms,
+    split_latents,
+)
 
 
 class BottleneckAwareProjection:
@@ -50,7 +59,7 @@ class BottleneckAwareProjection:
         return add_bias(latent_linear(latent, self.B if weight is None else weight), self.bias)
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, A {shard_repr(self.A)}, B {shard_repr(self.B)}"
+        return ", ".join(part for part in (super().extra_repr(), factor_shards_repr(self)) if part)
 
 
 class HiddenShardedEmbedding:
@@ -150,6 +159,8 @@ class BottleneckAwareLayout(Layout):
                 "split along d, the LM head along the vocabulary): set tie_word_embeddings=False."
             )
         super().check(config)
+        if config.bottleneck == "tt" and p > 1:
+            check_btp_modes(config, p)
 
     def embedding_split(self) -> int | None:
         return 1
@@ -163,12 +174,20 @@ class BottleneckAwareLayout(Layout):
                 adopt(norm, RMSNORM_MODES[rmsnorm], group=plan.group, hidden_size=layer.self_attn.config.hidden_size)
         super().parallelize_layer(layer, plan)
 
+    def tensor_train_splits(self, shape) -> dict[int, int]:
+        # the first input core along its mode (rows of A^T), the first output core along its mode (columns of B^T)
+        return {0: 1, shape.split: 1}
+
     def parallelize_projection(self, projection, group_name, plan) -> None:
-        shard_parameter(projection, "A", 1, plan)
-        shard_parameter(projection, "B", 0, plan)
+        if is_tensor_train(projection):
+            shard_tensor_train(projection, self.tensor_train_splits(projection.tensor_train), plan)
+        else:
+            shard_parameter(projection, "A", 1, plan)
+            shard_parameter(projection, "B", 0, plan)
         if projection.bias is not None:
             shard_parameter(projection, "bias", 0, plan)
-        if self.parallel.shards_tokens:  # LaX's crossing gate and latent LayerNorm run on this rank's tokens
+        if self.parallel.shards_tokens and hasattr(projection, "crossed_latent"):
+            # LaX's crossing gate and latent LayerNorm run on this rank's tokens
             latent_parameters = [name for name, _ in projection.named_parameters() if name not in ("A", "B", "bias")]
             reduce_gradients_over_tokens(projection, latent_parameters, plan)
         adopt(projection, BottleneckAwareProjection)
@@ -203,6 +222,8 @@ class BottleneckAwareLayout(Layout):
         return PassCommunication(forward, backward)
 
     def parameter_gradient_communication(self, config, layer_idx: int) -> Communication:
+        if config.bottleneck == "tt":
+            return gradient_communication(config, self.tensor_train_splits)
         if not (self.parallel.shards_tokens and config.bottleneck == "lax" and layer_idx > 0):
             return Communication()
         # one all-reduce per crossing-gate and latent-LayerNorm parameter of each of the 7 projections
@@ -236,7 +257,9 @@ class BottleneckAwareLayout(Layout):
         p, n, r = self.parallel.tp_size, tokens, config.rank
         local = {"d": config.hidden_size // p, "dq": config.q_dim // p, "f": config.intermediate_size // p}
         a_gemms = low_rank_a_gemms(config, n, r, local, self.parallel.group_linears)
-        return a_gemms + [Gemm(f"{name}.B", n, r, d_out // p, "B") for name, (_, d_out) in config.projection_shapes().items()]
+        b_gemms = [Gemm(f"{name}.B", n, r, d_out // p, "B") for name, (_, d_out) in config.projection_shapes().items()]
+        contractions = contraction_gemms(config, self.tensor_train_splits, p) if config.bottleneck == "tt" else []
+        return a_gemms + b_gemms + contractions
 
     def widths(self, config):
         p = self.parallel.tp_size

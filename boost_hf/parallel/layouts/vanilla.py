@@ -4,7 +4,10 @@ Each bottleneck pair is a Megatron MLP: ``A`` column-parallel along the rank (``
 row-parallel (``[d_out, r/p]``) followed by a full-width all-reduce of its output. The residual stream
 is replicated and full width, and the norms, RoPE, attention (every head) and the MLP product run
 redundantly on every rank. LaX's crossing and latent LayerNorm need the full r-dim latent: it is
-all-gathered after A and each rank takes its ``r/p`` slice again before B. Block 0 has neither, but the latent
+all-gathered after A and each rank takes its ``r/p`` slice again before B. Tensor train: a rank holds the slice of
+the last input core along its output rank and of the first output core along its input rank (the ``r/p`` columns of
+``A^T`` and rows of ``B^T``), the other cores whole, their gradients all-reduced in backward, one all-reduce per
+factor (:mod:`boost_hf.parallel.tensor_train`). Block 0 has neither, but the latent
 it hands on must be whole for block 1's crossing, so it gathers too (every layer gathers the same).
 
 Per layer: forward all-reduce of each B's full-width output, 7 calls, ``N (dq + 2 dkv + d + 2f + d)``;
@@ -20,9 +23,12 @@ import torch.nn.functional as F
 
 from ..communication import Communication, PassCommunication, all_gather, all_reduce
 from ..fused import latent_linear, split_latent, stacked_weight
-from ..modules import add_bias, adopt, compute_dtype, shard_parameter, shard_repr
+from ..modules import add_bias, adopt, compute_dtype, shard_parameter
 from ..primitives import copy_to_tp, gather_from_tp, reduce_from_tp, split_to_tp
-from .base import GROUPS, Gemm, Layout, ProjectionGroup, ResidualWidths, apply_latent_functions, low_rank_a_gemms, split_latents
+from ..tensor_train import contraction_gemms, gradient_communication, is_tensor_train, shard_tensor_train
+from .base import (
+    GROUPS, Gemm, Layout, ProjectionGroup, ResidualWidths, apply_latent_functions, factor_shards_repr, low_rank_a_gemms, split_latents,
+)
 
 
 class VanillaProjection:
@@ -37,7 +43,7 @@ class VanillaProjection:
         return add_bias(reduce_from_tp(latent_linear(latent, self.B if weight is None else weight), self.group), self.bias)
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, A {shard_repr(self.A)}, B {shard_repr(self.B)}"
+        return ", ".join(part for part in (super().extra_repr(), factor_shards_repr(self)) if part)
 
 
 class ReplicatedLowRankGroup(ProjectionGroup):
@@ -99,9 +105,16 @@ class VanillaLayout(Layout):
             )
         super().check(config)
 
+    def tensor_train_splits(self, shape) -> dict[int, int]:
+        # the last input core along its output rank (columns of A^T), the first output core along its input rank
+        return {shape.split - 1: 2, shape.split: 0}
+
     def parallelize_projection(self, projection, group_name, plan) -> None:
-        shard_parameter(projection, "A", 0, plan)
-        shard_parameter(projection, "B", 1, plan)
+        if is_tensor_train(projection):
+            shard_tensor_train(projection, self.tensor_train_splits(projection.tensor_train), plan)
+        else:
+            shard_parameter(projection, "A", 0, plan)
+            shard_parameter(projection, "B", 1, plan)
         adopt(projection, VanillaProjection, group=plan.group)
 
     def projection_group(self, layer, owner, group_name, plan):
@@ -127,6 +140,9 @@ class VanillaLayout(Layout):
             backward = backward + all_gather(gathers, 7 * n * r)
         return PassCommunication(forward, backward)
 
+    def parameter_gradient_communication(self, config, layer_idx: int) -> Communication:
+        return gradient_communication(config, self.tensor_train_splits) if config.bottleneck == "tt" else Communication()
+
     def recompute_communication(self, config, tokens) -> Communication:
         if self.parallel.activation_checkpointing == "lowrank":
             # the B all-reduces sit inside recomputed steps; the LaX all-gathers sit between steps
@@ -148,7 +164,9 @@ class VanillaLayout(Layout):
         p, n = self.parallel.tp_size, tokens
         r = config.rank // p
         a_gemms = low_rank_a_gemms(config, n, r, {"d": config.hidden_size, "dq": config.q_dim, "f": config.intermediate_size}, self.parallel.group_linears)
-        return a_gemms + [Gemm(f"{name}.B", n, r, d_out, "B") for name, (_, d_out) in config.projection_shapes().items()]
+        b_gemms = [Gemm(f"{name}.B", n, r, d_out, "B") for name, (_, d_out) in config.projection_shapes().items()]
+        contractions = contraction_gemms(config, self.tensor_train_splits, p) if config.bottleneck == "tt" else []
+        return a_gemms + b_gemms + contractions
 
     def widths(self, config):
         return ResidualWidths(config.hidden_size, config.q_dim, config.kv_dim, config.intermediate_size, config.rank // self.parallel.tp_size)

@@ -1,0 +1,169 @@
+"""The layout settings as the interfaces expose them, generated from :class:`~boost_hf.parallel.config.ParallelConfig`'s
+fields, the one declaration of each setting's name, type (``Literal`` choices), default and help.
+
+* :func:`add_options` adds them to an ``argparse`` parser (``boost-hf estimate``): ``--name`` and ``--name-with-dashes``,
+  plus the short spellings of :data:`SHORT_NAMES` (``--tp``, ``--pp``, ``--microbatches``, ...).
+* :func:`training_fields` are ``BoostTrainingArguments``' layout fields (``HfArgumentParser`` parses them from the
+  command line and from recipes); :func:`config_of_training_arguments` turns them back into a ``ParallelConfig``.
+
+What differs from the declaration is stated here, once (a command adding the options states its own defaults):
+
+* ``activation_checkpointing`` is ``activation_checkpointing_mode`` among the training arguments
+  (:data:`TRAINING_NAMES`): the Trainer owns ``activation_checkpointing`` (passing it selects ``"full"``).
+* ``tp_style`` also takes ``"auto"``, the training default: btp for a low-rank model, megatron for a full-rank one,
+  resolved with the model config.
+* ``pp_layer_split`` is a comma-separated list on the command line (``3,5,5,3``) and a YAML list in a recipe
+  (:func:`parse_layer_split`).
+* ``sequence_parallel`` at training time also needs ``sample_max_new_tokens=0`` (generation feeds one token per step).
+"""
+
+from __future__ import annotations
+
+import argparse
+import types
+import typing
+from dataclasses import Field, field, fields
+from typing import Literal, get_args, get_origin
+
+from .config import ParallelConfig, TPStyle
+
+#: every field's type, resolved (``config.py`` writes its annotations as strings)
+FIELD_TYPES: dict[str, object] = typing.get_type_hints(ParallelConfig)
+
+#: command-line spellings besides the field's own name (kept from earlier releases of ``boost-hf estimate``), also
+#: accepted as keywords by :class:`~boost_hf.perf.estimator.Workload`
+SHORT_NAMES: dict[str, tuple[str, ...]] = {
+    "tp_size": ("tp",),
+    "pp_size": ("pp",),
+    "pp_stages_per_rank": ("stages_per_rank",),
+    "pp_microbatches": ("microbatches", "num_micro_batches"),
+    "activation_checkpointing": ("checkpointing", "activation_checkpointing_mode"),
+}
+
+#: field -> training-argument name, where they differ (the Trainer owns ``activation_checkpointing``)
+TRAINING_NAMES: dict[str, str] = {"activation_checkpointing": "activation_checkpointing_mode"}
+_TRAINING_TYPES: dict[str, object] = {
+    "tp_style": Literal[("auto", *get_args(TPStyle))],
+    "pp_layer_split": list[str] | None,  # what HfArgumentParser reads (nargs="+"); parse_layer_split makes it ints
+}
+_TRAINING_DEFAULTS: dict[str, object] = {"tp_style": "auto"}
+_TRAINING_NOTES: dict[str, str] = {
+    "tp_style": " At training time also 'auto' (the default): btp for a low-rank model, megatron for a full-rank one.",
+    "activation_checkpointing": " It replaces the Trainer's activation_checkpointing flag, which boost-hf models do not "
+    "use: passing that flag selects 'full'.",
+    "sequence_parallel": " With tp_size > 1 the end-of-training sample cannot be generated: pass --sample_max_new_tokens 0.",
+    "pp_layer_split": " On the command line a comma-separated list (--pp_layer_split 3,5,5,3), in a recipe a YAML list.",
+}
+
+
+def field_of(name: str) -> str:
+    """The ``ParallelConfig`` field that ``name`` (the field itself, a short or a training name) spells."""
+    for field_name, short in SHORT_NAMES.items():
+        if name in short:
+            return field_name
+    return {training: field_name for field_name, training in TRAINING_NAMES.items()}.get(name, name)
+
+
+def parse_layer_split(value) -> tuple[int, ...] | None:
+    """``pp_layer_split`` from ``"3,5,5,3"``, ``["3", "5"]`` (the command line), ``[3, 5]`` (a recipe) or a tuple;
+    ``ValueError`` naming the field otherwise."""
+    if value is None:
+        return None
+    items = value.split(",") if isinstance(value, str) else [part for item in value for part in str(item).split(",")]
+    try:
+        return tuple(int(item) for item in items if item.strip())
+    except ValueError:
+        raise ValueError(f"pp_layer_split must list whole numbers of layers per stage, e.g. 3,5,5,3; got {value!r}.") from None
+
+
+def _bool(text: str) -> bool:
+    if text.lower() in ("true", "yes", "1"):
+        return True
+    if text.lower() in ("false", "no", "0"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
+def _layer_split(text: str) -> tuple[int, ...]:
+    try:
+        return parse_layer_split(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def _dashed(name: str) -> list[str]:
+    return [f"--{name}"] + ([f"--{name.replace('_', '-')}"] if "_" in name else [])
+
+
+def _optional_inner(kind):
+    """``X`` for ``X | None``, else ``kind``."""
+    if get_origin(kind) in (typing.Union, types.UnionType):
+        return next(arg for arg in get_args(kind) if arg is not type(None))
+    return kind
+
+
+def add_options(parser, *, exclude: tuple[str, ...] = (), defaults: dict | None = None, notes: dict | None = None) -> None:
+    """Add every ``ParallelConfig`` field but ``exclude`` to ``parser`` (or an argument group) as an option whose
+    ``dest`` is the field's name; ``defaults`` and ``notes`` (appended to the help) are the command's own."""
+    defaults, notes = defaults or {}, notes or {}
+    for f in fields(ParallelConfig):
+        if f.name in exclude:
+            continue
+        spellings = [option for name in (f.name, *SHORT_NAMES.get(f.name, ())) for option in _dashed(name)]
+        options = dict(dest=f.name, default=defaults.get(f.name, f.default), help=option_help(f, notes.get(f.name, "")))
+        kind = _optional_inner(FIELD_TYPES[f.name])
+        if kind is bool:
+            parser.add_argument(*spellings, type=_bool, nargs="?", const=True, **options)
+            if f.default is True:
+                parser.add_argument(*_dashed(f"no_{f.name}"), dest=f.name, action="store_false", help=f"--{f.name} false.")
+        elif get_origin(kind) is Literal:
+            parser.add_argument(*spellings, choices=get_args(kind), **options)
+        elif get_origin(kind) is tuple:
+            parser.add_argument(*spellings, type=_layer_split, metavar="N,N,...", **options)
+        else:
+            parser.add_argument(*spellings, type=kind, **options)
+
+
+def layout_values(namespace) -> dict:
+    """The layout fields that an ``argparse`` namespace holds (those :func:`add_options` added), by field name."""
+    return {f.name: getattr(namespace, f.name) for f in fields(ParallelConfig) if hasattr(namespace, f.name)}
+
+
+def option_help(f: Field, note: str = "") -> str:
+    """The help of field ``f`` (plus ``note``), escaped for ``argparse``'s %-formatting."""
+    return (f.metadata["help"] + note).replace("%", "%%")
+
+
+def training_fields() -> list[tuple[str, object, Field]]:
+    """``BoostTrainingArguments``' layout fields, for ``dataclasses.make_dataclass``: ``(name, type, field)``."""
+    out = []
+    for f in fields(ParallelConfig):
+        default = _TRAINING_DEFAULTS.get(f.name, f.default)
+        metadata = {"help": option_help(f, _TRAINING_NOTES.get(f.name, ""))}
+        kind = _TRAINING_TYPES.get(f.name, FIELD_TYPES[f.name])
+        out.append((TRAINING_NAMES.get(f.name, f.name), kind, field(default=default, metadata=metadata)))
+    return out
+
+
+def config_of_training_arguments(args, model_config=None) -> ParallelConfig:
+    """The :class:`ParallelConfig` of training arguments ``args``; ``tp_style="auto"`` resolves with ``model_config``
+    (btp for a low-rank model, megatron for a full-rank one; btp without a config)."""
+    values = {f.name: getattr(args, TRAINING_NAMES.get(f.name, f.name)) for f in fields(ParallelConfig)}
+    if values["tp_style"] == "auto":
+        values["tp_style"] = "megatron" if model_config is not None and model_config.bottleneck is None else "btp"
+    values["pp_layer_split"] = parse_layer_split(values["pp_layer_split"])
+    return ParallelConfig(**values)
+
+
+__all__ = [
+    "FIELD_TYPES",
+    "SHORT_NAMES",
+    "TRAINING_NAMES",
+    "add_options",
+    "config_of_training_arguments",
+    "field_of",
+    "layout_values",
+    "option_help",
+    "parse_layer_split",
+    "training_fields",
+]

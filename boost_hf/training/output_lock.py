@@ -1,0 +1,229 @@
+"""The run's claim on ``output_dir``: ``<output_dir>/.boost_hf.lock``, held by one process of a run (global rank 0).
+
+The lock file records who holds it: the run id, the host and pid, the launch (:func:`launch_identity`: the SLURM job
+and its requeue count, or torchelastic's run id and restart count) and a heartbeat (a time stamp and a counter that a
+thread of the owner rewrites every ``heartbeat_s`` seconds). A second run into the folder is refused with
+:class:`OutputDirInUseError` unless the owner is provably gone:
+
+* it ran on this host and its process is gone (checked by pid and the process's start time; a live one is refused
+  at once);
+* it is an earlier launch of the same job (the same ``SLURM_JOB_ID`` with a lower ``SLURM_RESTART_COUNT``, or the
+  same ``TORCHELASTIC_RUN_ID`` with a lower ``TORCHELASTIC_RESTART_COUNT``): a requeued job takes its own lock
+  over at once, on any node, as the scheduler ended the earlier launch before starting this one;
+* its heartbeat stopped: the owner's last beat is older than ``stale_after_s`` seconds (by the time stamp it wrote)
+  *and* its counter does not move while this process watches it for 1.5 heartbeats (by this process's own clock,
+  so a skewed clock alone never takes a live run's lock). A beat younger than the bound is watched until it moves
+  (a live run: refused within ~1.5 heartbeats) or becomes older than the bound (taken over: at most
+  ``stale_after_s`` of waiting).
+
+The owner's heartbeat thread also checks that the lock still names its run; if another run took it over (the
+owner was frozen longer than the bound), the owner stops at once rather than write into a folder another run owns.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import json
+import os
+import socket
+import sys
+import threading
+import time
+
+LOCK_NAME = ".boost_hf.lock"
+HEARTBEAT_S = 10.0
+"""Seconds between two heartbeats of the lock's owner."""
+STALE_AFTER_S = 120.0
+"""A lock whose heartbeat is older than this (and does not move while watched) belongs to a dead run."""
+LOST_LOCK_EXIT_CODE = 1
+
+
+class OutputDirInUseError(RuntimeError):
+    """Another run holds the lock of this ``output_dir``."""
+
+
+def launch_identity(environ=os.environ) -> dict | None:
+    """``{"job": ..., "attempt": [...]}`` of this launch, or ``None`` when no scheduler or elastic agent names it.
+
+    ``job``: ``slurm-<SLURM_JOB_ID>`` (kept across requeues) or ``torchelastic-<TORCHELASTIC_RUN_ID>`` (the rendezvous
+    id, e.g. ``torchrun --rdzv-id``; torchrun's static rendezvous names every launch ``none``, which identifies
+    nothing). ``attempt``: ``[SLURM_RESTART_COUNT, TORCHELASTIC_RESTART_COUNT]``, compared in that order."""
+    slurm_job = environ.get("SLURM_JOB_ID")
+    elastic_run = environ.get("TORCHELASTIC_RUN_ID")
+    if slurm_job:
+        job = f"slurm-{slurm_job}"
+    elif elastic_run and elastic_run != "none":
+        job = f"torchelastic-{elastic_run}"
+    else:
+        return None
+    attempt = [int(environ.get("SLURM_RESTART_COUNT") or 0), int(environ.get("TORCHELASTIC_RESTART_COUNT") or 0)]
+    return {"job": job, "attempt": attempt}
+
+
+def _process_start(pid: int) -> int | None:
+    """When process ``pid`` started (clock ticks since boot, Linux), ``None`` if it does not exist (or elsewhere
+    than Linux: ``0`` when it exists). With the pid it names one process, even where pids are reused (a restarted
+    container numbers its processes again)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[19])
+    except FileNotFoundError:
+        return None
+    except (OSError, IndexError, ValueError):
+        pass
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return None
+    except PermissionError:
+        pass
+    return 0
+
+
+def _describe(owner: dict) -> str:
+    if owner.get("damaged"):
+        return "a damaged lock file, owner unknown"
+    launch = owner.get("launch")
+    job = f", {launch['job']} attempt {launch['attempt']}" if launch else ""
+    return f"pid {owner.get('pid')} on {owner.get('host')}{job}, since {owner.get('since')}"
+
+
+class OutputDirLock:
+    """``<output_dir>/.boost_hf.lock``, created exclusively by one process of a run, kept alive by a heartbeat
+    thread and removed at its exit. :meth:`acquire` takes over the lock of a run that is provably gone (see the
+    module) and raises :class:`OutputDirInUseError` for any other."""
+
+    def __init__(self, output_dir: str, *, heartbeat_s: float = HEARTBEAT_S, stale_after_s: float = STALE_AFTER_S):
+        self.output_dir = output_dir
+        self.path = os.path.join(output_dir, LOCK_NAME)
+        self.heartbeat_s, self.stale_after_s = heartbeat_s, stale_after_s
+        self.held = False
+        self.taken_over: str | None = None
+        """Why an earlier owner's lock was taken over (``None``: the folder was free)."""
+        self._owner: dict | None = None
+        self._stop = threading.Event()
+        self._writing = threading.Lock()  # a heartbeat's rewrite and the release never interleave
+
+    def acquire(self, run_id: str) -> None:
+        """Create the lock for ``run_id`` (taking over a gone owner's) and start the heartbeat."""
+        os.makedirs(self.output_dir, exist_ok=True)
+        owner = {"run_id": run_id, "pid": os.getpid(), "pid_start": _process_start(os.getpid()), "host": socket.gethostname(),
+                 "launch": launch_identity(),
+                 "since": time.strftime("%Y-%m-%d %H:%M:%S"), "heartbeat": time.time(), "beats": 0}
+        for _ in range(3):
+            try:
+                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+            except FileExistsError:
+                self._take_over_if_gone()
+                continue
+            with os.fdopen(fd, "w") as f:
+                json.dump(owner, f)
+            self._owner, self.held = owner, True
+            atexit.register(self.release)
+            threading.Thread(target=self._beat, name="boost-hf-output-lock", daemon=True).start()
+            return
+        raise OutputDirInUseError(f"could not lock output_dir {self.output_dir!r}: another run keeps creating {self.path}.")
+
+    def _read(self) -> dict:
+        """The lock's record (``{}``: no lock). A damaged one (e.g. empty: its owner died between creating and writing
+        it) reads as a record whose heartbeat is the file's modification time."""
+        try:
+            with open(self.path) as f:
+                return json.load(f)
+        except FileNotFoundError:
+            return {}
+        except (OSError, ValueError):
+            try:
+                stat = os.stat(self.path)
+            except FileNotFoundError:
+                return {}
+            return {"damaged": True, "heartbeat": stat.st_mtime, "beats": stat.st_mtime_ns}
+
+    def _take_over_if_gone(self) -> None:
+        """Remove the lock if its owner is provably gone (see the module); else raise :class:`OutputDirInUseError`."""
+        owner = self._read()
+        if not owner:
+            return  # released meanwhile
+        reason = self._gone_reason(owner)
+        if reason is None:
+            raise OutputDirInUseError(
+                f"output_dir {self.output_dir!r} is in use by another run ({_describe(owner)}; its heartbeat in the lock "
+                f"goes on): wait for it to finish or choose another output_dir. A dead run's lock is taken over by itself "
+                f"(same host; a requeue of the same SLURM job or torchelastic run; or a heartbeat older than "
+                f"{self.stale_after_s:g} s); to take it now, delete {self.path}."
+            )
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(self.path)
+        self.taken_over = f"{_describe(owner)}: {reason}"
+        print(f"boost-hf: took over the lock of output_dir {self.output_dir!r} from {self.taken_over}.", file=sys.stderr, flush=True)
+
+    def _gone_reason(self, owner: dict) -> str | None:
+        """Why ``owner`` is provably gone, or ``None`` if it may be alive (watching its heartbeat if it has one)."""
+        if owner.get("host") == socket.gethostname():
+            started = _process_start(int(owner.get("pid", -1)))
+            if started is None or owner.get("pid_start", started) != started:
+                return "its process is gone"
+            return None  # that very process runs on this host
+        ours, theirs = launch_identity(), owner.get("launch")
+        if ours and theirs and ours["job"] == theirs["job"] and list(theirs["attempt"]) < ours["attempt"]:
+            return f"it is an earlier launch of this job (attempt {theirs['attempt']}, this one {ours['attempt']})"
+        if "beats" not in owner:
+            return None  # a lock without heartbeat: only its pid, on its host, can tell
+        confirm = 1.5 * self.heartbeat_s
+        watched_since = time.monotonic()
+        while True:
+            time.sleep(min(self.heartbeat_s / 2, 1.0))
+            now = self._read()
+            if now.get("run_id") != owner.get("run_id") or now.get("beats") != owner.get("beats"):
+                return None if now else "it released the lock"  # alive (or replaced by a live run)
+            age = time.time() - float(owner.get("heartbeat", 0))
+            watched = time.monotonic() - watched_since
+            if age > self.stale_after_s and watched >= confirm:
+                return f"its heartbeat stopped {age:.0f} s ago"
+            if watched > self.stale_after_s + confirm:  # its clock runs ahead of ours: our own watch decides
+                return f"its heartbeat did not move for {watched:.0f} s"
+
+    def _beat(self) -> None:
+        """Every ``heartbeat_s``: rewrite the lock with a new time stamp and count, after checking it is still ours. A
+        lock deleted by hand is written again (the folder gone: the beat ends); one naming another run ends this
+        process (:data:`LOST_LOCK_EXIT_CODE`)."""
+        while not self._stop.wait(self.heartbeat_s):
+            current = self._read()
+            if current.get("damaged"):
+                continue
+            if current and current.get("run_id") != self._owner["run_id"]:
+                if self._stop.is_set():
+                    return
+                print(f"boost-hf: the lock of output_dir {self.output_dir!r} was taken over by another run "
+                      f"({_describe(current)}) while this run (pid {os.getpid()}) held it; this run stops so that only one "
+                      "run writes there.", file=sys.stderr, flush=True)
+                os._exit(LOST_LOCK_EXIT_CODE)
+            if not os.path.isdir(self.output_dir):
+                return
+            self._owner.update(heartbeat=time.time(), beats=self._owner["beats"] + 1)
+            staging = f"{self.path}.{os.getpid()}.tmp"
+            with self._writing:
+                if self._stop.is_set():
+                    return
+                try:
+                    with open(staging, "w") as f:
+                        json.dump(self._owner, f)
+                    os.replace(staging, self.path)
+                except OSError:  # a full or unreachable disk: the next beat tries again
+                    with contextlib.suppress(OSError):
+                        os.remove(staging)
+
+    def release(self) -> None:
+        """Stop the heartbeat and remove the lock (if it is still this run's)."""
+        if not self.held:
+            return
+        self.held = False
+        with self._writing:
+            self._stop.set()
+            if self._read().get("run_id") == self._owner["run_id"]:
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(self.path)
+
+
+__all__ = ["LOCK_NAME", "OutputDirInUseError", "OutputDirLock", "launch_identity"]

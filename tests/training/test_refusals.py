@@ -1,0 +1,179 @@
+"""Every refusal, however the setting is made: the flag (``BoostTrainingArguments(...)``, as ``--flag`` on the command
+line), the recipe (a YAML file through ``parse_recipe``), the accelerate config (turned into the workers' environment
+by accelerate's own launch code, in this process) and the environment. Each case builds the training arguments in one
+process: the refusals are raised there, on every rank, before the process group exists. One launched case checks the
+report's example end to end (``accelerate launch`` with ``cpu-4proc-zero2.yaml`` and ``--pp_size 2``).
+
+To add a refusal: one row in ``REFUSALS`` (the setting refused, what it is refused with, the message); every entry
+point of the feature it is refused with is then tried.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+
+import pytest
+import yaml
+
+from boost_hf.training import BoostTrainingArguments, parse_recipe
+
+from .launcher import DEMO_RECIPE, REPO, TINY, accelerate_command, start_command
+
+ZERO2 = {"zero_optimization": {"stage": 2}, "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto"}
+ACCELERATE_CONFIGS = {
+    "deepspeed": REPO / "accelerate_configs" / "cpu-4proc-zero2.yaml",
+    "cpu": ({"compute_environment": "LOCAL_MACHINE", "distributed_type": "MULTI_GPU", "num_processes": 2}, "--cpu"),
+    "fsdp": {"compute_environment": "LOCAL_MACHINE", "distributed_type": "FSDP", "num_processes": 2,
+             "fsdp_config": {"fsdp_sharding_strategy": "FULL_SHARD"}},
+    "parallelism": {"compute_environment": "LOCAL_MACHINE", "distributed_type": "MULTI_GPU", "num_processes": 2,
+                    "parallelism_config": {"parallelism_config_tp_size": 2}},
+    "honoured": {"compute_environment": "LOCAL_MACHINE", "distributed_type": "MULTI_GPU", "num_processes": 2,
+                 "mixed_precision": "bf16", "dynamo_config": {"dynamo_backend": "INDUCTOR"}},
+}
+ENVIRONMENT = {
+    "deepspeed": {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_ZERO_STAGE": "2"},
+    "cpu": {"ACCELERATE_USE_CPU": "true"},
+    "fsdp": {"ACCELERATE_USE_FSDP": "true"},
+    "parallelism": {"ACCELERATE_USE_PARALLELISM_CONFIG": "true", "PARALLELISM_CONFIG_TP_SIZE": "2"},
+}
+FLAGS = {  # the feature as training arguments (a recipe holds the same)
+    "deepspeed": {"deepspeed": "ZERO2_JSON"},
+    "fsdp": {"fsdp": "full_shard"},
+}
+
+
+@dataclass(frozen=True)
+class Refusal:
+    name: str
+    settings: dict  # training arguments (flag or recipe)
+    match: str
+    feature: str | None = None  # the other side, tried through every entry point it has; None: ``settings`` alone
+    routes: tuple[str, ...] = field(default=("flag", "recipe", "accelerate config", "environment"))
+
+
+REFUSALS = [
+    Refusal("pp_size x DeepSpeed", {"pp_size": 2}, r"DeepSpeed cannot run with pp_size=2: the pipeline schedule", "deepspeed"),
+    Refusal("zero1_optimizer x DeepSpeed", {"zero1_optimizer": True}, r"--zero1_optimizer shards the optimizer state with "
+            r"torch's ZeroRedundancyOptimizer, which DeepSpeed's engine .* cannot wrap", "deepspeed"),
+    Refusal("LORO x DeepSpeed", {"lowrank_optimizer": "loro"}, r"--lowrank_optimizer loro does not run under DeepSpeed", "deepspeed"),
+    Refusal("nonfinite skip_step x DeepSpeed", {"nonfinite": "skip_step"}, r"--nonfinite skip_step is not supported with DeepSpeed",
+            "deepspeed"),
+    Refusal("DeepSpeed x use_cpu", {"deepspeed": "ZERO2_JSON"}, r"DeepSpeed is requested \(--deepspeed\) but ACCELERATE_USE_CPU is "
+            r"set .* accelerate drops DeepSpeed silently", "cpu", routes=("accelerate config", "environment")),
+    Refusal("FSDP", {}, r"FSDP \(.*\) is not supported: boost-hf shards the model itself", "fsdp"),
+    Refusal("accelerate parallelism_config", {}, r"accelerate's parallelism_config \(tp_size=2\) is accelerate's own N-D "
+            r"parallelism", "parallelism", routes=("accelerate config", "environment")),
+    Refusal("zero1_optimizer x LORO", {"zero1_optimizer": True, "lowrank_optimizer": "loro"},
+            r"--zero1_optimizer with --lowrank_optimizer loro is not supported", routes=("flag", "recipe")),
+    Refusal("gradient accumulation x PP", {"pp_size": 2, "gradient_accumulation_steps": 2},
+            r"gradient_accumulation_steps=2 with pp_size=2", routes=("flag", "recipe")),
+]
+ACCELERATE_HINT = "Here DeepSpeed is on because ACCELERATE_USE_DEEPSPEED=true"
+
+
+def accelerate_environment(config, tmp_path) -> dict[str, str]:
+    """The environment ``accelerate launch --config_file config [launch flag]`` gives its workers (accelerate's own
+    code); ``config``: a path, a dict, or ``(dict, launch flag)``."""
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils.launch import prepare_deepspeed_cmd_env, prepare_multi_gpu_env, prepare_simple_launcher_cmd_env
+
+    config, *flags = config if isinstance(config, tuple) else (config,)
+    if isinstance(config, dict):
+        path = tmp_path / "accelerate.yaml"
+        path.write_text(yaml.safe_dump(config))
+        config = path
+    args, _, _ = _validate_launch_command(launch_command_parser().parse_args(["--config_file", str(config), *flags, "train.py"]))
+    if args.cpu:  # the launcher accelerate's launch_command picks
+        environment = prepare_simple_launcher_cmd_env(args)[1]
+    elif args.use_deepspeed:
+        args.deepspeed_fields_from_accelerate_config = ""
+        environment = prepare_deepspeed_cmd_env(args)[1]
+    else:
+        environment = prepare_multi_gpu_env(args)
+    return {k: v for k, v in environment.items() if k.startswith(("ACCELERATE_", "PARALLELISM_CONFIG_", "FSDP_"))}
+
+
+def entry(feature: str | None, route: str, tmp_path) -> tuple[dict, dict]:
+    """``(training arguments, environment)`` turning ``feature`` on through ``route``."""
+    if feature is None:
+        return {}, {}
+    if route in ("flag", "recipe"):
+        return dict(FLAGS[feature]), {}
+    if route == "accelerate config":
+        return {}, accelerate_environment(ACCELERATE_CONFIGS[feature], tmp_path)
+    return {}, ENVIRONMENT[feature]
+
+
+def build_arguments(route: str, settings: dict, tmp_path) -> BoostTrainingArguments:
+    if settings.get("deepspeed") == "ZERO2_JSON":
+        (tmp_path / "zero2.json").write_text(json.dumps(ZERO2))
+        settings = {**settings, "deepspeed": str(tmp_path / "zero2.json")}
+    if route != "recipe":
+        return BoostTrainingArguments(output_dir=str(tmp_path / "out"), **settings)
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(yaml.safe_dump({"training": {"output_dir": str(tmp_path / "out"), **settings}}))
+    return parse_recipe([str(recipe)])[2]
+
+
+@pytest.fixture
+def clean_environment(monkeypatch):
+    """No accelerate setting inherited from the test's own environment."""
+    import os
+
+    for name in list(os.environ):
+        if name.startswith(("ACCELERATE_", "PARALLELISM_CONFIG_", "FSDP_")):
+            monkeypatch.delenv(name)
+    return monkeypatch
+
+
+@pytest.mark.parametrize("refusal, route", [(r, route) for r in REFUSALS for route in r.routes],
+                         ids=[f"{r.name} via {route}" for r in REFUSALS for route in r.routes])
+def test_each_refusal_however_the_setting_is_made(refusal, route, tmp_path, clean_environment):
+    arguments, environment = entry(refusal.feature, route, tmp_path)
+    for name, value in environment.items():
+        clean_environment.setenv(name, value)
+    with pytest.raises(ValueError, match=refusal.match) as error:
+        build_arguments(route, {**refusal.settings, **arguments}, tmp_path)
+    if refusal.feature == "deepspeed":  # the fix named is the entry point's own
+        assert (ACCELERATE_HINT in str(error.value)) == (route in ("accelerate config", "environment")), str(error.value)
+
+
+@pytest.mark.parametrize("route", ["flag", "recipe", "accelerate config", "environment"])
+def test_each_deepspeed_entry_point_really_turns_deepspeed_on(route, tmp_path, clean_environment):
+    """The control of the rows above: without the refused setting, each entry point gives transformers' DeepSpeed plugin
+    (so the matrix cannot pass because a route does nothing)."""
+    arguments, environment = entry("deepspeed", route, tmp_path)
+    for name, value in environment.items():
+        clean_environment.setenv(name, value)
+    assert build_arguments(route, arguments, tmp_path).deepspeed_plugin is not None
+
+
+def test_what_the_accelerate_config_sets_and_boost_hf_honours_reaches_the_arguments(tmp_path, clean_environment):
+    """mixed_precision and dynamo_backend of an accelerate config become --bf16 and --torch_compile (per decoder layer),
+    so boost-hf's own code reads them where it reads the flags."""
+    for name, value in accelerate_environment(ACCELERATE_CONFIGS["honoured"], tmp_path).items():
+        clean_environment.setenv(name, value)
+    args = BoostTrainingArguments(output_dir=str(tmp_path / "out"))
+    assert args.bf16 and args.mixed_precision == "bf16"
+    assert args.torch_compile and args.torch_compile_backend == "inductor"
+    explicit = BoostTrainingArguments(output_dir=str(tmp_path / "out"), torch_compile=True, torch_compile_backend="eager")
+    assert explicit.torch_compile_backend == "eager"  # a flag given explicitly wins
+
+
+def test_deepspeed_from_the_accelerate_config_with_pp_is_refused_before_training(training_env, tmp_path):
+    """The report's case: ``accelerate launch --config_file cpu-4proc-zero2.yaml ... --pp_size 2`` used to build
+    everything and die at the first step in ``health.is_finite`` (``float() argument must be ... not 'NoneType'``). The
+    first rank to raise makes the launcher stop the other, so only the in-process cases above show that every rank
+    raises it (the check reads no rank)."""
+    args = [*TINY, "--dataset", training_env["CORPUS"], "--pp_size", "2", "--per_device_train_batch_size", "4",
+            "--output_dir", tmp_path / "run"]
+    command = accelerate_command("cpu-4proc-zero2.yaml", "--num_processes", "2", "recipes/pretrain.py", DEMO_RECIPE, *args)
+    started = time.monotonic()
+    proc = start_command(command, training_env)
+    output, _ = proc.communicate(timeout=600)
+    assert proc.returncode != 0
+    assert "ValueError: DeepSpeed cannot run with pp_size=2" in output and ACCELERATE_HINT in output, output[-4000:]
+    assert "Tokenizing" not in output and "is_finite" not in output  # refused before the datasets, the model, a step
+    print(f"refused after {time.monotonic() - started:.0f} s")
