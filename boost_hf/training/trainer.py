@@ -34,7 +34,8 @@ Trainer hook                           boost-hf behaviour
                                        (``bf16_params``) no DDP at all: the master parameters' hooks reduce the
                                        fp32 gradients over DP
 ``_prepare_for_training``              (DeepSpeed) ``deepspeed.initialize`` gets our groups as ``mpu``: ZeRO
-                                       shards over DP only (:mod:`boost_hf.training.deepspeed`)
+                                       shards over DP only; grouped projections stay stored together in its
+                                       bf16 cast and flat buffers (:mod:`boost_hf.training.deepspeed`)
 ``_clip_grad_norm`` / ``_get_grad_norm``  (no DeepSpeed) the true global norm: TP shards summed over the TP
                                        group, replicated parameters once (DeepSpeed does the same via ``mpu``)
 ``training_step`` / ``log``            tokens/s, MFU, communication per step (:mod:`boost_hf.training.metrics`),
@@ -116,7 +117,7 @@ from .output_lock import OutputDirInUseError, OutputDirLock
 from .data import EvalShard, StreamLoader, restore_data_position, save_data_position, shard_by_data_parallel_rank
 from ..parallel.state import ParallelState
 from ..evaluation import batch_sums, metrics_from_sums, sums_of_batch
-from .deepspeed import ModelParallelUnit, configure_deepspeed, deepspeed_initialize_with_mpu, skip_shm_comm_if_requested
+from .deepspeed import ModelParallelUnit, configure_deepspeed, deepspeed_initialize_hooks, skip_shm_comm_if_requested
 from .grad_norm import clip_grad_norm_, global_grad_norm
 from .health import is_finite, nonfinite_error, poison_nonfinite_loss
 from .metrics import TrainingMetrics
@@ -318,10 +319,11 @@ class BoostTrainer(Trainer):
         return torch.nn.parallel.DistributedDataParallel(model, device_ids=device_ids, process_group=dp_group, **kwargs)
 
     def _prepare_for_training(self, max_steps, train_dataloader, resume_from_checkpoint):
-        groups = contextlib.nullcontext()
-        if self.is_deepspeed_enabled and self.parallel_state.mesh is not None:
-            groups = deepspeed_initialize_with_mpu(ModelParallelUnit(self.parallel_state))
-        with groups:
+        hooks = contextlib.nullcontext()
+        if self.is_deepspeed_enabled:
+            mpu = ModelParallelUnit(self.parallel_state) if self.parallel_state.mesh is not None else None
+            hooks = deepspeed_initialize_hooks(mpu)
+        with hooks:
             return super()._prepare_for_training(max_steps, train_dataloader, resume_from_checkpoint)
 
     # ------------------------------------------------------------------ data
