@@ -260,8 +260,9 @@ class BottleneckAwareLayout(Layout):
         p, n, a, r = self.parallel.tp_size, tokens, activation_bytes, config.rank
         shard = n // p if self.parallel.shards_tokens else n  # tokens of the token-sharded latent work
         widths = self.widths(config)
-        if p > 1:  # each online norm: its output in the compute dtype (the A's input, [N, d/p]) and 1/rms (fp32)
-            norms = 2 * (n * widths.residual * a + shard * 4)
+        if p > 1:  # each online norm: its output in the compute dtype (the A's input, [N, d/p]) and 4 fp32 per token
+            # (1/rms and the statistics the fused scale-and-activation op keeps: measured by the saved-tensor probe)
+            norms = 2 * (n * widths.residual * a + shard * 16)
         else:  # the norms of a whole residual
             norms = 2 * whole_norm_saved_bytes(n, config.hidden_size, a, residual_bytes)
         # each group (3r, r, 2r, r): the latent the B's read (all tokens) and, when it differs, the reduced A output
