@@ -129,6 +129,7 @@ from .comm_formula import Communication, layer_communication, outside_layers_com
 from .flops import attention_flops_per_token, training_flops_per_token
 from .hardware import Hardware, get_hardware
 from .memory import RankParameters, precision_bytes, rank_parameters
+from .parameters import parameter_count
 from .pipeline import (
     check_schedule,
     critical_path_weights,
@@ -238,24 +239,6 @@ def elementwise_elements_per_token(config, parallel: ParallelConfig) -> float:
         else:
             residual /= parallel.tp_size
     return residual + rest + latent
-
-
-def parameter_count(config) -> int:
-    """Trainable parameters (projections, LaX gates in blocks 1..L-1, norms, embedding, LM head)."""
-    d, layers = config.hidden_size, config.num_hidden_layers
-    shapes = config.projection_shapes().values()
-    if config.bottleneck is None:
-        block = sum(d_in * d_out for d_in, d_out in shapes)
-    elif config.bottleneck == "tt":
-        block = sum(config.tensor_train_shape(name).parameters for name in config.projection_shapes())
-    else:
-        block = sum(config.rank * (d_in + d_out) for d_in, d_out in shapes)
-    gates = 0
-    if config.bottleneck == "lax" and config.lax_gate != "identity":
-        a, b = config.kronecker_factors
-        gates = 7 * (config.rank**2 if config.lax_gate == "dense" else a * a + b * b)
-    embeddings = config.vocab_size * d * (1 if config.tie_word_embeddings else 2)
-    return layers * (block + 2 * d) + (layers - 1) * gates + d + embeddings
 
 
 def full_rank_counterpart(config):
@@ -842,6 +825,5 @@ __all__ = [
     "layer_gemms",
     "low_rank_counterpart",
     "micro_batch_options",
-    "parameter_count",
     "recommend_micro_batches",
 ]

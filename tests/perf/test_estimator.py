@@ -18,11 +18,11 @@ from boost_hf.perf.estimator import (
     estimate,
     layer_gemms,
     micro_batch_options,
-    parameter_count,
     recommend_micro_batches,
 )
 from boost_hf.perf.flops import attention_flops_per_token, contraction_flops, crossing_flops_per_token, linear_flops_per_token
 from boost_hf.perf.hardware import get_hardware
+from boost_hf.perf.parameters import parameter_count
 
 # BOOST.md section 6: A100, seq 4096, bf16; seconds per iteration (megatron, vanilla, btp).
 PAPER = {
