@@ -93,12 +93,14 @@ def _argv(command: str) -> list[str]:
 
 
 def _parse(parser, argv: list[str], what: str):
+    """The parsed arguments; ``None`` for a command that asks for help (and gets it)."""
     errors = io.StringIO()
     try:
-        with contextlib.redirect_stderr(errors):
+        with contextlib.redirect_stderr(errors), contextlib.redirect_stdout(io.StringIO()):
             return parser.parse_args(argv)
-    except SystemExit:
-        pytest.fail(f"{what}: {errors.getvalue().strip()}")
+    except SystemExit as exit:
+        if exit.code != 0:
+            pytest.fail(f"{what}: {errors.getvalue().strip()}")
 
 
 def _check_recipe_command(argv: list[str], command: str) -> None:
@@ -114,6 +116,8 @@ def _check_boost_hf(argv: list[str], command: str) -> None:
     from boost_hf import cli
 
     args = _parse(cli.build_parser(), argv, command)
+    if args is None:
+        return
     if args.command == "train":
         _check_recipe_command([args.recipe, *args.overrides], command)
     elif args.command == "estimate" and "--measured" not in argv:  # quick and self-contained: run it as written
@@ -180,6 +184,22 @@ def test_shell_commands_are_real():
             argv = ["python", *argv[1:]]
         assert argv[0] in CHECKERS, f"{page.name}: no check for {command!r}; add one to tests/test_docs.py"
         CHECKERS[argv[0]](argv[1:], f"{page.name}: {command}")
+
+
+def test_inline_boost_hf_commands_are_real():
+    """A ``boost-hf ...`` span in the text names a real subcommand; a whole one (arguments, no placeholder) is checked as a
+    fenced command is."""
+    from boost_hf.cli import SUBCOMMANDS
+
+    spans = [(page, span) for page in PAGES for span in re.findall(r"`boost-hf ([a-z][^`]*)`", page.read_text())]
+    assert len(spans) > 10
+    for page, span in spans:
+        argv = span.split()
+        if argv[0].endswith(":"):  # a message boost-hf prints, not a command
+            continue
+        assert argv[0] in SUBCOMMANDS, f"{page.name}: `boost-hf {span}`"
+        if len(argv) > 1 and not re.search(r"[A-Z<\[]|\.\.\.", span):  # a whole command, not a name
+            _check_boost_hf(argv, f"{page.name}: `boost-hf {span}`")
 
 
 # ---- Python examples --------------------------------------------------------------------------------------------
