@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench install clean
+.PHONY: demo test bench gpu-check install clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -24,6 +24,14 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) benchmarks/run_all.py
+
+# On a CUDA machine (CUDA only; elsewhere it says so and exits 0): training steps of every architecture and layout,
+# the fused norm kernels, rank_cost --device cuda --compile and gpu_throughput, readings in benchmarks/results/gpu/.
+# Installs nothing: runs .venv's python where `make install` made it, else python3 (GPU_PYTHON=... to choose the
+# python whose torch is the CUDA build), on this checkout.
+GPU_PYTHON ?= $(if $(wildcard $(PY)),$(PY),$(PYTHON))
+gpu-check:
+	PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} $(GPU_PYTHON) benchmarks/gpu_check.py
 
 clean:
 	rm -rf $(VENV) outputs

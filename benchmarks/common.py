@@ -91,9 +91,11 @@ def memory_gib() -> float:
 
 
 def machine_line() -> str:
-    """One line naming the machine: CPU model, logical cores, memory, torch and Python versions."""
+    """One line naming the machine: CPU model, logical cores, memory, torch (and CUDA and the GPU where there is one)
+    and Python versions."""
+    device = f"CUDA {torch.version.cuda}, {torch.cuda.get_device_name()}" if torch.cuda.is_available() else "CPU"
     return (
-        f"{cpu_model()}, {os.cpu_count()} logical cores, {memory_gib():.0f} GiB RAM; torch {torch.__version__} (CPU), "
+        f"{cpu_model()}, {os.cpu_count()} logical cores, {memory_gib():.0f} GiB RAM; torch {torch.__version__} ({device}), "
         f"Python {platform.python_version()}, {platform.system()} {platform.release()}"
     )
 

@@ -543,7 +543,7 @@ def check_token_ids(ids: torch.Tensor, vocab_size: int, where: str = "input_ids"
     on the CPU a ``ValueError`` naming the id; on an accelerator (and inside ``torch.compile``) a device-side assert
     (``torch._assert_async``, no host sync) with the same text, without the id. A model split over ranks would
     otherwise compute with such an id silently (a vocab-parallel embedding or loss counts it as another rank's)."""
-    if ids.numel() == 0 or ids.is_meta:
+    if ids.numel() == 0 or ids.is_meta or torch._subclasses.fake_tensor.is_fake(ids):  # no values to check
         return
     valid = ids if ignore_index is None else ids.masked_fill(ids == ignore_index, 0)
     low, high = torch.aminmax(valid)
@@ -559,7 +559,14 @@ def check_token_ids(ids: torch.Tensor, vocab_size: int, where: str = "input_ids"
 
 class BoostLlamaModel(BoostLlamaPreTrainedModel):
     """Embedding -> decoder layers -> final norm; ``last_hidden_state: [B, S, d]``. ``input_ids`` outside the
-    vocabulary raise (:func:`check_token_ids`)."""
+    vocabulary raise (:func:`check_token_ids`).
+
+    ``residual_dtype``: the dtype of the residual stream between the decoder layers (``None``: the embedding's).
+    ``torch.float32`` over bf16 weights keeps the residual additions in fp32 while the layers compute in bf16 under
+    autocast (Megatron-LM's ``fp32_residual_connection``); a training precision policy sets it.
+    """
+
+    residual_dtype: torch.dtype | None = None
 
     def __init__(self, config: BoostLlamaConfig):
         super().__init__(config)
@@ -604,7 +611,7 @@ class BoostLlamaModel(BoostLlamaPreTrainedModel):
             past_key_values=past_key_values,
             position_ids=position_ids,
         )
-        hidden_states = inputs_embeds
+        hidden_states = inputs_embeds if self.residual_dtype is None else inputs_embeds.to(self.residual_dtype)
         position_embeddings = self.rotary_emb(hidden_states, position_ids=position_ids)
         lax_latents = None
         for decoder_layer in self.layers[: self.config.num_hidden_layers]:

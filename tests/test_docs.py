@@ -89,7 +89,9 @@ def test_readme_is_short_and_links_resolve():
 
 def _argv(command: str) -> list[str]:
     """The command's words, optional parts' brackets dropped and placeholders replaced by values."""
-    words = shlex.split(re.sub(r"(^|\s)\[(.*?)\]", r"\1\2", command))
+    while (unbracketed := re.sub(r"(^|\s)\[([^\[\]]*)\]", r"\1\2", command)) != command:  # innermost first
+        command = unbracketed
+    words = shlex.split(command)
     return [PLACEHOLDERS.get(w, "0" if w.startswith("$") else w) for w in words]
 
 

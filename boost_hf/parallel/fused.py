@@ -23,7 +23,9 @@ together (see that module) the same functions concatenate instead: same values, 
 
 :func:`down_projection` and :func:`scale_latents` are the eager kernels (GEMMs written straight into the
 communication buffer, one pass over ``x`` for its cast and one for its statistics, the latent scale
-computed in fp32 and stored in the compute dtype, backward writing each gradient once). Under
+computed in fp32 and stored in the compute dtype, backward writing each gradient once). A grouped BTP group whose
+latent function is SiLU or none runs the scale and the function as one kernel each way instead
+(:mod:`boost_hf.parallel.latent_op`); :func:`scale_latents` serves the others (ungrouped, LaX's crossing). Under
 ``torch.compile`` every function here falls back to the same arithmetic written as plain ops, which inductor
 fuses. Arithmetic runs in the autocast dtype when autocast is on (statistics and ``1/rms`` in fp32), else in
 the input's dtype. No communication here.
@@ -33,16 +35,11 @@ from __future__ import annotations
 
 import torch
 
-from .modules import compute_dtype
+from .modules import compute_dtype, statistics_dtype
 from .shared_storage import joined_rows
 
 #: columns holding one row's statistics in the down buffer (1 used; 8 keeps rows 16-byte aligned)
 STATISTICS_WIDTH = 8
-
-
-def _statistics_dtype(x: torch.Tensor) -> torch.dtype:
-    """fp32, or ``x``'s dtype where that is wider (fp64 in gradient checks)."""
-    return torch.promote_types(x.dtype, torch.float32)
 
 
 def _stack(weights, dtype: torch.dtype, gamma: torch.Tensor | None = None) -> torch.Tensor:
@@ -95,7 +92,7 @@ class _DownProjection(torch.autograd.Function):
                 row += width
             if statistics:
                 # of the GEMM's input as it is read (cast to the compute dtype), summed in fp32
-                norm = torch.linalg.vector_norm(xc, dim=-1, keepdim=True, dtype=_statistics_dtype(xc))
+                norm = torch.linalg.vector_norm(xc, dim=-1, keepdim=True, dtype=statistics_dtype(xc))
                 torch.mul(norm, norm, out=buffers[0].view(-1, buffers[0].shape[-1])[:, widths[0]:widths[0] + 1])
         ctx.save_for_backward(xc, weight, gamma, *factors)
         ctx.widths, ctx.statistics, ctx.input_shape, ctx.input_dtype = widths, statistics, x.shape, x.dtype
@@ -143,7 +140,7 @@ def _down_reference(x, gamma, statistics, grouped, factors):
     weights = [a if gamma is None else a * gamma for a in factors]
     parts = [torch.nn.functional.linear(x, torch.cat(weights))] if grouped else [torch.nn.functional.linear(x, w) for w in weights]
     if statistics:
-        s = x.to(_statistics_dtype(x)).pow(2).sum(-1, keepdim=True).to(parts[0].dtype)
+        s = x.to(statistics_dtype(x)).pow(2).sum(-1, keepdim=True).to(parts[0].dtype)
         parts[0] = torch.cat([parts[0], s, s.new_zeros((*s.shape[:-1], STATISTICS_WIDTH - 1))], dim=-1)
     return tuple(parts)
 
@@ -169,7 +166,7 @@ class _ScaleLatents(torch.autograd.Function):
     def forward(ctx, hidden_size, eps, *buffers):
         width0 = buffers[0].shape[-1] - STATISTICS_WIDTH
         with torch.autocast(buffers[0].device.type, enabled=False):
-            inverse_rms = torch.rsqrt(buffers[0][..., width0:width0 + 1].to(_statistics_dtype(buffers[0])) / hidden_size + eps)
+            inverse_rms = torch.rsqrt(buffers[0][..., width0:width0 + 1].to(statistics_dtype(buffers[0])) / hidden_size + eps)
             latents = []
             for i, buffer in enumerate(buffers):
                 z = buffer[..., :width0] if i == 0 else buffer
@@ -201,7 +198,7 @@ class _ScaleLatents(torch.autograd.Function):
 
 def _scale_reference(hidden_size, eps, buffers):
     width0 = buffers[0].shape[-1] - STATISTICS_WIDTH
-    inverse_rms = torch.rsqrt(buffers[0][..., width0:width0 + 1].to(_statistics_dtype(buffers[0])) / hidden_size + eps)
+    inverse_rms = torch.rsqrt(buffers[0][..., width0:width0 + 1].to(statistics_dtype(buffers[0])) / hidden_size + eps)
     zs = [buffers[0][..., :width0], *buffers[1:]]
     return tuple((z.to(inverse_rms.dtype) * inverse_rms).to(z.dtype) for z in zs)
 

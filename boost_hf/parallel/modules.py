@@ -41,6 +41,12 @@ def compute_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
 
 
+def statistics_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype norm statistics of ``x`` are computed in: fp32, or ``x``'s dtype where that is wider (fp64 in
+    gradient checks)."""
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
 def add_bias(y: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """``y + bias`` in ``y``'s dtype (the compute dtype under autocast, as ``F.linear``'s bias); ``y`` if no bias."""
     return y if bias is None else y + bias.to(y.dtype)
@@ -108,4 +114,4 @@ class VocabParallelHead:
         return f"{super().extra_repr()}, {shard_repr(self.weight)}"
 
 
-__all__ = ["add_bias", "adopt", "compute_dtype", "parallel_class", "shard_parameter", "shard_repr", "VocabParallelEmbedding", "VocabParallelHead"]
+__all__ = ["add_bias", "adopt", "compute_dtype", "statistics_dtype", "parallel_class", "shard_parameter", "shard_repr", "VocabParallelEmbedding", "VocabParallelHead"]

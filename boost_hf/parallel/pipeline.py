@@ -32,14 +32,23 @@ the all-gather's 176 MB of ring traffic / 230 GB/s = 0.8 ms, 4.5 ms (2.4x less).
 share saves ``(p-1)/p`` of the latents' P2P bytes and the all-gather moves as many ring bytes, so it about breaks
 even; the runtime does not know the topology, so it always shares.
 
+Precision (:meth:`Pipeline.set_precision`, set by the trainer from its precision policy): each chunk's forward runs
+under the policy's autocast (the trainer's autocast does not reach the engine's calls), the embedding's output enters
+the residual stream in its dtype, and every boundary tensor is sent in the policy's boundary dtype (the compute
+dtype: bf16 under autocast, where the receiving stage casts the residual back to its fp32; fp32 only when the residual
+is kept in fp32 under bf16 parameters), the byte counts with it. Without a policy all of these are the parameters'
+dtype, as without a pipeline.
+
 The loss is the single-process one: each micro-batch's vocab-parallel cross-entropy *sum* divided by
 the token count of the whole step (all DP replicas), times ``dp_size`` because DDP averages gradients
 over DP (``scale_grads=False``, as torchtitan); the reported loss is broadcast from the last stage and
-summed over DP, so every rank returns the same value.
+summed over DP, so every rank returns the same value. When the trainer reduces the gradients over DP itself (its
+``bf16_params`` precision policy accumulates and all-reduces them in fp32), the chunks are not wrapped in DDP.
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -128,6 +137,22 @@ class _ContiguousGradient(torch.autograd.Function):
         return grad.contiguous()
 
 
+@dataclass(frozen=True)
+class StagePrecision:
+    """How a pipeline stage computes: ``autocast_dtype`` (its forward under ``torch.autocast``; ``None``: none),
+    ``residual_dtype`` (the residual stream entering its layers, from the embedding or the previous stage;
+    ``None``: as it comes) and ``boundary_dtype`` (the tensors it sends to the next stage; ``None``: the residual's)."""
+
+    autocast_dtype: torch.dtype | None = None
+    residual_dtype: torch.dtype | None = None
+    boundary_dtype: torch.dtype | None = None
+
+    def autocast(self, device_type: str):
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type, dtype=self.autocast_dtype)
+
+
 class PipelineChunk(nn.Module):
     """One pipeline stage of the model: ``(input_ids)`` or ``(hidden, [latents])`` in, ``(hidden, [latents])``
     or the vocab-parallel logits ``[mb, S, V/p]`` (last stage) out.
@@ -149,17 +174,25 @@ class PipelineChunk(nn.Module):
         self.norm = base.norm if self.is_last else None
         self.lm_head = model.lm_head if self.is_last else None
         self.latent_names = latent_names(model.config)
+        self.precision = StagePrecision()
 
     def forward(self, *inputs: torch.Tensor, attention_mask: torch.Tensor | None = None):
+        with self.precision.autocast(inputs[0].device.type):
+            return self._forward(*inputs, attention_mask=attention_mask)
+
+    def _forward(self, *inputs: torch.Tensor, attention_mask: torch.Tensor | None = None):
         from transformers.masking_utils import create_causal_mask
 
+        precision = self.precision
         if self.is_first:
             (input_ids,) = inputs
             hidden = self.embed_tokens(input_ids)
+            hidden = hidden if precision.residual_dtype is None else hidden.to(precision.residual_dtype)
             microbatch, seq = input_ids.shape
             latents = None
         else:
             hidden, *packed = (_ContiguousGradient.apply(x) for x in inputs)
+            hidden = hidden if precision.residual_dtype is None else hidden.to(precision.residual_dtype)
             microbatch, seq = hidden.shape[0], hidden.shape[1] * (self.plan.tp_size if self.plan.residual_tokens_sharded else 1)
             latents = receive_latents(packed[0], self._boundary(microbatch, seq), self.latent_names, microbatch, self.plan.group) if packed else None
         sequence = hidden.new_empty((microbatch, seq, 0))  # the whole sequence's shape (the residual may hold a token shard)
@@ -174,10 +207,11 @@ class PipelineChunk(nn.Module):
             )
         if self.is_last:
             return self.lm_head(self.norm(hidden))
+        sent = precision.boundary_dtype or hidden.dtype
         if not self.latent_names:
-            return (hidden.contiguous(),)
+            return (hidden.to(sent).contiguous(),)
         packed = send_latents(latents, self._boundary(microbatch, seq), self.latent_names, self.plan.group)
-        return hidden.contiguous(), packed
+        return hidden.to(sent).contiguous(), packed.to(sent)
 
     def _boundary(self, microbatch: int, seq: int):
         return self.plan.layout.stage_boundary(self.config, microbatch, seq)
@@ -238,6 +272,22 @@ class Pipeline:
         ]
         self._wrapped: list[nn.Module] | None = None
         self._schedules: dict[tuple[int, int, torch.dtype], object] = {}
+        self.ddp_over_data_parallel = True
+
+    def set_precision(self, precision: StagePrecision, *, ddp_over_data_parallel: bool = True) -> None:
+        """Run every stage with ``precision``; ``ddp_over_data_parallel=False``: the stages are not wrapped in DDP
+        (the caller reduces the gradients over the DP group). Before the first step only."""
+        if self._wrapped is not None:
+            raise RuntimeError("set_precision must be called before the pipeline's first step (its stages are built).")
+        for chunk in self.chunks:
+            chunk.precision = precision
+        self.ddp_over_data_parallel = ddp_over_data_parallel
+
+    @property
+    def boundary_dtype(self) -> torch.dtype:
+        """The dtype of the tensors crossing this pipeline's stage boundaries (both ways)."""
+        precision = self.chunks[0].precision
+        return precision.boundary_dtype or precision.residual_dtype or activation_dtype(self.model)
 
     @property
     def holds_last_stage(self) -> bool:
@@ -245,9 +295,10 @@ class Pipeline:
 
     # ------------------------------------------------------------------ building
     def stage_modules(self) -> list[nn.Module]:
-        """The chunks, each wrapped in DDP over the DP group when there is one (built once)."""
+        """The chunks, each wrapped in DDP over the DP group when there is one and the pipeline reduces its
+        gradients (built once)."""
         if self._wrapped is None:
-            if self.state.dp_group is None:
+            if self.state.dp_group is None or not self.ddp_over_data_parallel:
                 self._wrapped = list(self.chunks)
             else:
                 self._wrapped = [
@@ -316,7 +367,7 @@ class Pipeline:
         tokens = count_targets(labels)
         if self.state.dp_group is not None:
             dist.all_reduce(tokens, group=self.state.dp_group)
-        dtype = activation_dtype(self.model)
+        dtype = self.boundary_dtype
         schedule = self._schedule(input_ids.shape[0] // self.parallel.microbatches, input_ids.shape[1], dtype)
         losses: list[torch.Tensor] = []
         normaliser = float(tokens) / self.state.dp_size if train else 1.0
@@ -349,7 +400,7 @@ class Pipeline:
 
 
 def activation_dtype(model: nn.Module) -> torch.dtype:
-    """The dtype of the tensors crossing stage boundaries (that of the model's floating-point weights)."""
+    """The dtype of the model's floating-point weights (the activations' without a precision policy)."""
     return next(p.dtype for p in model.parameters() if p.dtype.is_floating_point)
 
 
@@ -363,6 +414,7 @@ __all__ = [
     "PipelineChunk",
     "Placement",
     "StageLayers",
+    "StagePrecision",
     "activation_dtype",
     "check_pipeline_model",
     "count_targets",

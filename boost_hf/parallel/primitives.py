@@ -273,6 +273,11 @@ def all_reduce_gradient(grad: torch.Tensor, group: ProcessGroup | None) -> torch
     return grad if group_size(group) == 1 else _all_reduce_(grad.contiguous().clone(), group)
 
 
+def all_reduce_sum_(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+    """All-reduce (sum), no autograd, in place in eager: inside autograd Functions that own their backward."""
+    return x if group_size(group) == 1 else _all_reduce_(x, group)
+
+
 def all_reduce_max_(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
     """All-reduce (max), no autograd, in place in eager: for numerically-stabilising constants."""
     if group_size(group) == 1:
@@ -294,6 +299,7 @@ __all__ = [
     "reduce_scatter_tokens",
     "split_tokens",
     "all_reduce_gradient",
+    "all_reduce_sum_",
     "all_reduce_max_",
     "start_all_gather_rows",
     "start_reduce_scatter_rows",

@@ -1,11 +1,17 @@
 """RMSNorm of a full-width residual as one kernel forward and two backward (``torch.library`` custom ops).
 
-``y = x * rstd * weight`` with ``rstd = rsqrt(mean(x^2, -1) + eps)``: ``x: [..., d]``, ``weight: [d]``,
-``y`` in ``x``'s dtype, ``rstd: [..., 1]`` in fp32. On CUDA each op is one call of PyTorch's fused RMSNorm
-kernels (``aten._fused_rms_norm`` and its backward, what ``F.rms_norm`` runs there); on other devices the
-arithmetic of ``transformers``' ``LlamaRMSNorm`` (statistics and normalisation in fp32 whatever the input
-dtype, so bit-identical forward) with a hand-written backward, also in fp32. Being custom ops, they reach the dispatcher (and
-:class:`~boost_hf.perf.op_counter.OpCounter`) as one op each, moving what the fused kernels move:
+``y = x * rstd * weight`` with ``rstd = rsqrt(mean(x^2, -1) + eps)``: ``x: [..., d]``, ``weight: [d]`` of ``x``'s
+dtype (:data:`FUSED_DTYPES`: fp32 under autocast, bf16 or fp16 with low-precision parameters), ``y`` in that dtype,
+``rstd: [..., 1]`` in fp32 whatever the input dtype. Statistics and normalisation are computed in fp32 inside the
+kernels: a bf16 input is read as bf16 and its outputs written as bf16, with no full-width fp32 copy in memory. On
+CUDA each op is one call of PyTorch's fused RMSNorm kernels (``aten._fused_rms_norm`` and its backward, what
+``F.rms_norm`` runs there), which round ``x * rstd * weight`` once; on other devices the arithmetic of
+``transformers``' ``LlamaRMSNorm`` (``weight * (x * rstd)`` rounded to ``x``'s dtype first, so the forward is
+bit-identical to the single-device module in every dtype) with a hand-written backward in fp32, rounded once to
+the gradient's dtype. In bf16 the two differ by the one rounding of ``x * rstd`` (at most 2^-9 relative, bf16's half
+unit in the last place); both are within one bf16 rounding of the same arithmetic done in fp32 on the upcast
+inputs. Being custom ops, they reach the dispatcher (and :class:`~boost_hf.perf.op_counter.OpCounter`) as one op
+each, moving what the fused kernels move:
 
 ==========================================  ====================================================
 op                                          reads -> writes
@@ -17,13 +23,17 @@ op                                          reads -> writes
 
 Used by the block norms of the layouts whose residual stream is whole on every rank (Megatron, vanilla):
 :class:`boost_hf.parallel.norms.FusedRMSNorm` (which runs the plain module under ``torch.compile``, where
-inductor fuses it with its neighbours). No communication.
+inductor fuses it with its neighbours); the weight gradient also by the sync norm under BTP
+(:class:`boost_hf.parallel.norms.SyncRMSNorm`, whose ``rstd`` comes from all ranks' statistics). No communication.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
+
+#: the dtypes the fused kernels take (``x`` and ``weight`` of one of them)
+FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 @torch.library.custom_op("boost_hf::rms_norm", mutates_args=())
@@ -108,4 +118,10 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     return _rms_norm(x, weight, eps)[0]
 
 
-__all__ = ["rms_norm"]
+def rms_norm_weight_backward(grad: Tensor, x: Tensor, rstd: Tensor, weight: Tensor) -> Tensor:
+    """``sum over rows of grad * x * rstd`` (``[d]``, ``weight``'s dtype; ``rstd: [..., 1]`` fp32, from any
+    statistics): the gradient of ``weight`` in one op, no autograd."""
+    return _weight_backward(grad, x, rstd, weight)
+
+
+__all__ = ["FUSED_DTYPES", "rms_norm", "rms_norm_weight_backward"]

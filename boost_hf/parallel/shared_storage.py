@@ -15,9 +15,13 @@ views, so each parameter's ``.grad`` is a row block of one gradient buffer too.
 * :func:`share_storage` moves parameters into one buffer (values kept). The layouts call it when they
   parallelize a layer; :class:`SharedStorageOwner` calls it again after ``module.to(...)`` / ``.half()`` /
   ``to_empty``, which give every parameter storage of its own.
+* :func:`cast_parameters` casts a model's parameters (not its buffers) to another dtype in place, as DeepSpeed's
+  bf16 mode does, keeping the grouped ones stored together (a per-parameter ``p.data = p.data.to(dtype)``
+  would give each its own storage).
 * :func:`joined_rows` is the stacked view, or ``None`` when the parameters are not consecutive blocks of one
-  storage (after ``load_state_dict(assign=True)``, under DeepSpeed ZeRO, which re-homes parameters in its own
-  flat buffers, ...). Callers then concatenate: the result is the same, one copy slower.
+  storage (after ``load_state_dict(assign=True)``, under DeepSpeed ZeRO-3, which partitions them, ...). Callers
+  then concatenate: the result is the same, one copy slower. (DeepSpeed's ZeRO-1/2 and bf16 flat buffers keep
+  them consecutive: :mod:`boost_hf.training.deepspeed` orders the optimizer's parameters for that.)
 """
 
 from __future__ import annotations
@@ -49,21 +53,41 @@ def joined_rows(tensors) -> torch.Tensor | None:
 
 
 @torch.no_grad()
-def share_storage(params: list[nn.Parameter]) -> None:
+def share_storage(params: list[nn.Parameter], dtype: torch.dtype | None = None) -> None:
     """Re-home ``params`` (same dtype, device and trailing shape) as consecutive row blocks of one new buffer,
-    in order; values, ``Parameter`` objects and their attributes are kept. Nothing to do if they already are."""
-    if len(params) < 2 or joined_rows(params) is not None:
-        return
+    in order, of ``dtype`` (default: theirs; values cast once); ``Parameter`` objects and their attributes are
+    kept. Nothing to do if they already are, in that dtype."""
     first = params[0]
+    dtype = first.dtype if dtype is None else dtype
+    if (len(params) < 2 or joined_rows(params) is not None) and first.dtype == dtype:
+        return
     if any(p.shape[1:] != first.shape[1:] or p.dtype != first.dtype or p.device != first.device for p in params):
         raise ValueError(
             "parameters stored as one must share dtype, device and trailing shape: got "
             + ", ".join(f"{tuple(p.shape)} {p.dtype} {p.device}" for p in params)
         )
-    buffer = torch.empty((sum(p.shape[0] for p in params), *first.shape[1:]), dtype=first.dtype, device=first.device)
+    buffer = torch.empty((sum(p.shape[0] for p in params), *first.shape[1:]), dtype=dtype, device=first.device)
     for param, block in zip(params, buffer.split([p.shape[0] for p in params])):
         block.copy_(param)
         param.data = block
+
+
+@torch.no_grad()
+def cast_parameters(module: nn.Module, dtype: torch.dtype) -> None:
+    """Cast every floating-point parameter of ``module`` to ``dtype`` in place (``param.data``, as DeepSpeed's
+    bf16 / fp16 modes do; buffers, e.g. the rotary ``inv_freq``, keep their dtype). Parameters stored together
+    (:class:`SharedStorageOwner`) are cast into one new buffer each and stay stored together; the others are cast
+    one by one. ``Parameter`` objects, their attributes and hooks are kept."""
+    grouped = set()
+    for owner in module.modules():
+        if isinstance(owner, SharedStorageOwner):
+            for params in owner.parameters_stored_together():
+                if joined_rows(params) is not None and params[0].is_floating_point():
+                    share_storage(params, dtype)
+                    grouped.update(id(p) for p in params)
+    for param in module.parameters():
+        if id(param) not in grouped and param.is_floating_point() and param.dtype != dtype:
+            param.data = param.data.to(dtype)
 
 
 class SharedStorageOwner:
@@ -73,7 +97,7 @@ class SharedStorageOwner:
 
     ``module.to(...)``, ``.half()``, ``.to_empty(...)`` etc. give every parameter new storage of its own;
     blocks that were stored together before are stored together again afterwards. Blocks that were not (a
-    framework such as DeepSpeed had re-homed them) are left where they are."""
+    framework such as DeepSpeed ZeRO-3 had re-homed them) are left where they are."""
 
     shared_storage: tuple[tuple[tuple[str, ...], str], ...] = ()
 
@@ -93,4 +117,4 @@ class SharedStorageOwner:
         return self
 
 
-__all__ = ["joined_rows", "share_storage", "SharedStorageOwner"]
+__all__ = ["joined_rows", "share_storage", "cast_parameters", "SharedStorageOwner"]

@@ -9,8 +9,10 @@ with ``L1`` and ``L2`` decoder layers, divided by ``L2 - L1``: embedding, LM hea
 A training step is what ``transformers.Trainer`` runs: forward with labels and no KV cache
 (``TrainingArguments.use_cache`` is ``False``), backward, optimizer.
 
-* :func:`count_rank_layer` counts forward + backward under ``FakeTensorMode`` with bf16 autocast: GEMM
-  and attention FLOPs, non-GEMM bytes and ops per aten op (:class:`~boost_hf.perf.op_counter.OpCounter`),
+* :func:`count_rank_layer` counts forward + backward under ``FakeTensorMode``, in either precision large-scale
+  training runs: bf16 autocast over fp32 parameters (the default), or bf16 parameters without autocast
+  (``param_dtype=torch.bfloat16, autocast_dtype=None``: DeepSpeed's bf16 mode, Megatron-LM's, fp32 master
+  weights living in the optimizer). It counts GEMM and attention FLOPs, non-GEMM bytes and ops per aten op (:class:`~boost_hf.perf.op_counter.OpCounter`),
   and collectives (:class:`~boost_hf.parallel.comm_counter.CommCounter`). Fake tensors have no storage,
   so real 7B shapes run on a laptop. The model is built on the ``meta`` device (outside fake mode: setting
   up the process-group mesh reads real values) and its parameters and buffers are then replaced by fake
@@ -38,6 +40,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from ..parallel.comm_counter import CommCounter
 from ..parallel.communication import COLLECTIVE_KINDS
+from ..parallel.shared_storage import cast_parameters
 from ..parallel.state import reset_parallel_states
 from ..parallel.compile import compile_decoder_layers
 from .activation_memory import SavedTensorsProbe
@@ -99,13 +102,16 @@ def _build(config, parallel):
     return BoostLlamaForCausalLM(config, parallel_config=parallel).train()
 
 
-def build_fake_model(config, parallel, fake_mode) -> nn.Module:
+def build_fake_model(config, parallel, fake_mode, param_dtype: torch.dtype | None = None) -> nn.Module:
     """A ``BoostLlamaForCausalLM`` whose parameters and buffers are CPU fake tensors of ``fake_mode`` (a
-    ``FakeTensorMode``). Call it outside fake mode: the model is first built on ``meta`` (see the module
-    docstring). The parameters' gradient hooks (e.g. the all-reduce of a replicated parameter that sees only
-    this rank's tokens under sequence parallelism) are registered on their fakes."""
+    ``FakeTensorMode``), the parameters in ``param_dtype`` (``None``: as built, fp32; buffers keep theirs). Call it
+    outside fake mode: the model is first built on ``meta`` (see the module docstring). The parameters' gradient
+    hooks (e.g. the all-reduce of a replicated parameter that sees only this rank's tokens under sequence
+    parallelism) are registered on their fakes."""
     with torch.device("meta"):
         model = _build(config, parallel)
+        if param_dtype is not None:
+            cast_parameters(model, param_dtype)
     fakes: dict[int, torch.Tensor] = {}  # tied tensors stay tied
     storages: dict[StorageWeakRef, torch.Tensor] = {}  # parameters stored together stay together
     with fake_mode:
@@ -143,13 +149,13 @@ def _rows_are_unpacked():
         yield
 
 
-def _count_model(config, parallel, micro_batch: int, seq: int, autocast_dtype) -> dict[str, dict[str, int]]:
+def _count_model(config, parallel, micro_batch: int, seq: int, autocast_dtype, param_dtype) -> dict[str, dict[str, int]]:
     """Flat counts ``{"forward" | "backward": {key: value}}`` of one training step of a whole model."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     passes = {}
     fake_mode = FakeTensorMode()
-    model = build_fake_model(config, parallel, fake_mode)
+    model = build_fake_model(config, parallel, fake_mode, param_dtype)
     saved = SavedTensorsProbe(model)
     with fake_mode, _rows_are_unpacked():
         input_ids = torch.zeros(micro_batch, seq, dtype=torch.long)
@@ -209,7 +215,7 @@ def _summary(flat: dict[str, float]) -> dict:
 
 def count_rank_layer(
     config, parallel, micro_batch: int, seq: int, *, layers: tuple[int, int] = DEFAULT_LAYERS,
-    autocast_dtype: torch.dtype | None = torch.bfloat16,
+    autocast_dtype: torch.dtype | None = torch.bfloat16, param_dtype: torch.dtype | None = None,
 ) -> dict:
     """Counted cost of one decoder layer on one tensor-parallel rank, per training micro-batch.
 
@@ -218,7 +224,9 @@ def count_rank_layer(
         parallel: a ``ParallelConfig``; ``parallel.check_model(config)`` must pass.
         micro_batch, seq: the micro-batch is ``micro_batch x seq`` tokens.
         layers: ``(L1, L2)``, the layer counts of the two models differenced.
-        autocast_dtype: CPU autocast dtype of the forward (``None``: fp32 throughout).
+        autocast_dtype: CPU autocast dtype of the forward (``None``: no autocast, the parameters' dtype throughout).
+        param_dtype: the parameters' dtype (``None``: fp32). bf16 parameters without autocast
+            (``param_dtype=torch.bfloat16, autocast_dtype=None``) is how DeepSpeed's bf16 mode and Megatron-LM train.
 
     Returns ``{"forward", "backward", "total"}``, each a dict with the per-layer ``gemm_flops``,
     ``attention_flops``, ``non_gemm_bytes``, ``non_gemm_ops``, ``non_gemm_by_op`` (``{op: {"bytes",
@@ -231,7 +239,7 @@ def count_rank_layer(
     parallel.check_model(config)
     _require_fake_process_group(parallel.tp_size)
     fewer, more = (
-        _count_model(_layer_config(config, n, seq), parallel, micro_batch, seq, autocast_dtype) for n in layers
+        _count_model(_layer_config(config, n, seq), parallel, micro_batch, seq, autocast_dtype, param_dtype) for n in layers
     )
     span = layers[1] - layers[0]
     per_pass = {name: _per_layer(more[name], fewer[name], span) for name in ("forward", "backward")}
@@ -309,7 +317,7 @@ def _first_line(error: BaseException) -> str:
 def measure_rank_layers(
     variants: Mapping[str, tuple], micro_batch: int, seq: int, *, device: str = "cpu", compile: bool = False,
     layers: tuple[int, int] = DEFAULT_LAYERS, autocast_dtype: torch.dtype | None = torch.bfloat16,
-    warmup: int = 2, reps: int = 10,
+    param_dtype: torch.dtype | None = None, warmup: int = 2, reps: int = 10,
 ) -> dict[str, dict]:
     """Measured time of one decoder layer on one tensor-parallel rank, per training step, for each of
     ``variants`` (name -> ``(BoostLlamaConfig, ParallelConfig)``).
@@ -317,7 +325,8 @@ def measure_rank_layers(
     For each variant two models (``L1`` and ``L2`` layers, real weights on ``device``) take training steps
     (forward with labels under autocast, backward, AdamW) round-robin with every other variant's, the
     starting model rotating each round; after ``warmup`` rounds, each of ``reps`` rounds gives
-    ``(t(L2) - t(L1)) / (L2 - L1)``. ``compile``: each model's decoder layers are compiled in place, as
+    ``(t(L2) - t(L1)) / (L2 - L1)``. ``param_dtype``: the parameters' dtype (``None``: fp32; AdamW then steps
+    them directly, in that dtype). ``compile``: each model's decoder layers are compiled in place, as
     ``BoostTrainer --torch_compile`` does (:func:`~boost_hf.parallel.compile.compile_decoder_layers`;
     ``warmup`` must be at least 1 to compile outside the timed rounds).
 
@@ -335,6 +344,8 @@ def measure_rank_layers(
                     torch.manual_seed(0)
                     # drawn on the CPU (each weight from its own CPU generator), then moved: shared storage follows
                     model = _build(_layer_config(config, n, seq), parallel).to(device)
+                    if param_dtype is not None:
+                        cast_parameters(model, param_dtype)
                     steps[name, n] = _step_fn(model, device, micro_batch, seq, autocast_dtype, compile)
                     for _ in range(warmup):
                         steps[name, n]()

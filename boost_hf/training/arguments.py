@@ -26,6 +26,7 @@ from ..optim.loro_schedule import check_authors_schedule
 from .compatibility import check_settings, settings_from_accelerate
 from .health import NONFINITE_POLICIES
 from .preemption import DEFAULT_EXIT_SIGNALS, parse_exit_signals
+from .precision import resolve_precision
 from .watchdog import enter_phase, exit_with_launcher, watch_launch
 
 logger = logging.getLogger(__name__)
@@ -150,6 +151,15 @@ class BoostTrainingArguments(LayoutArguments, TrainingArguments):
             parameters (torch's ``ZeroRedundancyOptimizer`` over the DP group; :mod:`boost_hf.training.zero1`), at any
             layout including ``pp_size > 1``; each rank saves its own share (resumable at any layout, with or
             without it). At dp 1 there is nothing to shard: the plain optimizer. Not with DeepSpeed or LORO.
+        precision_policy: how bf16 (``--bf16``, or accelerate's ``mixed_precision``) trains
+            (:mod:`boost_hf.training.precision`): ``"autocast"`` (the default: fp32 parameters, the forward under bf16
+            autocast) or ``"bf16_params"`` (bf16 parameters, fp32 master weights, gradients accumulated and all-reduced
+            over DP in fp32, checkpoints in fp32). With DeepSpeed's bf16 mode the policy is DeepSpeed's own
+            ``bf16_params``. Refused without bf16.
+        grad_reduce_dtype: ``bf16_params`` only: the dtype of the data-parallel gradient all-reduce, ``"fp32"``
+            (default) or ``"bf16"`` (half the bytes; each bucket rounded to bf16 for the sum, then accumulated back in fp32).
+        fp32_residual: ``bf16_params`` only: keep the residual stream in fp32 while the layers compute in bf16
+            (Megatron-LM's ``fp32_residual_connection``; off by default, as there).
         exit_signals: signals (default ``"SIGTERM,SIGUSR1"``; ``""``: none) after which every rank finishes its step, the
             run saves a checkpoint and every rank exits with status 76 (:mod:`boost_hf.training.preemption`).
         exit_after_minutes: the same after this many minutes since the process started (default 0: no budget), e.g. a
@@ -203,6 +213,18 @@ class BoostTrainingArguments(LayoutArguments, TrainingArguments):
     adam_epsilon_placement: str = field(
         default="torch", metadata={"help": "torch (torch's AdamW) or transformers (lr sqrt(bc2)/bc1 m/(sqrt(v)+eps), the LORO "
                                            "authors' optimizer); LORO only."}
+    )
+    # precision (issue 26): boost_hf/training/precision.py
+    precision_policy: str | None = field(
+        default=None,
+        metadata={"help": "With bf16: autocast (default; fp32 parameters under bf16 autocast) or bf16_params (bf16 "
+                          "parameters, fp32 masters and gradient accumulation/reduction). DeepSpeed bf16 is bf16_params."},
+    )
+    grad_reduce_dtype: str | None = field(
+        default=None, metadata={"help": "bf16_params: dtype of the data-parallel gradient all-reduce, fp32 (default) or bf16."}
+    )
+    fp32_residual: bool = field(
+        default=False, metadata={"help": "bf16_params: keep the residual stream in fp32 (Megatron's fp32_residual_connection)."}
     )
     # preemption: stop at a step boundary, save, exit with status 76 (boost_hf.training.preemption)
     exit_signals: str = field(
@@ -273,6 +295,7 @@ class BoostTrainingArguments(LayoutArguments, TrainingArguments):
         if not self.exit_after_minutes >= 0:
             raise ValueError(f"exit_after_minutes must be >= 0 (0: no time budget), got {self.exit_after_minutes}.")
         self.to_parallel_config()  # validate the layout fields now, not after the model is built
+        resolve_precision(self)  # validate the precision fields (--bf16, accelerate's mixed precision, DeepSpeed's bf16)
         if self.sequence_parallel and self.tp_size > 1 and self.sample_max_new_tokens > 0:
             raise ValueError(
                 f"sequence_parallel=True cannot generate the end-of-training sample (sample_max_new_tokens="

@@ -8,10 +8,26 @@ answers with our TP group as the model-parallel group and our DP group as the da
 
 ``accelerate`` forwards an ``mpu`` to ``deepspeed.initialize`` only for its own sequence parallelism,
 but ``Accelerator._prepare_deepspeed`` looks ``deepspeed.initialize`` up when it is called. The one
-integration point is :func:`deepspeed_initialize_with_mpu`, a context manager under which
-``deepspeed.initialize`` receives our ``mpu``; :class:`~boost_hf.training.trainer.BoostTrainer` wraps
-its ``accelerator.prepare`` call in it. :func:`configure_deepspeed` fixes the batch size (from the DP
-size, not the world size) and the clipping threshold of the DeepSpeed config.
+integration point is :func:`deepspeed_initialize_hooks`, a context manager under which
+``deepspeed.initialize`` receives our ``mpu`` and a model whose grouped projections DeepSpeed keeps grouped;
+:class:`~boost_hf.training.trainer.BoostTrainer` wraps its ``accelerator.prepare`` call in it.
+:func:`configure_deepspeed` fixes the batch size (from the DP size, not the world size) and the clipping
+threshold of the DeepSpeed config.
+
+**Grouped storage under DeepSpeed.** The parameters a grouped GEMM reads together (q/k/v's and gate/up's A's and
+B's, Megatron's q/k/v and gate/up weights) are row blocks of one buffer (:mod:`boost_hf.parallel.shared_storage`),
+so the GEMM reads them as one tensor without a copy. DeepSpeed re-homes parameters twice: its bf16 / fp16 mode
+casts each one (``p.data = p.data.to(dtype)``, a storage of its own each), and its optimizers (ZeRO-1/2, the bf16
+and fp16 optimizers) copy the trainable ones into flat buffers, in the order of the optimizer's parameter groups,
+and point each parameter at its slice. :func:`deepspeed_initialize_hooks` therefore, before DeepSpeed sees them,
+casts the parameters itself keeping each group in one buffer
+(:func:`~boost_hf.parallel.shared_storage.cast_parameters`; DeepSpeed's cast then has nothing to do) and orders
+the optimizer's parameter groups so that the parameters stored together are consecutive, in storage order
+(:func:`order_stored_together`): DeepSpeed's flat buffers then hold each group as consecutive rows again, and
+the grouped GEMMs keep reading views (in fp32 and in bf16). This changes where each parameter lies in
+DeepSpeed's flat buffers, so a checkpoint records the order (:data:`DEEPSPEED_PARAMETER_ORDER`) and one written
+in the earlier order is refused on resume instead of loading its ZeRO partitions into the wrong parameters
+(:mod:`boost_hf.training.resume`).
 
 On CPU, DeepSpeed compiles a shared-memory collective op on first use (75-95 s on 2 cores, cached in
 ``~/.cache/torch_extensions``); training does not need it. ``BOOST_HF_DEEPSPEED_SHM_COMM=0`` skips it.
@@ -22,6 +38,9 @@ from __future__ import annotations
 import contextlib
 import os
 
+import torch
+
+from ..parallel.shared_storage import SharedStorageOwner, cast_parameters
 from ..parallel.state import ParallelState
 
 SHM_COMM_ENV = "BOOST_HF_DEEPSPEED_SHM_COMM"
@@ -56,9 +75,51 @@ class ModelParallelUnit:
         return self._dp_group
 
 
+#: how DeepSpeed's flat buffers order the parameters (recorded in a checkpoint's training layout; see the module
+#: docstring): each group of parameters stored together consecutively, at the place of its first member
+DEEPSPEED_PARAMETER_ORDER = "stored-together-consecutive"
+
+
+def order_stored_together(model, param_groups) -> None:
+    """Reorder each parameter group's ``"params"`` (a list, in place) so that the parameters ``model`` stores
+    together (:class:`~boost_hf.parallel.shared_storage.SharedStorageOwner`) follow each other in storage order,
+    at the place of the first of them; the other parameters keep their order. A set split over two groups (not
+    expected: a projection group's parameters share their weight decay) is left as it is."""
+    together = {}
+    for owner in model.modules():
+        if isinstance(owner, SharedStorageOwner):
+            for params in owner.parameters_stored_together():
+                together.update({id(p): params for p in params})
+    for group in param_groups:
+        params = group["params"]
+        present, ordered, placed = {id(p) for p in params}, [], set()
+        for param in params:
+            members = together.get(id(param), [param])
+            if not all(id(p) in present for p in members):
+                members = [param]
+            for member in members:
+                if id(member) not in placed:
+                    ordered.append(member)
+                    placed.add(id(member))
+        params[:] = ordered
+
+
+def _parameter_dtype(config) -> torch.dtype | None:
+    """The dtype DeepSpeed's config casts the parameters to (bf16 / fp16), or ``None``."""
+    if not isinstance(config, dict):
+        return None
+    for key, dtype in (("bf16", torch.bfloat16), ("bfloat16", torch.bfloat16), ("fp16", torch.float16)):
+        if config.get(key, {}).get("enabled") is True:
+            return dtype
+    return None
+
+
 @contextlib.contextmanager
-def deepspeed_initialize_with_mpu(mpu: ModelParallelUnit):
-    """Within the block, every ``deepspeed.initialize(...)`` call (accelerate's included) gets ``mpu=mpu``."""
+def deepspeed_initialize_hooks(mpu: ModelParallelUnit | None):
+    """Within the block, every ``deepspeed.initialize(...)`` call (accelerate's included) gets ``mpu=mpu`` (when
+    given) and keeps the grouped projections' storage: the model's parameters are cast to DeepSpeed's bf16 / fp16
+    dtype in groups first and the optimizer's parameter groups (or ``model_parameters``) are ordered with
+    :func:`order_stored_together` (see the module docstring)."""
     import deepspeed
 
     original = deepspeed.initialize
@@ -66,7 +127,19 @@ def deepspeed_initialize_with_mpu(mpu: ModelParallelUnit):
     def initialize(*args, **kwargs):
         if kwargs.get("mpu") is not None:
             raise ValueError("accelerate passed its own mpu (sequence parallelism), which boost-hf's TP groups cannot share.")
-        kwargs["mpu"] = mpu
+        if mpu is not None:
+            kwargs["mpu"] = mpu
+        model, config = kwargs.get("model"), kwargs.get("config_params", kwargs.get("config"))
+        if model is not None:
+            dtype = _parameter_dtype(config)
+            if dtype is not None:
+                cast_parameters(model, dtype)
+            optimizer = kwargs.get("optimizer")
+            if optimizer is not None and hasattr(optimizer, "param_groups"):
+                order_stored_together(model, optimizer.param_groups)
+            parameters = kwargs.get("model_parameters")
+            if isinstance(parameters, list) and parameters and isinstance(parameters[0], dict):
+                order_stored_together(model, parameters)
         return original(*args, **kwargs)
 
     deepspeed.initialize = initialize
@@ -114,4 +187,4 @@ def skip_shm_comm_if_requested() -> None:
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
 
-__all__ = ["ModelParallelUnit", "deepspeed_initialize_with_mpu", "configure_deepspeed", "skip_shm_comm_if_requested", "SHM_COMM_ENV"]
+__all__ = ["ModelParallelUnit", "DEEPSPEED_PARAMETER_ORDER", "deepspeed_initialize_hooks", "order_stored_together", "configure_deepspeed", "skip_shm_comm_if_requested", "SHM_COMM_ENV"]

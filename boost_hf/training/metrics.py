@@ -20,12 +20,15 @@ key                            meaning (averaged over the optimizer steps since 
                                backward)
 ``comm_tp_calls_per_step``     number of those collectives
 ``comm_dp_grad_bytes_per_step``  payload of the data-parallel gradient reduction of this rank (its local
-                               gradients once per step; 0 without data parallelism). Ring all-reduce moves
-                               about twice this over the wire; ZeRO-3's parameter all-gathers come on top.
+                               gradients once per step, in the dtype the precision policy reduces them in: 4
+                               bytes per element in fp32, 2 with ``--grad_reduce_dtype bf16`` and DeepSpeed's
+                               bf16; 0 without data parallelism). Ring all-reduce moves about twice this over
+                               the wire; ZeRO-3's parameter all-gathers come on top.
 ``comm_p2p_bytes_per_step``     bytes this rank sends to its pipeline neighbours (each micro-batch's stage
                                output forward, its input gradient backward; it receives as much), counted
                                from :func:`~boost_hf.perf.comm_formula.stage_boundary_communication` for the
-                               schedule's micro-batches (0 without pipeline parallelism)
+                               schedule's micro-batches, in the policy's boundary dtype (2 bytes per element in
+                               bf16; 0 without pipeline parallelism)
 =============================  ============================================================================
 """
 

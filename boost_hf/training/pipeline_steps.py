@@ -23,7 +23,7 @@ from torch import nn
 
 from ..evaluation import target_bytes
 from ..parallel.cross_entropy import IGNORE_INDEX
-from ..parallel.pipeline import activation_dtype, stage_ranks
+from ..parallel.pipeline import stage_ranks
 from ..perf.comm_formula import stage_boundary_communication
 
 
@@ -100,12 +100,13 @@ def boundary_bytes_per_step(pipeline, batch_shape: tuple[int, int]) -> int:
     """Bytes this rank sends to its pipeline neighbours in one training step of a ``[B, S]`` batch: per
     micro-batch, each of its stages sends its output forward (all but the last stage) and the gradient of its
     input backward (all but the first), each crossing the tensors of
-    :func:`~boost_hf.perf.comm_formula.stage_boundary_communication` (it receives the same amount)."""
+    :func:`~boost_hf.perf.comm_formula.stage_boundary_communication` in the pipeline's boundary dtype (it receives
+    the same amount)."""
     parallel, last = pipeline.parallel, pipeline.placement.num_stages - 1
     rows, seq = batch_shape
     crossing = stage_boundary_communication(pipeline.model.config, parallel, rows // parallel.microbatches * seq)
     crossings = sum(int(stage > 0) + int(stage < last) for stage in pipeline.placement.stages) * parallel.microbatches
-    return crossings * crossing.bytes(activation_dtype(pipeline.model).itemsize)
+    return crossings * crossing.bytes(pipeline.boundary_dtype.itemsize)
 
 
 @torch.no_grad()

@@ -47,6 +47,8 @@ def build_trainer(argv: list[str], **trainer_kwargs) -> BoostTrainer:
 def main(argv: list[str]) -> None:
     trainer = build_trainer(argv)
     training_args = trainer.args
+    if trainer.is_world_process_zero():
+        print(trainer.precision.describe())
     resume = training_args.resume_from_checkpoint
     if resume == "auto":  # a job script's first launch and its requeues alike
         resume = "last" if completed_checkpoints(training_args.output_dir) else None

@@ -19,7 +19,9 @@ are the same). Together the files hold every parameter's state under its canonic
   scalars (``step``) and the hyper-parameters of the parameter groups are copied. Exact (no arithmetic). The DP
   size of a run without DeepSpeed does not enter the optimizer state.
 * **DeepSpeed**: ZeRO partitions over the DP group are resumed by DeepSpeed at the same TP x DP size and
-  ZeRO stage only; another layout raises :class:`ResumeLayoutError`.
+  ZeRO stage only; another layout raises :class:`ResumeLayoutError`, and so does a checkpoint whose DeepSpeed flat
+  buffers order the parameters otherwise (``deepspeed_parameter_order``, written by an earlier version:
+  :mod:`boost_hf.training.deepspeed`).
 * **Data position**: the trainer resumes at ``global_step`` and skips ``global_step x global batch`` samples of
   the epoch's seeded permutation. The permutation does not depend on the layout, and step ``s`` trains
   samples ``[s x B, (s + 1) x B)`` of it at any DP size, micro-batch and accumulation whose product is the global
@@ -38,6 +40,7 @@ import torch
 
 from ..parallel.sharding import shard_spec_of
 from .checkpoint import optimizer_file_name
+from .deepspeed import DEEPSPEED_PARAMETER_ORDER
 
 LAYOUT_NAME = "training_layout.json"
 
@@ -81,6 +84,8 @@ def training_layout(*, tp_size: int, dp_size: int, zero_stage: int | None, args,
         "per_device_train_batch_size": args.per_device_train_batch_size,
         "gradient_accumulation_steps": args.gradient_accumulation_steps,
     }
+    if zero_stage is not None:
+        layout["deepspeed_parameter_order"] = DEEPSPEED_PARAMETER_ORDER
     if zero_stage is None and optimizer_records is not None:
         layout["optimizer"] = optimizer_records
     return layout
@@ -153,6 +158,13 @@ def check_resume_layout(checkpoint: str, current: dict) -> None:
             "cannot reshard ZeRO partitions to another TP x DP size or stage. Resume at "
             f"tp_size={saved['tp_size']} on {saved['tp_size'] * saved['dp_size']} processes with ZeRO-{saved['zero_stage']}, "
             f"or {weights_only}."
+        )
+    if saved.get("deepspeed_parameter_order") != current.get("deepspeed_parameter_order"):
+        raise ResumeLayoutError(
+            f"{checkpoint} is a DeepSpeed checkpoint written by an earlier boost-hf version, whose DeepSpeed flat buffers "
+            "hold the parameters in another order (this version keeps each grouped projection's parameters consecutive): "
+            "its ZeRO partitions would load into the wrong parameters. Resume it with the boost-hf version that wrote "
+            f"it, or {weights_only}."
         )
 
 

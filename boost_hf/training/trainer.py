@@ -16,16 +16,26 @@ Trainer hook                           boost-hf behaviour
                                        (pp > 1) forward only through the pipeline, ``compute_metrics`` on the
                                        last stage's logits, its metrics broadcast to every stage
 ``create_accelerator_and_postprocess``  ``--torch_compile``: each decoder layer compiled in place
-                                       (:mod:`boost_hf.parallel.compile`), not the whole model
+                                       (:mod:`boost_hf.parallel.compile`), not the whole model; accelerate's bf16
+                                       autocast off: the precision policy is applied here (next row)
+``autocast_smart_context_manager``     the precision policy (:mod:`boost_hf.training.precision`, ``--bf16``,
+                                       ``--precision_policy``): its autocast around every forward (training,
+                                       evaluation, the sample); (pp > 1) each stage applies it, and sends its
+                                       boundary tensors in the compute dtype; ``bf16_params``: bf16 parameters
+                                       with fp32 masters, gradients accumulated and all-reduced over DP in fp32
+                                       (no DDP), the masters stepped, saved and loaded
 ``create_optimizer`` /                 ``--lowrank_optimizer loro``: LORO on the factors of an svd model, AdamW on the rest,
 ``create_scheduler``                   the schedule restarting after each exact step (:mod:`boost_hf.optim.loro`), or the
                                        LORO authors' (``--loro_schedule authors``, :mod:`boost_hf.optim.loro_schedule`);
                                        ``--zero1_optimizer``: the optimizer sharded over DP (:mod:`boost_hf.training.zero1`)
 ``get_tp_size``                        our TP size: global batch and loss scaling count DP ranks only
 ``_wrap_model``                        (tp > 1, no DeepSpeed) DDP over the DP group, never across TP ranks;
-                                       (pp > 1) no DDP here: the pipeline wraps each stage (:mod:`.pipeline_steps`)
+                                       (pp > 1) no DDP here: the pipeline wraps each stage (:mod:`.pipeline_steps`);
+                                       (``bf16_params``) no DDP at all: the master parameters' hooks reduce the
+                                       fp32 gradients over DP
 ``_prepare_for_training``              (DeepSpeed) ``deepspeed.initialize`` gets our groups as ``mpu``: ZeRO
-                                       shards over DP only (:mod:`boost_hf.training.deepspeed`)
+                                       shards over DP only; grouped projections stay stored together in its
+                                       bf16 cast and flat buffers (:mod:`boost_hf.training.deepspeed`)
 ``_clip_grad_norm`` / ``_get_grad_norm``  (no DeepSpeed) the true global norm: TP shards summed over the TP
                                        group, replicated parameters once (DeepSpeed does the same via ``mpu``)
 ``training_step`` / ``log``            tokens/s, MFU, communication per step (:mod:`boost_hf.training.metrics`),
@@ -107,7 +117,7 @@ from .output_lock import OutputDirInUseError, OutputDirLock
 from .data import EvalShard, StreamLoader, restore_data_position, save_data_position, shard_by_data_parallel_rank
 from ..parallel.state import ParallelState
 from ..evaluation import batch_sums, metrics_from_sums, sums_of_batch
-from .deepspeed import ModelParallelUnit, configure_deepspeed, deepspeed_initialize_with_mpu, skip_shm_comm_if_requested
+from .deepspeed import ModelParallelUnit, configure_deepspeed, deepspeed_initialize_hooks, skip_shm_comm_if_requested
 from .grad_norm import clip_grad_norm_, global_grad_norm
 from .health import is_finite, nonfinite_error, poison_nonfinite_loss
 from .metrics import TrainingMetrics
@@ -123,6 +133,15 @@ from .pipeline_steps import (
     pipeline_training_step,
 )
 from .preemption import StopAtStepEnd, StopRequests, TrainingStopped, parse_exit_signals
+from .precision import (
+    DEFAULT_BUCKET_MB,
+    CastAfterOptimizerStep,
+    DataParallelReplica,
+    full_precision_parameters,
+    keep_master_parameters,
+    resolve_precision,
+    set_residual_dtype,
+)
 from .preflight import TokenIdCheckingCollator, check_dataset
 from .resume import (
     check_resume_layout,
@@ -189,12 +208,23 @@ class BoostTrainer(Trainer):
         self._nonfinite_loss_logged: torch.Tensor | bool = False  # a non-finite micro-batch loss since the last log
         super().__init__(model=model, args=args, **kwargs)
         state = self.parallel_state
+        self.precision = resolve_precision(self.args)
+        self.master_parameters = None  # bf16_params: the fp32 masters and gradients (training/precision.py)
+        if self.precision.has_masters:
+            bucket = (getattr(self.args, "ddp_bucket_cap_mb", None) or DEFAULT_BUCKET_MB) << 20
+            self.master_parameters = keep_master_parameters(model, self.precision, state.dp_group, state.dp_size, bucket)
+            self.add_callback(CastAfterOptimizerStep(self.master_parameters))
+        if self.precision.keeps_fp32_residual:
+            set_residual_dtype(model, self.precision.residual_dtype)
+        if pipeline_of(model) is not None:
+            pipeline_of(model).set_precision(self.precision.stage_precision(), ddp_over_data_parallel=self.master_parameters is None)
+        trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
         self.metrics = TrainingMetrics(
             model.config,
             world_size=state.tp_size * state.dp_size * state.pp_size,
             dp_size=state.dp_size,
             peak_tflops=getattr(self.args, "peak_tflops", None) or default_peak_tflops(),
-            dp_grad_bytes=0 if state.dp_size == 1 else sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad),
+            dp_grad_bytes=0 if state.dp_size == 1 else trained * self.precision.grad_reduce_dtype.itemsize,
         )
         self.add_callback(self.metrics)
         self.stop_requests = StopRequests(parse_exit_signals(getattr(self.args, "exit_signals", "")),
@@ -219,6 +249,14 @@ class BoostTrainer(Trainer):
             # per decoder layer, in place, at any TP size; accelerate must not compile the whole model again
             compile_decoder_layers(self.model, backend=self.args.torch_compile_backend, mode=self.args.torch_compile_mode)
             self.accelerator.state.dynamo_plugin.backend = DynamoBackend.NO
+        if self.accelerator.mixed_precision == "bf16" and not self.is_deepspeed_enabled:
+            # the precision policy's autocast is applied here (autocast_smart_context_manager) and by each pipeline
+            # stage; accelerate would wrap the forward of the models it prepares only, and bf16_params runs none
+            self.accelerator.native_amp = False
+
+    def autocast_smart_context_manager(self, cache_enabled: bool | None = True) -> contextlib.AbstractContextManager:
+        """The precision policy's autocast (``torch.autocast`` to the compute dtype, or nothing) for a forward."""
+        return self.precision.autocast(self.args.device.type)
 
     def create_optimizer(self, model=None):
         if self.optimizer is None and getattr(self.args, "lowrank_optimizer", "adamw") == "loro":
@@ -267,6 +305,8 @@ class BoostTrainer(Trainer):
     def _wrap_model(self, model, training: bool = True, dataloader=None):
         if pipeline_of(self.model) is not None:
             return model if isinstance(model, PipelineReplica) else PipelineReplica(model)
+        if training and self.master_parameters is not None:  # gradients reduced over DP by the master parameters
+            return model if isinstance(model, DataParallelReplica) else DataParallelReplica(model)
         if not training or self.is_deepspeed_enabled or self.parallel_state.tp_size == 1:
             return super()._wrap_model(model, training, dataloader)
         if self.accelerator.unwrap_model(model, keep_torch_compile=False) is not model:
@@ -279,10 +319,11 @@ class BoostTrainer(Trainer):
         return torch.nn.parallel.DistributedDataParallel(model, device_ids=device_ids, process_group=dp_group, **kwargs)
 
     def _prepare_for_training(self, max_steps, train_dataloader, resume_from_checkpoint):
-        groups = contextlib.nullcontext()
-        if self.is_deepspeed_enabled and self.parallel_state.mesh is not None:
-            groups = deepspeed_initialize_with_mpu(ModelParallelUnit(self.parallel_state))
-        with groups:
+        hooks = contextlib.nullcontext()
+        if self.is_deepspeed_enabled:
+            mpu = ModelParallelUnit(self.parallel_state) if self.parallel_state.mesh is not None else None
+            hooks = deepspeed_initialize_hooks(mpu)
+        with hooks:
             return super()._prepare_for_training(max_steps, train_dataloader, resume_from_checkpoint)
 
     # ------------------------------------------------------------------ data
@@ -333,7 +374,7 @@ class BoostTrainer(Trainer):
         predictions, label_ids = [], []
         pipeline = pipeline_of(self.model)
         collecting = last_stage_logits(pipeline) if pipeline is not None and wants_predictions else contextlib.nullcontext()
-        with torch.no_grad(), collecting as last_stage_outputs:
+        with torch.no_grad(), collecting as last_stage_outputs, self.autocast_smart_context_manager():
             for batch in dataloader:
                 batch = self._prepare_inputs(batch)
                 if pipeline is not None:  # summed over DP already
@@ -350,6 +391,7 @@ class BoostTrainer(Trainer):
                     outputs = model(**batch, num_items_in_batch=1, **full_logits)
                     totals += batch_sums(outputs.loss, batch["labels"], self.processing_class)
                     logits = outputs.logits
+                logits = logits.float()  # as accelerate hands them over (bf16 has no numpy type)
                 if self.preprocess_logits_for_metrics is not None:
                     logits = self.preprocess_logits_for_metrics(logits, batch["labels"])
                 predictions.append(logits.cpu())
@@ -397,21 +439,31 @@ class BoostTrainer(Trainer):
         bos = getattr(self.processing_class, "bos_token_id", None)
         if bos is not None:
             self._bos_seen = (inputs["input_ids"] == bos).any() | self._bos_seen
+        pipeline = pipeline_of(self.model)
+        if self.master_parameters is not None:  # backward passes reaching each parameter before the optimizer step
+            self.master_parameters.accumulations_per_step = (
+                pipeline.parallel.microbatches if pipeline is not None else self.current_gradient_accumulation_steps
+            )
         with self.metrics.comm:
-            pipeline = pipeline_of(self.model)
             if pipeline is None:
                 loss = super().training_step(model, inputs, num_items_in_batch)
             else:
-                model.train()
-                with self.compute_loss_context_manager():
-                    loss = poison_nonfinite_loss(pipeline_training_step(pipeline, self._prepare_inputs(inputs)))
+                model.train()  # each stage's forward applies the precision policy (Pipeline.set_precision)
+                loss = poison_nonfinite_loss(pipeline_training_step(pipeline, self._prepare_inputs(inputs)))
                 self.metrics.count_p2p_bytes(boundary_bytes_per_step(pipeline, tuple(inputs["input_ids"].shape)))
         self._nonfinite_loss_logged = ~torch.isfinite(loss) | self._nonfinite_loss_logged  # no sync
         return loss
 
+    def _gradients_ready(self) -> None:
+        """bf16_params: finish the DP reduction and present the fp32 masters and gradients to clipping and the
+        optimizer (until the step ends, :class:`~boost_hf.training.precision.CastAfterOptimizerStep`)."""
+        if self.master_parameters is not None:
+            self.master_parameters.gradients_ready()
+
     def _clip_grad_norm(self, model):
         if self.is_deepspeed_enabled:
             return super()._clip_grad_norm(model)
+        self._gradients_ready()
         self.accelerator.unscale_gradients()
         state = self.parallel_state
         return clip_grad_norm_(model.parameters(), self.args.max_grad_norm, state.tp_group, state.pp_group)
@@ -419,6 +471,7 @@ class BoostTrainer(Trainer):
     def _get_grad_norm(self, model, grad_norm=None):
         """The global grad norm, checked on every step (the same value on every rank, see
         :mod:`boost_hf.training.health`): ``--nonfinite stop`` raises, ``skip_step`` drops the gradients."""
+        self._gradients_ready()
         if grad_norm is None and not self.is_deepspeed_enabled:
             grad_norm = global_grad_norm(model.parameters(), self.parallel_state.tp_group, self.parallel_state.pp_group)
         grad_norm = super()._get_grad_norm(model, grad_norm)
@@ -473,9 +526,10 @@ class BoostTrainer(Trainer):
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """Write the Hugging Face folder: canonical safetensors files of at most ``--save_max_shard_size``, written
         from every rank's shards (no rank holds the whole model), config, remote code, tokenizer and model card.
-        Collective: call on every rank."""
+        Collective: call on every rank. Under ``bf16_params`` the weights written are the fp32 masters
+        (:func:`~boost_hf.training.precision.full_precision_parameters`)."""
         output_dir = output_dir or self.args.output_dir
-        with full_parameters(self.model, self._zero_stage), self.publishing():
+        with full_precision_parameters(self.model), full_parameters(self.model, self._zero_stage), self.publishing():
             self.model.save_pretrained(output_dir, is_main_process=self.args.should_save,
                                        max_shard_size=getattr(self.args, "save_max_shard_size", "5GB"))
         if self.args.should_save:
@@ -515,7 +569,8 @@ class BoostTrainer(Trainer):
                   "sequence length": self.context_length(),
                   "training tokens": self.state.global_step * global_batch * self.context_length(),
                   "peak learning rate": args.learning_rate, "schedule": self.schedule_name(),
-                  "weight decay": args.weight_decay, "gradient clipping": args.max_grad_norm, "seed": args.seed}
+                  "weight decay": args.weight_decay, "gradient clipping": args.max_grad_norm, "seed": args.seed,
+                  "precision": self.precision.describe()}
         evaluations = [log for log in self.state.log_history if "eval_perplexity" in log]
         card = model_card(self.model.config, seq_len=self.context_length(), parallel=parallel, recipe=recipe,
                           metrics=evaluations[-1] if evaluations else None, used_bos=self.trained_with_bos,
@@ -595,7 +650,7 @@ class BoostTrainer(Trainer):
             rotate_checkpoints(output_dir=run_dir, save_total_limit=self.args.save_total_limit,
                                best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=True)
 
-        with full_parameters(self.model, self._zero_stage):
+        with full_precision_parameters(self.model), full_parameters(self.model, self._zero_stage):  # bf16_params: the masters
             shards = {"model": model_state(self.model)}
             if not self.args.save_only_model and not self.is_deepspeed_enabled:
                 shards["optimizer"] = optimizer_state(self.model, self.optimizer)
@@ -706,11 +761,13 @@ class BoostTrainer(Trainer):
             return super().evaluate(*args, **kwargs)
 
     def training_layout(self, optimizer_records: list[dict] | None = None) -> dict:
-        """This run's PP x TP x DP sizes, ZeRO stage, global batch and, given, the optimizer record of each pipeline
-        rank (:func:`optimizer_records`; :mod:`boost_hf.training.resume`)."""
+        """This run's PP x TP x DP sizes, ZeRO stage, global batch, precision policy (its record: what computes,
+        stores, accumulates and reduces in which dtype) and, given, the optimizer record of each pipeline rank
+        (:func:`optimizer_records`; :mod:`boost_hf.training.resume`)."""
         state = self.parallel_state
-        return training_layout(tp_size=state.tp_size, dp_size=state.dp_size, pp_size=state.pp_size, zero_stage=self._zero_stage,
-                               args=self.args, optimizer_records=optimizer_records)
+        layout = training_layout(tp_size=state.tp_size, dp_size=state.dp_size, pp_size=state.pp_size, zero_stage=self._zero_stage,
+                                 args=self.args, optimizer_records=optimizer_records)
+        return {**layout, "precision": self.precision.record()}
 
     def optimizer_records(self) -> list[dict] | None:
         """:func:`~boost_hf.training.resume.optimizer_record` of every pipeline rank, in pipeline order (``None`` under
@@ -749,12 +806,13 @@ class BoostTrainer(Trainer):
         state = self.parallel_state
         pipeline = pipeline_of(self.model)
         elsewhere = pipeline.placement.absent if pipeline is not None else frozenset()
-        if is_distributed_checkpoint(checkpoint):
-            load_optimizer_state(self.optimizer, self.model, checkpoint, elsewhere)
-        else:
-            device = "cpu" if self.args.device.type == "cpu" else self.args.device  # torch cannot restore to "cpu:0"
-            load_optimizer_files(self.optimizer, self.model, checkpoint, state.tp_rank, state.tp_size, device, state.pp_rank,
-                                 state.pp_size, held_elsewhere=elsewhere)
+        with full_precision_parameters(self.model, loading=True):  # the state in the masters' dtype (bf16_params)
+            if is_distributed_checkpoint(checkpoint):
+                load_optimizer_state(self.optimizer, self.model, checkpoint, elsewhere)
+            else:
+                device = "cpu" if self.args.device.type == "cpu" else self.args.device  # torch cannot restore to "cpu:0"
+                load_optimizer_files(self.optimizer, self.model, checkpoint, state.tp_rank, state.tp_size, device,
+                                     state.pp_rank, state.pp_size, held_elsewhere=elsewhere)
         if not os.path.isfile(scheduler):
             raise missing_file_error(scheduler, checkpoint, "learning-rate scheduler state")
         self.lr_scheduler.load_state_dict(torch.load(scheduler, weights_only=True))
@@ -781,14 +839,16 @@ class BoostTrainer(Trainer):
         checkpoint of boost-hf 0.x: its canonical ``model.safetensors``); :meth:`train` verified the folder against
         its manifest and architecture record first."""
         model = self.accelerator.unwrap_model(model if model is not None else self.model)
-        if is_distributed_checkpoint(resume_from_checkpoint):
-            load_model_state(model, os.path.join(resume_from_checkpoint, DCP_FOLDER))
-        else:
-            load_canonical_checkpoint(model, resolve_checkpoint_files(resume_from_checkpoint))
+        with full_precision_parameters(model, loading=True):  # bf16_params: into the fp32 masters
+            if is_distributed_checkpoint(resume_from_checkpoint):
+                load_model_state(model, os.path.join(resume_from_checkpoint, DCP_FOLDER))
+            else:
+                load_canonical_checkpoint(model, resolve_checkpoint_files(resume_from_checkpoint))
 
     # ------------------------------------------------------------------ generation
     def generate_sample(self, prompt: str | None = None, max_new_tokens: int | None = None) -> str:
-        """Greedy continuation of ``prompt`` (default ``args.sample_prompt``). Collective: call on every rank."""
+        """Greedy continuation of ``prompt`` (default ``args.sample_prompt``), in the run's precision. Collective: call
+        on every rank."""
         prompt = prompt if prompt is not None else getattr(self.args, "sample_prompt", "The")
         max_new_tokens = max_new_tokens if max_new_tokens is not None else getattr(self.args, "sample_max_new_tokens", 40)
         tokenizer = self.processing_class
@@ -807,9 +867,9 @@ class BoostTrainer(Trainer):
                 )
             return tokenizer.decode(output[0], skip_special_tokens=True)
 
-        with in_phase("generation"):
+        with in_phase("generation"), self.autocast_smart_context_manager():
             pipeline = pipeline_of(self.model)
-            if pipeline is not None:  # through the stages: no rank holds more than its own
+            if pipeline is not None:  # through the stages (each applies the precision policy): no rank holds more than its own
                 self.model.eval()
                 output = pipeline_greedy_generate(pipeline, input_ids, max_new_tokens, tokenizer.eos_token_id)
                 return tokenizer.decode(output[0], skip_special_tokens=True)

@@ -2,7 +2,9 @@
 
 Collectives must equal ``comm_formula.layer_communication`` exactly and GEMM / attention FLOPs the
 ``perf.flops`` formulas; non-GEMM bytes and op counts are held under the values counted when this test was
-written, so that they cannot grow silently; grouped projections read their weights without copies.
+written, so that they cannot grow silently; grouped projections read their weights without copies. The same
+holds with bf16 parameters and no autocast (DeepSpeed's bf16 mode, Megatron-LM's), where no layout may move more
+bytes or launch more ops than under autocast.
 """
 
 from __future__ import annotations
@@ -48,12 +50,25 @@ LAYOUTS = {
 NON_GEMM_BOUNDS = {
     "megatron": (31_779_840, 38),
     "vanilla": (24_685_568, 57),
-    "btp": (19_067_904, 83),
-    "btp-sync": (22_801_408, 95),
+    "btp": (17_754_112, 61),  # 19_067_904 / 83 before the online norm's scale and latent SiLU ran as one kernel each way
+    "btp-sync": (19_920_896, 83),  # 22_801_408 / 95 before the sync norm became one autograd Function
     "btp-ungrouped": (19_080_192, 116),
     "megatron-sp": (27_321_856, 38),
-    "btp-sp": (17_830_400, 83),
+    "btp-sp": (17_173_504, 61),  # 17_830_400 / 83 before that
     "btp-lax-sp": (20_421_376, 205),
+}
+# The same with bf16 parameters and no autocast (counted when the norms became bf16-native; before, with the unfused
+# norm arithmetic on the bf16 residual: megatron 22_770_688 / 66, vanilla 27_153_408 / 77, megatron-sp 13_325_824 /
+# 66, btp-sync 13_991_936 / 81, each more than under autocast).
+NON_GEMM_BOUNDS_BF16_PARAMETERS = {
+    "megatron": (7_293_952, 24),
+    "vanilla": (11_676_672, 35),
+    "btp": (9_008_128, 43),  # 10_321_920 / 65 before the fused latent scale
+    "btp-sync": (8_226_816, 61),
+    "btp-ungrouped": (10_332_672, 92),
+    "megatron-sp": (5_588_480, 24),
+    "btp-sp": (8_427_520, 43),  # 9_084_416 / 65 before the fused latent scale
+    "btp-lax-sp": (11_621_632, 159),
 }
 # sequence-parallel layout -> the same layout without it
 WITHOUT_SEQUENCE_PARALLEL = {"megatron-sp": "megatron", "btp-sp": "btp", "btp-lax-sp": "btp-lax"}
@@ -74,6 +89,13 @@ def fake_group():
 def counted(fake_group):
     """``name -> count_rank_layer(...)`` for every layout."""
     return {name: count_rank_layer(*_case(name), BATCH, SEQ) for name in LAYOUTS}
+
+
+@pytest.fixture(scope="module")
+def counted_bf16_parameters(fake_group):
+    """``name -> count_rank_layer(...)`` with bf16 parameters and no autocast, for the bounded layouts."""
+    return {name: count_rank_layer(*_case(name), BATCH, SEQ, autocast_dtype=None, param_dtype=torch.bfloat16)
+            for name in NON_GEMM_BOUNDS_BF16_PARAMETERS}
 
 
 def _case(name: str) -> tuple[BoostLlamaConfig, ParallelConfig]:
@@ -114,6 +136,27 @@ def test_non_gemm_traffic_not_above_recorded(counted, name):
     assert total["non_gemm_bytes"] <= max_bytes
     assert total["non_gemm_ops"] <= max_ops
     assert total["non_gemm_bytes"] == sum(op["bytes"] for op in total["non_gemm_by_op"].values())
+
+
+@pytest.mark.parametrize("name", NON_GEMM_BOUNDS_BF16_PARAMETERS)
+def test_bf16_parameters_traffic_not_above_recorded_nor_above_autocast(counted, counted_bf16_parameters, name):
+    """With bf16 parameters: held under the recorded counts, and no more bytes or ops than the same layout under
+    autocast (the norms run their fused kernels on the bf16 residual; no weight is cast per forward); the
+    collectives are the formula's (the same calls and elements, half the bytes)."""
+    total, autocast = counted_bf16_parameters[name]["total"], counted[name]["total"]
+    max_bytes, max_ops = NON_GEMM_BOUNDS_BF16_PARAMETERS[name]
+    assert total["non_gemm_bytes"] <= max_bytes and total["non_gemm_ops"] <= max_ops
+    assert total["non_gemm_bytes"] <= autocast["non_gemm_bytes"] and total["non_gemm_ops"] <= autocast["non_gemm_ops"]
+    formula = layer_communication(*_case(name), TOKENS)
+    assert _calls_elements(counted_bf16_parameters[name]["forward"]["collectives"]) == formula.forward.to_dict()
+    assert _calls_elements(counted_bf16_parameters[name]["backward"]["collectives"]) == formula.backward.to_dict()
+
+
+@pytest.mark.parametrize("name", [n for n in GROUPED_WITHOUT_COPIES if n in NON_GEMM_BOUNDS_BF16_PARAMETERS])
+def test_grouped_weights_are_read_without_copies_with_bf16_parameters(counted_bf16_parameters, name):
+    """Grouped parameters cast to bf16 stay stored together (:func:`~boost_hf.parallel.shared_storage.cast_parameters`)."""
+    for direction in ("forward", "backward"):
+        assert not {"cat", "stack"} & set(counted_bf16_parameters[name][direction]["non_gemm_by_op"]), direction
 
 
 @pytest.mark.parametrize("name", GROUPED_WITHOUT_COPIES)

@@ -23,6 +23,18 @@ TINY = [
 ]
 
 
+def every_rank(value) -> list:
+    """``value`` of every rank, in rank order (one ``all_gather_object``; ``[value]`` without a process group). For
+    the case scripts that run inside a launch."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return [value]
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, value)
+    return gathered
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -37,6 +37,7 @@ import pretrain  # noqa: E402
 
 from boost_hf.training import BoostTrainer  # noqa: E402
 from boost_hf.training.pretrain import build_trainer  # noqa: E402
+from tests.training.launcher import every_rank  # noqa: E402
 
 PIPELINE = ["--pp_size", "2", "--pp_microbatches", "2"]
 PP_TP = [*PIPELINE, "--tp_size", "2", "--per_device_train_batch_size", "8"]
@@ -92,14 +93,6 @@ def _recorded_sample(self, *args, **kwargs):
 
 
 BoostTrainer.training_step, BoostTrainer.log, BoostTrainer.generate_sample = _counted_training_step, _recorded_log, _recorded_sample
-
-
-def every_rank(value) -> list:
-    if not dist.is_initialized():
-        return [value]
-    gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, value)
-    return gathered
 
 
 def train(argv: list[str]) -> None:

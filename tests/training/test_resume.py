@@ -14,6 +14,7 @@ import torch
 
 from boost_hf.checkpoint_integrity import CheckpointIntegrityError, write_manifest
 from boost_hf.parallel.sharding import ShardSpec
+from boost_hf.training.deepspeed import DEEPSPEED_PARAMETER_ORDER
 from boost_hf.training.resume import (
     LAYOUT_NAME,
     ResumeLayoutError,
@@ -133,7 +134,8 @@ def test_resume_restores_the_optimizer_exactly(checkpoint, tmp_path):
 
 
 def layout(tp: int, dp: int, zero: int | None, batch: int = 8) -> dict:
-    return {"tp_size": tp, "dp_size": dp, "zero_stage": zero, "global_batch_size": batch}
+    order = {"deepspeed_parameter_order": DEEPSPEED_PARAMETER_ORDER} if zero is not None else {}
+    return {"tp_size": tp, "dp_size": dp, "zero_stage": zero, "global_batch_size": batch, **order}
 
 
 def test_deepspeed_layouts(tmp_path):
@@ -145,6 +147,10 @@ def test_deepspeed_layouts(tmp_path):
         check_resume_layout(str(tmp_path), layout(2, 2, 2))
     with pytest.raises(ResumeLayoutError, match="was saved with DeepSpeed .* Resume with DeepSpeed, or start from its weights only"):
         check_resume_layout(str(tmp_path), layout(2, 2, None))
+    earlier = {k: v for k, v in layout(2, 2, 3).items() if k != "deepspeed_parameter_order"}  # before grouped storage
+    write_training_layout(str(tmp_path), earlier)
+    with pytest.raises(ResumeLayoutError, match="written by an earlier boost-hf version.* would load into the wrong parameters"):
+        check_resume_layout(str(tmp_path), layout(2, 2, 3))
     write_training_layout(str(tmp_path), layout(2, 2, None))
     check_resume_layout(str(tmp_path), layout(1, 4, None))  # without DeepSpeed any TP x DP resumes
     assert json.loads((tmp_path / LAYOUT_NAME).read_text())["tp_size"] == 2

@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from ..communication import Communication, PassCommunication, all_gather, all_reduce, reduce_scatter
 from ..modules import add_bias, adopt, shard_parameter, shard_repr
 from ..fused import STATISTICS_WIDTH, down_projection, latent_linear, scale_latents, split_latent
+from ..latent_op import ACTIVATIONS, scale_activate
 from ..norms import RMSNORM_MODES
 from ..primitives import copy_to_tp, gather_tokens, reduce_from_tp, reduce_scatter_tokens
 from ..sequence_parallel import reduce_gradients_over_tokens
@@ -69,12 +70,26 @@ class HiddenShardedEmbedding:
         return f"{super().extra_repr()}, {shard_repr(self.weight)}"
 
 
+def _fusable_activation(projections) -> str | None:
+    """The latent function every one of ``projections`` applies, as :func:`~boost_hf.parallel.latent_op.scale_activate`
+    names it (``"identity"`` or ``"silu"``), when it can run fused with the online norm's scale: the same for all,
+    one of :data:`~boost_hf.parallel.latent_op.ACTIVATIONS`, and no hook on the activation module; else ``None``."""
+    names = {getattr(p, "latent_activation", "unknown") or "identity" for p in projections}
+    if len(names) != 1 or not names <= set(ACTIVATIONS):
+        return None
+    act_fns = [getattr(p, "act_fn", None) for p in projections]
+    if any(a is not None and (a._forward_hooks or a._forward_pre_hooks) for a in act_fns):
+        return None
+    return names.pop()
+
+
 class BottleneckAwareGroup(ProjectionGroup):
     """``down``: this rank's partial A output ``[..., k r]`` from its ``[..., d_in/p]`` input (one GEMM on
     the A's, stored as one tensor, written into one buffer when grouped); with the online norm ``gamma`` is folded into the A's
     and the buffer gains the norm statistics (:mod:`boost_hf.parallel.fused`); ``reduce``: all-reduce it
-    in place; ``project``: scale by the global ``1/rms`` (online), latent functions, copy into the TP
-    region (one collective in backward when grouped) and each B. ``tokens_sharded`` (latent sequence
+    in place; ``project``: scale by the global ``1/rms`` (online), latent functions (grouped, SiLU or none: both in
+    one kernel each way, :mod:`boost_hf.parallel.latent_op`), copy into the TP region (one collective in backward
+    when grouped) and each B. ``tokens_sharded`` (latent sequence
     parallelism): ``reduce`` reduce-scatters over tokens (``[B, S/p, k r (+ statistics)]``), ``project`` runs
     the latent functions on those tokens and all-gathers the latents instead of the copy."""
 
@@ -101,11 +116,17 @@ class BottleneckAwareGroup(ProjectionGroup):
 
     def project(self, z, previous=None):
         z = list(z)
-        if self.statistics:
-            z = scale_latents(z, self.hidden_size, self.eps)
         projections = self.projections
         k = len(projections)
         crosses = any(hasattr(p, "crossed_latent") for p in projections)
+        activation = _fusable_activation(projections) if self.statistics and len(z) == 1 and not crosses else None
+        if activation is not None:
+            # the 1/rms scale and the latent function (the same for every projection) in one kernel each way, copy once
+            width = z[0].shape[-1] - STATISTICS_WIDTH
+            fed = split_latent(self._to_b(scale_activate(z[0], width, self.hidden_size, self.eps, activation)), k)
+            return self.call_projections(projections, fed, BottleneckAwareProjection), {}
+        if self.statistics:
+            z = scale_latents(z, self.hidden_size, self.eps)
         if len(z) == 1 and not crosses:
             # every projection has the same element-wise latent function: apply it once, copy once
             fed = split_latent(self._to_b(projections[0].latent(z[0])), k)

@@ -1,0 +1,64 @@
+"""``make gpu-check`` (``benchmarks/gpu_check.py``) on a machine without CUDA: it says so and exits 0, writing
+nothing, without ``datasets`` or ``deepspeed`` (the lent GPU machine has neither); its training-step cases cover
+every architecture in every layout (and sequence parallelism) that the layouts accept. The CUDA parts run only on a
+GPU (``make gpu-check`` there)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from boost_hf import BoostLlamaConfig, ParallelConfig
+from boost_hf.parallel.layouts import LAYOUTS
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "benchmarks"))
+import gpu_check  # noqa: E402
+
+# run as the lent machine has it: neither datasets nor deepspeed importable
+ABSENT = ("datasets", "deepspeed", "evaluate", "gensim")
+RUN_WITHOUT = ("import sys, runpy; sys.modules.update(dict.fromkeys({absent})); sys.argv = ['gpu_check.py', *{argv}]; "
+               "runpy.run_path('benchmarks/gpu_check.py', run_name='__main__')")
+
+
+def _run(*argv: str, tmp_path: Path) -> subprocess.CompletedProcess:
+    code = RUN_WITHOUT.format(absent=ABSENT, argv=[*argv, "--out", str(tmp_path / "gpu")])
+    return subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the path of a machine without CUDA")
+def test_without_a_cuda_device_it_says_so_and_exits_0(tmp_path):
+    completed = _run(tmp_path=tmp_path)
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    assert "gpu-check: no CUDA device found" in completed.stdout
+    assert not (tmp_path / "gpu").exists()
+
+
+def test_lists_its_cases_without_datasets_or_deepspeed(tmp_path):
+    completed = _run("--list", tmp_path=tmp_path)
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    assert [line.split(":")[0] for line in completed.stdout.splitlines()] == [case.name for case in gpu_check.cases()]
+
+
+def test_cases_cover_every_architecture_in_every_layout_that_holds_it():
+    """Derived from the layouts' own checks: each architecture at tp 1, and at tp 4 in every layout, with and without
+    sequence parallelism, that ``ParallelConfig.check_model`` accepts; each family has a layout."""
+    expected = set()
+    for architecture in ("llama", "svd", "cola", "lax"):
+        expected.add((architecture, 1, None, False))
+        config = BoostLlamaConfig.from_preset(f"{architecture}-60m")
+        for style in LAYOUTS:
+            for sequence_parallel in (False, True):
+                try:
+                    ParallelConfig(tp_size=4, tp_style=style, sequence_parallel=sequence_parallel).check_model(config)
+                except ValueError:
+                    continue
+                expected.add((architecture, 4, style, sequence_parallel))
+    got = {(c.architecture, c.tp, c.fields.get("tp_style"), bool(c.fields.get("sequence_parallel"))) for c in gpu_check.cases()}
+    assert got == expected
+    assert {style for _, tp, style, _ in got if tp == 4} == set(LAYOUTS)
+    assert {(a, s) for a, tp, s, sp in got if sp} == {("llama", "megatron"), *((a, "btp") for a in ("svd", "cola", "lax"))}
