@@ -4,6 +4,8 @@ Subcommands live in :data:`SUBCOMMANDS` (name -> help, argument builder, runner)
 
     boost-hf estimate --preset cola-7b --tp 4 --micro-batch 4 --seq 4096 --gpu a100 [--json]
     boost-hf estimate --preset cola-13b --tp 4 --pp 2 --pp_schedule 1f1b --microbatches 8
+    boost-hf plan --preset cola-13b --gpus 8 --gpu a100-nvswitch [--seq-len 4096 --global-batch 512] [--json]
+    boost-hf doctor [--output-dir DIR] [--config-file ACCELERATE.yaml] [--json]
     boost-hf train RECIPE.yaml|NAME [--field value ...]      (accelerate launch ... -m boost_hf.cli train ...)
     boost-hf demo [--num-processes 4] [--tp-size 2] [--max-steps N]
     boost-hf eval CHECKPOINT --data FILE [--block-size N] [--json]
@@ -22,9 +24,28 @@ from typing import Callable
 GIB = 2**30
 
 
+def _add_hardware_options(group, *, default: str) -> None:
+    """``--gpu`` (a preset of :mod:`boost_hf.perf.hardware`) and the options that override its fields."""
+    from .perf.hardware import HARDWARE_PRESETS
+
+    group.add_argument("--gpu", choices=tuple(HARDWARE_PRESETS), default=default, help=f"device preset (default {default})")
+    group.add_argument("--peak-tflops", type=float, help="dense bf16 peak, TFLOP/s")
+    group.add_argument("--hbm-gbps", type=float, help="HBM bandwidth, GB/s")
+    group.add_argument("--bandwidth-gbps", type=float, help="collective bus bandwidth within a node, GB/s")
+    group.add_argument("--latency-us", type=float, help="latency of one collective, microseconds")
+    group.add_argument("--inter-node-gbps", type=float, help="network bandwidth per GPU between nodes, GB/s")
+
+
+def _hardware(args: argparse.Namespace, **overrides):
+    """The ``--gpu`` preset with the options of :func:`_add_hardware_options` (and ``overrides``) applied."""
+    from .perf.hardware import get_hardware
+
+    return get_hardware(args.gpu, peak_tflops=args.peak_tflops, hbm_gbps=args.hbm_gbps, link_gbps=args.bandwidth_gbps,
+                        latency_us=args.latency_us, inter_node_gbps=args.inter_node_gbps, **overrides)
+
+
 def _add_estimate_arguments(parser: argparse.ArgumentParser) -> None:
     from .parallel.settings import add_options
-    from .perf.hardware import HARDWARE_PRESETS
 
     model = parser.add_argument_group("model and workload")
     model.add_argument("--preset", default="cola-7b", help="model preset, e.g. cola-7b, lax-13b, llama-3b "
@@ -45,13 +66,7 @@ def _add_estimate_arguments(parser: argparse.ArgumentParser) -> None:
         "sequence_parallel": " Vanilla is estimated without it.",
     })
 
-    gpu = parser.add_argument_group("hardware (overrides the --gpu preset)")
-    gpu.add_argument("--gpu", choices=tuple(HARDWARE_PRESETS), default="a100", help="GPU preset")
-    gpu.add_argument("--peak-tflops", type=float, help="dense bf16 peak, TFLOP/s")
-    gpu.add_argument("--hbm-gbps", type=float, help="HBM bandwidth, GB/s")
-    gpu.add_argument("--bandwidth-gbps", type=float, help="collective bus bandwidth within a node, GB/s")
-    gpu.add_argument("--latency-us", type=float, help="latency of one collective, microseconds")
-    gpu.add_argument("--inter-node-gbps", type=float, help="network bandwidth per GPU between nodes, GB/s")
+    _add_hardware_options(parser.add_argument_group("hardware (overrides the --gpu preset)"), default="a100")
 
     eff = parser.add_argument_group("kernel efficiencies (override the calibrated values)")
     eff.add_argument("--efficiency", type=float, help="fraction of peak of a large GEMM")
@@ -189,18 +204,10 @@ def _run_estimate(args: argparse.Namespace) -> int:
         recommend_micro_batches,
     )
     from .parallel.settings import layout_values
-    from .perf.hardware import get_hardware
 
     config = BoostLlamaConfig.from_preset(args.preset)
     workload = Workload(micro_batch=args.micro_batch, seq_len=args.seq, **layout_values(args))
-    hardware = get_hardware(
-        args.gpu,
-        peak_tflops=args.peak_tflops,
-        hbm_gbps=args.hbm_gbps,
-        link_gbps=args.bandwidth_gbps,
-        latency_us=args.latency_us,
-        inter_node_gbps=args.inter_node_gbps,
-    )
+    hardware = _hardware(args)
     overrides = {
         "gemm_max": args.efficiency,
         "gemm_half_dim": args.gemm_half_dim,
@@ -235,6 +242,83 @@ def _run_estimate(args: argparse.Namespace) -> int:
         if pipelined and not measured:
             print(_micro_batch_text(options, advised, workload))
     return 0
+
+
+def _add_plan_arguments(parser: argparse.ArgumentParser) -> None:
+    from .parallel.settings import add_options
+    from .perf.memory import PRECISION_BYTES
+
+    model = parser.add_argument_group("model (one of)")
+    model.add_argument("--recipe", help="a YAML recipe or a shipped one's name (demo, cola-7b, ...): its model, sequence "
+                       "length and global batch; the command trains it")
+    model.add_argument("--preset", help="a model preset, e.g. cola-13b (the command then trains the shipped recipe of "
+                       "that name if there is one)")
+    model.add_argument("--config", help="a model's config.json")
+    cluster = parser.add_argument_group("cluster")
+    cluster.add_argument("--gpus", type=int, required=True, help="GPUs (or CPU processes with --gpu cpu) in all")
+    cluster.add_argument("--gpus-per-node", type=int, help="GPUs per node (default: the --gpu preset's; all for cpu)")
+    cluster.add_argument("--gpu-memory-gb", type=float, help="memory per GPU, GiB (default: the preset's)")
+    _add_hardware_options(cluster, default="a100-nvswitch")
+    work = parser.add_argument_group("workload")
+    work.add_argument("--seq-len", "--seq_len", "--seq", dest="seq", type=int,
+                      help="tokens per sequence (default: the recipe's block_size, else 4096)")
+    work.add_argument("--global-batch", type=int, help="sequences per optimizer step over all replicas (default: the "
+                      "recipe's on this cluster, else 512)")
+    search = parser.add_argument_group("search (ParallelConfig's fields: a value given is kept, the others are searched)")
+    add_options(search, exclude=("pp_layer_split",), defaults={f: None for f in (
+        "tp_size", "tp_style", "rmsnorm", "group_linears", "activation_checkpointing", "sequence_parallel", "pp_size",
+        "pp_schedule", "pp_microbatches", "pp_stages_per_rank")})
+    search.add_argument("--precision", nargs="+", choices=tuple(PRECISION_BYTES),
+                        help="precision policies to consider (default: autocast and bf16_params on GPUs, fp32 on cpu)")
+    search.add_argument("--zero1", choices=("true", "false"), help="keep --zero1_optimizer true or false (default: both)")
+    search.add_argument("--grad-reduce-dtype", "--grad_reduce_dtype", dest="grad_reduce_dtype", choices=("fp32", "bf16"),
+                        help="bf16_params' DP gradient all-reduce dtype (default fp32; bf16 halves its bytes and rounds "
+                             "the gradients' sum: your choice, not searched)")
+    out = parser.add_argument_group("output")
+    out.add_argument("--top", type=int, default=5, help="layouts shown (default 5)")
+    out.add_argument("--accelerate-config", default="boost-hf-plan.yaml",
+                     help="where to write the winner's accelerate configuration (default: ./boost-hf-plan.yaml)")
+    out.add_argument("--json", action="store_true", help="print the layouts as JSON, best first")
+
+
+def _run_plan(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from .parallel.settings import layout_values
+    from .perf.planner import Cluster, plan_inputs, plan, plan_report
+
+    inputs = plan_inputs(recipe=args.recipe, preset=args.preset, config_path=args.config, gpus=args.gpus,
+                         seq_len=args.seq, global_batch=args.global_batch)
+    hardware = _hardware(args, gpus_per_node=args.gpus_per_node or (args.gpus if args.gpu == "cpu" else None),
+                         memory_gb=args.gpu_memory_gb)
+    cluster = Cluster(args.gpus, hardware, round(hardware.memory_gb * GIB))
+    fixed = {name: value for name, value in layout_values(args).items() if value is not None}
+    cpu = args.gpu == "cpu"
+    precisions = tuple(args.precision or (("fp32",) if cpu else ("autocast", "bf16_params")))
+    zero1 = None if args.zero1 is None else (args.zero1 == "true",)
+    result = plan(inputs.config, cluster, seq_len=inputs.seq_len, global_batch=inputs.global_batch, fixed=fixed,
+                  precisions=precisions, zero1_options=zero1, grad_reduce_dtype=args.grad_reduce_dtype)
+    report = plan_report(result, inputs, cluster, accelerate_config_path=args.accelerate_config, top=args.top)
+    if report.accelerate_config is not None:
+        Path(args.accelerate_config).write_text(report.accelerate_config)
+    print(json.dumps(report.layouts, indent=2) if args.json else report.text)
+    return 0 if result.ranked else 1
+
+
+def _add_doctor_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--output-dir", "--output_dir", dest="output_dir", default="outputs",
+                        help="the run's output folder (default: outputs): shared across nodes?")
+    parser.add_argument("--config-file", "--config_file", dest="config_file",
+                        help="the accelerate config the run will use (default: accelerate's own)")
+    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+
+
+def _run_doctor(args: argparse.Namespace) -> int:
+    from .doctor import doctor, render
+
+    report = doctor(output_dir=args.output_dir, config_file=args.config_file)
+    print(json.dumps(report, indent=2) if args.json else render(report))
+    return 1 if report["problems"] else 0
 
 
 def _add_comm_arguments(parser: argparse.ArgumentParser) -> None:
@@ -371,6 +455,18 @@ SUBCOMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Cal
         "predict per-layer communication and iteration time of megatron / vanilla / btp TP",
         _add_estimate_arguments,
         _run_estimate,
+    ),
+    "plan": (
+        "the fastest layout that fits a cluster (tp, pp, dp, schedule, micro-batches, SP, checkpointing, ZeRO-1, "
+        "precision), its memory per GPU, and the accelerate config and command that run it",
+        _add_plan_arguments,
+        _run_plan,
+    ),
+    "doctor": (
+        "check a machine before a long run: versions, GPUs and bf16, attention kernels, a shared output folder, "
+        "the accelerate config in effect",
+        _add_doctor_arguments,
+        _run_doctor,
     ),
     "comm": (
         "measure one layer's collectives per layout on local CPU processes and print them next to the formula",

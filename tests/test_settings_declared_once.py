@@ -140,7 +140,9 @@ def test_estimate_keeps_its_earlier_spellings():
 def test_workload_carries_a_parallel_config():
     from boost_hf.perf.estimator import Workload
 
-    assert [f.name for f in fields(Workload)] == ["parallel_config", "micro_batch", "seq_len", "num_micro_batches", "dtype_bytes"]
+    # the layout, then the workload's own fields (none repeats a ParallelConfig field)
+    assert [f.name for f in fields(Workload)] == ["parallel_config", "micro_batch", "seq_len", "num_micro_batches", "dtype_bytes",
+                                                  "dp_size", "zero1_optimizer", "precision", "grad_reduce_dtype"]
     parallel = ParallelConfig(tp_size=4, pp_size=2, pp_schedule="interleaved-1f1b", activation_checkpointing="lowrank",
                               sequence_parallel=True, pp_layer_split=(8, 8, 8, 8))
     workload = Workload(parallel, micro_batch=2)

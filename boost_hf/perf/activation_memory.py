@@ -16,6 +16,8 @@ from __future__ import annotations
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from dataclasses import replace
+
 from ..parallel.config import ParallelConfig
 from ..parallel.layouts import layout_for
 
@@ -52,6 +54,54 @@ def saved_bytes_per_layer(config, parallel: ParallelConfig, tokens: int, layer_i
     return residual * residual_bytes + latent * latent_bytes
 
 
+def runs_single_device_layers(parallel: ParallelConfig) -> bool:
+    """Whether the decoder layers run as the single-device model's (``parallelize`` adopts none at ``tp_size`` 1
+    without checkpointing)."""
+    return parallel.tp_size == 1 and parallel.activation_checkpointing == "none"
+
+
+def saved_bytes_without_checkpointing(config, parallel: ParallelConfig, tokens: int, *, activation_bytes: int = 2,
+                                      residual_bytes: int = 4, casts_inputs: bool = True) -> int | None:
+    """Bytes one decoder layer keeps for backward on one rank when it is not checkpointed (under checkpointing, what
+    it holds while its backward recomputes it, as the parallel layer runs it): activations at ``activation_bytes``,
+    the residual at ``residual_bytes``, statistics in fp32; ``casts_inputs``: autocast casts each GEMM's input
+    itself (the single-device projections sharing an input then keep one copy each). Neither the rotary tables
+    (:func:`rotary_saved_bytes`) nor autocast's weight copies are included (``casts_inputs`` also says autocast copies
+    the weights: where a layout materialises weights itself, BTP's A's with the norm's gamma folded in, those copies
+    are counted here only without autocast). ``None`` where not modelled (LaX,
+    vanilla, ungrouped projections, the sync and local norms)."""
+    if config.bottleneck == "lax":
+        return None
+    if runs_single_device_layers(parallel):
+        return _single_device_saved_bytes(config, tokens, activation_bytes, residual_bytes, casts_inputs)
+    parallel = replace(parallel, activation_checkpointing="none")
+    return layout_for(config, parallel).saved_bytes_without_checkpointing(
+        config, tokens, activation_bytes=activation_bytes, residual_bytes=residual_bytes, weights_cast=casts_inputs)
+
+
+def _single_device_saved_bytes(config, n: int, a: int, residual_bytes: int, casts_inputs: bool) -> int:
+    """:func:`saved_bytes_without_checkpointing` of the single-device layer (``modeling_boost_llama``)."""
+    d, dq, dkv, f = config.hidden_size, config.q_dim, config.kv_dim, config.intermediate_size
+    # each RMSNorm computes in fp32: its input in fp32, 1/rms, and the normalised values in the residual's dtype
+    norms = 2 * (n * d * 4 + n * 4 + n * d * residual_bytes)
+    # the input of q/k/v and of gate/up: one copy per projection when autocast casts each GEMM's input
+    inputs = n * d * a * ((3 + 2) if casts_inputs else 2)
+    latents = 0
+    if config.bottleneck is not None:  # each projection's latent, and its activation (what B reads)
+        latents = 7 * n * config.rank * a * (2 if config.latent_activation is not None else 1)
+    attention = n * (2 * dq + 2 * dkv) * a + n * config.num_attention_heads * 4
+    mlp = n * f * a * (4 if config.mlp_activation is not None else 3)
+    return norms + inputs + latents + attention + mlp
+
+
+def rotary_saved_bytes(config, parallel: ParallelConfig, seq_len: int, *, activation_bytes: int = 2,
+                       residual_bytes: int = 4) -> int:
+    """The rotary tables (cos and sin, ``[S, head_dim]``) every layer's attention keeps for backward, once per
+    micro-batch: in the residual's dtype in the single-device layers, in the compute dtype in the parallel ones."""
+    per_element = residual_bytes if runs_single_device_layers(parallel) else activation_bytes
+    return 2 * seq_len * config.head_dim * per_element
+
+
 class SavedTensorsProbe:
     """Measures what one module's forward saves for backward: the unique storages (parameters excluded)
     seen by ``saved_tensors_hooks`` between the module's forward pre-hook and forward hook (real or fake
@@ -83,4 +133,4 @@ class SavedTensorsProbe:
             handle.remove()
 
 
-__all__ = ["saved_bytes_per_layer", "saved_elements_per_layer", "saved_parts_per_layer", "SavedTensorsProbe"]
+__all__ = ["rotary_saved_bytes", "runs_single_device_layers", "saved_bytes_without_checkpointing", "saved_bytes_per_layer", "saved_elements_per_layer", "saved_parts_per_layer", "SavedTensorsProbe"]

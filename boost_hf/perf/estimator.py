@@ -63,9 +63,26 @@ Time of one decoder layer, forward (backward in parentheses)::
   checkpointing it is not modelled.
 * **Optimizer**: AdamW with fp32 master weights and moments touches ``ADAMW_BYTES_PER_PARAM`` bytes per
   local parameter (``1/p`` of the model's, plus a tensor train's cores that every TP rank holds whole), at
-  ``memory_efficiency * HBM bandwidth``, once per iteration.
-* Not modelled: data parallelism (gradient all-reduce / ZeRO), the cross-entropy's elementwise work,
-  kernel launch gaps, compute/communication overlap.
+  ``memory_efficiency * HBM bandwidth``, once per iteration (``1/dp`` of them per rank under
+  ``zero1_optimizer``).
+* **Data parallelism** (``dp_size`` > 1): each rank all-reduces its parameters' gradients over its DP group, in
+  the policy's reduce dtype (:data:`~boost_hf.perf.memory.PRECISION_BYTES`: fp32; bf16 with ``grad_reduce_dtype``), as a ring
+  (``latency * buckets + 2 (dp-1)/dp * bytes / bandwidth``; buckets of 25 MiB, DDP's and the ``bf16_params``
+  policy's). The DP peers of a rank are ``tp`` ranks apart, so the group shares a node (NVLink,
+  :meth:`~boost_hf.perf.hardware.Hardware.collective_gbps` for ``dp`` GPUs) when ``tp * dp`` GPUs fit in one,
+  else it crosses the network (``inter_node_gbps`` per GPU). The buckets are reduced while backward runs (DDP
+  and the ``bf16_params`` policy start each as soon as its gradients are ready); the reduction can overlap the
+  backward of the rank's last micro-batch only (the others accumulate without it), so what counts is
+  ``max(t_allreduce - t_backward, t_one_bucket)`` on the rank where that is largest. ``zero1_optimizer``
+  (torch's ``ZeroRedundancyOptimizer``) then broadcasts every parameter from the DP rank that stepped it:
+  ``(dp-1)/dp`` of the rank's parameters received, one broadcast per parameter tensor, not overlapped.
+* **Precision** (``precision``, :mod:`boost_hf.perf.memory`'s policies; ``None``: not modelled, as calibrated):
+  ``autocast`` reads each fp32 weight and writes its bf16 copy in every forward and recomputation
+  (6 bytes per parameter) and casts the bf16 weight gradient back in backward (6); ``bf16_params`` adds each
+  micro-batch's bf16 gradient into the fp32 buffer (10 bytes per parameter: read 2 + 4, write 4) and casts the
+  masters once per step (6); element-wise traffic at ``memory_efficiency * HBM bandwidth``.
+* Not modelled: the cross-entropy's elementwise work, kernel launch gaps, compute/communication overlap beyond
+  the overlaps named above, DeepSpeed's ZeRO communication.
 
 **Calibration** (``a100`` preset, seq 4096, bf16). The paper's per-iteration setup (BOOST.md section 6)
 is not fully stated. Its full-rank times correspond to about 50 % MFU if one iteration is **one
@@ -111,6 +128,7 @@ from .activation_memory import saved_bytes_per_layer
 from .comm_formula import Communication, layer_communication, outside_layers_communication, stage_boundary_communication
 from .flops import attention_flops_per_token, training_flops_per_token
 from .hardware import Hardware, get_hardware
+from .memory import RankParameters, precision_bytes, rank_parameters
 from .pipeline import (
     check_schedule,
     critical_path_weights,
@@ -124,6 +142,10 @@ LAYOUTS: tuple[str, ...] = ("megatron", "vanilla", "btp")
 # AdamW step with fp32 master weights and moments: read master, m, v (3 x 4 B) and the bf16 gradient
 # (2 B); write master, m, v (3 x 4 B) and the bf16 weight (2 B).
 ADAMW_BYTES_PER_PARAM = 28
+DP_BUCKET_BYTES = 25 * 2**20  # DDP's bucket_cap_mb default, and the bf16_params policy's buckets
+# Element-wise bytes per parameter of a layer the precision policy adds (module docstring): per forward (and
+# recomputation) and per backward of a micro-batch, and once per step.
+PRECISION_TRAFFIC = {"fp32": (0, 0, 0), "autocast": (6, 6, 0), "bf16_params": (0, 10, 6)}
 
 
 @dataclass(frozen=True)
@@ -266,6 +288,11 @@ class Workload:
             ``ParallelConfig`` does not hold (noted in :attr:`Estimate.notes`).
         dtype_bytes: bytes per activation element (2: bf16); the saved residual stream is counted in fp32, as
             mixed precision (fp32 weights, bf16 autocast) keeps it.
+        dp_size: data-parallel replicas (1: no gradient all-reduce). zero1_optimizer: the optimizer state sharded
+            over them (torch's ``ZeroRedundancyOptimizer``: ``1/dp`` of the step, then a broadcast of the parameters).
+        precision: the precision policy whose casts are timed (``"autocast"``, ``"bf16_params"``, ``"fp32"``; ``None``:
+            not modelled, as the calibration ran). grad_reduce_dtype: ``"bf16"`` halves the DP all-reduce's bytes
+            (``bf16_params`` only, ``--grad_reduce_dtype``); ``None``/``"fp32"``: the policy's.
 
     The schedules modelled are ``"1f1b"``, ``"gpipe"`` and ``"interleaved-1f1b"`` (:mod:`boost_hf.perf.pipeline`).
     Sequence parallelism applies to the layouts that have it (megatron: Megatron-LM's; btp: latent sequence
@@ -278,9 +305,15 @@ class Workload:
     seq_len: int
     num_micro_batches: int
     dtype_bytes: int
+    dp_size: int
+    zero1_optimizer: bool
+    precision: str | None
+    grad_reduce_dtype: str | None
 
     def __init__(self, parallel_config: ParallelConfig | None = None, *, micro_batch: int = 4, seq_len: int = 4096,
-                 num_micro_batches: int | None = None, dtype_bytes: int = 2, **layout) -> None:
+                 num_micro_batches: int | None = None, dtype_bytes: int = 2, dp_size: int = 1,
+                 zero1_optimizer: bool = False, precision: str | None = None, grad_reduce_dtype: str | None = None,
+                 **layout) -> None:
         parallel = parallel_config or ParallelConfig()
         layout = {field_of(name): value for name, value in layout.items()}
         given = {m for m in (num_micro_batches, layout.pop("pp_microbatches", None), parallel.pp_microbatches) if m is not None}
@@ -289,11 +322,16 @@ class Workload:
         num_micro_batches = given.pop() if given else 1
         parallel = replace(parallel, pp_microbatches=None, **layout)
         values = dict(parallel_config=parallel, micro_batch=micro_batch, seq_len=seq_len,
-                      num_micro_batches=num_micro_batches, dtype_bytes=dtype_bytes)
+                      num_micro_batches=num_micro_batches, dtype_bytes=dtype_bytes, dp_size=dp_size)
         for name, value in values.items():
             if name != "parallel_config" and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"Workload.{name} must be a positive integer, got {value!r}.")
             object.__setattr__(self, name, value)
+        if precision is not None or grad_reduce_dtype is not None:
+            precision_bytes(precision or "autocast", grad_reduce_dtype)  # a known policy (and reduction)
+        object.__setattr__(self, "zero1_optimizer", bool(zero1_optimizer))
+        object.__setattr__(self, "precision", precision)
+        object.__setattr__(self, "grad_reduce_dtype", grad_reduce_dtype)
         check_schedule(parallel.pp_schedule, parallel.pp_stages_per_rank)
         if parallel.shards_tokens:
             check_sequence_length(seq_len, parallel.tp_size)
@@ -327,10 +365,12 @@ class Workload:
         layout = {k: v for k, v in self.parallel_config.to_dict().items() if k not in ("tp_style", "pp_microbatches")}
         return {**layout, "micro_batch": self.micro_batch, "seq_len": self.seq_len,
                 "num_micro_batches": self.num_micro_batches, "stages_per_rank": self.stages_per_rank,
-                "dtype_bytes": self.dtype_bytes, "tokens_per_micro_batch": self.tokens}
+                "dtype_bytes": self.dtype_bytes, "tokens_per_micro_batch": self.tokens, "dp_size": self.dp_size,
+                "zero1_optimizer": self.zero1_optimizer, "precision": self.precision,
+                "grad_reduce_dtype": self.grad_reduce_dtype}
 
 
-COMPONENTS = ("gemm", "attention", "memory", "measured", "tp_comm", "pp_comm", "optimizer")
+COMPONENTS = ("gemm", "attention", "memory", "measured", "tp_comm", "pp_comm", "dp_comm", "optimizer")
 
 
 def _add(*times: dict[str, float], scale: float = 1.0) -> dict[str, float]:
@@ -454,6 +494,7 @@ def estimate_layout(
     hardware: Hardware,
     efficiency: KernelEfficiency = CALIBRATED_EFFICIENCY,
     measured_layer_s: float | None = None,
+    cache: dict | None = None,
 ) -> LayoutEstimate:
     """Predict one layout running ``config`` (full rank for megatron, low rank for vanilla and btp).
 
@@ -461,11 +502,133 @@ def estimate_layout(
     recomputation; :mod:`boost_hf.perf.measured`) replaces the modelled GEMM, attention, element-wise and
     recomputation time of every layer (split 1:2 between forward and backward for the per-pass columns)
     and the optimizer time of the layers' parameters; communication, the LM head and the pipeline stay
-    modelled."""
+    modelled. ``cache``: a dict the caller keeps across calls for one ``config``, ``hardware`` and ``efficiency``
+    (a search over layouts): the per-layer costs, which do not depend on the pipeline, the micro-batch count or
+    data parallelism, are computed once."""
     parallel = workload.parallel(layout)
     n, p, pp, peak = workload.tokens, parallel.tp_size, parallel.pp_size, hardware.peak_flops
     v = workload.stages_per_rank
     counts = stage_layer_counts(config.num_hidden_layers, pp * v, parallel.pp_layer_split)
+    hbm = efficiency.memory * hardware.hbm_gbps * 1e9
+    per_layer_key = (replace(parallel, pp_size=1, pp_schedule="1f1b", pp_stages_per_rank=None, pp_layer_split=None),
+                     n, workload.seq_len, workload.dtype_bytes, measured_layer_s)
+    if cache is None or per_layer_key not in cache:
+        costs = _layer_costs(config, parallel, workload, hardware, efficiency, measured_layer_s)
+        if cache is not None:
+            cache[per_layer_key] = costs
+    else:
+        costs = cache[per_layer_key]
+    layer, first_layer, outside = costs.layer, costs.first_layer, costs.outside
+    params_key = ("parameters", parallel.tp_style, p, pp, v, parallel.pp_layer_split)
+    if cache is not None and params_key in cache:
+        rank_params = cache[params_key]
+    else:
+        rank_params = rank_parameters(config, parallel) if workload.precision or workload.dp_size > 1 else None
+        if cache is not None:
+            cache[params_key] = rank_params
+
+    # Pipeline stages (pp x v): every stage pays one boundary transfer each way per micro-batch; block 0
+    # (stage 0) has no LaX crossing; the last stage holds the LM head and loss. Rank i runs stages i, i + pp, ...
+    boundary = stage_boundary_communication(config, parallel, n)
+    p2p: dict[str, float] = {}
+    if pp > 1:
+        bandwidth = hardware.point_to_point_gbps(same_node=p * pp <= hardware.gpus_per_node)
+        send = boundary.sends * hardware.latency_us * 1e-6 + boundary.bytes(workload.dtype_bytes) / (bandwidth * 1e9)
+        send += _comm_time(boundary.tp_collectives, workload, hardware)  # LaX: all-gather of the shared latents over TP
+        p2p = {"pp_comm": 2 * send}
+    last = len(counts) - 1
+    stages = [
+        _add(
+            _add(layer, scale=count - 1 if j == 0 else count),
+            first_layer if j == 0 else {},
+            outside if j == last else {},
+            p2p,
+        )
+        for j, count in enumerate(counts)
+    ]
+    ranks = [_add(*stages[i::pp]) for i in range(pp)]
+    if workload.precision is not None:  # the casts of the rank's weights, per micro-batch
+        forward_bytes, backward_bytes, _ = PRECISION_TRAFFIC[workload.precision]
+        passes = 2 if parallel.activation_checkpointing != "none" else 1  # the recomputation casts again
+        ranks = [_add(rank, {"memory": params.elements * (passes * forward_bytes + backward_bytes) / hbm})
+                 for rank, params in zip(ranks, rank_params)]
+    totals = [sum(rank.values()) for rank in ranks]
+    m = workload.num_micro_batches
+    layers = config.num_hidden_layers
+    optimized = costs.parameters
+    if measured_layer_s is not None:  # the measured layer time includes its parameters' AdamW step
+        optimized -= layers * (_with_layers(config, 2) - _with_layers(config, 1))
+    if config.bottleneck == "tt" and measured_layer_s is None:  # every TP rank holds some cores whole
+        optimized += layers * whole_core_parameters(config, layout_for(config, parallel).tensor_train_splits) * (p - 1)
+    shards = workload.dp_size if workload.zero1_optimizer else 1
+    optimizer = {"optimizer": optimized / (p * pp * shards) * ADAMW_BYTES_PER_PARAM / hbm}
+    if workload.precision is not None:  # the masters' cast, once per step
+        optimizer["optimizer"] += max(r.elements for r in rank_params) * PRECISION_TRAFFIC[workload.precision][2] / hbm
+    weights = critical_path_weights(totals, m, v)
+    dp_comm = {"dp_comm": _data_parallel_time(parallel, workload, hardware, rank_params, ranks)}
+    breakdown = _add(*(_add(rank, scale=w) for rank, w in zip(ranks, weights)), optimizer, dp_comm)
+    step = sum(breakdown.values())
+    bubble = (sum(totals) - max(totals)) / v
+    in_flight = tuple(micro_batches_in_flight(parallel.pp_schedule, pp, m, v, i) for i in range(pp))
+
+    return LayoutEstimate(
+        layout=layout,
+        model=_describe(config),
+        tp=p,
+        pp=pp,
+        sequence_parallel=parallel.sequence_parallel,
+        parameters=costs.parameters,
+        flops_per_layer_fwd=costs.gemm_flops + costs.attention_flops,
+        gemm_flops_per_layer_fwd=costs.gemm_flops,
+        attention_flops_per_layer_fwd=costs.attention_flops,
+        min_gemm_dim=costs.min_gemm_dim,
+        comm_bytes_per_layer_fwd=costs.comm.forward.bytes(workload.dtype_bytes),
+        comm_bytes_per_layer_bwd=costs.comm.backward.bytes(workload.dtype_bytes),
+        collectives_per_layer_fwd=costs.comm.forward.calls,
+        collectives_per_layer_bwd=costs.comm.backward.calls,
+        comm_sent_bytes_per_layer_fwd=costs.comm.forward.ring_traffic_bytes(p, workload.dtype_bytes) if p > 1 else 0.0,
+        comm_sent_bytes_per_layer_bwd=costs.comm.backward.ring_traffic_bytes(p, workload.dtype_bytes) if p > 1 else 0.0,
+        elementwise_bytes_per_layer_fwd=costs.elementwise_bytes,
+        saved_bytes_per_layer=None if parallel.activation_checkpointing == "none" else costs.saved[1],
+        layer_time_fwd_s=costs.layer_time_fwd,
+        layer_time_bwd_s=costs.layer_time_bwd,
+        stage_times_s=tuple(totals),
+        bubble_s=bubble,
+        bubble_fraction=bubble / (step - optimizer["optimizer"] - dp_comm["dp_comm"]),
+        p2p_bytes_per_boundary=boundary.bytes(workload.dtype_bytes) if pp > 1 else 0,
+        micro_batches_in_flight=in_flight,
+        peak_activation_bytes=_peak_activation_bytes(parallel, costs.saved, counts, in_flight),
+        breakdown_s=breakdown,
+        step_time_s=step,
+        tokens_per_s=n * m / step,
+        mfu=training_flops_per_token(config, workload.seq_len) * n * m / (step * p * pp * peak),
+    )
+
+
+@dataclass(frozen=True)
+class _LayerCosts:
+    """What :func:`estimate_layout` computes per decoder layer (one micro-batch on one rank): the time of a layer
+    with its LaX crossing (``layer``), of block 0 (``first_layer``), of what runs outside the layers on the last
+    stage (``outside``), by component; the counts its table reports; ``saved``: bytes kept by block 0 and by a
+    later block under activation checkpointing (``None`` without)."""
+
+    layer: dict[str, float]
+    first_layer: dict[str, float]
+    outside: dict[str, float]
+    layer_time_fwd: float
+    layer_time_bwd: float
+    comm: object
+    gemm_flops: int
+    attention_flops: int
+    min_gemm_dim: int
+    elementwise_bytes: int
+    parameters: int
+    saved: tuple[int, int] | None
+
+
+def _layer_costs(config, parallel: ParallelConfig, workload: Workload, hardware: Hardware, efficiency: KernelEfficiency,
+                 measured_layer_s: float | None) -> _LayerCosts:
+    n, p, peak = workload.tokens, parallel.tp_size, hardware.peak_flops
     parallel.check_model(config)
     hbm = efficiency.memory * hardware.hbm_gbps * 1e9
 
@@ -503,102 +666,64 @@ def estimate_layout(
         return _add(compute, comm_time), _add(_add(compute, scale=2.0), recompute, comm_time_bwd)
 
     forward, backward = layer_times(crossing=True)
-    layer = _add(forward, backward)
-    first_layer = _add(*layer_times(crossing=False))
-
     # LM head GEMM (forward + 2x backward) and the collectives outside the layers (with the loss).
     head = Gemm("lm_head", n, config.hidden_size, config.vocab_size // p, "dense")
     outside_comm = outside_layers_communication(config, parallel, n, with_loss=True)
-    outside = {
-        "gemm": 3 * gemm_time([head]),
-        "tp_comm": _comm_time(outside_comm.forward + outside_comm.backward, workload, hardware),
-    }
-
-    # Pipeline stages (pp x v): every stage pays one boundary transfer each way per micro-batch; block 0
-    # (stage 0) has no LaX crossing; the last stage holds the LM head and loss. Rank i runs stages i, i + pp, ...
-    boundary = stage_boundary_communication(config, parallel, n)
-    p2p: dict[str, float] = {}
-    if pp > 1:
-        bandwidth = hardware.point_to_point_gbps(same_node=p * pp <= hardware.gpus_per_node)
-        send = boundary.sends * hardware.latency_us * 1e-6 + boundary.bytes(workload.dtype_bytes) / (bandwidth * 1e9)
-        send += _comm_time(boundary.tp_collectives, workload, hardware)  # LaX: all-gather of the shared latents over TP
-        p2p = {"pp_comm": 2 * send}
-    last = len(counts) - 1
-    stages = [
-        _add(
-            _add(layer, scale=count - 1 if j == 0 else count),
-            first_layer if j == 0 else {},
-            outside if j == last else {},
-            p2p,
-        )
-        for j, count in enumerate(counts)
-    ]
-    ranks = [_add(*stages[i::pp]) for i in range(pp)]
-    totals = [sum(rank.values()) for rank in ranks]
-    m = workload.num_micro_batches
-    layers = config.num_hidden_layers
-    optimized = parameter_count(config)
-    if measured_layer_s is not None:  # the measured layer time includes its parameters' AdamW step
-        optimized -= layers * (_with_layers(config, 2) - _with_layers(config, 1))
-    if config.bottleneck == "tt" and measured_layer_s is None:  # every TP rank holds some cores whole
-        optimized += layers * whole_core_parameters(config, tp_layout.tensor_train_splits) * (p - 1)
-    optimizer = {"optimizer": optimized / (p * pp) * ADAMW_BYTES_PER_PARAM / hbm}
-    weights = critical_path_weights(totals, m, v)
-    breakdown = _add(*(_add(rank, scale=w) for rank, w in zip(ranks, weights)), optimizer)
-    step = sum(breakdown.values())
-    bubble = (sum(totals) - max(totals)) / v
-    in_flight = tuple(micro_batches_in_flight(parallel.pp_schedule, pp, m, v, i) for i in range(pp))
-
     gemms = layer_gemms(config, parallel, n)
-    gemm_flops = sum(g.flops for g in gemms)
-    return LayoutEstimate(
-        layout=layout,
-        model=_describe(config),
-        tp=p,
-        pp=pp,
-        sequence_parallel=parallel.sequence_parallel,
-        parameters=parameter_count(config),
-        flops_per_layer_fwd=gemm_flops + attention_flops,
-        gemm_flops_per_layer_fwd=gemm_flops,
-        attention_flops_per_layer_fwd=attention_flops,
+    saved = None
+    if parallel.activation_checkpointing != "none":
+        saved = tuple(saved_bytes_per_layer(config, parallel, n, i, latent_bytes=workload.dtype_bytes) for i in (0, 1))
+    return _LayerCosts(
+        layer=_add(forward, backward),
+        first_layer=_add(*layer_times(crossing=False)),
+        outside={"gemm": 3 * gemm_time([head]),
+                 "tp_comm": _comm_time(outside_comm.forward + outside_comm.backward, workload, hardware)},
+        layer_time_fwd=sum(forward.values()),
+        layer_time_bwd=sum(backward.values()),
+        comm=comm,
+        gemm_flops=sum(g.flops for g in gemms),
+        attention_flops=attention_flops,
         min_gemm_dim=min(min(g.m, g.k, g.n) for g in gemms),
-        comm_bytes_per_layer_fwd=comm.forward.bytes(workload.dtype_bytes),
-        comm_bytes_per_layer_bwd=comm.backward.bytes(workload.dtype_bytes),
-        collectives_per_layer_fwd=comm.forward.calls,
-        collectives_per_layer_bwd=comm.backward.calls,
-        comm_sent_bytes_per_layer_fwd=comm.forward.ring_traffic_bytes(p, workload.dtype_bytes) if p > 1 else 0.0,
-        comm_sent_bytes_per_layer_bwd=comm.backward.ring_traffic_bytes(p, workload.dtype_bytes) if p > 1 else 0.0,
-        elementwise_bytes_per_layer_fwd=elementwise_bytes,
-        saved_bytes_per_layer=None if parallel.activation_checkpointing == "none"
-        else saved_bytes_per_layer(config, parallel, n, latent_bytes=workload.dtype_bytes),
-        layer_time_fwd_s=sum(forward.values()),
-        layer_time_bwd_s=sum(backward.values()),
-        stage_times_s=tuple(totals),
-        bubble_s=bubble,
-        bubble_fraction=bubble / (step - optimizer["optimizer"]),
-        p2p_bytes_per_boundary=boundary.bytes(workload.dtype_bytes) if pp > 1 else 0,
-        micro_batches_in_flight=in_flight,
-        peak_activation_bytes=_peak_activation_bytes(config, parallel, workload, counts, in_flight),
-        breakdown_s=breakdown,
-        step_time_s=step,
-        tokens_per_s=n * m / step,
-        mfu=training_flops_per_token(config, workload.seq_len) * n * m / (step * p * pp * peak),
+        elementwise_bytes=elementwise_bytes,
+        parameters=parameter_count(config),
+        saved=saved,
     )
 
 
-def _peak_activation_bytes(config, parallel: ParallelConfig, workload: Workload, counts: list[int],
+def _data_parallel_time(parallel: ParallelConfig, workload: Workload, hardware: Hardware,
+                        rank_params: list[RankParameters] | None, ranks: list[dict[str, float]]) -> float:
+    """The exposed time of the DP gradient all-reduce (and of ZeRO-1's parameter broadcast), module docstring."""
+    dp = workload.dp_size
+    if dp == 1:
+        return 0.0
+    reduce_bytes = precision_bytes(workload.precision or "autocast", workload.grad_reduce_dtype).reduce
+    same_node = parallel.tp_size * dp <= hardware.gpus_per_node
+    bandwidth = (hardware.collective_gbps(dp) if same_node else hardware.inter_node_gbps) * 1e9
+    latency = hardware.latency_us * 1e-6
+    exposed = 0.0
+    for params, rank in zip(rank_params, ranks):
+        nbytes = params.elements * reduce_bytes
+        buckets = -(-nbytes // DP_BUCKET_BYTES)
+        all_reduce = latency * buckets + 2 * (dp - 1) / dp * nbytes / bandwidth
+        one_bucket = latency + 2 * (dp - 1) / dp * min(nbytes, DP_BUCKET_BYTES) / bandwidth
+        backward = 2 / 3 * sum(t for c, t in rank.items() if c != "pp_comm")  # the last micro-batch's backward
+        broadcast = 0.0
+        if workload.zero1_optimizer:
+            broadcast = latency * params.tensors + (dp - 1) / dp * params.elements * 4 / bandwidth
+        exposed = max(exposed, max(all_reduce - backward, one_bucket) + broadcast)
+    return exposed
+
+
+def _peak_activation_bytes(parallel: ParallelConfig, saved: tuple[int, int] | None, counts: list[int],
                            in_flight: tuple[float, ...]) -> tuple[int, ...] | None:
-    """Per pipeline rank: the decoder layers' saved activations of one micro-batch (all the rank's stages)
-    times the micro-batches it keeps in flight; ``None`` without activation checkpointing."""
-    if parallel.activation_checkpointing == "none":
+    """Per pipeline rank: the decoder layers' saved activations of one micro-batch (all the rank's stages; ``saved``:
+    block 0's and a later block's) times the micro-batches it keeps in flight; ``None`` without activation
+    checkpointing."""
+    if saved is None:
         return None
-    starts = [sum(counts[:j]) for j in range(len(counts))]
     per_micro_batch = [0] * parallel.pp_size
-    for j, (start, count) in enumerate(zip(starts, counts)):
-        per_micro_batch[j % parallel.pp_size] += sum(
-            saved_bytes_per_layer(config, parallel, workload.tokens, layer_idx, latent_bytes=workload.dtype_bytes)
-            for layer_idx in range(start, start + count)
-        )
+    for j, count in enumerate(counts):
+        per_micro_batch[j % parallel.pp_size] += (saved[0] + (count - 1) * saved[1]) if j == 0 else count * saved[1]
     return tuple(round(nbytes * flight) for nbytes, flight in zip(per_micro_batch, in_flight))
 
 

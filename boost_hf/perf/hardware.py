@@ -2,15 +2,16 @@
 
 Every number is per GPU and can be overridden (``get_hardware("a100", link_gbps=150)``).
 
-=============  ==========  ======  =========  =======  ==============  =======  ===========
-preset         bf16 dense  HBM     collective  latency  node            NVSwitch inter-node
-               (TFLOP/s)   (GB/s)  bus (GB/s)  (us)                               (GB/s/GPU)
-=============  ==========  ======  =========  =======  ==============  =======  ===========
-a100           312         2039    230        15       4 GPUs (HGX 4)  no       25 (HDR)
-a100-nvswitch  312         2039    230        15       8 GPUs (DGX)    yes      25 (HDR)
-h100           989         3350    360        12       8 GPUs (HGX)    yes      50 (NDR)
-h200           989         4800    360        12       8 GPUs (HGX)    yes      50 (NDR)
-=============  ==========  ======  =========  =======  ==============  =======  ===========
+=============  ==========  ======  =========  =======  ==============  =======  ===========  ===========
+preset         bf16 dense  HBM     collective  latency  node            NVSwitch inter-node   memory
+               (TFLOP/s)   (GB/s)  bus (GB/s)  (us)                               (GB/s/GPU)   (GiB)
+=============  ==========  ======  =========  =======  ==============  =======  ===========  ===========
+a100           312         2039    230        15       4 GPUs (HGX 4)  no       25 (HDR)     80
+a100-nvswitch  312         2039    230        15       8 GPUs (DGX)    yes      25 (HDR)     80
+h100           989         3350    360        12       8 GPUs (HGX)    yes      50 (NDR)     80
+h200           989         4800    360        12       8 GPUs (HGX)    yes      50 (NDR)     141
+cpu            0.1         20      1          100      4 processes     yes      1            4
+=============  ==========  ======  =========  =======  ==============  =======  ===========  ===========
 
 ``link_gbps`` is the *bus bandwidth* NCCL reaches for large collectives over a whole node (the
 ``busbw`` of nccl-tests, about 75-80 % of the per-direction NVLink bandwidth: 300 GB/s on A100,
@@ -24,6 +25,10 @@ switch (4 links, 100 GB/s per direction, to each of the 3 peers). A 2-GPU collec
 third of a 4-GPU one, which is what the paper's TP2 times show (3B TP2 vanilla is 1.41 s, not the
 ~1.0 s a switched node predicts). 8 GPUs (13B TP4 x PP2) are two such nodes. ``a100-nvswitch`` is the
 8-GPU DGX A100.
+
+``cpu`` is not a GPU: CPU processes talking through gloo (``accelerate launch`` with ``use_cpu``), the rough dense
+fp32 peak of one process (:data:`~boost_hf.training.arguments.CPU_PEAK_TFLOPS`), a few GB/s of memory and loopback
+bandwidth, and 4 GiB per process; for planning the demo and tests on a laptop, not calibrated.
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ class Hardware:
         gpus_per_node: GPUs sharing one NVLink domain.
         nvswitch: whether the node's GPUs talk through an NVSwitch (any group gets ``link_gbps``) or a
             fully connected point-to-point NVLink mesh (see :meth:`collective_gbps`).
+        memory_gb: memory per GPU, GiB (``boost-hf plan``'s fit).
     """
 
     name: str
@@ -55,6 +61,7 @@ class Hardware:
     inter_node_gbps: float
     gpus_per_node: int = 8
     nvswitch: bool = True
+    memory_gb: float = 80.0
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -99,7 +106,10 @@ HARDWARE_PRESETS: dict[str, Hardware] = {
         "a100-nvswitch", peak_tflops=312.0, hbm_gbps=2039.0, link_gbps=230.0, latency_us=15.0, inter_node_gbps=25.0,
     ),
     "h100": Hardware("h100", peak_tflops=989.0, hbm_gbps=3350.0, link_gbps=360.0, latency_us=12.0, inter_node_gbps=50.0),
-    "h200": Hardware("h200", peak_tflops=989.0, hbm_gbps=4800.0, link_gbps=360.0, latency_us=12.0, inter_node_gbps=50.0),
+    "h200": Hardware("h200", peak_tflops=989.0, hbm_gbps=4800.0, link_gbps=360.0, latency_us=12.0, inter_node_gbps=50.0,
+                     memory_gb=141.0),
+    "cpu": Hardware("cpu", peak_tflops=0.1, hbm_gbps=20.0, link_gbps=1.0, latency_us=100.0, inter_node_gbps=1.0,
+                    gpus_per_node=4, memory_gb=4.0),
 }
 
 

@@ -17,7 +17,7 @@ import socket
 import subprocess
 import sys
 
-from .recipe import ACCELERATE_CONFIGS_DIR, RECIPES_DIR
+from ..shipped import ACCELERATE_CONFIGS_DIR, RECIPES_DIR
 
 RECIPE = RECIPES_DIR / "demo.yaml"
 ACCELERATE_CONFIG = ACCELERATE_CONFIGS_DIR / "cpu-4proc.yaml"

@@ -31,12 +31,11 @@ from ..configuration_boost_llama import BoostLlamaConfig
 from ..data import DEFAULT_VALIDATION_PERCENT, build_lm_datasets, load_tokenizer
 from ..modeling_boost_llama import BoostLlamaForCausalLM
 from .arguments import BoostTrainingArguments
+from ..shipped import ACCELERATE_CONFIGS_DIR, RECIPES_DIR, VOCAB_MULTIPLE, recipe_model_config, resolve_recipe, shipped_recipes
 from .checkpoint import verify_checkpoint_once
 
 # BoostLlamaConfig fields that a recipe does not set: taken from the tokenizer or the training arguments.
 _NOT_RECIPE_FIELDS = {"use_cache", "pad_token_id", "bos_token_id", "eos_token_id", "rope_parameters"}
-VOCAB_MULTIPLE = 64
-"""The vocabulary is padded to a multiple of this (divisible by any power-of-two tp_size up to 64)."""
 
 
 def _model_fields() -> list[tuple[str, type, object]]:
@@ -100,33 +99,6 @@ class DataArguments:
 
 
 SECTIONS = {"model": ModelArguments, "data": DataArguments, "training": BoostTrainingArguments}
-
-PACKAGE_DIR = Path(__file__).resolve().parents[1]
-RECIPES_DIR = PACKAGE_DIR / "recipes"
-"""The reference recipes, shipped as package data (in a source checkout, ``boost_hf/recipes`` links to ``recipes/``)."""
-ACCELERATE_CONFIGS_DIR = PACKAGE_DIR / "accelerate_configs"
-"""The reference ``accelerate`` configurations, shipped the same way."""
-
-
-def shipped_recipes() -> list[str]:
-    """Names of the recipes shipped with the package (``demo``, ``cola-60m``, ...)."""
-    return sorted(path.stem for path in RECIPES_DIR.glob("*.yaml"))
-
-
-def resolve_recipe(name_or_path: str) -> str:
-    """A YAML recipe's path: ``name_or_path`` itself if it is a file, else the shipped recipe of that name (``demo``,
-    ``cola-7b``); ``FileNotFoundError`` listing the shipped ones otherwise."""
-    if os.path.isfile(name_or_path):
-        return name_or_path
-    shipped = RECIPES_DIR / f"{Path(name_or_path).stem}.yaml"
-    if not name_or_path.endswith((".yaml", ".yml")) or os.sep not in name_or_path:
-        if shipped.is_file():
-            return str(shipped)
-    raise FileNotFoundError(
-        f"recipe: no such file {name_or_path!r}, and no shipped recipe of that name: use a YAML file or one of "
-        f"{', '.join(shipped_recipes())}."
-    )
-
 
 def recipe_to_argv(recipe: dict) -> list[str]:
     """``--field=value`` arguments of a parsed recipe; raise ``ValueError`` on unknown sections or keys."""
@@ -241,9 +213,7 @@ def build_config(model_args, tokenizer) -> BoostLlamaConfig:
         check_checkpoint_folder(model_args.init_from)
         return BoostLlamaConfig.from_pretrained(model_args.init_from, **overrides)
     overrides.setdefault("vocab_size", -(-len(tokenizer) // VOCAB_MULTIPLE) * VOCAB_MULTIPLE)
-    if "num_attention_heads" in overrides:  # presets have no GQA: keep it that way unless asked
-        overrides.setdefault("num_key_value_heads", overrides["num_attention_heads"])
-    return BoostLlamaConfig.from_preset(model_args.preset, **tokens, **overrides)
+    return recipe_model_config(model_args.preset, overrides, **tokens)
 
 
 def check_checkpoint_folder(path: str) -> None:

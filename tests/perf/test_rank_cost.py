@@ -258,3 +258,21 @@ def test_issue_9_targets_at_7b_tp4(fake_group):
     calls = sum(c["calls"] for d in ("forward", "backward") for c in cost[d]["collectives"].values())
     assert cost["total"]["non_gemm_bytes"] <= 4e9
     assert cost["total"]["non_gemm_ops"] + calls <= 120
+
+
+@pytest.mark.parametrize("name", ["btp", "btp-sp", "megatron", "megatron-sp", "single-device"])
+def test_saved_bytes_without_checkpointing_equal_what_the_layer_keeps(counted, name):
+    """Without checkpointing, what a layer keeps for backward under bf16 autocast (``SavedTensorsProbe``) is
+    ``saved_bytes_without_checkpointing`` plus autocast's bf16 copy of each of the rank's layer weights, which
+    ``boost_hf.perf.memory`` counts apart (``weight_copies``)."""
+    from boost_hf.perf.activation_memory import saved_bytes_without_checkpointing
+    from boost_hf.perf.memory import rank_parameters
+
+    if name == "single-device":
+        config, parallel = BoostLlamaConfig.from_preset("cola-60m"), ParallelConfig()
+        kept = count_rank_layer(config, parallel, BATCH, SEQ)["forward"]["saved_bytes"]
+    else:
+        config, parallel = _case(name)
+        kept = counted[name]["forward"]["saved_bytes"]
+    weight_copies = 2 * rank_parameters(config, parallel)[0].cast // config.num_hidden_layers
+    assert kept == saved_bytes_without_checkpointing(config, parallel, TOKENS) + weight_copies

@@ -7,7 +7,10 @@
 
 Every run has the global batch 8 and writes under ``OUT/<run>``; a resumed run also writes
 ``loaded-optimizer/rank<r>.pt``: per canonical parameter name, the optimizer state this rank holds right after
-loading the checkpoint (its ZeRO-1 share only under ``--zero1_optimizer``) and the parameter's shard spec.
+loading the checkpoint (its ZeRO-1 share only under ``--zero1_optimizer``) and the parameter's shard spec. Every run
+writes ``memory.json``: per rank, the bytes it holds after the backward of its last step (unique storages of its
+parameters, their gradients, the optimizer state it steps, and the buckets of every ``DistributedDataParallel`` it
+runs), with the model config and layout, for ``boost_hf.perf.memory.static_memory``.
 
 * ``single``: ``single`` (tp 1, one process; checkpoint at step 3).
 * ``four``: ``pp2-tp2`` (checkpoint at 3, ``--save_async``); ``pp2-tp2-from-single`` (``single/checkpoint-3`` resumed at
@@ -41,6 +44,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.multiprocessing.reductions import StorageWeakRef
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "recipes"))
 import pretrain  # noqa: E402
@@ -72,6 +76,40 @@ def _recording_load(self, checkpoint):
 
 
 BoostTrainer._load_optimizer_and_scheduler = _recording_load
+_training_step = BoostTrainer.training_step
+HELD: dict = {}  # what this rank held after the backward of the current run's latest step
+
+
+def _unique_bytes(tensors) -> int:
+    storages = {StorageWeakRef(t.untyped_storage()): t.untyped_storage().nbytes() for t in tensors if t is not None}
+    return sum(storages.values())
+
+
+def _held_after_backward(self, model, inputs, num_items_in_batch=None):
+    """The training step, then what this rank holds: its parameters, their gradients, its optimizer state (from the
+    previous step) and the buckets of each DDP module it runs (the trainer's, or each pipeline stage's)."""
+    loss = _training_step(self, model, inputs, num_items_in_batch)
+    params = list(self.model.parameters())
+    optimizer = getattr(self.optimizer, "optimizer", self.optimizer)
+    zero = sharded_over_data_parallel(optimizer)
+    state = (zero.optim if zero is not None else optimizer).state
+    pipeline = getattr(self.model, "pipeline", None)
+    ddp = [module for module in (self.model_wrapped, *((pipeline._wrapped or []) if pipeline is not None else []))
+           if isinstance(module, torch.nn.parallel.DistributedDataParallel)]
+    ranks = self.parallel_state
+    HELD.update(
+        parameters=_unique_bytes(params),
+        gradients=_unique_bytes(p.grad for p in params),
+        optimizer_states=_unique_bytes(v for per_param in state.values() for v in per_param.values() if torch.is_tensor(v)),
+        gradient_buckets=sum(int(n) for module in ddp for n in str(module._get_ddp_logging_data()["bucket_sizes"]).split(",") if n.strip()),
+        ranks={"pp": ranks.pp_rank, "tp": ranks.tp_rank, "dp": ranks.dp_rank},
+        dp_size=ranks.dp_size, zero1=bool(self.args.zero1_optimizer), bf16=bool(self.args.bf16),
+        config=self.model.config.to_dict(), parallel=self.args.to_parallel_config(self.model.config).to_dict(),
+    )
+    return loss
+
+
+BoostTrainer.training_step = _held_after_backward
 STREAM = ["--streaming", "true", "--stream_shards", "4", "--shuffle_buffer", "8", "--max_train_blocks", "19"]
 LOADERS = []
 _get_train_dataloader = BoostTrainer.get_train_dataloader
@@ -91,8 +129,15 @@ def train(out: Path, run: str, common: list[str], *layout: str, save: bool = Fal
         argv += ["--save_strategy", "steps", "--save_steps", "3"]
     if resume:
         argv += ["--resume_from_checkpoint", str(out / resume / "checkpoint-3")]
+    HELD.clear()
     LOADERS.clear()
     pretrain.main(argv)
+    held = [dict(HELD)]
+    if dist.is_initialized():
+        held = [None] * dist.get_world_size()
+        dist.all_gather_object(held, dict(HELD))
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        (out / run / "memory.json").write_text(json.dumps(held))
     if "--streaming" in layout:
         read = [LOADERS[-1].documents_read]
         if dist.is_initialized():

@@ -129,6 +129,31 @@ def canonical_optimizer_state(checkpoint: Path) -> dict[str, dict]:
     return read_checkpoint(checkpoint)["optimizer"]["state"]
 
 
+MEMORY_FIELDS = ("parameters", "gradients", "gradient_buckets", "optimizer_states")
+
+
+def test_memory_model_equals_what_every_rank_holds(runs):
+    """``boost_hf.perf.memory.static_memory`` equals, on every rank of every run (one process, pp 2 x tp 2, pp 2 x
+    dp 2 with and without ZeRO-1, interleaved, tp 2 x dp 2 with and without ZeRO-1, dp 4 with ZeRO-1), the bytes of
+    its parameters, gradients, optimizer state and DDP buckets after a step's backward, exactly."""
+    from boost_hf import BoostLlamaConfig, ParallelConfig
+    from boost_hf.perf.memory import static_memory
+
+    layouts = set()
+    for path in sorted(runs.glob("*/memory.json")):
+        for held in json.loads(path.read_text()):
+            config = BoostLlamaConfig.from_dict(held["config"])
+            fields = held["parallel"]
+            parallel = ParallelConfig(**{**fields, "pp_layer_split": fields["pp_layer_split"] and tuple(fields["pp_layer_split"])})
+            ranks = held["ranks"]
+            model = static_memory(config, parallel, dp_size=held["dp_size"], precision="autocast" if held["bf16"] else "fp32",
+                                  zero1=held["zero1"])[ranks["pp"]][ranks["dp"]]
+            assert {name: getattr(model, name) for name in MEMORY_FIELDS} == {name: held[name] for name in MEMORY_FIELDS}, \
+                (path.parent.name, ranks)
+            layouts.add((parallel.pp_size, parallel.tp_size, held["dp_size"], held["zero1"]))
+    assert {(2, 2, 1, False), (2, 1, 2, True), (1, 2, 2, True), (1, 1, 4, True), (1, 1, 1, False)} <= layouts
+
+
 @pytest.mark.parametrize("run", list(RESUMED))
 def test_loaded_optimizer_state_is_the_saved_one(runs, run):
     """Right after loading, every rank holds exactly its slice of the saved moments (and the saved step count) of

@@ -28,7 +28,7 @@ from torch import nn
 from ..communication import NO_COMMUNICATION, Communication, PassCommunication
 from ..decoder_layer import Latents, ParallelAttention, ParallelDecoderLayer, ParallelMLP, Tensors
 from ..fused import weight_views
-from ..modules import adopt, compute_dtype, shard_repr
+from ..modules import adopt, compute_dtype, shard_parameter, shard_repr
 from ..norms import FusedRMSNorm
 from ..sequence_parallel import TokenShardedRMSNorm
 
@@ -170,6 +170,8 @@ class Layout:
     #: parameters of a grouped projection group's projections stored as one tensor (row blocks of one
     #: buffer, :mod:`boost_hf.parallel.shared_storage`), which the group's GEMM reads without a copy
     stored_together: ClassVar[tuple[str, ...]] = ()
+    #: the dimension of the block norms' weight each rank holds a slice of (``None``: replicated)
+    norm_split: ClassVar[int | None] = None
 
     def __init__(self, parallel):
         self.parallel = parallel
@@ -225,8 +227,22 @@ class Layout:
         adopt(layer, ParallelDecoderLayer, checkpointing=self.parallel.activation_checkpointing)
 
     def parallelize_projection(self, projection: nn.Module, group_name: str, plan) -> None:
-        """Shard one projection of group ``group_name`` in place and adopt its parallel module class."""
+        """Shard one projection of group ``group_name`` in place (:meth:`shard_projection`) and adopt its parallel
+        module class."""
         raise NotImplementedError
+
+    def projection_splits(self, group_name: str) -> dict[str, int]:
+        """The dimension each rank holds a slice of, per parameter of a projection of group ``group_name`` (by its
+        name on the projection: ``A``, ``B``, ``weight``, ``bias``); a parameter not named (LaX's crossing gate and
+        latent LayerNorm, a row-parallel bias) is replicated. :meth:`shard_projection` applies it; the memory model
+        (:mod:`boost_hf.perf.memory`) counts each rank's parameters from it."""
+        raise NotImplementedError
+
+    def shard_projection(self, projection: nn.Module, group_name: str, plan) -> None:
+        """Replace each parameter :meth:`projection_splits` names by this rank's slice."""
+        for name, dim in self.projection_splits(group_name).items():
+            if holds_parameter(projection, name):
+                shard_parameter(projection, name, dim, plan)
 
     def tensor_train_splits(self, shape) -> dict[int, int]:
         """Which core of a tensor-train projection (:class:`~boost_hf.configuration_boost_llama.TensorTrainShape`)
@@ -277,6 +293,16 @@ class Layout:
         """Elements of the reduced latents low-rank checkpointing keeps per layer (all four groups)."""
         raise NotImplementedError
 
+    def saved_bytes_without_checkpointing(self, config, tokens: int, *, activation_bytes: int, residual_bytes: int,
+                                          weights_cast: bool) -> int | None:
+        """Bytes one decoder layer's forward keeps for backward on one rank when nothing is checkpointed (also what a
+        checkpointed layer holds while its backward recomputes it): activations at ``activation_bytes`` per element
+        (the compute dtype), a saved residual at ``residual_bytes``, statistics in fp32; not the rotary tables (shared
+        by the layers), nor the copies of the weights autocast makes (``weights_cast``: it makes them, so a weight
+        the layout materialises itself is one of them). ``None`` where the layout does not model it (the memory
+        model then does not claim a fit)."""
+        return None
+
     def local_gemms(self, config, tokens: int) -> list[Gemm]:
         """The GEMMs of one layer's forward on one rank (without LaX crossings; with a tensor train's contractions)."""
         raise NotImplementedError
@@ -307,6 +333,15 @@ class Layout:
         if p > 1 and rows % p == 0:
             return StageBoundary(residual, (rows // p, width), gathered=rows * width)
         return StageBoundary(residual, (rows, width))
+
+
+def whole_norm_saved_bytes(rows: int, width: int, activation_bytes: int, residual_bytes: int) -> int:
+    """What the RMSNorm of a whole residual (``[rows, width]``, the fused norm of
+    :mod:`boost_hf.parallel.rmsnorm_op`) keeps for backward: its input, ``1/rms`` (fp32) and its output in the compute
+    dtype (the next GEMM's input); a residual narrower than fp32 runs the unfused arithmetic, which keeps an fp32 copy
+    of the input and the normalised values in the compute dtype as well."""
+    kept = residual_bytes + activation_bytes if residual_bytes == 4 else 4 + 2 * activation_bytes
+    return rows * width * kept + rows * 4
 
 
 def holds_parameter(module: nn.Module, name: str) -> bool:
@@ -353,5 +388,5 @@ def low_rank_a_gemms(config, n: int, r_local: int, local: dict[str, int], groupe
 
 __all__ = [
     "Layout", "BackwardOverlap", "ProjectionGroup", "StageBoundary", "Gemm", "ResidualWidths", "GROUPS", "READS_NORM",
-    "factor_shards_repr", "holds_parameter", "split_latents", "apply_latent_functions", "low_rank_a_gemms",
+    "factor_shards_repr", "holds_parameter", "whole_norm_saved_bytes", "split_latents", "apply_latent_functions", "low_rank_a_gemms",
 ]

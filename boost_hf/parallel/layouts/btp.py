@@ -45,7 +45,7 @@ from ..sequence_parallel import reduce_gradients_over_tokens
 from ..tensor_train import check_btp_modes, contraction_gemms, gradient_communication, is_tensor_train, shard_tensor_train
 from .base import (
     GROUPS, READS_NORM, Gemm, Layout, ProjectionGroup, ResidualWidths, apply_latent_functions, factor_shards_repr, low_rank_a_gemms,
-    split_latents,
+    split_latents, whole_norm_saved_bytes,
 )
 
 
@@ -145,6 +145,7 @@ class BottleneckAwareLayout(Layout):
     residual_sharded = True
     split_dimensions = ("hidden_size", "intermediate_size")
     stored_together = ("A", "B")
+    norm_split = 0
 
     def check(self, config) -> None:
         p = self.parallel.tp_size
@@ -169,10 +170,13 @@ class BottleneckAwareLayout(Layout):
         # at tp_size=1 the residual is whole: the block norms stay the single-device norm
         rmsnorm = self.parallel.rmsnorm if plan.tp_size > 1 else None
         for norm in (layer.input_layernorm, layer.post_attention_layernorm):
-            shard_parameter(norm, "weight", 0, plan)
+            shard_parameter(norm, "weight", self.norm_split, plan)
             if rmsnorm is not None:
                 adopt(norm, RMSNORM_MODES[rmsnorm], group=plan.group, hidden_size=layer.self_attn.config.hidden_size)
         super().parallelize_layer(layer, plan)
+
+    def projection_splits(self, group_name):
+        return {"A": 1, "B": 0, "bias": 0}  # A row-parallel, B (and its bias) column-parallel
 
     def tensor_train_splits(self, shape) -> dict[int, int]:
         # the first input core along its mode (rows of A^T), the first output core along its mode (columns of B^T)
@@ -181,11 +185,7 @@ class BottleneckAwareLayout(Layout):
     def parallelize_projection(self, projection, group_name, plan) -> None:
         if is_tensor_train(projection):
             shard_tensor_train(projection, self.tensor_train_splits(projection.tensor_train), plan)
-        else:
-            shard_parameter(projection, "A", 1, plan)
-            shard_parameter(projection, "B", 0, plan)
-        if projection.bias is not None:
-            shard_parameter(projection, "bias", 0, plan)
+        self.shard_projection(projection, group_name, plan)  # A and B where they are parameters, the bias
         if self.parallel.shards_tokens and hasattr(projection, "crossed_latent"):
             # LaX's crossing gate and latent LayerNorm run on this rank's tokens
             latent_parameters = [name for name, _ in projection.named_parameters() if name not in ("A", "B", "bias")]
@@ -252,6 +252,34 @@ class BottleneckAwareLayout(Layout):
     def saved_latent_elements(self, config, tokens):
         latents = 7 * tokens * config.rank + (2 * tokens * STATISTICS_WIDTH if self.parallel.rmsnorm == "online" else 0)
         return latents // self.parallel.tp_size if self.parallel.shards_tokens else latents
+
+    def saved_bytes_without_checkpointing(self, config, tokens, *, activation_bytes, residual_bytes, weights_cast):
+        # modelled: the grouped projections with the online norm, without LaX
+        if config.bottleneck == "lax" or not self.parallel.group_linears or self.parallel.rmsnorm != "online":
+            return None
+        p, n, a, r = self.parallel.tp_size, tokens, activation_bytes, config.rank
+        shard = n // p if self.parallel.shards_tokens else n  # tokens of the token-sharded latent work
+        widths = self.widths(config)
+        if p > 1:  # each online norm: its output in the compute dtype (the A's input, [N, d/p]) and 4 fp32 per token
+            # (1/rms and the statistics the fused scale-and-activation op keeps: measured by the saved-tensor probe)
+            norms = 2 * (n * widths.residual * a + shard * 16)
+        else:  # the norms of a whole residual
+            norms = 2 * whole_norm_saved_bytes(n, config.hidden_size, a, residual_bytes)
+        # each group (3r, r, 2r, r): the latent the B's read (all tokens) and, when it differs, the reduced A output
+        # it comes from (this rank's tokens under SP): the activated latent's input, the online norm's scaled latent
+        latents = 0
+        for group, w in zip(("qkv", "o", "gate_up", "down"), (3 * r, r, 2 * r, r)):
+            reduced_apart = config.latent_activation is not None or (self.parallel.shards_tokens and group in READS_NORM)
+            latents += n * w + (shard * w if reduced_apart else 0)
+        # attention: rotated q and k, v, the output ([N, heads/p x head_dim]) and the log-sum-exp per head (fp32)
+        heads = config.num_attention_heads // p
+        attention = n * (2 * widths.q + 2 * widths.k) * a + n * heads * 4
+        # MLP ([N, f/p]): gate, up, their product (and the activated gate when the MLP keeps its activation)
+        mlp = n * widths.mlp * a * (4 if config.mlp_activation is not None else 3)
+        # the A's reading an online norm (A_qkv, A_gate_up: [5 r, d/p]) with the norm's gamma folded in, made each
+        # forward (under autocast that is their bf16 copy, counted with the others)
+        folded = 0 if weights_cast or p == 1 else 5 * r * widths.residual * a
+        return norms + latents * a + attention + mlp + folded
 
     def local_gemms(self, config, tokens):
         p, n, r = self.parallel.tp_size, tokens, config.rank

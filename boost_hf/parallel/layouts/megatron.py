@@ -34,10 +34,10 @@ import torch.nn.functional as F
 
 from ..communication import PassCommunication, all_gather, all_reduce, reduce_scatter
 from ..fused import column_linear, weight_views
-from ..modules import add_bias, adopt, compute_dtype, shard_parameter, shard_repr
+from ..modules import add_bias, adopt, compute_dtype, shard_repr
 from ..primitives import copy_to_tp, gather_tokens, reduce_from_tp, reduce_scatter_tokens
 from ..sequence_parallel import gathered_linear, replicated_on_shard
-from .base import GROUPS, BackwardOverlap, Gemm, Layout, ProjectionGroup, ResidualWidths
+from .base import GROUPS, BackwardOverlap, Gemm, Layout, ProjectionGroup, ResidualWidths, whole_norm_saved_bytes
 
 COLUMN_GROUPS = ("qkv", "gate_up")
 
@@ -130,11 +130,13 @@ class MegatronLayout(Layout):
             )
         super().check(config)
 
+    def projection_splits(self, group_name):
+        # column-parallel q/k/v, gate/up (weight and bias by output); row-parallel o, down (a bias replicated)
+        return {"weight": 0, "bias": 0} if group_name in COLUMN_GROUPS else {"weight": 1}
+
     def parallelize_projection(self, projection, group_name, plan) -> None:
         column = group_name in COLUMN_GROUPS
-        shard_parameter(projection, "weight", 0 if column else 1, plan)
-        if projection.bias is not None and column:
-            shard_parameter(projection, "bias", 0, plan)
+        self.shard_projection(projection, group_name, plan)
         if column:
             adopt(projection, ColumnParallel, group=plan.group)
         else:
@@ -186,6 +188,22 @@ class MegatronLayout(Layout):
 
     def saved_latent_elements(self, config, tokens):
         raise ValueError("megatron has no low-rank checkpointing: it saves no latents")
+
+    def saved_bytes_without_checkpointing(self, config, tokens, *, activation_bytes, residual_bytes, weights_cast):
+        # modelled: q/k/v and gate/up grouped
+        if not self.parallel.group_linears:
+            return None
+        p, n, a, d = self.parallel.tp_size, tokens, activation_bytes, config.hidden_size
+        widths = self.widths(config)
+        norms = 2 * whole_norm_saved_bytes(n // p if self.parallel.shards_tokens else n, d, a, residual_bytes)
+        if self.parallel.shards_tokens:  # each norm of a token shard also keeps its weight (the residual's dtype)
+            norms += 2 * d * residual_bytes
+        heads = config.num_attention_heads // p
+        # attention: the q/k/v GEMM output, the rotated q and k, the output; the log-sum-exp per head (fp32)
+        attention = n * ((widths.q + 2 * widths.k) + (widths.q + widths.k) + widths.q) * a + n * heads * 4
+        # MLP ([N, f/p]): gate and up (one GEMM output), the activated gate, their product
+        mlp = n * widths.mlp * a * 4
+        return norms + attention + mlp
 
     def local_gemms(self, config, tokens):
         p, n = self.parallel.tp_size, tokens

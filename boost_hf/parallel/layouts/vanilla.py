@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from ..communication import Communication, PassCommunication, all_gather, all_reduce
 from ..fused import latent_linear, split_latent, stacked_weight
-from ..modules import add_bias, adopt, compute_dtype, shard_parameter
+from ..modules import add_bias, adopt, compute_dtype
 from ..primitives import copy_to_tp, gather_from_tp, reduce_from_tp, split_to_tp
 from ..tensor_train import contraction_gemms, gradient_communication, is_tensor_train, shard_tensor_train
 from .base import (
@@ -105,6 +105,9 @@ class VanillaLayout(Layout):
             )
         super().check(config)
 
+    def projection_splits(self, group_name):
+        return {"A": 0, "B": 1}  # A column-parallel (along r), B row-parallel; a bias is replicated
+
     def tensor_train_splits(self, shape) -> dict[int, int]:
         # the last input core along its output rank (columns of A^T), the first output core along its input rank
         return {shape.split - 1: 2, shape.split: 0}
@@ -112,9 +115,7 @@ class VanillaLayout(Layout):
     def parallelize_projection(self, projection, group_name, plan) -> None:
         if is_tensor_train(projection):
             shard_tensor_train(projection, self.tensor_train_splits(projection.tensor_train), plan)
-        else:
-            shard_parameter(projection, "A", 0, plan)
-            shard_parameter(projection, "B", 1, plan)
+        self.shard_projection(projection, group_name, plan)  # A and B where they are parameters
         adopt(projection, VanillaProjection, group=plan.group)
 
     def projection_group(self, layer, owner, group_name, plan):
