@@ -347,10 +347,28 @@ def _run_demo(args: argparse.Namespace) -> int:
     return run(args)
 
 
+class _RecipeFieldsHelp(argparse.Action):
+    """``boost-hf train --help``: the command's usage, then every recipe field with its type, default and help, as
+    the recipe parser (generated from the model, data and training arguments' dataclasses) lists them."""
+
+    def __init__(self, option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, help=None):
+        super().__init__(option_strings, dest=dest, default=default, nargs=0, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        from .training.recipe import SECTIONS, recipe_parser
+
+        parser.print_help()
+        for section, arguments in SECTIONS.items():
+            print(f"\nrecipe section {section!r} ({arguments.__name__}): its keys, or --field value after RECIPE")
+            print(recipe_parser(arguments, usage=argparse.SUPPRESS, add_help=False).format_help())
+        parser.exit()
+
+
 def _add_train_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("recipe", help="a YAML recipe, or the name of a shipped one (demo, cola-60m, ..., cola-7b)")
     parser.add_argument("overrides", nargs=argparse.REMAINDER,
-                        help="--field value ... overriding any model, data or training field of the recipe")
+                        help="--field value ... overriding any model, data or training field of the recipe (listed below)")
+    parser.add_argument("-h", "--help", action=_RecipeFieldsHelp, help="show this help and every recipe field, then exit")
 
 
 def _run_train(args: argparse.Namespace) -> int:
@@ -488,7 +506,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="boost-hf", description="Bottleneck-aware tensor parallelism for low-rank LLaMA.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (help_text, add_arguments, _) in SUBCOMMANDS.items():
-        add_arguments(sub.add_parser(name, help=help_text, description=help_text))
+        # conflict_handler="resolve": a subcommand may replace -h/--help with its own (train lists the recipe fields)
+        add_arguments(sub.add_parser(name, help=help_text, description=help_text, conflict_handler="resolve"))
     return parser
 
 

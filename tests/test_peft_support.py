@@ -120,11 +120,11 @@ def test_transformers_load_with_peft_installed(tmp_path):
     assert isinstance(AutoModelForCausalLM.from_pretrained(tmp_path), BoostLlamaForCausalLM)
 
 
-def test_readme_peft_example_runs(tmp_path, monkeypatch):
-    from .test_readme import python_blocks
+def test_docs_peft_example_runs(tmp_path, monkeypatch):
+    from .test_docs import python_blocks
 
     block = next(b for b in python_blocks() if "lora_config(" in b)
     monkeypatch.chdir(tmp_path)
     namespace = {"model": base_model("lax"), "base_model": base_model("lax")}
-    exec(compile(block, "README.md", "exec"), namespace)
+    exec(compile(block, "docs/sharing.md", "exec"), namespace)
     assert isinstance(namespace["peft_model"], PeftModel) and (tmp_path / "adapter" / "adapter_config.json").is_file()

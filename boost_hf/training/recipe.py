@@ -119,6 +119,13 @@ def recipe_to_argv(recipe: dict) -> list[str]:
     return argv
 
 
+def recipe_parser(*sections: type, **kwargs) -> HfArgumentParser:
+    """The parser of the recipe fields, generated from the sections' dataclasses (default: model, data and
+    training): what a recipe's keys and the command line's ``--field value`` are read with, and what
+    ``boost-hf train --help`` lists; ``kwargs`` go to ``argparse.ArgumentParser``."""
+    return HfArgumentParser(sections or tuple(SECTIONS.values()), **kwargs)
+
+
 def parse_recipe(argv: list[str]) -> tuple:
     """``[RECIPE.yaml] [--field value ...]`` -> ``(ModelArguments, DataArguments, BoostTrainingArguments)``.
     In a launched worker, from here on the process dies with its launcher (:func:`~boost_hf.training.watchdog.exit_with_launcher`)."""
@@ -130,8 +137,7 @@ def parse_recipe(argv: list[str]) -> tuple:
         with open(argv[0]) as f:
             recipe = yaml.safe_load(f)
         argv = argv[1:]
-    parser = HfArgumentParser((ModelArguments, DataArguments, BoostTrainingArguments))
-    return parser.parse_args_into_dataclasses(args=recipe_to_argv(recipe) + list(argv))
+    return recipe_parser().parse_args_into_dataclasses(args=recipe_to_argv(recipe) + list(argv))
 
 
 def build_tokenizer(data_args: DataArguments):

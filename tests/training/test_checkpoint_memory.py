@@ -7,7 +7,7 @@ shards (parameters + optimizer state), synchronous or ``--save_async`` (which co
 and rank 0 by no more than the others (no rank holds another rank's shards). Also: every rank hashes a share of the
 files when saving and when the resume verifies them (none hashes everything), and the resume's loads stay within the
 same bound. One launch, about 2 minutes on 2 cores. (Before, on the same model: rank 0's peak grew by ~4 x its shards,
-gathering every stage; see the README's table of save and resume costs.)
+gathering every stage; see the table of save and resume costs in docs/checkpoints.md.)
 """
 
 from __future__ import annotations

@@ -42,6 +42,25 @@ def test_every_shipped_recipe_parses():
         assert training.output_dir, path
 
 
+def test_train_help_lists_every_recipe_field(capsys):
+    """``boost-hf train --help`` lists each section's fields, generated from its dataclass, with their help."""
+    from dataclasses import fields
+
+    from boost_hf import cli
+    from boost_hf.training.recipe import SECTIONS
+
+    with pytest.raises(SystemExit) as exit:
+        cli.main(["train", "--help"])
+    assert exit.value.code == 0
+    shown = capsys.readouterr().out
+    for section, arguments in SECTIONS.items():
+        assert f"recipe section {section!r}" in shown
+        for f in fields(arguments):
+            if f.init:
+                assert f"--{f.name} " in shown or f"--{f.name}\n" in shown, f"{section}.{f.name}"
+    assert "--tp_size" in shown and "--rank" in shown and "Tokens per training sequence." in shown  # names and their help
+
+
 @pytest.mark.parametrize("name, lr, warmup, steps, block, sequences", [("tt-60m", 6e-3, 2200, 11000, 256, 512), ("tt-1b", 1e-3, 1200, 6000, 4096, 4096)])
 def test_tensor_train_recipes_are_the_releases(name, lr, warmup, steps, block, sequences):
     """The BOOST release's settings (config_tt_llama_60m_seq_256.yaml; config_tt_llama_1b.yaml and its launch script):
