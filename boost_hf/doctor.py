@@ -8,8 +8,9 @@
   writes its checkpoint shards there and rank 0 reads them back, so with several nodes it must be a shared
   filesystem (NFS, Lustre, GPFS, ...): a local one is reported as a problem;
 * the accelerate configuration in effect (``--config_file``, else ``ACCELERATE_CONFIG_FILE``, else accelerate's
-  default file): machines, processes, mixed precision, and what boost-hf refuses in it (accelerate's own
-  ``parallelism_config``, FSDP).
+  default file): machines, processes, mixed precision, and what boost-hf refuses in it (in accelerate's own
+  ``parallelism_config``: ``dp_shard_size``, ``cp_size``, ``sp_size``; FSDP). Its ``tp_size`` is honoured as
+  ``--tp_size``; the checks that need the run's flags are made at training start.
 
 Nothing here starts a process group. The exit status is 1 when a problem was found.
 """
@@ -21,6 +22,8 @@ import importlib.util
 import os
 import platform
 from pathlib import Path
+
+from .training.compatibility import unsupported_parallelism
 
 #: filesystems every node of a cluster can mount as one folder
 SHARED_FILESYSTEMS = ("nfs", "nfs4", "lustre", "gpfs", "beegfs", "cephfs", "ceph", "glusterfs", "fuse.glusterfs",
@@ -122,9 +125,11 @@ def problems(report: dict) -> list[str]:
                    "shards there; use a folder on NFS/Lustre/GPFS (--output_dir).")
     if not folder["writable"]:
         out.append(f"the output folder {folder['path']} is not writable: choose another --output_dir.")
-    if accel.get("parallelism_config"):
-        out.append(f"the accelerate config sets parallelism_config {accel['parallelism_config']}, which boost-hf "
-                   "refuses: remove it and set --tp_size / --pp_size.")
+    sizes = {name.removeprefix("parallelism_config_").removesuffix("_size"): value
+             for name, value in (accel.get("parallelism_config") or {}).items() if name.endswith("_size")}
+    refusal = unsupported_parallelism(sizes, "the accelerate config's parallelism_config")
+    if refusal is not None:
+        out.append(refusal)
     if "FSDP" in str(accel.get("distributed_type")):
         out.append("the accelerate config uses FSDP, which boost-hf refuses: use MULTI_GPU (or DeepSpeed) with --tp_size / --pp_size.")
     wants_bf16 = accel.get("mixed_precision") == "bf16"

@@ -45,9 +45,12 @@ def test_a_multi_node_run_needs_a_shared_output_folder(tmp_path):
     assert "not a shared filesystem" in problem and "2 machines" in problem and "--output_dir" in problem
     shared = doctor(output_dir=str(tmp_path / "nfs" / "run"), config_file=two_nodes, mounts_path=str(mounts))
     assert shared["problems"] == [] and shared["output_dir"]["shared"]
+    honoured = doctor(output_dir=str(tmp_path / "out"), mounts_path=str(mounts),
+                      config_file=_config(tmp_path, parallelism_config={"parallelism_config_tp_size": 2}))
+    assert honoured["problems"] == []  # boost-hf's --tp_size 2
     refused = doctor(output_dir=str(tmp_path / "out"), mounts_path=str(mounts),
-                     config_file=_config(tmp_path, parallelism_config={"parallelism_config_tp_size": 2}))
-    assert any("parallelism_config" in p and "--tp_size" in p for p in refused["problems"])
+                     config_file=_config(tmp_path, parallelism_config={"parallelism_config_dp_shard_size": 2}))
+    assert any("dp_shard_size=2" in p and "--zero1_optimizer" in p for p in refused["problems"])
 
 
 def test_cli_reports_this_machine(tmp_path, capsys):

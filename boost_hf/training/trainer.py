@@ -17,7 +17,8 @@ Trainer hook                           boost-hf behaviour
                                        last stage's logits, its metrics broadcast to every stage
 ``create_accelerator_and_postprocess``  ``--torch_compile``: each decoder layer compiled in place
                                        (:mod:`boost_hf.parallel.compile`), not the whole model; accelerate's bf16
-                                       autocast off: the precision policy is applied here (next row)
+                                       autocast off: the precision policy is applied here (next row); created
+                                       without accelerate's parallelism_config (the arguments honour it)
 ``autocast_smart_context_manager``     the precision policy (:mod:`boost_hf.training.precision`, ``--bf16``,
                                        ``--precision_policy``): its autocast around every forward (training,
                                        evaluation, the sample); (pp > 1) each stage applies it, and sends its
@@ -115,6 +116,7 @@ from ..data.collate import causal_lm_collator
 from ..data.stream import BlockStream
 from .output_lock import OutputDirInUseError, OutputDirLock
 from .data import EvalShard, StreamLoader, restore_data_position, save_data_position, shard_by_data_parallel_rank
+from .compatibility import accelerator_without_parallelism_config
 from ..parallel.state import ParallelState
 from ..evaluation import batch_sums, metrics_from_sums, sums_of_batch
 from .deepspeed import ModelParallelUnit, configure_deepspeed, deepspeed_initialize_hooks, skip_shm_comm_if_requested
@@ -234,7 +236,8 @@ class BoostTrainer(Trainer):
 
     # ------------------------------------------------------------------ set-up
     def create_accelerator_and_postprocess(self) -> None:
-        super().create_accelerator_and_postprocess()
+        with accelerator_without_parallelism_config():  # honoured by the arguments, not to be applied again
+            super().create_accelerator_and_postprocess()
         if self.args.deepspeed_plugin is not None and not self.is_deepspeed_enabled:
             raise ValueError(
                 "DeepSpeed was requested but accelerate runs without it: ACCELERATE_USE_CPU is set (`accelerate launch "

@@ -11,24 +11,35 @@ point of the feature it is refused with is then tried.
 from __future__ import annotations
 
 import json
+import os
 import time
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 import pytest
 import yaml
 
 from boost_hf.training import BoostTrainingArguments, parse_recipe
+from boost_hf.training.compatibility import accelerator_without_parallelism_config, layout_from_parallelism_config
 
-from .launcher import DEMO_RECIPE, REPO, TINY, accelerate_command, start_command
+from .launcher import DEMO_RECIPE, REPO, TINY, accelerate_command, run_command, start_command
 
+PARALLELISM = {  # accelerate's ParallelismConfig sizes: its tp_size honoured, the others refused
+    "parallelism tp 2": {"tp_size": 2},
+    "parallelism dp_shard 2": {"dp_shard_size": 2},
+    "parallelism cp 2": {"cp_size": 2},
+    "parallelism sp 2": {"sp_size": 2},
+    "parallelism dp_replicate 2": {"dp_replicate_size": 2},
+}
 ZERO2 = {"zero_optimization": {"stage": 2}, "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto"}
 ACCELERATE_CONFIGS = {
     "deepspeed": REPO / "accelerate_configs" / "cpu-4proc-zero2.yaml",
     "cpu": ({"compute_environment": "LOCAL_MACHINE", "distributed_type": "MULTI_GPU", "num_processes": 2}, "--cpu"),
     "fsdp": {"compute_environment": "LOCAL_MACHINE", "distributed_type": "FSDP", "num_processes": 2,
              "fsdp_config": {"fsdp_sharding_strategy": "FULL_SHARD"}},
-    "parallelism": {"compute_environment": "LOCAL_MACHINE", "distributed_type": "MULTI_GPU", "num_processes": 2,
-                    "parallelism_config": {"parallelism_config_tp_size": 2}},
+    **{name: {"compute_environment": "LOCAL_MACHINE", "distributed_type": "MULTI_GPU", "num_processes": 4,
+              "parallelism_config": {f"parallelism_config_{size}": value for size, value in sizes.items()}}
+       for name, sizes in PARALLELISM.items()},
     "honoured": {"compute_environment": "LOCAL_MACHINE", "distributed_type": "MULTI_GPU", "num_processes": 2,
                  "mixed_precision": "bf16", "dynamo_config": {"dynamo_backend": "INDUCTOR"}},
 }
@@ -36,12 +47,18 @@ ENVIRONMENT = {
     "deepspeed": {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_ZERO_STAGE": "2"},
     "cpu": {"ACCELERATE_USE_CPU": "true"},
     "fsdp": {"ACCELERATE_USE_FSDP": "true"},
-    "parallelism": {"ACCELERATE_USE_PARALLELISM_CONFIG": "true", "PARALLELISM_CONFIG_TP_SIZE": "2"},
+    **{name: {"ACCELERATE_USE_PARALLELISM_CONFIG": "true", **{f"PARALLELISM_CONFIG_{size.upper()}": str(value)
+                                                             for size, value in sizes.items()}}
+       for name, sizes in PARALLELISM.items()},
 }
-FLAGS = {  # the feature as training arguments (a recipe holds the same)
+FLAGS = {  # the feature as training arguments (a recipe holds the same, but parallelism_config, a Python object)
     "deepspeed": {"deepspeed": "ZERO2_JSON"},
     "fsdp": {"fsdp": "full_shard"},
+    **{name: {"parallelism_config": sizes} for name, sizes in PARALLELISM.items()},  # ParallelismConfig(**sizes)
 }
+
+
+PARALLELISM_ROUTES = ("flag", "accelerate config", "environment")  # "flag": parallelism_config=ParallelismConfig(...)
 
 
 @dataclass(frozen=True)
@@ -63,8 +80,19 @@ REFUSALS = [
     Refusal("DeepSpeed x use_cpu", {"deepspeed": "ZERO2_JSON"}, r"DeepSpeed is requested \(--deepspeed\) but ACCELERATE_USE_CPU is "
             r"set .* accelerate drops DeepSpeed silently", "cpu", routes=("accelerate config", "environment")),
     Refusal("FSDP", {}, r"FSDP \(.*\) is not supported: boost-hf shards the model itself", "fsdp"),
-    Refusal("accelerate parallelism_config", {}, r"accelerate's parallelism_config \(tp_size=2\) is accelerate's own N-D "
-            r"parallelism", "parallelism", routes=("accelerate config", "environment")),
+    Refusal("parallelism_config dp_shard_size", {}, r"parallelism_config .*sets dp_shard_size=2: accelerate would shard "
+            r"the model over those ranks with FSDP, which boost-hf does not support.* use --zero1_optimizer .* or DeepSpeed "
+            r"ZeRO-1/2/3", "parallelism dp_shard 2", routes=PARALLELISM_ROUTES),
+    Refusal("parallelism_config cp_size", {}, r"parallelism_config .*sets cp_size=2: context parallelism .* is not supported "
+            r"by boost-hf. The nearest is --sequence_parallel with --tp_size > 1, which is not the same", "parallelism cp 2",
+            routes=PARALLELISM_ROUTES),
+    Refusal("parallelism_config sp_size", {}, r"parallelism_config .*sets sp_size=2: accelerate's sequence parallelism "
+            r"\(DeepSpeed's ALST/Ulysses.* The nearest is --sequence_parallel", "parallelism sp 2", routes=PARALLELISM_ROUTES),
+    Refusal("parallelism_config tp_size x tp_size", {"tp_size": 4}, r"parallelism_config .*sets tp_size=2 but the flag or the "
+            r"recipe sets tp_size=4 \(--tp_size, tp_size: in the recipe\)", "parallelism tp 2", routes=PARALLELISM_ROUTES),
+    Refusal("parallelism_config dp_replicate_size x world", {}, r"parallelism_config .*sets dp_replicate_size=2, which with "
+            r"tp_size=1 x pp_size=1 needs 2 processes, but 1 are launched \(WORLD_SIZE\)", "parallelism dp_replicate 2",
+            routes=PARALLELISM_ROUTES),
     Refusal("zero1_optimizer x LORO", {"zero1_optimizer": True, "lowrank_optimizer": "loro"},
             r"--zero1_optimizer with --lowrank_optimizer loro is not supported", routes=("flag", "recipe")),
     Refusal("gradient accumulation x PP", {"pp_size": 2, "gradient_accumulation_steps": 2},
@@ -110,6 +138,10 @@ def build_arguments(route: str, settings: dict, tmp_path) -> BoostTrainingArgume
     if settings.get("deepspeed") == "ZERO2_JSON":
         (tmp_path / "zero2.json").write_text(json.dumps(ZERO2))
         settings = {**settings, "deepspeed": str(tmp_path / "zero2.json")}
+    if isinstance(settings.get("parallelism_config"), dict):  # made here, under the test's environment
+        from accelerate import ParallelismConfig
+
+        settings = {**settings, "parallelism_config": ParallelismConfig(**settings["parallelism_config"])}
     if route != "recipe":
         return BoostTrainingArguments(output_dir=str(tmp_path / "out"), **settings)
     recipe = tmp_path / "recipe.yaml"
@@ -120,8 +152,6 @@ def build_arguments(route: str, settings: dict, tmp_path) -> BoostTrainingArgume
 @pytest.fixture
 def clean_environment(monkeypatch):
     """No accelerate setting inherited from the test's own environment."""
-    import os
-
     for name in list(os.environ):
         if name.startswith(("ACCELERATE_", "PARALLELISM_CONFIG_", "FSDP_")):
             monkeypatch.delenv(name)
@@ -162,6 +192,46 @@ def test_what_the_accelerate_config_sets_and_boost_hf_honours_reaches_the_argume
     assert explicit.torch_compile_backend == "eager"  # a flag given explicitly wins
 
 
+def parallelism_arguments(feature: str, route: str, settings: dict, tmp_path, monkeypatch) -> BoostTrainingArguments:
+    arguments, environment = entry(feature, route, tmp_path)
+    for name, value in environment.items():
+        monkeypatch.setenv(name, value)
+    return build_arguments(route, {**settings, **arguments}, tmp_path)
+
+
+@pytest.mark.parametrize("route", PARALLELISM_ROUTES)
+def test_parallelism_config_tp_size_becomes_the_layout(route, tmp_path, clean_environment):
+    """accelerate's tp_size is boost-hf's --tp_size (every route); a flag or a recipe giving the same value agrees (the
+    recipe's conflict: below); accelerate does not apply parallelism_config again (the argument is cleared, the variable
+    hidden while the trainer creates its Accelerator)."""
+    args = parallelism_arguments("parallelism tp 2", route, {}, tmp_path, clean_environment)
+    assert args.tp_size == 2 and args.to_parallel_config().tp_size == 2 and args.parallelism_config is None
+    assert parallelism_arguments("parallelism tp 2", route, {"tp_size": 2}, tmp_path, clean_environment).tp_size == 2
+    if route == "flag":
+        return
+    assert build_arguments("recipe", {"tp_size": 2}, tmp_path).tp_size == 2  # the environment's tp_size 2 and the recipe's
+    with pytest.raises(ValueError, match=r"sets tp_size=2 but the flag or the recipe sets tp_size=4"):
+        build_arguments("recipe", {"tp_size": 4}, tmp_path)
+    with accelerator_without_parallelism_config():
+        assert "ACCELERATE_USE_PARALLELISM_CONFIG" not in os.environ
+    assert os.environ["ACCELERATE_USE_PARALLELISM_CONFIG"] == "true"
+
+
+def test_parallelism_config_dp_replicate_size_is_what_is_left_of_the_world(tmp_path, clean_environment):
+    """dp_replicate_size x tp_size x pp_size must be the world (WORLD_SIZE, which the launcher sets before the process
+    group exists). Accepted, the arguments would set up the 4-process group: the check alone is run on them."""
+    clean_environment.setenv("WORLD_SIZE", "4")
+    clean_environment.setenv("PARALLELISM_CONFIG_TP_SIZE", "2")
+    for name, value in ENVIRONMENT["parallelism dp_replicate 2"].items():
+        clean_environment.setenv(name, value)
+    args = SimpleNamespace(tp_size=1, pp_size=1, parallelism_config=None)
+    layout_from_parallelism_config(args)
+    assert (args.tp_size, args.pp_size) == (2, 1)  # dp 2 = 4 / (2 x 1)
+    with pytest.raises(ValueError, match=r"sets dp_replicate_size=2, which with tp_size=2 x pp_size=2 needs 8 processes, "
+                                         r"but 4 are launched \(WORLD_SIZE\)"):
+        build_arguments("flag", {"pp_size": 2}, tmp_path)
+
+
 def test_deepspeed_from_the_accelerate_config_with_pp_is_refused_before_training(training_env, tmp_path):
     """The report's case: ``accelerate launch --config_file cpu-4proc-zero2.yaml ... --pp_size 2`` used to build
     everything and die at the first step in ``health.is_finite`` (``float() argument must be ... not 'NoneType'``). The
@@ -177,3 +247,16 @@ def test_deepspeed_from_the_accelerate_config_with_pp_is_refused_before_training
     assert "ValueError: DeepSpeed cannot run with pp_size=2" in output and ACCELERATE_HINT in output, output[-4000:]
     assert "Tokenizing" not in output and "is_finite" not in output  # refused before the datasets, the model, a step
     print(f"refused after {time.monotonic() - started:.0f} s")
+
+
+def test_accelerate_config_with_parallelism_config_trains_at_its_tp_size(training_env, tmp_path):
+    """``accelerate launch`` with ``cpu-4proc.yaml`` plus ``parallelism_config: {parallelism_config_tp_size: 2}`` and no
+    ``--tp_size`` trains (one step) at tp 2 x dp 2, and the checkpoint's training_layout.json records it. Without the
+    trainer hiding the variable, accelerate would build its own 2-rank mesh on 4 processes and stop."""
+    config = yaml.safe_load((REPO / "accelerate_configs" / "cpu-4proc.yaml").read_text())
+    (tmp_path / "accelerate.yaml").write_text(yaml.safe_dump({**config, "parallelism_config": {"parallelism_config_tp_size": 2}}))
+    args = [*TINY, "--dataset", training_env["CORPUS"], "--per_device_train_batch_size", "4", "--max_steps", "1",
+            "--save_strategy", "steps", "--save_steps", "1", "--sample_max_new_tokens", "0", "--output_dir", tmp_path / "run"]
+    run_command(accelerate_command(tmp_path / "accelerate.yaml", "recipes/pretrain.py", DEMO_RECIPE, *args), training_env, timeout=600)
+    layout = json.loads((tmp_path / "run" / "checkpoint-1" / "training_layout.json").read_text())
+    assert (layout["tp_size"], layout["dp_size"], layout["pp_size"], layout["global_batch_size"]) == (2, 2, 1, 8)
