@@ -72,7 +72,7 @@ def recipe_rows(write_mib_per_s: float) -> list[list]:
     """The formula at the 13b and 30b recipes' layouts (fp32 weights + AdamW; DCP's deduplication spreads each
     chunk's write over the DP replicas holding it)."""
     from boost_hf import BoostLlamaConfig
-    from boost_hf.training.publish import parameter_count
+    from boost_hf.perf.parameters import parameter_count
     from boost_hf.training.recipe import RECIPES_DIR
 
     import yaml
@@ -119,7 +119,7 @@ def main() -> None:
         "",
         "## At the 13b and 30b recipes (formula)",
         "",
-        f"`P` parameters, `12 P` bytes per checkpoint (fp32 weights and AdamW's two moments; `boost_hf.training.publish.parameter_count`),",
+        f"`P` parameters, `12 P` bytes per checkpoint (fp32 weights and AdamW's two moments; `boost_hf.perf.parameters.parameter_count`),",
         "a rank of a `tp x pp x dp` layout holds `12 P / (tp pp)` (ZeRO-1: the moments `/ dp`) and writes `12 P / (tp pp dp)`",
         "(DCP writes each chunk once, spread over the DP replicas); the synchronous save holds one tensor at a time beyond that,",
         "`--save_async` a host copy of the rank's own shards; the manifest's hashing reads `12 P / world` per rank when",

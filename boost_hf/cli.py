@@ -154,7 +154,7 @@ def _estimate_table(est, preset: str, model_config) -> str:
 
 def _micro_batch_text(options, layout: str, workload) -> str:
     """The recommended split of the replica's batch into micro-batches and the alternatives."""
-    from .perf.estimator import recommend_micro_batches
+    from .perf.micro_batches import recommend_micro_batches
 
     best = recommend_micro_batches(options)
     sequences = workload.micro_batch * workload.num_micro_batches
@@ -195,14 +195,10 @@ def _measured_layer_times(args: argparse.Namespace, workload, layouts) -> tuple[
 
 def _run_estimate(args: argparse.Namespace) -> int:
     from .configuration_boost_llama import BoostLlamaConfig
-    from .perf.estimator import (
-        CALIBRATED_EFFICIENCY,
-        LAYOUTS,
-        Workload,
-        estimate,
-        micro_batch_options,
-        recommend_micro_batches,
-    )
+    from .perf.estimator import LAYOUTS, estimate
+    from .perf.kernels import CALIBRATED_EFFICIENCY
+    from .perf.micro_batches import micro_batch_options, recommend_micro_batches
+    from .perf.workload import Workload
     from .parallel.settings import layout_values
 
     config = BoostLlamaConfig.from_preset(args.preset)

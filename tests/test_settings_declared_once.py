@@ -138,7 +138,7 @@ def test_estimate_keeps_its_earlier_spellings():
 
 
 def test_workload_carries_a_parallel_config():
-    from boost_hf.perf.estimator import Workload
+    from boost_hf.perf.workload import Workload
 
     # the layout, then the workload's own fields (none repeats a ParallelConfig field)
     assert [f.name for f in fields(Workload)] == ["parallel_config", "micro_batch", "seq_len", "num_micro_batches", "dtype_bytes",
@@ -161,7 +161,8 @@ def test_workload_carries_a_parallel_config():
 
 def test_estimate_honours_pp_layer_split():
     from boost_hf import BoostLlamaConfig
-    from boost_hf.perf.estimator import Workload, estimate
+    from boost_hf.perf.estimator import estimate
+    from boost_hf.perf.workload import Workload
 
     config = BoostLlamaConfig.from_preset("cola-7b")
     even = estimate(config, Workload(tp=4, pp=2, num_micro_batches=4), "h100", layouts=("btp",)).layouts["btp"]

@@ -32,7 +32,7 @@ import torch
 from boost_hf import BoostLlamaConfig, BoostLlamaForCausalLM, ParallelConfig
 from boost_hf.configuration_boost_llama import tensor_train_shape
 from boost_hf.modeling_boost_llama import BoostLlamaTensorTrainLinear
-from boost_hf.perf.estimator import parameter_count
+from boost_hf.perf.parameters import parameter_count
 from boost_hf.perf.flops import contraction_flops
 
 # (d_in, d_out, tt_rank, tt_cores, tt_rank_ratio) -> (input modes, output modes, ranks), as the release returns them

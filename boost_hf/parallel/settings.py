@@ -31,7 +31,7 @@ from .config import ParallelConfig, TPStyle
 FIELD_TYPES: dict[str, object] = typing.get_type_hints(ParallelConfig)
 
 #: command-line spellings besides the field's own name (kept from earlier releases of ``boost-hf estimate``), also
-#: accepted as keywords by :class:`~boost_hf.perf.estimator.Workload`
+#: accepted as keywords by :class:`~boost_hf.perf.workload.Workload`
 SHORT_NAMES: dict[str, tuple[str, ...]] = {
     "tp_size": ("tp",),
     "pp_size": ("pp",),

@@ -116,258 +116,34 @@ implementation overhead). ``tests/perf/test_estimator.py`` checks the six fitted
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
-from typing import Literal
 
 from ..parallel.config import SEQUENCE_PARALLEL_STYLES, ParallelConfig
-from ..parallel.settings import field_of
-from ..parallel.layouts import Gemm
-from ..parallel.layouts import layout_for
-from ..parallel.sequence_parallel import check_sequence_length
+from ..parallel.layouts import Gemm, layout_for
 from ..parallel.tensor_train import whole_core_parameters
 from .activation_memory import saved_bytes_per_layer
-from .comm_formula import Communication, layer_communication, outside_layers_communication, stage_boundary_communication
+from .comm_formula import layer_communication, outside_layers_communication, stage_boundary_communication
 from .flops import attention_flops_per_token, training_flops_per_token
 from .hardware import Hardware, get_hardware
-from .memory import RankParameters, precision_bytes, rank_parameters
+from .kernels import CALIBRATED_EFFICIENCY, KernelEfficiency, elementwise_elements_per_token, layer_gemms
+from .memory import rank_parameters
+from .parameters import parameter_count
 from .pipeline import (
-    check_schedule,
     critical_path_weights,
     engine_refusal,
     micro_batches_in_flight,
     stage_layer_counts,
 )
+from .traffic import data_parallel_time, tp_collective_time
+from .workload import Workload, full_rank_counterpart, low_rank_counterpart
 
 LAYOUTS: tuple[str, ...] = ("megatron", "vanilla", "btp")
 
 # AdamW step with fp32 master weights and moments: read master, m, v (3 x 4 B) and the bf16 gradient
 # (2 B); write master, m, v (3 x 4 B) and the bf16 weight (2 B).
 ADAMW_BYTES_PER_PARAM = 28
-DP_BUCKET_BYTES = 25 * 2**20  # DDP's bucket_cap_mb default, and the bf16_params policy's buckets
 # Element-wise bytes per parameter of a layer the precision policy adds (module docstring): per forward (and
 # recomputation) and per backward of a micro-batch, and once per step.
 PRECISION_TRAFFIC = {"fp32": (0, 0, 0), "autocast": (6, 6, 0), "bf16_params": (0, 10, 6)}
-
-
-@dataclass(frozen=True)
-class KernelEfficiency:
-    """Fractions of the hardware peaks that kernels reach (see the module docstring).
-
-    Args:
-        gemm_max: fraction of peak FLOP/s of a large bf16 GEMM.
-        gemm_half_dim: GEMM dimension at which efficiency halves (the others large).
-        attention: fraction of peak FLOP/s of (flash) attention, forward and backward.
-        memory: fraction of HBM bandwidth reached by memory-bound kernels (elementwise, optimizer).
-    """
-
-    gemm_max: float
-    gemm_half_dim: float
-    attention: float
-    memory: float
-
-    def __post_init__(self) -> None:
-        for name in ("gemm_max", "attention", "memory"):
-            if not 0 < getattr(self, name) <= 1:
-                raise ValueError(f"KernelEfficiency.{name} must be in (0, 1], got {getattr(self, name)!r}.")
-        if self.gemm_half_dim < 0:
-            raise ValueError(f"KernelEfficiency.gemm_half_dim must be >= 0, got {self.gemm_half_dim!r}.")
-
-    def gemm(self, m: int, k: int, n: int) -> float:
-        """Fraction of peak reached by an ``(m, k) x (k, n)`` GEMM."""
-        return self.gemm_max / (1.0 + self.gemm_half_dim * (1.0 / m + 1.0 / k + 1.0 / n))
-
-
-# Fitted once to the paper's A100 ratios (module docstring); used for every model, layout and GPU.
-CALIBRATED_EFFICIENCY = KernelEfficiency(gemm_max=0.75, gemm_half_dim=320.0, attention=0.60, memory=0.70)
-
-
-def layer_gemms(config, parallel: ParallelConfig, tokens: int, *, crossing: bool = True) -> list[Gemm]:
-    """The GEMMs of one decoder layer's forward on one rank, with their local shapes (the layout's,
-    :meth:`~boost_hf.parallel.layouts.Layout.local_gemms`), plus LaX's crossings (``crossing`` and
-    ``bottleneck == "lax"``), which act on the full, replicated ``r`` (on this rank's ``N/p`` tokens under
-    BTP's latent sequence parallelism)."""
-    crossing_tokens = tokens // parallel.tp_size if parallel.shards_tokens else tokens
-    return layout_for(config, parallel).local_gemms(config, tokens) + _crossing_gemms(config, crossing_tokens, crossing)
-
-
-def _crossing_gemms(config, tokens: int, crossing: bool) -> list[Gemm]:
-    if not crossing or config.bottleneck != "lax" or config.lax_gate == "identity":
-        return []
-    r = config.rank
-    if config.lax_gate == "dense":
-        return [Gemm(f"{name}.G", tokens, r, r, "crossing") for name in config.projection_shapes()]
-    # (L kron R) h with L: a x a, R: b x b is two small GEMMs over the latent viewed as (a, b) matrices.
-    a, b = config.kronecker_factors
-    gemms = []
-    for name in config.projection_shapes():
-        gemms += [Gemm(f"{name}.G_left", tokens * b, a, a, "crossing"), Gemm(f"{name}.G_right", tokens * a, b, b, "crossing")]
-    return gemms
-
-
-def elementwise_elements_per_token(config, parallel: ParallelConfig) -> float:
-    """Elements read + written per token of the micro-batch by one layer's elementwise forward ops on one
-    rank.
-
-    2 RMSNorms (read, write) and 2 residual adds (2 reads, 1 write) on the residual width the layout
-    holds; RoPE on the local q and k; the latent activation of each of the 7 latents; LaX crossing add
-    (3) and latent LayerNorm (2) on the full ``r``; the SwiGLU product (3) and gate activation (2, when
-    kept) on the local ``f``; with the online norm of a sharded residual, the scaling of the reduced
-    A_qkv and A_gate_up latents by ``1/rms`` (read, write).
-
-    Sequence parallelism runs the work the layout otherwise repeats on every rank on ``N/p`` tokens: the
-    norms and residual adds of megatron's replicated residual, and BTP's latent work (activation, LaX
-    crossing and LayerNorm, ``1/rms`` scale); per token of the micro-batch that is ``1/p`` of it.
-    """
-    layout = layout_for(config, parallel)
-    widths, r = layout.widths(config), config.rank
-    residual = 2 * 2 * widths.residual + 2 * 3 * widths.residual
-    rest = 2 * (widths.q + widths.k) + 3 * widths.mlp
-    if config.mlp_activation is not None:
-        rest += 2 * widths.mlp
-    latent_width, latent = widths.latent, 0
-    if config.bottleneck == "lax":
-        # the crossing and LayerNorm act on the full r (vanilla gathers it)
-        latent += 7 * (3 + (2 if config.lax_latent_norm else 0)) * r
-        latent_width = r
-    if config.latent_activation is not None:
-        latent += 7 * 2 * latent_width
-    if layout.residual_sharded and parallel.rmsnorm == "online" and parallel.tp_size > 1:
-        latent += 2 * (3 * r + 2 * r)
-    if parallel.shards_tokens:
-        if layout.residual_sharded:
-            latent /= parallel.tp_size
-        else:
-            residual /= parallel.tp_size
-    return residual + rest + latent
-
-
-def parameter_count(config) -> int:
-    """Trainable parameters (projections, LaX gates in blocks 1..L-1, norms, embedding, LM head)."""
-    d, layers = config.hidden_size, config.num_hidden_layers
-    shapes = config.projection_shapes().values()
-    if config.bottleneck is None:
-        block = sum(d_in * d_out for d_in, d_out in shapes)
-    elif config.bottleneck == "tt":
-        block = sum(config.tensor_train_shape(name).parameters for name in config.projection_shapes())
-    else:
-        block = sum(config.rank * (d_in + d_out) for d_in, d_out in shapes)
-    gates = 0
-    if config.bottleneck == "lax" and config.lax_gate != "identity":
-        a, b = config.kronecker_factors
-        gates = 7 * (config.rank**2 if config.lax_gate == "dense" else a * a + b * b)
-    embeddings = config.vocab_size * d * (1 if config.tie_word_embeddings else 2)
-    return layers * (block + 2 * d) + (layers - 1) * gates + d + embeddings
-
-
-def full_rank_counterpart(config):
-    """The full-rank LLaMA of the same size (megatron's model)."""
-    if config.bottleneck is None:
-        return config
-    return type(config).from_dict({**config.to_dict(), "bottleneck": None})
-
-
-def low_rank_counterpart(config):
-    """The low-rank model of the same size (vanilla's and btp's model): ``config`` itself, or CoLA at
-    ``config.rank`` for a full-rank config."""
-    if config.bottleneck is not None:
-        return config
-    return type(config).from_dict({**config.to_dict(), "bottleneck": "cola"})
-
-
-@dataclass(frozen=True, init=False)
-class Workload:
-    """What one training iteration runs on one data-parallel replica (``tp_size * pp_size`` GPUs).
-
-    Args:
-        parallel_config: the layout (:class:`ParallelConfig`); its ``tp_style`` is replaced by each estimated layout's
-            (:meth:`parallel`). The layout fields may also be given as keywords, by field name or by the short names
-            of :data:`~boost_hf.parallel.settings.SHORT_NAMES` (``Workload(tp=4, pp=2)``), over ``parallel_config``.
-        micro_batch: sequences per micro-batch. seq_len: tokens per sequence.
-        num_micro_batches: micro-batches per iteration: the pipeline's ``m`` (gradient accumulation at pp 1),
-            default 1. ``pp_microbatches`` (of ``parallel_config`` or as a keyword) gives it too, and is kept here, the
-            config's field cleared: the estimate also times counts that torch's schedule refuses, which a
-            ``ParallelConfig`` does not hold (noted in :attr:`Estimate.notes`).
-        dtype_bytes: bytes per activation element (2: bf16); the saved residual stream is counted in fp32, as
-            mixed precision (fp32 weights, bf16 autocast) keeps it.
-        dp_size: data-parallel replicas (1: no gradient all-reduce). zero1_optimizer: the optimizer state sharded
-            over them (torch's ``ZeroRedundancyOptimizer``: ``1/dp`` of the step, then a broadcast of the parameters).
-        precision: the precision policy whose casts are timed (``"autocast"``, ``"bf16_params"``, ``"fp32"``; ``None``:
-            not modelled, as the calibration ran). grad_reduce_dtype: ``"bf16"`` halves the DP all-reduce's bytes
-            (``bf16_params`` only, ``--grad_reduce_dtype``); ``None``/``"fp32"``: the policy's.
-
-    The schedules modelled are ``"1f1b"``, ``"gpipe"`` and ``"interleaved-1f1b"`` (:mod:`boost_hf.perf.pipeline`).
-    Sequence parallelism applies to the layouts that have it (megatron: Megatron-LM's; btp: latent sequence
-    parallelism); vanilla, which has none, is estimated without it. It needs ``seq_len`` divisible by ``tp_size``;
-    under ``pp_size > 1`` stages send their token shards (``Layout.stage_boundary``).
-    """
-
-    parallel_config: ParallelConfig
-    micro_batch: int
-    seq_len: int
-    num_micro_batches: int
-    dtype_bytes: int
-    dp_size: int
-    zero1_optimizer: bool
-    precision: str | None
-    grad_reduce_dtype: str | None
-
-    def __init__(self, parallel_config: ParallelConfig | None = None, *, micro_batch: int = 4, seq_len: int = 4096,
-                 num_micro_batches: int | None = None, dtype_bytes: int = 2, dp_size: int = 1,
-                 zero1_optimizer: bool = False, precision: str | None = None, grad_reduce_dtype: str | None = None,
-                 **layout) -> None:
-        parallel = parallel_config or ParallelConfig()
-        layout = {field_of(name): value for name, value in layout.items()}
-        given = {m for m in (num_micro_batches, layout.pop("pp_microbatches", None), parallel.pp_microbatches) if m is not None}
-        if len(given) > 1:
-            raise ValueError(f"Workload: micro-batches per iteration given as {sorted(given)}: give one number.")
-        num_micro_batches = given.pop() if given else 1
-        parallel = replace(parallel, pp_microbatches=None, **layout)
-        values = dict(parallel_config=parallel, micro_batch=micro_batch, seq_len=seq_len,
-                      num_micro_batches=num_micro_batches, dtype_bytes=dtype_bytes, dp_size=dp_size)
-        for name, value in values.items():
-            if name != "parallel_config" and (not isinstance(value, int) or value < 1):
-                raise ValueError(f"Workload.{name} must be a positive integer, got {value!r}.")
-            object.__setattr__(self, name, value)
-        if precision is not None or grad_reduce_dtype is not None:
-            precision_bytes(precision or "autocast", grad_reduce_dtype)  # a known policy (and reduction)
-        object.__setattr__(self, "zero1_optimizer", bool(zero1_optimizer))
-        object.__setattr__(self, "precision", precision)
-        object.__setattr__(self, "grad_reduce_dtype", grad_reduce_dtype)
-        check_schedule(parallel.pp_schedule, parallel.pp_stages_per_rank)
-        if parallel.shards_tokens:
-            check_sequence_length(seq_len, parallel.tp_size)
-
-    @property
-    def tokens(self) -> int:
-        """Tokens per micro-batch, ``N``."""
-        return self.micro_batch * self.seq_len
-
-    @property
-    def stages_per_rank(self) -> int:
-        """Model chunks per pipeline rank as the estimator models the schedule (default 2 interleaved, else 1)."""
-        return check_schedule(self.parallel_config.pp_schedule, self.parallel_config.pp_stages_per_rank)
-
-    def parallel(self, layout: str) -> ParallelConfig:
-        """The :class:`ParallelConfig` of ``layout`` (megatron turns ``"lowrank"`` checkpointing, which it
-        cannot do, into ``"full"``; vanilla runs without ``sequence_parallel``, which it does not have)."""
-        checkpointing = self.parallel_config.activation_checkpointing
-        if layout == "megatron" and checkpointing == "lowrank":
-            checkpointing = "full"
-        return replace(
-            self.parallel_config,
-            tp_style=layout,
-            activation_checkpointing=checkpointing,
-            sequence_parallel=self.parallel_config.sequence_parallel and layout in SEQUENCE_PARALLEL_STYLES,
-        )
-
-    def assumptions(self) -> dict:
-        """The workload as the estimate's JSON records it: the layout fields (but ``tp_style``, which each estimated
-        layout sets, and ``pp_microbatches``, which is ``num_micro_batches`` here) and the workload's own."""
-        layout = {k: v for k, v in self.parallel_config.to_dict().items() if k not in ("tp_style", "pp_microbatches")}
-        return {**layout, "micro_batch": self.micro_batch, "seq_len": self.seq_len,
-                "num_micro_batches": self.num_micro_batches, "stages_per_rank": self.stages_per_rank,
-                "dtype_bytes": self.dtype_bytes, "tokens_per_micro_batch": self.tokens, "dp_size": self.dp_size,
-                "zero1_optimizer": self.zero1_optimizer, "precision": self.precision,
-                "grad_reduce_dtype": self.grad_reduce_dtype}
 
 
 COMPONENTS = ("gemm", "attention", "memory", "measured", "tp_comm", "pp_comm", "dp_comm", "optimizer")
@@ -468,15 +244,6 @@ class Estimate:
         return {"layouts": {k: v.to_dict() for k, v in self.layouts.items()}, "assumptions": self.assumptions()}
 
 
-def _comm_time(comm: Communication, workload: Workload, hardware: Hardware) -> float:
-    """``latency * calls + ring traffic / bandwidth`` of the TP collectives ``comm``."""
-    p = workload.parallel_config.tp_size
-    if p == 1:
-        return 0.0
-    traffic = comm.ring_traffic_bytes(p, workload.dtype_bytes)
-    return comm.calls * hardware.latency_us * 1e-6 + traffic / (hardware.collective_gbps(p) * 1e9)
-
-
 def _with_layers(config, layers: int) -> int:
     """Parameters of ``config`` with ``layers`` decoder layers."""
     return parameter_count(type(config).from_dict({**config.to_dict(), "num_hidden_layers": layers}))
@@ -534,7 +301,7 @@ def estimate_layout(
     if pp > 1:
         bandwidth = hardware.point_to_point_gbps(same_node=p * pp <= hardware.gpus_per_node)
         send = boundary.sends * hardware.latency_us * 1e-6 + boundary.bytes(workload.dtype_bytes) / (bandwidth * 1e9)
-        send += _comm_time(boundary.tp_collectives, workload, hardware)  # LaX: all-gather of the shared latents over TP
+        send += tp_collective_time(boundary.tp_collectives, workload, hardware)  # LaX: all-gather of the shared latents over TP
         p2p = {"pp_comm": 2 * send}
     last = len(counts) - 1
     stages = [
@@ -565,7 +332,7 @@ def estimate_layout(
     if workload.precision is not None:  # the masters' cast, once per step
         optimizer["optimizer"] += max(r.elements for r in rank_params) * PRECISION_TRAFFIC[workload.precision][2] / hbm
     weights = critical_path_weights(totals, m, v)
-    dp_comm = {"dp_comm": _data_parallel_time(parallel, workload, hardware, rank_params, ranks)}
+    dp_comm = {"dp_comm": data_parallel_time(parallel, workload, hardware, rank_params, ranks)}
     breakdown = _add(*(_add(rank, scale=w) for rank, w in zip(ranks, weights)), optimizer, dp_comm)
     step = sum(breakdown.values())
     bubble = (sum(totals) - max(totals)) / v
@@ -640,10 +407,10 @@ def _layer_costs(config, parallel: ParallelConfig, workload: Workload, hardware:
     attention_flops = round(attention_flops_per_token(config, workload.seq_len) * n * heads_per_rank)
     comm = layer_communication(config, parallel, n)
     elementwise_bytes = round(elementwise_elements_per_token(config, parallel) * n * workload.dtype_bytes)
-    comm_time = {"tp_comm": _comm_time(comm.forward, workload, hardware)}
-    hidden = sum(min(_comm_time(overlap.communication, workload, hardware), gemm_time(overlap.gemms))
+    comm_time = {"tp_comm": tp_collective_time(comm.forward, workload, hardware)}
+    hidden = sum(min(tp_collective_time(overlap.communication, workload, hardware), gemm_time(overlap.gemms))
                  for overlap in tp_layout.backward_overlaps(config, n))
-    comm_time_bwd = {"tp_comm": _comm_time(comm.backward, workload, hardware) - hidden}
+    comm_time_bwd = {"tp_comm": tp_collective_time(comm.backward, workload, hardware) - hidden}
 
     def layer_times(crossing: bool) -> tuple[dict[str, float], dict[str, float]]:
         """Forward and backward time of one layer (with or without its LaX crossing)."""
@@ -677,7 +444,7 @@ def _layer_costs(config, parallel: ParallelConfig, workload: Workload, hardware:
         layer=_add(forward, backward),
         first_layer=_add(*layer_times(crossing=False)),
         outside={"gemm": 3 * gemm_time([head]),
-                 "tp_comm": _comm_time(outside_comm.forward + outside_comm.backward, workload, hardware)},
+                 "tp_comm": tp_collective_time(outside_comm.forward + outside_comm.backward, workload, hardware)},
         layer_time_fwd=sum(forward.values()),
         layer_time_bwd=sum(backward.values()),
         comm=comm,
@@ -688,30 +455,6 @@ def _layer_costs(config, parallel: ParallelConfig, workload: Workload, hardware:
         parameters=parameter_count(config),
         saved=saved,
     )
-
-
-def _data_parallel_time(parallel: ParallelConfig, workload: Workload, hardware: Hardware,
-                        rank_params: list[RankParameters] | None, ranks: list[dict[str, float]]) -> float:
-    """The exposed time of the DP gradient all-reduce (and of ZeRO-1's parameter broadcast), module docstring."""
-    dp = workload.dp_size
-    if dp == 1:
-        return 0.0
-    reduce_bytes = precision_bytes(workload.precision or "autocast", workload.grad_reduce_dtype).reduce
-    same_node = parallel.tp_size * dp <= hardware.gpus_per_node
-    bandwidth = (hardware.collective_gbps(dp) if same_node else hardware.inter_node_gbps) * 1e9
-    latency = hardware.latency_us * 1e-6
-    exposed = 0.0
-    for params, rank in zip(rank_params, ranks):
-        nbytes = params.elements * reduce_bytes
-        buckets = -(-nbytes // DP_BUCKET_BYTES)
-        all_reduce = latency * buckets + 2 * (dp - 1) / dp * nbytes / bandwidth
-        one_bucket = latency + 2 * (dp - 1) / dp * min(nbytes, DP_BUCKET_BYTES) / bandwidth
-        backward = 2 / 3 * sum(t for c, t in rank.items() if c != "pp_comm")  # the last micro-batch's backward
-        broadcast = 0.0
-        if workload.zero1_optimizer:
-            broadcast = latency * params.tensors + (dp - 1) / dp * params.elements * 4 / bandwidth
-        exposed = max(exposed, max(all_reduce - backward, one_bucket) + broadcast)
-    return exposed
 
 
 def _peak_activation_bytes(parallel: ParallelConfig, saved: tuple[int, int] | None, counts: list[int],
@@ -727,7 +470,7 @@ def _peak_activation_bytes(parallel: ParallelConfig, saved: tuple[int, int] | No
     return tuple(round(nbytes * flight) for nbytes, flight in zip(per_micro_batch, in_flight))
 
 
-def _layout_model(config, layout: str):
+def layout_model(config, layout: str):
     """The model ``layout`` runs for the size of ``config``: megatron the full-rank one, the others low rank."""
     return full_rank_counterpart(config) if layout == "megatron" else low_rank_counterpart(config)
 
@@ -750,7 +493,7 @@ def estimate(
         raise ValueError(f"Unknown layout(s) {sorted(unknown)}: use {', '.join(LAYOUTS)}.")
     measured_layer_s = measured_layer_s or {}
     results = {
-        layout: estimate_layout(_layout_model(config, layout), layout, workload, hardware, efficiency, measured_layer_s.get(layout))
+        layout: estimate_layout(layout_model(config, layout), layout, workload, hardware, efficiency, measured_layer_s.get(layout))
         for layout in layouts
     }
     notes = [
@@ -780,68 +523,13 @@ def estimate(
     return Estimate(results, workload, hardware, efficiency, tuple(notes))
 
 
-@dataclass(frozen=True)
-class MicroBatchOption:
-    """One split of a pipeline replica's batch into ``num_micro_batches`` micro-batches of ``micro_batch``
-    sequences, as predicted; ``peak_activation_bytes`` is the fullest pipeline rank's (``None`` without
-    activation checkpointing)."""
-
-    num_micro_batches: int
-    micro_batch: int
-    step_time_s: float
-    tokens_per_s: float
-    bubble_fraction: float
-    peak_activation_bytes: int | None
-
-
-def micro_batch_options(
-    config,
-    workload: Workload,
-    hardware: Hardware | str = "a100",
-    efficiency: KernelEfficiency = CALIBRATED_EFFICIENCY,
-    layout: str = "btp",
-) -> list[MicroBatchOption]:
-    """Every split of the replica's ``micro_batch x num_micro_batches`` sequences into equal micro-batches
-    that torch's ``pp_schedule`` runs, fewest micro-batches first, predicted for ``layout`` (empty when none
-    does: 1F1B needs at least ``pp`` sequences)."""
-    if isinstance(hardware, str):
-        hardware = get_hardware(hardware)
-    model = _layout_model(config, layout)
-    sequences = workload.micro_batch * workload.num_micro_batches
-    options = []
-    for m in range(1, sequences + 1):
-        if sequences % m or engine_refusal(workload.parallel_config.pp_schedule, workload.parallel_config.pp_size, m):
-            continue
-        split = replace(workload, micro_batch=sequences // m, num_micro_batches=m)
-        e = estimate_layout(model, layout, split, hardware, efficiency)
-        peak = None if e.peak_activation_bytes is None else max(e.peak_activation_bytes)
-        options.append(MicroBatchOption(m, split.micro_batch, e.step_time_s, e.tokens_per_s, e.bubble_fraction, peak))
-    return options
-
-
-def recommend_micro_batches(options: list[MicroBatchOption]) -> MicroBatchOption | None:
-    """The fastest of ``options`` (on equal times, the one with fewer micro-batches); ``None`` if there is none."""
-    return min(options, key=lambda option: (option.step_time_s, option.num_micro_batches), default=None)
-
-
 __all__ = [
     "ADAMW_BYTES_PER_PARAM",
-    "CALIBRATED_EFFICIENCY",
     "COMPONENTS",
     "Estimate",
-    "Gemm",
-    "KernelEfficiency",
     "LAYOUTS",
     "LayoutEstimate",
-    "MicroBatchOption",
-    "Workload",
-    "elementwise_elements_per_token",
     "estimate",
     "estimate_layout",
-    "full_rank_counterpart",
-    "layer_gemms",
-    "low_rank_counterpart",
-    "micro_batch_options",
-    "parameter_count",
-    "recommend_micro_batches",
+    "layout_model",
 ]

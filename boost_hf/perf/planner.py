@@ -24,10 +24,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from ..parallel.config import ParallelConfig
-from .estimator import CALIBRATED_EFFICIENCY, KernelEfficiency, LayoutEstimate, estimate_layout
+from .estimator import LayoutEstimate, estimate_layout
 from .hardware import Hardware
+from .kernels import CALIBRATED_EFFICIENCY, KernelEfficiency
 from .memory import GIB, MemoryBreakdown, fits, memory_per_gpu
 from .pipeline import engine_refusal
+from .workload import Workload
 
 CHECKPOINTING_ORDER = ("none", "lowrank", "full")  # fastest first
 PLANNED_SCHEDULES = ("1f1b", "interleaved-1f1b")
@@ -218,8 +220,6 @@ def plan(config, cluster: Cluster, *, seq_len: int, global_batch: int, fixed: di
 
 def _estimate(config, candidate: Candidate, seq_len: int, cluster: Cluster, efficiency: KernelEfficiency,
               cache: dict) -> LayoutEstimate:
-    from .estimator import Workload
-
     parallel = candidate.parallel
     workload = Workload(replace(parallel, pp_microbatches=None), micro_batch=candidate.micro_batch, seq_len=seq_len,
                         num_micro_batches=candidate.num_micro_batches, dp_size=candidate.dp,

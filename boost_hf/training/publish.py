@@ -25,6 +25,7 @@ import uuid
 import yaml
 
 from ..perf.flops import forward_flops_per_token
+from ..perf.parameters import parameter_count
 
 ARCHITECTURE_NAMES = {
     None: "full-rank LLaMA",
@@ -83,17 +84,6 @@ def publish_special_tokens(model, tokenizer, used_bos: bool):
         for target, old in saved:
             for name, value in old.items():
                 setattr(target, name, value)
-
-
-def parameter_count(config) -> int:
-    """Parameters of the model of ``config`` (counted on the meta device: no memory, no initialisation)."""
-    import torch
-
-    from ..modeling_boost_llama import BoostLlamaForCausalLM
-
-    with torch.device("meta"):
-        model = BoostLlamaForCausalLM(copy.deepcopy(config))
-    return sum(p.numel() for p in model.parameters())
 
 
 def full_rank_config(config):
@@ -265,4 +255,4 @@ def export_checkpoint(checkpoint: str, output_dir: str, *, max_shard_size: int |
     return output_dir
 
 
-__all__ = ["export_checkpoint", "inference_settings", "save_tokenizer", "publish_special_tokens", "model_card", "parameter_count"]
+__all__ = ["export_checkpoint", "inference_settings", "save_tokenizer", "publish_special_tokens", "model_card"]

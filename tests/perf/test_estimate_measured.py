@@ -8,8 +8,9 @@ import sys
 import pytest
 
 from boost_hf import BoostLlamaConfig
-from boost_hf.perf.estimator import Workload, estimate
+from boost_hf.perf.estimator import estimate
 from boost_hf.perf.measured import MeasuredLayer, MeasuredRun, measured_layer_seconds
+from boost_hf.perf.workload import Workload
 
 WORKLOAD = Workload(tp=4, micro_batch=2, seq_len=4096)
 BTP_MS, MEGATRON_MS, BTP_SP_MS, MEGATRON_SP_MS = 4.0, 10.0, 3.5, 8.0

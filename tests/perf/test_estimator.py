@@ -10,19 +10,13 @@ import pytest
 from boost_hf.configuration_boost_llama import BoostLlamaConfig
 from boost_hf.perf.activation_memory import saved_bytes_per_layer
 from boost_hf.perf.comm_formula import layer_communication, stage_boundary_communication
-from boost_hf.perf.estimator import (
-    CALIBRATED_EFFICIENCY,
-    COMPONENTS,
-    KernelEfficiency,
-    Workload,
-    estimate,
-    layer_gemms,
-    micro_batch_options,
-    parameter_count,
-    recommend_micro_batches,
-)
+from boost_hf.perf.estimator import COMPONENTS, estimate
 from boost_hf.perf.flops import attention_flops_per_token, contraction_flops, crossing_flops_per_token, linear_flops_per_token
 from boost_hf.perf.hardware import get_hardware
+from boost_hf.perf.kernels import CALIBRATED_EFFICIENCY, KernelEfficiency, layer_gemms
+from boost_hf.perf.micro_batches import micro_batch_options, recommend_micro_batches
+from boost_hf.perf.parameters import parameter_count
+from boost_hf.perf.workload import Workload
 
 # BOOST.md section 6: A100, seq 4096, bf16; seconds per iteration (megatron, vanilla, btp).
 PAPER = {

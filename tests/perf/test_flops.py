@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from boost_hf.configuration_boost_llama import BoostLlamaConfig
-from boost_hf.perf.estimator import parameter_count
+from boost_hf.perf.parameters import parameter_count
 from boost_hf.perf.flops import (
     attention_flops_per_token,
     crossing_flops_per_token,

@@ -79,7 +79,8 @@ def test_a_given_setting_is_kept(tmp_path, capsys):
 def test_bf16_gradient_reduction_halves_the_dp_bytes(tmp_path, capsys):
     """``--grad_reduce_dtype bf16`` (bf16_params only): the DP all-reduce moves 2 bytes per gradient element, which
     the estimator times and the command passes on; other policies refuse it."""
-    from boost_hf.perf.estimator import Workload, estimate_layout
+    from boost_hf.perf.estimator import estimate_layout
+    from boost_hf.perf.workload import Workload
     from boost_hf.perf.memory import precision_bytes
 
     assert precision_bytes("bf16_params", "bf16").reduce == 2 and precision_bytes("bf16_params").reduce == 4

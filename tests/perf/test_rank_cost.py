@@ -16,11 +16,12 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from boost_hf import BoostLlamaConfig, ParallelConfig
 from boost_hf.perf.activation_memory import saved_bytes_per_layer
 from boost_hf.perf.comm_formula import layer_communication
-from boost_hf.perf.estimator import Workload, estimate_layout
+from boost_hf.perf.estimator import estimate_layout
 from boost_hf.perf.hardware import get_hardware
 from boost_hf.perf.flops import attention_flops_per_token, crossing_flops_per_token, linear_flops_per_token
 from boost_hf.perf.op_counter import OpCounter
 from boost_hf.perf.rank_cost import count_rank_layer, fake_process_group, measure_rank_layer
+from boost_hf.perf.workload import Workload
 
 TP, BATCH, SEQ = 2, 1, 128
 TOKENS = BATCH * SEQ
