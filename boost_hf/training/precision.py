@@ -129,14 +129,6 @@ class PrecisionPolicy:
             return StagePrecision()
         return StagePrecision(self.autocast_dtype, self.residual_dtype, self.boundary_dtype)
 
-    def apply_dtypes(self, model: nn.Module) -> nn.Module:
-        """Give ``model`` the policy's parameter dtype (:func:`cast_parameters`, no masters) and residual dtype: for
-        a copy that only runs forward (the end-of-training sample of a pipelined model); returns ``model``."""
-        if self.owner == "boost-hf":
-            cast_parameters(model, self.param_dtype)
-            set_residual_dtype(model, self.residual_dtype if self.keeps_fp32_residual else None)
-        return model
-
     def record(self) -> dict:
         """The policy as plain data (``training_layout.json``, the model card, logs)."""
         return {

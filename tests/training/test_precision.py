@@ -37,6 +37,7 @@ from boost_hf.training.precision import (
     full_precision_parameters,
     keep_master_parameters,
     resolve_precision,
+    set_residual_dtype,
 )
 from tests.distributed import launch
 
@@ -243,7 +244,8 @@ def test_fp32_residual_keeps_the_residual_stream_in_fp32():
     GEMMs run in bf16 (the single-device model; the parallel layers add the residual the same way)."""
     model = tiny_model()
     policy = resolve_precision(Args("bf16", "bf16_params", fp32_residual=True))
-    policy.apply_dtypes(model)
+    cast_parameters(model, policy.param_dtype)
+    set_residual_dtype(model, policy.residual_dtype)
     seen = []
     model.model.layers[1].register_forward_hook(lambda module, args, output: seen.append((args[0].dtype, output[0].dtype)))
     with policy.autocast("cpu"):
