@@ -25,13 +25,15 @@ test: $(STAMP)
 bench: $(STAMP)
 	$(PY) benchmarks/run_all.py
 
-# On a CUDA machine (CUDA only; elsewhere it says so and exits 0): training steps of every architecture and layout,
-# the fused norm kernels, rank_cost --device cuda --compile and gpu_throughput, readings in benchmarks/results/gpu/.
-# Installs nothing: runs .venv's python where `make install` made it, else python3 (GPU_PYTHON=... to choose the
-# python whose torch is the CUDA build), on this checkout.
+# On a CUDA machine (elsewhere it says so and exits 0): one rank's 7B TP4 decoder layer beside the estimator, LLaMA-1B vs
+# CoLA-1B throughput, training steps of every architecture and layout, the fused norm kernels, in that order, inside
+# a time budget; readings in benchmarks/results/gpu/. Installs nothing: runs .venv's python where `make install` made
+# it, else python3 (GPU_PYTHON=... to choose the python whose torch is the CUDA build), on this checkout.
+# GPU_CHECK_ARGS passes options, e.g. GPU_CHECK_ARGS="--only layer throughput --budget-s 440 --out /tmp/gpu".
 GPU_PYTHON ?= $(if $(wildcard $(PY)),$(PY),$(PYTHON))
+GPU_CHECK_ARGS ?=
 gpu-check:
-	PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} $(GPU_PYTHON) benchmarks/gpu_check.py
+	PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} $(GPU_PYTHON) benchmarks/gpu_check.py $(GPU_CHECK_ARGS)
 
 clean:
 	rm -rf $(VENV) outputs

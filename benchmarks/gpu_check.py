@@ -1,40 +1,40 @@
-"""`make gpu-check`: what only a GPU can show, in one command (CUDA only; elsewhere a message and exit 0).
+"""`make gpu-check`: what only a GPU can show, in parts ordered by value, inside a time budget.
 
-On one CUDA device, in order, each in its own process (one failure does not stop the others), with its output under
-``benchmarks/results/gpu/`` (``--out``):
+Built for the GPU machine a session may be lent (one H100 or H200, 15 minutes in all, at most 10 per command, its own
+torch 2.11 / transformers 5.17, no ``datasets``/``deepspeed``/``evaluate``, nothing installable): it runs with that
+machine's ``python3`` as it is, from the repository root, and writes at most 8 files.
 
-1. **Training steps** (``gpu_check.md``): a bf16 training step (forward with labels, backward, AdamW) of every
-   architecture (llama, svd, cola, lax) in every layout that holds it: at tp 1 (the single-device model) and, as
-   one rank of tp 4 under a fake process group (collectives do nothing: the rank's own kernels, not the model's
-   function), megatron with and without sequence parallelism for llama, btp with and without latent sequence
-   parallelism and vanilla for the low-rank models. Each in both precisions (bf16 autocast over fp32 parameters;
-   bf16 parameters without autocast, fp32 masters as DeepSpeed's bf16 mode keeps them in the optimizer), eager and
-   with every decoder layer compiled (``torch.compile``, as ``BoostTrainer --torch_compile``). Checked: the loss is
-   finite, every GEMM and attention kernel of the eager step reads bf16, the parameters' gradients are finite, and
-   the compiled step's loss is the eager step's within ``2^-5`` relative (inductor keeps fused element-wise chains in
-   fp32 where eager rounds each op's output to bf16). Step milliseconds and peak memory are recorded, not checked.
-2. **Norm kernels**: ``pytest tests/parallel/test_bf16_norms.py tests/parallel/test_latent_op.py -k cuda``: the
-   fused RMSNorm custom ops are PyTorch's ``_fused_rms_norm`` kernels on CUDA (bit for bit), and they, the sync and
-   the online norm are within bf16 rounding of the fp32 norm on upcast inputs (fp32: within fp32 rounding), forward
-   and backward; every layout's layer with bf16 parameters writes no full-width fp32 tensor; the online norm's
-   latent scale fused with the latent SiLU (inductor-compiled on CUDA) equals the unfused arithmetic and is one
-   kernel each way.
-3. ``benchmarks/rank_cost.py --device cuda --compile``: one rank's layer counted and measured at 7B TP4, both
-   precisions (``rank_cost.{md,png}``).
-4. ``benchmarks/gpu_throughput.py``, eager and ``--compile`` (``gpu_throughput*.md``).
+Parts, in order (``--only`` picks some; each runs in a process of its own and writes its file as it goes, so a part
+that fails or runs out of budget keeps what it measured):
 
-``gpu_check.md`` names the GPU, torch, CUDA and the date, and lists each part's result and time; the exit status
-is non-zero if any check failed. About 10-20 minutes on an H100 (estimated: not yet run on one).
+1. ``layer`` (``gpu_layer.md``, ``gpu_layer.json``): one rank's decoder layer at 7B, TP 4, micro-batch 2 x 4096, under a
+   fake process group (collectives are no-ops: the rank's own kernels), bf16 parameters, for megatron, megatron + SP,
+   vanilla, btp and btp + latent SP; eager (interleaved), then compiled one layout at a time. Milliseconds per layer
+   (forward + backward + AdamW, ``(t(3 layers) - t(1 layer)) / 2``) beside the estimator's model of the same rank
+   (:func:`boost_hf.perf.estimator.modelled_layer_seconds` on the GPU's preset). ``gpu_layer.json`` is what
+   ``boost-hf estimate --measured`` reads.
+2. ``throughput`` (``gpu_throughput.md``): one GPU, the 24-layer llama-1b against cola-1b at micro-batch 4 x 4096 (the
+   BOOST release's 1B row: 0.85 s full rank, 0.59 s BOOST per iteration on an A100), bf16 autocast, eager then compiled:
+   step seconds, tokens/s, MFU, peak memory.
+3. ``steps`` (``gpu_steps.md``): a training step of every architecture in every layout that holds it (tp 1, and one
+   rank of tp 4 under the fake process group), both precisions, eager and compiled: the loss is finite, every GEMM
+   and attention kernel of the eager step reads bf16, the gradients are finite, the compiled loss is the eager one
+   within ``2^-5`` relative.
+4. ``norms`` (``gpu_norms.md``): ``pytest tests/parallel/test_bf16_norms.py tests/parallel/test_latent_op.py -k cuda``.
 
-On the lent GPU machine (``/work/.library/device``'s tool, torch there, no registry) nothing else is needed: this
-script, the training steps and the norm tests import neither ``datasets`` nor ``deepspeed``; ``matplotlib`` and
-``pytest`` are in that image. Run it from the repository root with the image's ``python3`` and the repository on
-``PYTHONPATH`` (what ``make gpu-check`` does)::
+``gpu_check.md`` (and ``gpu_check.json``, which a later run in the same ``--out`` folder adds its parts to) names the
+GPU, torch, CUDA and the date, and each part's predicted and measured seconds and result; ``gpu_check.log`` holds
+every part's output. Before it starts it prints each part's predicted time. ``--budget-s`` bounds the whole run: the
+parts still to run share what is left in proportion to their predictions (what one leaves unused goes to the next),
+a part starts only with at least ``MIN_PART_S`` left, stops between its cases when the next would pass its share
+(``incomplete``, keeping what it measured), and is stopped ``GRACE_S`` after it. Exit status 0 only if every part that ran passed. Elsewhere than on a CUDA machine
+it says so and exits 0 (``--device cpu`` runs the parts' code paths at small shapes, for the tests).
 
-    make gpu-check                              # = PYTHONPATH=. python3 benchmarks/gpu_check.py
-    python3 benchmarks/gpu_check.py --only steps norms   # some parts
-    python3 benchmarks/gpu_check.py --list      # the training-step cases, no GPU needed
-    python3 benchmarks/gpu_check.py --device cpu --cases "cola btp"   # the training steps' code path on a CPU
+    make gpu-check                                   # = python3 benchmarks/gpu_check.py, every part
+    python3 benchmarks/gpu_check.py --budget-s 440 --out $OUT       # the lent machine's first command
+    python3 benchmarks/gpu_check.py --only steps norms --budget-s 300 --out $OUT
+    python3 benchmarks/gpu_check.py --list           # the training-step cases, no GPU needed
+    python3 benchmarks/gpu_check.py --device cpu --only steps        # the training steps' code path on a CPU
 """
 
 from __future__ import annotations
@@ -42,10 +42,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import json
 import math
 import os
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -56,13 +58,23 @@ from torch.utils._python_dispatch import TorchDispatchMode
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 RESULTS = HERE / "results" / "gpu"
+sys.path.insert(0, str(HERE))  # common.py, rank_cost.py, gpu_throughput.py
 
 ARCHITECTURES = ("llama", "svd", "cola", "lax")
 PRECISIONS = ("autocast", "bf16-params")
 FAKE_TP = 4
 COMPILED_LOSS_RTOL = 2.0 ** -5
-PARTS = ("steps", "norms", "rank_cost", "throughput")
 GEMM_OPS = ("mm", "addmm", "bmm", "baddbmm")
+PARTS = ("layer", "throughput", "steps", "norms")  # in order of value
+#: Seconds each part is predicted to take on one H100 (the machine started), before any was measured (2026-11-28):
+#: layer: 5 layouts x 2 models built on the CPU (~4 s each), eager steps (~0.1 s, 12 rounds), then 5 compilations of
+#: ~30 s; throughput: two 1B-size models built (~20 s), 2 x 7 eager steps of ~0.5 s, two compilations of ~40 s;
+#: steps: 15 cases x 2 precisions, eager (~2 s) and compiled (~10 s each, kernels cached after the first);
+#: norms: the pytest run, a few compilations. Measured times go to ``gpu_check.md`` beside these.
+PREDICTED_S = {"layer": 240, "throughput": 150, "steps": 420, "norms": 60}
+MIN_PART_S = 30  # a part starts only with this much budget left
+GRACE_S = 30  # a part still running this long after the deadline is stopped
+OK, FAILED, INCOMPLETE = 0, 1, 3  # a part's exit status
 
 
 @dataclass(frozen=True)
@@ -107,7 +119,199 @@ def cases() -> list[Case]:
     return found
 
 
-# ---------------------------------------------------------------------------------------------- 1. training steps
+# ---------------------------------------------------------------------------------------------- reports
+def device_line(device: str) -> str:
+    """The device, torch, CUDA and Python versions, in one line."""
+    if torch.device(device).type == "cuda":
+        props = torch.cuda.get_device_properties(0)
+        name = f"**{torch.cuda.get_device_name(0)}**, {props.total_memory / 2**30:.0f} GiB, {props.multi_processor_count} SMs"
+    else:
+        name = "CPU (code-path check at small shapes, not a GPU result)"
+    import transformers
+
+    return (f"{name}; torch {torch.__version__}, CUDA {torch.version.cuda or '-'}, transformers {transformers.__version__}, "
+            f"Python {sys.version.split()[0]}")
+
+
+class Report:
+    """A part's Markdown file, rewritten whole at each :meth:`write` (what is done is on disk at every moment)."""
+
+    def __init__(self, out: Path, stem: str, title: str, device: str):
+        self.path = out / f"{stem}.md"
+        self.header = [f"# {title}", "", f"- device: {device_line(device)}",
+                       f"- date: {datetime.datetime.now().strftime('%Y-%m-%d %H:%M')}",
+                       f"- command: `python {' '.join(sys.argv)}`", ""]
+        self.started = time.perf_counter()
+
+    def write(self, body: list[str], status: str = "running") -> None:
+        elapsed = f"{time.perf_counter() - self.started:.0f} s"
+        self.path.write_text("\n".join([*self.header, f"- status: **{status}** after {elapsed}", "", *body]).rstrip() + "\n")
+
+
+def past(deadline: float, margin: float = 0.0) -> bool:
+    return time.time() + margin > deadline
+
+
+# ---------------------------------------------------------------------------------------------- 1. layer
+LAYER_VARIANTS = ("megatron", "megatron sp", "vanilla", "btp online grouped", "btp online grouped sp")
+
+
+def hardware_preset(device: str) -> str:
+    """The estimator's GPU preset of the device (by name; ``h100`` elsewhere)."""
+    name = torch.cuda.get_device_name(0).upper() if torch.device(device).type == "cuda" else ""
+    return "h200" if "H200" in name else "a100" if "A100" in name else "h100"
+
+
+def part_layer(args, deadline: float) -> int:
+    from rank_cost import variant_case
+    from common import table
+
+    from boost_hf.perf.estimator import modelled_layer_seconds
+    from boost_hf.perf.hardware import get_hardware
+    from boost_hf.perf.measured import MeasuredLayer, MeasuredRun
+    from boost_hf.perf.rank_cost import fake_process_group, measure_rank_layers
+    from boost_hf.perf.workload import Workload
+
+    small = args.device == "cpu"
+    size, batch, seq, layers, reps = ("60m", 1, 64, (1, 2), 2) if small else ("7b", 2, 4096, (1, 3), 10)
+    overrides = dict(vocab_size=1024) if small else {}
+    built = {name: variant_case(name, size, "cola", FAKE_TP, "none", **overrides) for name in LAYER_VARIANTS}
+    presets = {name: preset for name, (preset, _, _) in built.items()}
+    cases = {name: (config, parallel) for name, (_, config, parallel) in built.items()}
+    preset = hardware_preset(args.device)
+    hardware = get_hardware(preset)
+    modelled = {name: modelled_layer_seconds(c, p, Workload(p, micro_batch=batch, seq_len=seq), hardware)
+                for name, (c, p) in cases.items()}
+    report = Report(args.out, "gpu_layer", "One rank's decoder layer on the GPU, beside the estimator", args.device)
+    timing = dict(device=args.device, layers=layers, autocast_dtype=None, param_dtype=torch.bfloat16, warmup=2, reps=reps)
+    measured: dict[str, dict] = {"eager": {}, "compiled": {}}
+
+    def ms(result) -> str:
+        if result is None:
+            return "-"
+        if "error" in result:
+            return result["error"][:120]
+        return f"{result['ms_per_layer']:.2f} [{result['ms_per_layer_min']:.2f}, {result['ms_per_layer_max']:.2f}]"
+
+    def body() -> list[str]:
+        rows = []
+        for name in cases:
+            model = modelled[name]
+            model_ms = 1e3 * (model["compute"] + model["optimizer"])
+            cells = [measured[mode].get(name) for mode in ("eager", "compiled")]
+            ratios = [f"{c['ms_per_layer'] / model_ms:.2f}" if c and "ms_per_layer" in c else "-" for c in cells]
+            rows.append([name, presets[name], ms(cells[0]), ms(cells[1]), f"{model_ms:.2f} ({1e3 * model['compute']:.2f} + {1e3 * model['optimizer']:.2f})",
+                         *ratios])
+        lines = [
+            f"{size} presets (megatron: llama, the others: cola), TP {FAKE_TP} (one rank, fake process group: collectives are "
+            f"no-ops), micro-batch {batch} x seq {seq}, bf16 parameters (no autocast; AdamW on them), SDPA. Per layer = "
+            f"(t({layers[1]} layers) - t({layers[0]} layer)) / {layers[1] - layers[0]} of a training step (forward with "
+            f"labels, backward, AdamW), median [min, max] of {reps} rounds after 2 warm-up rounds; eager: all layouts "
+            "interleaved; compiled: every decoder layer `torch.compile`-d, one layout at a time. Estimator: "
+            f"`modelled_layer_seconds` on the `{preset}` preset (GEMM + attention + element-wise time of the layer's forward "
+            "and backward, + its parameters' AdamW step at 28 bytes per parameter), which a measured time replaces in "
+            "`boost-hf estimate --measured`.",
+            "",
+            *table(["layout", "model", "eager ms per layer", "compiled ms per layer", "estimator ms (compute + AdamW)",
+                    "eager / estimator", "compiled / estimator"], rows),
+            "",
+        ]
+        for mode in ("eager", "compiled"):
+            a, b = measured[mode].get("megatron sp"), measured[mode].get("btp online grouped sp")
+            if a and b and "ms_per_layer" in a and "ms_per_layer" in b:
+                lines.append(f"- {mode}: btp + latent SP {b['ms_per_layer']:.2f} ms vs megatron + SP {a['ms_per_layer']:.2f} ms "
+                             f"per layer: **{a['ms_per_layer'] / b['ms_per_layer']:.2f}x** (compute alone; collectives not timed)")
+        return lines
+
+    def save(status: str) -> None:
+        report.write(body(), status)
+        run = MeasuredRun(f"{torch.cuda.get_device_name(0) if not small else 'cpu'} ({args.device}), bf16 parameters",
+                          FAKE_TP, batch, seq, "none", tuple(
+            MeasuredLayer(presets[name], parallel.tp_style, parallel.rmsnorm,
+                          parallel.group_linears, parallel.sequence_parallel,
+                          eager_ms=(measured["eager"].get(name) or {}).get("ms_per_layer"),
+                          compiled_ms=(measured["compiled"].get(name) or {}).get("ms_per_layer"))
+            for name, (_, parallel) in cases.items() if name in measured["eager"]))
+        run.save(args.out / "gpu_layer.json")
+
+    complete = True
+    with fake_process_group(FAKE_TP):
+        measured["eager"] = measure_rank_layers(cases, batch, seq, **timing)
+        save("eager measured; compiling")
+        last = 20.0  # seconds the previous layout took: the next one starts only if as much is left
+        for name in cases:
+            if past(deadline, margin=last):
+                complete = False
+                break
+            started = time.time()
+            measured["compiled"][name] = measure_rank_layers({name: cases[name]}, batch, seq, compile=True, **timing)[name]
+            torch._dynamo.reset()
+            last = time.time() - started
+            save(f"compiled {len(measured['compiled'])} of {len(cases)}")
+    failed = [n for mode in measured.values() for n, r in mode.items() if "error" in r]
+    status = "failed: " + ", ".join(failed) if failed else "done" if complete else "incomplete: stopped at the budget"
+    save(status)
+    return FAILED if failed else OK if complete else INCOMPLETE
+
+
+# ---------------------------------------------------------------------------------------------- 2. throughput
+def part_throughput(args, deadline: float) -> int:
+    from common import table
+    from gpu_throughput import HEADERS, PRESETS, build, device_peak_tflops, result_rows, time_models
+
+    from boost_hf.parallel.compile import compile_decoder_layers
+
+    small = args.device == "cpu"
+    layers, batch, seq, warmup, reps = (2, 1, 64, 1, 2) if small else (24, 4, 4096, 2, 5)
+    peak = None if small else device_peak_tflops(torch.cuda.get_device_name(0))
+    report = Report(args.out, "gpu_throughput", "One GPU: full-rank LLaMA-1B against CoLA-1B", args.device)
+    sections: list[str] = []
+    problems: list[str] = []
+
+    def write(status: str) -> None:
+        report.write([
+            f"{', '.join(PRESETS)} with {layers} layers, micro-batch {batch} x seq {seq} = {batch * seq} tokens per step (the "
+            "BOOST release's 1B row: micro-batch 4 x 4096 on one A100, 0.85 s per iteration full rank, 0.59 s BOOST = 1.44x); "
+            "bf16 autocast over fp32 parameters, fused AdamW, SDPA, no KV cache; median of "
+            f"{reps} interleaved steps after {warmup}. MFU: model FLOPs (`training_flops_per_token`) over the dense bf16 peak "
+            f"({f'{peak:.0f} TFLOP/s' if peak else 'unknown'}).",
+            "", *sections, *(f"- problem: {p}" for p in problems)], status)
+
+    models = build(PRESETS, layers, seq, args.device)
+    complete = True
+    for mode in ("eager", "compiled"):
+        if past(deadline, margin=30):
+            complete = False
+            break
+        if mode == "compiled":
+            for model, _ in models.values():
+                compile_decoder_layers(model)
+        try:
+            result = time_models(models, batch, seq, warmup, reps)
+        except torch.OutOfMemoryError as error:  # an 80 GB card may not hold 16k tokens of llama-1b uncheckpointed
+            for model, optimizer in models.values():
+                model.zero_grad(set_to_none=True)
+                optimizer.zero_grad(set_to_none=True)
+            torch.cuda.empty_cache()
+            if batch == 1:
+                problems.append(f"{mode}: out of memory at micro-batch 1 x {seq}: {str(error).splitlines()[0][:160]}")
+                write(f"{mode} failed")
+                break
+            sections += [f"- {mode}: out of memory at micro-batch {batch} x {seq}; measured at {batch // 2} x {seq}", ""]
+            batch //= 2
+            result = time_models(models, batch, seq, warmup, reps)
+        rows, tps = result_rows(result, batch * seq, peak)
+        steps = {p: result["timing"][p]["median"] for p in PRESETS}
+        sections += [f"## {mode}, micro-batch {batch} x {seq}", "", *table(HEADERS, rows), "",
+                     f"CoLA vs full rank, {mode}: {tps['cola-1b'] / tps['llama-1b']:.2f}x the tokens/s "
+                     f"({steps['llama-1b']:.2f} s vs {steps['cola-1b']:.2f} s per step; the release on an A100: 0.85 s vs 0.59 s).", ""]
+        write(f"{mode} measured")
+    status = "failed" if problems else "done" if complete else "incomplete: stopped at the budget"
+    write(status)
+    return FAILED if problems else OK if complete else INCOMPLETE
+
+
+# ---------------------------------------------------------------------------------------------- 3. training steps
 class _GemmDtypes(TorchDispatchMode):
     """The dtypes of the matrix operands of every GEMM and attention kernel run inside it."""
 
@@ -186,145 +390,185 @@ def _run(case: Case, precision: str, compile: bool, seq: int, batch: int, steps:
             "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan")}
 
 
-def training_steps(seq: int, batch: int, steps: int, device: str, selected: list[Case]) -> tuple[list[str], bool]:
-    """Part 1: the ``selected`` cases in both precisions, eager and compiled, on ``device``; Markdown lines and whether
-    all passed."""
-    from boost_hf.perf.rank_cost import fake_process_group
+def check_case(case: Case, precision: str, seq: int, batch: int, steps: int, device: str) -> tuple[list[str], list[str]]:
+    """One case in one precision, eager and compiled: its table row and its problems (none: passed)."""
+    problems, results = [], {}
+    for compile in (False, True):
+        try:
+            results[compile] = _run(case, precision, compile, seq, batch, steps, device)
+        except Exception as error:  # recorded in the table; the other cases still run
+            problems.append(f"{'compiled' if compile else 'eager'}: {type(error).__name__}: {str(error).splitlines()[0][:160]}")
+        torch._dynamo.reset()
+    eager, compiled = results.get(False), results.get(True)
+    if eager is not None:
+        if not math.isfinite(eager["loss"]):
+            problems.append(f"eager loss {eager['loss']}")
+        if eager["gemm_dtypes"] != ["torch.bfloat16"]:
+            problems.append(f"GEMM operands {eager['gemm_dtypes']}")
+    if eager is not None and compiled is not None:
+        if not abs(compiled["loss"] - eager["loss"]) <= COMPILED_LOSS_RTOL * abs(eager["loss"]):
+            problems.append(f"compiled loss {compiled['loss']:.5f} vs eager {eager['loss']:.5f}")
+    cell = lambda r, key, fmt: fmt.format(r[key]) if r else "-"  # noqa: E731
+    row = [case.name, precision, cell(eager, "loss", "{:.4f}"), cell(compiled, "loss", "{:.4f}"), cell(eager, "step_ms", "{:.1f}"),
+           cell(compiled, "step_ms", "{:.1f}"), cell(eager, "peak_gib", "{:.2f}"), "ok" if not problems else "**FAILED**: " + "; ".join(problems)]
+    return row, problems
 
-    rows, ok = [], True
-    with torch._dynamo.config.patch(cache_size_limit=256, accumulated_cache_size_limit=4096):
-        with fake_process_group(FAKE_TP):
-            for case in selected:
-                for precision in PRECISIONS:
-                    problems, results = [], {}
-                    for compile in (False, True):
-                        try:
-                            results[compile] = _run(case, precision, compile, seq, batch, steps, device)
-                        except Exception as error:  # recorded in the table; the other cases still run
-                            problems.append(f"{'compiled' if compile else 'eager'}: {type(error).__name__}: {str(error).splitlines()[0][:160]}")
-                        torch._dynamo.reset()
-                    eager, compiled = results.get(False), results.get(True)
-                    if eager is not None:
-                        if not math.isfinite(eager["loss"]):
-                            problems.append(f"eager loss {eager['loss']}")
-                        if eager["gemm_dtypes"] != ["torch.bfloat16"]:
-                            problems.append(f"GEMM operands {eager['gemm_dtypes']}")
-                    if eager is not None and compiled is not None:
-                        if not abs(compiled["loss"] - eager["loss"]) <= COMPILED_LOSS_RTOL * abs(eager["loss"]):
-                            problems.append(f"compiled loss {compiled['loss']:.5f} vs eager {eager['loss']:.5f}")
-                    ok &= not problems
-                    cell = lambda r, key, fmt: fmt.format(r[key]) if r else "-"  # noqa: E731
-                    rows.append([case.name, precision, cell(eager, "loss", "{:.4f}"), cell(compiled, "loss", "{:.4f}"),
-                                 cell(eager, "step_ms", "{:.1f}"), cell(compiled, "step_ms", "{:.1f}"),
-                                 cell(eager, "peak_gib", "{:.2f}"), "ok" if not problems else "**FAILED**: " + "; ".join(problems)])
-                    print(f"steps: {rows[-1]}", flush=True)
+
+def part_steps(args, deadline: float) -> int:
     from common import table
 
-    lines = [
-        "## 1. Training steps",
-        "",
+    from boost_hf.perf.rank_cost import fake_process_group
+
+    selected = [case for case in cases() if args.cases is None or case.name in args.cases]
+    seq, batch, steps = (16, 1, 1) if args.device == "cpu" else (512, 4, 5)
+    report = Report(args.out, "gpu_steps", "Training steps of every architecture and layout", args.device)
+    rows, failed, complete = [], False, True
+    intro = [
         f"60m presets with 2 decoder layers, micro-batch {batch} x seq {seq}; tp 1 (the single-device model) or one rank of "
-        f"tp {FAKE_TP} under a fake process group (collectives do nothing: losses are not the model's); AdamW, lr 1e-4 "
+        f"tp {FAKE_TP} under a fake process group (collectives move no data: losses are not the model's); AdamW, lr 1e-4 "
         "(bf16-params: on fp32 masters, the parameters cast back after each step). Loss of the first step; step ms: "
         f"median of {steps} steps after it; compiled: every decoder layer `torch.compile`-d, its loss within "
         f"{COMPILED_LOSS_RTOL:g} relative of eager's; eager: every GEMM and attention operand bf16, gradients finite.",
         "",
-        *table(["case", "precision", "eager loss", "compiled loss", "eager step ms", "compiled step ms", "peak GiB (eager)", "check"], rows),
-        "",
     ]
-    return lines, ok
+    headers = ["case", "precision", "eager loss", "compiled loss", "eager step ms", "compiled step ms", "peak GiB (eager)", "check"]
+    with torch._dynamo.config.patch(cache_size_limit=256, accumulated_cache_size_limit=4096):
+        with fake_process_group(FAKE_TP):
+            last = 10.0  # seconds the previous case took: the next one starts only if as much is left
+            for case in selected:
+                for precision in PRECISIONS:
+                    if past(deadline, margin=last):
+                        complete = False
+                        break
+                    started = time.time()
+                    row, problems = check_case(case, precision, seq, batch, steps, args.device)
+                    last = time.time() - started
+                    rows.append(row)
+                    failed |= bool(problems)
+                    print(f"steps: {row}", flush=True)
+                    report.write([*intro, *table(headers, rows)], f"{len(rows)} of {2 * len(selected)} checked")
+    done = f"{len(rows)} of {2 * len(selected)} checked"
+    status = "failed" if failed else "done" if complete else "incomplete: stopped at the budget"
+    report.write([*intro, *table(headers, rows)], f"{status} ({done})")
+    return FAILED if failed else OK if complete else INCOMPLETE
 
 
-# ---------------------------------------------------------------------------------------------- 2-4. subprocesses
-def _subprocess(command: list[str], log: Path, timeout: float) -> tuple[bool, float]:
-    start = time.perf_counter()
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
-    with open(log, "w") as f:
-        try:
-            rc = subprocess.run(command, cwd=REPO, stdout=f, stderr=subprocess.STDOUT, env=env, timeout=timeout).returncode
-        except subprocess.TimeoutExpired:
-            f.write(f"\ngpu_check: timed out after {timeout:.0f} s\n")
-            rc = None
-    return rc == 0, time.perf_counter() - start
+# ---------------------------------------------------------------------------------------------- 4. norms
+def part_norms(args, deadline: float) -> int:
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/parallel/test_bf16_norms.py",
+               "tests/parallel/test_latent_op.py", "-k", "cuda"]
+    report = Report(args.out, "gpu_norms", "Fused norm kernels on the GPU", args.device)
+    report.write([f"`{' '.join(command[1:])}`"])
+    try:
+        completed = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=max(deadline - time.time(), 1))
+    except subprocess.TimeoutExpired:
+        report.write([f"`{' '.join(command[1:])}`: stopped at the budget"], "incomplete: stopped at the budget")
+        return INCOMPLETE
+    print(completed.stdout + completed.stderr, flush=True)
+    summary = [line for line in completed.stdout.splitlines() if line.startswith(("FAILED", "ERROR", "SKIPPED"))]
+    last = (completed.stdout.strip().splitlines() or ["(no output)"])[-1]
+    report.write([f"`{' '.join(command[1:])}`", "", f"- {last}", *(f"- {line}" for line in summary)],
+                 "done" if completed.returncode == 0 else "failed")
+    return OK if completed.returncode == 0 else FAILED
 
 
-def other_parts(out: Path, parts: list[str], quick: bool) -> tuple[list[str], bool]:
-    python = sys.executable
-    commands = {
-        "norms": [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/parallel/test_bf16_norms.py",
-                  "tests/parallel/test_latent_op.py", "-k", "cuda"],
-        "rank_cost": [python, "benchmarks/rank_cost.py", "--device", "cuda", "--compile", "--wait-quiet", "0", "--out", str(out),
-                      *(["--quick"] if quick else [])],
-        "throughput": [python, "benchmarks/gpu_throughput.py", "--out", str(out), *(["--quick"] if quick else [])],
-        "throughput-compiled": [python, "benchmarks/gpu_throughput.py", "--compile", "--out", str(out), *(["--quick"] if quick else [])],
-    }
-    selected = [name for name in commands if name.split("-")[0] in parts]
-    rows, ok = [], True
-    for name in selected:
-        log = out / f"gpu_check_{name}.log"
-        passed, seconds = _subprocess(commands[name], log, timeout=1800)
-        ok &= passed
-        rows.append([name, f"`{' '.join(Path(c).name if c == python else c for c in commands[name])}`", f"{seconds:.0f}",
-                     "ok" if passed else f"**FAILED** (see `{log.name}`)"])
-        print(f"{name}: {'ok' if passed else 'FAILED'} in {seconds:.0f} s", flush=True)
+PART_FUNCTIONS = {"layer": part_layer, "throughput": part_throughput, "steps": part_steps, "norms": part_norms}
+STATUS = {OK: "ok", FAILED: "**FAILED**", INCOMPLETE: "incomplete (budget)"}
+
+
+# ---------------------------------------------------------------------------------------------- the whole check
+def run_part(name: str, args, deadline: float, log) -> tuple[str, float]:
+    """Run part ``name`` in a process of its own, its output echoed and logged; its status and seconds."""
+    command = [sys.executable, str(Path(__file__).resolve()), "--part", name, "--out", str(args.out), "--device", args.device,
+               "--deadline", f"{deadline:.0f}", *(["--cases", *args.cases] if args.cases else [])]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+           "PYTHONUNBUFFERED": "1"}
+    started = time.perf_counter()
+    process = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    stopper = threading.Timer(max(deadline + GRACE_S - time.time(), 1), process.kill)  # a part silent past the deadline
+    stopper.start()
+    try:
+        for line in process.stdout:
+            log.write(line)
+            log.flush()
+            if line.startswith(("steps:", "wrote", "Traceback")) or "Error" in line:
+                print(f"  [{name}] {line.rstrip()[:300]}", flush=True)
+        process.wait()
+    finally:
+        stopper.cancel()
+    killed = process.returncode < 0
+    seconds = time.perf_counter() - started
+    if killed:
+        return "incomplete (stopped at the budget)", seconds
+    return STATUS.get(process.returncode, f"**FAILED** (exit {process.returncode})"), seconds
+
+
+def write_summary(out: Path, device: str, rows: dict, budget_s: float) -> bool:
+    """``gpu_check.md`` from this run's rows merged into ``gpu_check.json``'s; whether every part ran passed."""
+    path = out / "gpu_check.json"
+    earlier = json.loads(path.read_text()) if path.exists() else {"parts": {}}
+    parts = {**earlier["parts"], **rows}
+    path.write_text(json.dumps({"device": device_line(device), "parts": parts}, indent=2) + "\n")
     from common import table
 
-    return ["## 2-4. Norm kernels, rank cost, throughput", "", *table(["part", "command", "seconds", "result"], rows), ""], ok
-
-
-# ---------------------------------------------------------------------------------------------- main
-def header() -> list[str]:
-    props = torch.cuda.get_device_properties(0)
-    return [
-        "# GPU check (`make gpu-check`)",
-        "",
-        f"- GPU: **{torch.cuda.get_device_name(0)}**, {props.total_memory / 2**30:.0f} GiB, {props.multi_processor_count} SMs",
-        f"- torch {torch.__version__}, CUDA {torch.version.cuda}, Python {sys.version.split()[0]}",
-        f"- date: {datetime.datetime.now().strftime('%Y-%m-%d %H:%M')}",
-        f"- command: `python {' '.join(sys.argv)}`",
-        "",
+    ordered = [p for p in PARTS if p in parts]
+    lines = [
+        "# GPU check (`make gpu-check`)", "", f"- device: {device_line(device)}",
+        f"- date: {datetime.datetime.now().strftime('%Y-%m-%d %H:%M')}, budget {budget_s:.0f} s for this run's parts", "",
+        *table(["part", "file", "predicted s", "measured s", "result"],
+               [[p, f"`gpu_{p}.md`", PREDICTED_S[p], parts[p]["seconds"], parts[p]["status"]] for p in ordered]), "",
     ]
+    (out / "gpu_check.md").write_text("\n".join(lines))
+    return all(parts[p]["status"] in ("ok", "not started (budget)") for p in rows)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=RESULTS, help=f"folder for the readings (default: {RESULTS})")
-    parser.add_argument("--only", nargs="+", choices=PARTS, default=list(PARTS), help="parts to run (default: all)")
-    parser.add_argument("--quick", action="store_true", help="short sequences and few steps, the benchmarks' --quick")
+    parser.add_argument("--only", nargs="+", choices=PARTS, default=list(PARTS), help="parts to run, in this order (default: all)")
+    parser.add_argument("--budget-s", type=float, default=sum(PREDICTED_S.values()) * 1.5,
+                        help="seconds for the whole run; parts stop cleanly at it and keep what they measured")
     parser.add_argument("--cases", nargs="+", metavar="NAME", help="training-step cases by name, e.g. 'cola btp' (default: all)")
     parser.add_argument("--list", action="store_true", help="print the training-step cases and exit")
-    parser.add_argument("--device", default="cuda", help="cuda (default); cpu only to check the code path of the training steps")
+    parser.add_argument("--device", default="cuda", help="cuda (default); cpu runs the parts' code paths at small shapes")
+    parser.add_argument("--part", choices=PARTS, help=argparse.SUPPRESS)  # one part, in this process
+    parser.add_argument("--deadline", type=float, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    selected = [case for case in cases() if args.cases is None or case.name in args.cases]
     if args.list:
-        for case in selected:
-            print(f"{case.name}: tp {case.tp} {case.fields}")
+        for case in cases():
+            if args.cases is None or case.name in args.cases:
+                print(f"{case.name}: tp {case.tp} {case.fields}")
         return 0
-    if args.device == "cpu":  # the training steps' code path on this machine: nothing written
-        _, passed = training_steps(16, 1, 1, "cpu", selected)
-        return 0 if passed else 1
-    if not torch.cuda.is_available():
+    if args.device != "cpu" and not torch.cuda.is_available():
         print(f"gpu-check: no CUDA device found (torch {torch.__version__}, CUDA build: {torch.version.cuda or 'none'}); "
               "nothing checked, nothing written.")
         return 0
-    sys.path.insert(0, str(HERE))  # benchmarks/common.py
     args.out.mkdir(parents=True, exist_ok=True)
-    started = time.perf_counter()
-    lines, ok = header(), True
-    if "steps" in args.only:
-        seq, batch, steps = (128, 2, 2) if args.quick else (512, 4, 5)
-        section, passed = training_steps(seq, batch, steps, "cuda", selected)
-        lines += section
-        ok &= passed
-    rest = [p for p in args.only if p != "steps"]
-    if rest:
-        section, passed = other_parts(args.out, rest, args.quick)
-        lines += section
-        ok &= passed
-    lines += [f"Total: {time.perf_counter() - started:.0f} s; **{'all checks passed' if ok else 'SOME CHECKS FAILED'}**.", ""]
-    (args.out / "gpu_check.md").write_text("\n".join(lines))
-    print(f"wrote {args.out / 'gpu_check.md'}: {'all checks passed' if ok else 'SOME CHECKS FAILED'}")
-    return 0 if ok else 1
+    if args.part:
+        return PART_FUNCTIONS[args.part](args, args.deadline or time.time() + args.budget_s)
+
+    deadline = time.time() + args.budget_s
+    plan = ", ".join(f"{p} {PREDICTED_S[p]} s" for p in args.only)
+    print(f"gpu-check on {device_line(args.device)}\npredicted (one H100): {plan}; total "
+          f"{sum(PREDICTED_S[p] for p in args.only)} s; budget {args.budget_s:.0f} s", flush=True)
+    rows = {}
+    with open(args.out / "gpu_check.log", "a") as log:
+        for i, name in enumerate(args.only):
+            left = deadline - time.time()
+            if left < MIN_PART_S:
+                rows[name] = {"status": "not started (budget)", "seconds": 0}
+                continue
+            # the parts still to run share what is left in proportion to their predictions; what one leaves, the next gets
+            share = left * PREDICTED_S[name] / sum(PREDICTED_S[p] for p in args.only[i:])
+            print(f"{name}: starting with {share:.0f} of the {left:.0f} s left (predicted {PREDICTED_S[name]} s)", flush=True)
+            log.write(f"\n===== {name} =====\n")
+            status, seconds = run_part(name, args, time.time() + share, log)
+            rows[name] = {"status": status, "seconds": round(seconds)}
+            print(f"{name}: {status} in {seconds:.0f} s", flush=True)
+            write_summary(args.out, args.device, rows, args.budget_s)
+    passed = write_summary(args.out, args.device, rows, args.budget_s)
+    print((args.out / "gpu_check.md").read_text())
+    return 0 if passed else 1
 
 
 if __name__ == "__main__":

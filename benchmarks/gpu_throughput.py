@@ -37,26 +37,29 @@ def device_peak_tflops(device_name: str) -> float | None:
     return None
 
 
-def measure(presets, layers: int, batch: int, seq: int, warmup: int, reps: int, device: str, compile: bool = False) -> dict:
+def build(presets, layers: int, seq: int, device: str) -> dict:
+    """``{preset: (model, fused AdamW)}``: each model built on the CPU (fp32) and moved to ``device``."""
     from boost_hf import BoostLlamaConfig, BoostLlamaForCausalLM
-    from boost_hf.perf.flops import training_flops_per_token
-    from boost_hf.parallel.compile import compile_decoder_layers
 
-    dev = torch.device(device)
-    cuda = dev.type == "cuda"
-    models, flops, params = {}, {}, {}
+    models = {}
     for preset in presets:
         config = BoostLlamaConfig.from_preset(preset, num_hidden_layers=layers, max_position_embeddings=max(seq, 2048))
         config._attn_implementation = "sdpa"
         torch.manual_seed(0)
-        model = BoostLlamaForCausalLM(config).to(dev).train()
-        if compile:
-            compile_decoder_layers(model)  # what BoostTrainer --torch_compile does
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=cuda)
-        models[preset] = (model, optimizer)
-        flops[preset] = training_flops_per_token(config, seq)
-        params[preset] = sum(p.numel() for p in model.parameters())
-    ids = torch.randint(0, 32000, (batch, seq), generator=torch.Generator().manual_seed(0)).to(dev)
+        model = BoostLlamaForCausalLM(config).to(device).train()
+        models[preset] = (model, torch.optim.AdamW(model.parameters(), lr=1e-5, fused=torch.device(device).type == "cuda"))
+    return models
+
+
+def time_models(models: dict, batch: int, seq: int, warmup: int, reps: int) -> dict:
+    """Training steps of every model (bf16 autocast, no KV cache, AdamW), interleaved: ``{"timing", "flops",
+    "params", "peak_memory"}`` per preset (peak memory of each model's first step, in bytes; ``None`` off CUDA)."""
+    from boost_hf.perf.flops import training_flops_per_token
+
+    some_model = next(iter(models.values()))[0]
+    dev = some_model.device
+    cuda = dev.type == "cuda"
+    ids = torch.randint(0, some_model.config.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(0)).to(dev)
 
     def step(model, optimizer):
         with torch.autocast(dev.type, dtype=torch.bfloat16):
@@ -74,7 +77,40 @@ def measure(presets, layers: int, batch: int, seq: int, warmup: int, reps: int, 
         step(model, optimizer)
         peak_memory[preset] = torch.cuda.max_memory_allocated() if cuda else None
     timing = time_interleaved({p: partial(step, *m) for p, m in models.items()}, warmup=warmup, reps=reps)
-    return {"timing": timing, "flops": flops, "params": params, "peak_memory": peak_memory}
+    return {"timing": timing, "peak_memory": peak_memory,
+            "flops": {p: training_flops_per_token(m.config, seq) for p, (m, _) in models.items()},
+            "params": {p: sum(x.numel() for x in m.parameters()) for p, (m, _) in models.items()}}
+
+
+def measure(presets, layers: int, batch: int, seq: int, warmup: int, reps: int, device: str, compile: bool = False) -> dict:
+    """Build the models, compile their decoder layers with ``compile`` (what ``BoostTrainer --torch_compile`` does),
+    and time them (:func:`time_models`)."""
+    from boost_hf.parallel.compile import compile_decoder_layers
+
+    models = build(presets, layers, seq, device)
+    if compile:
+        for model, _ in models.values():
+            compile_decoder_layers(model)
+    return time_models(models, batch, seq, warmup, reps)
+
+
+def result_rows(result: dict, tokens: int, peak_tflops: float | None) -> tuple[list[list], dict]:
+    """The table rows of :func:`time_models`'s result and ``{preset: tokens/s}``."""
+    rows, tps = [], {}
+    for preset in result["timing"]:
+        t = result["timing"][preset]["median"]
+        tps[preset] = tokens / t
+        model_tflops = tps[preset] * result["flops"][preset] / 1e12
+        memory = result["peak_memory"][preset]
+        rows.append([
+            preset, f"{result['params'][preset] / 1e6:.0f}", f"{1000 * t:.1f}", f"{tps[preset]:,.0f}", f"{model_tflops:.1f}",
+            f"{100 * model_tflops / peak_tflops:.1f}%" if peak_tflops else "n/a (unknown peak: pass --peak-tflops)",
+            f"{memory / 2**30:.1f}" if memory is not None else "-",
+        ])
+    return rows, tps
+
+
+HEADERS = ["model", "params (M)", "step ms", "tokens/s", "model TFLOP/s", "MFU", "peak memory (GiB)"]
 
 
 def main() -> int:
@@ -100,17 +136,7 @@ def main() -> int:
     peak = args.peak_tflops or (device_peak_tflops(device_name) if cuda else None)
     res = measure(PRESETS, args.layers, args.batch, args.seq, args.warmup, args.reps, args.device, compile=args.compile)
     tokens = args.batch * args.seq
-    rows, tps = [], {}
-    for preset in PRESETS:
-        t = res["timing"][preset]["median"]
-        tps[preset] = tokens / t
-        model_tflops = tps[preset] * res["flops"][preset] / 1e12
-        memory = res["peak_memory"][preset]
-        rows.append([
-            preset, f"{res['params'][preset] / 1e6:.0f}", f"{1000 * t:.1f}", f"{tps[preset]:,.0f}", f"{model_tflops:.1f}",
-            f"{100 * model_tflops / peak:.1f}%" if peak else "n/a (unknown peak: pass --peak-tflops)",
-            f"{memory / 2**30:.1f}" if memory is not None else "-",
-        ])
+    rows, tps = result_rows(res, tokens, peak)
     cuda_version = f", CUDA {torch.version.cuda}" if cuda else ""
     body = [
         f"- device: **{device_name}**{cuda_version}; dense bf16 peak used for MFU: {f'{peak:.0f} TFLOP/s' if peak else 'unknown'}",
@@ -120,7 +146,7 @@ def main() -> int:
         f"after {args.warmup} warm-up",
         "- MFU counts model FLOPs only (`training_flops_per_token`: 3 x forward, causal attention, LM head), not recomputation",
         "",
-        *table(["model", "params (M)", "step ms", "tokens/s", "model TFLOP/s", "MFU", "peak memory (GiB)"], rows),
+        *table(HEADERS, rows),
         "",
         f"CoLA vs full rank: {tps['cola-1b'] / tps['llama-1b']:.2f}x the tokens/s "
         f"(paper, 1B on A100 at TP1: 0.85 s / 0.59 s = 1.44x per iteration; BOOST.md section 6).",

@@ -32,7 +32,8 @@ from transformers.core_model_loading import Transpose, WeightConverter
 from transformers.masking_utils import create_causal_mask
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, slice_logits_to_keep
+from transformers.modeling_rope_utils import dynamic_rope_update
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb, eager_attention_forward
 from transformers.utils import can_return_tuple, logging
 from transformers.utils.generic import merge_with_config_defaults
@@ -67,7 +68,20 @@ class BoostLlamaRMSNorm(nn.Module):
 
 
 class BoostLlamaRotaryEmbedding(LlamaRotaryEmbedding):
-    """RoPE exactly as ``transformers``' LLaMA (``cos, sin: [B, S, head_dim]``)."""
+    """RoPE exactly as ``transformers``' LLaMA (``cos, sin: [B, S, head_dim]``, in ``x``'s dtype).
+
+    The angles are the fp32 outer product of positions and inverse frequencies, element-wise as transformers 5.23
+    computes them (5.17 ran the same product as a batched fp32 GEMM: the same values, one GEMM more per forward).
+    """
+
+    @torch.no_grad()
+    @dynamic_rope_update
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = position_ids[..., None].float() * self.inv_freq.to(device=x.device, dtype=torch.float)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos = emb.cos() * self.attention_scaling
+        sin = emb.sin() * self.attention_scaling
+        return cos.to(dtype=x.dtype), sin.to(dtype=x.dtype)
 
 
 class BoostLlamaLowRankLinear(nn.Module):
@@ -367,7 +381,23 @@ class BoostLlamaAttention(nn.Module):
         return project("o_proj", self.o_proj, attn_output, crossing), attn_weights
 
 
-class BoostLlamaDecoderLayer(GradientCheckpointingLayer):
+class CheckpointsItsOwnBlock(GradientCheckpointingLayer):
+    """A ``GradientCheckpointingLayer`` (``gradient_checkpointing_enable`` sets its flag and counts it for
+    ``every_n_layers``) whose subclasses checkpoint themselves, on positional tensors.
+
+    transformers' own wrapper binds the keyword arguments into the checkpointed call, which re-entrant
+    checkpointing cannot differentiate through (LaX's crossed latents). It wraps ``__call__`` up to transformers
+    5.22 and each subclass's ``forward`` from 5.23 on: both are left out here, so the layer computes the same
+    function, and checkpoints the same tensors, on every transformers version.
+    """
+
+    __call__ = nn.Module.__call__
+
+    def __init_subclass__(cls, **kwargs):
+        super(GradientCheckpointingLayer, cls).__init_subclass__(**kwargs)
+
+
+class BoostLlamaDecoderLayer(CheckpointsItsOwnBlock):
     """Pre-norm decoder block. Returns ``(hidden_states, lax_latents)``; ``lax_latents`` (LaX only, else
     ``None``) are this block's latents, crossed into the next block.
 
@@ -451,12 +481,6 @@ class BoostLlamaDecoderLayer(GradientCheckpointingLayer):
         return (hidden_states, *(crossing.current[name] for name in PROJECTIONS)) if crossing is not None else (hidden_states,)
 
 
-# GradientCheckpointingLayer wraps ``forward`` to checkpoint it with keyword arguments bound, which re-entrant
-# checkpointing cannot differentiate through; this layer checkpoints its own positional ``block`` instead.
-# (Subclasses, e.g. the tensor-parallel layer that ``parallelize`` adopts, are wrapped as usual.)
-BoostLlamaDecoderLayer.forward = BoostLlamaDecoderLayer.forward.__wrapped__
-
-
 def name_seed(seed: int, name: str) -> int:
     """A per-parameter seed from the global seed and the parameter's name (the same at every TP size)."""
     digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
@@ -538,6 +562,20 @@ class BoostLlamaPreTrainedModel(PreTrainedModel):
             init.copy_(param, value)
 
 
+def positions_to_keep(hidden_states: torch.Tensor, logits_to_keep: int | torch.Tensor) -> torch.Tensor:
+    """The positions of ``hidden_states: [B, S, d]`` the LM head projects, as ``logits_to_keep`` names them (what
+    ``generate`` passes): an int keeps the last that many (0: all), a 1-D tensor those positions of every sample, a
+    2-D integer tensor ``[B, K]`` per-sample positions, a 2-D bool mask ``[B, S]`` its true positions (flattened to
+    ``[n, d]``)."""
+    if isinstance(logits_to_keep, int):
+        return hidden_states[:, -logits_to_keep:, :] if logits_to_keep else hidden_states
+    if logits_to_keep.ndim == 2 and logits_to_keep.dtype == torch.bool:
+        return hidden_states[logits_to_keep]
+    if logits_to_keep.ndim == 2:
+        return torch.take_along_dim(hidden_states, logits_to_keep[..., None], dim=1)
+    return hidden_states[:, logits_to_keep, :]
+
+
 def check_token_ids(ids: torch.Tensor, vocab_size: int, where: str = "input_ids", ignore_index: int | None = None) -> None:
     """Raise if an entry of ``ids`` is outside ``[0, vocab_size)`` (``ignore_index`` allowed: labels). One min/max pass:
     on the CPU a ``ValueError`` naming the id; on an accelerator (and inside ``torch.compile``) a device-side assert
@@ -595,7 +633,6 @@ class BoostLlamaModel(BoostLlamaPreTrainedModel):
     ) -> BaseModelOutputWithPast:
         if (input_ids is None) ^ (inputs_embeds is not None):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
-        self._check_latent_checkpointing()
         if input_ids is not None:
             check_token_ids(input_ids, self.config.vocab_size)
         if inputs_embeds is None:
@@ -629,23 +666,6 @@ class BoostLlamaModel(BoostLlamaPreTrainedModel):
             )
         hidden_states = self.norm(hidden_states)
         return BaseModelOutputWithPast(last_hidden_state=hidden_states, past_key_values=past_key_values)
-
-    def _check_latent_checkpointing(self) -> None:
-        """LaX hands each layer's latents to the next one as keyword tensors: a layer checkpointed by
-        transformers' wrapper (e.g. the tensor-parallel one) with re-entrant checkpointing would silently drop
-        their gradients, so that is refused. (The single-device layer checkpoints positional tensors.)"""
-        if self.config.bottleneck != "lax" or not self.training:
-            return
-        for layer in self.layers:
-            if type(layer).forward is BoostLlamaDecoderLayer.forward or not layer.gradient_checkpointing:
-                continue
-            function = getattr(layer, "_gradient_checkpointing_func", None)
-            if isinstance(function, partial) and function.keywords.get("use_reentrant"):
-                raise ValueError(
-                    "LaX models cannot use gradient checkpointing with use_reentrant=True under tensor parallelism "
-                    "(the latents crossed between layers would get no gradient): call gradient_checkpointing_enable() "
-                    "without gradient_checkpointing_kwargs, or with {'use_reentrant': False}."
-                )
 
 
 HUB_KWARGS = ("cache_dir", "revision", "token", "local_files_only", "force_download", "subfolder", "proxies")
@@ -847,7 +867,7 @@ class BoostLlamaForCausalLM(BoostLlamaPreTrainedModel, GenerationMixin):
             use_cache=use_cache,
             **kwargs,
         )
-        hidden_states = slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep)
+        hidden_states = positions_to_keep(outputs.last_hidden_state, logits_to_keep)
         logits = self.lm_head(hidden_states)
         loss = None
         if labels is not None:

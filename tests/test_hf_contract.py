@@ -86,13 +86,20 @@ def test_forward_hooks_fire_on_every_projection_attention_and_mlp(bottleneck, pa
     assert set(calls) == expected
 
 
+def enable_activation_checkpointing(model, kwargs=None):
+    """transformers' checkpointing switch: ``activation_checkpointing_enable`` from 5.23, before it
+    ``gradient_checkpointing_enable`` (still there, deprecated)."""
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
 @pytest.mark.parametrize("kwargs", [None, {"use_reentrant": False}, {"use_reentrant": True}], ids=["default", "non-reentrant", "reentrant"])
 def test_gradient_checkpointing_through_the_hf_api(bottleneck, kwargs):
     """Same loss and gradients (LaX's crossed latents included, re-entrant or not) as without checkpointing."""
     plain, checkpointed = build(bottleneck).train(), build(bottleneck).train()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)
-        checkpointed.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    enable_activation_checkpointing(checkpointed, kwargs)
     assert checkpointed.is_gradient_checkpointing
     x = ids()
     losses = []
@@ -179,7 +186,7 @@ def test_checkpointed_layers_recompute_and_drop_the_cache(bottleneck):
     """Each decoder layer runs through the checkpoint function (and is recomputed in backward); a cache
     asked for during checkpointed training is dropped rather than filled twice."""
     model = build(bottleneck).train()
-    model.activation_checkpointing_enable()
+    enable_activation_checkpointing(model)
     calls = []
     for layer in model.model.layers:
         checkpoint = layer._gradient_checkpointing_func

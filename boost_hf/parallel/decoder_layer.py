@@ -116,15 +116,20 @@ class ParallelDecoderLayer:
     ):
         if self.token_shard_entry is not None:
             hidden_states = enter_token_shard(hidden_states, self.token_shard_entry)
-        recomputing = self.checkpointing != "none" and self.training and torch.is_grad_enabled()
-        if recomputing:
+        training = self.training and torch.is_grad_enabled()
+        recomputing = self.checkpointing != "none" and training
+        hf_checkpointing = self.gradient_checkpointing and training  # transformers' gradient_checkpointing_enable
+        if recomputing or hf_checkpointing:
             past_key_values = None  # a recomputed step would append to the cache twice
         attention = partial(
             self.attention, position_embeddings=position_embeddings, attention_mask=attention_mask,
             past_key_values=past_key_values, **kwargs,
         )
         steps = partial(self.steps, attention=attention, recompute_steps=recomputing and self.checkpointing == "lowrank")
-        return run_step(steps, hidden_states, lax_latents, recompute=recomputing and self.checkpointing == "full")
+        layer = partial(run_step, steps, recompute=recomputing and self.checkpointing == "full")
+        if hf_checkpointing:  # the whole layer once more, through transformers' checkpoint function, on positional tensors
+            return run_step(layer, hidden_states, lax_latents, recompute=True, checkpoint=self._gradient_checkpointing_func)
+        return layer(hidden_states, lax_latents)
 
     def steps(self, hidden_states, previous: Latents | None, *, attention, recompute_steps: bool):
         step = partial(run_step, recompute=recompute_steps)

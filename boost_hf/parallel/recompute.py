@@ -15,16 +15,20 @@ Context that needs no gradient (rotary tables, masks, caches) is bound into ``st
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any, Callable
 
 import torch
 from torch.utils import _pytree as pytree
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import checkpoint as torch_checkpoint
+
+REENTRANT = partial(torch_checkpoint, use_reentrant=True)
 
 
-def run_step(step: Callable[..., Any], *inputs: Any, recompute: bool) -> Any:
+def run_step(step: Callable[..., Any], *inputs: Any, recompute: bool, checkpoint: Callable[..., Any] = REENTRANT) -> Any:
     """``step(*inputs)``; with ``recompute`` (and autograd on) keep only the tensors of ``inputs`` and
-    run ``step`` again in backward."""
+    run ``step`` again in backward, through ``checkpoint(function, *tensors)`` (default: ``torch.utils.checkpoint``,
+    re-entrant; transformers' ``_gradient_checkpointing_func`` is another)."""
     if not (recompute and torch.is_grad_enabled()):
         return step(*inputs)
     leaves, in_spec = pytree.tree_flatten(inputs)
@@ -35,7 +39,7 @@ def run_step(step: Callable[..., Any], *inputs: Any, recompute: bool) -> Any:
         out_spec[:] = [spec]
         return tuple(out_leaves)
 
-    outputs = checkpoint(flat_step, *leaves, use_reentrant=True)
+    outputs = checkpoint(flat_step, *leaves)
     return pytree.tree_unflatten(list(outputs), out_spec[0])
 
 

@@ -457,6 +457,19 @@ def _layer_costs(config, parallel: ParallelConfig, workload: Workload, hardware:
     )
 
 
+def modelled_layer_seconds(config, parallel: ParallelConfig, workload: Workload, hardware: Hardware,
+                           efficiency: KernelEfficiency = CALIBRATED_EFFICIENCY) -> dict[str, float]:
+    """What a measured layer time replaces (:func:`estimate_layout`'s ``measured_layer_s``), as the estimator models
+    it for one rank: ``{"compute": s, "optimizer": s}``, the compute the GEMM, attention and element-wise time of one
+    decoder layer's forward and backward (with its LaX crossing and any recomputation; no communication), the
+    optimizer its parameters' AdamW step on this rank (``ADAMW_BYTES_PER_PARAM`` per parameter)."""
+    costs = _layer_costs(config, parallel, workload, hardware, efficiency, None)
+    hbm = efficiency.memory * hardware.hbm_gbps * 1e9
+    layer_parameters = (_with_layers(config, 2) - _with_layers(config, 1)) / parallel.tp_size
+    return {"compute": sum(v for k, v in costs.layer.items() if k != "tp_comm"),
+            "optimizer": layer_parameters * ADAMW_BYTES_PER_PARAM / hbm}
+
+
 def _peak_activation_bytes(parallel: ParallelConfig, saved: tuple[int, int] | None, counts: list[int],
                            in_flight: tuple[float, ...]) -> tuple[int, ...] | None:
     """Per pipeline rank: the decoder layers' saved activations of one micro-batch (all the rank's stages; ``saved``:
@@ -532,4 +545,5 @@ __all__ = [
     "estimate",
     "estimate_layout",
     "layout_model",
+    "modelled_layer_seconds",
 ]

@@ -1,8 +1,7 @@
 """What one tensor-parallel rank's decoder layer costs: counted (any machine, seconds) and measured.
 
 One rank of a ``tp_size``-way layout runs alone under a *fake* process group
-(``torch.testing._internal.distributed.fake_pg``): every collective returns at once, so the rank does
-exactly its own compute. A layer's cost is the difference between two models of the same configuration
+(:mod:`boost_hf.perf.fake_group`): every collective returns at once, so the rank does exactly its own compute. A layer's cost is the difference between two models of the same configuration
 with ``L1`` and ``L2`` decoder layers, divided by ``L2 - L1``: embedding, LM head and loss cancel
 (``L1 >= 1`` also cancels the first block, which differs under LaX).
 
@@ -44,23 +43,18 @@ from ..parallel.shared_storage import cast_parameters
 from ..parallel.state import reset_parallel_states
 from ..parallel.compile import compile_decoder_layers
 from .activation_memory import SavedTensorsProbe
+from .fake_group import close_fake_process_group, open_fake_process_group
 from .op_counter import OpCounter
 
 DEFAULT_LAYERS = (1, 3)
 
 
 # ---------------------------------------------------------------------------------------------- process group
-def _open_fake_process_group(world_size: int) -> None:
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
-
-
 def _require_fake_process_group(tp_size: int) -> None:
     """Open a fake process group of ``tp_size`` ranks if none is open; refuse a real one or a world size
     ``tp_size`` does not divide."""
     if not dist.is_initialized():
-        _open_fake_process_group(tp_size)
+        open_fake_process_group(tp_size)
         return
     backend, world = dist.get_backend(), dist.get_world_size()
     if backend != "fake":
@@ -80,11 +74,11 @@ def fake_process_group(world_size: int):
     """Open a fake process group of ``world_size`` ranks (this process is rank 0; collectives do nothing)
     and close it on exit, with the process groups cached on it. Every ``tp_size`` counted or measured inside
     must divide ``world_size``."""
-    _open_fake_process_group(world_size)
+    open_fake_process_group(world_size)
     try:
         yield
     finally:
-        dist.destroy_process_group()
+        close_fake_process_group()
         reset_parallel_states()
 
 
