@@ -33,6 +33,7 @@ it says so and exits 0 (``--device cpu`` runs the parts' code paths at small sha
     make gpu-check                                   # = python3 benchmarks/gpu_check.py, every part
     python3 benchmarks/gpu_check.py --budget-s 440 --out $OUT       # the lent machine's first command
     python3 benchmarks/gpu_check.py --only steps norms --budget-s 300 --out $OUT
+    python3 benchmarks/gpu_check.py --gather RUN1 RUN2   # one summary of two runs' folders, no GPU needed
     python3 benchmarks/gpu_check.py --list           # the training-step cases, no GPU needed
     python3 benchmarks/gpu_check.py --device cpu --only steps        # the training steps' code path on a CPU
 """
@@ -66,12 +67,10 @@ FAKE_TP = 4
 COMPILED_LOSS_RTOL = 2.0 ** -5
 GEMM_OPS = ("mm", "addmm", "bmm", "baddbmm")
 PARTS = ("layer", "throughput", "steps", "norms")  # in order of value
-#: Seconds each part is predicted to take on one H100 (the machine started), before any was measured (2026-11-28):
-#: layer: 5 layouts x 2 models built on the CPU (~4 s each), eager steps (~0.1 s, 12 rounds), then 5 compilations of
-#: ~30 s; throughput: two 1B-size models built (~20 s), 2 x 7 eager steps of ~0.5 s, two compilations of ~40 s;
-#: steps: 15 cases x 2 precisions, eager (~2 s) and compiled (~10 s each, kernels cached after the first);
-#: norms: the pytest run, a few compilations. Measured times go to ``gpu_check.md`` beside these.
-PREDICTED_S = {"layer": 240, "throughput": 150, "steps": 420, "norms": 60}
+#: Seconds each part is predicted to take on one H100 (the machine started): the first GPU run (an H200, torch 2.11,
+#: 2026-11-28, `benchmarks/results/gpu/gpu_check.md`) took layer 111, throughput 72, steps 333 and norms 43 s; an H100
+#: has 30 % less memory bandwidth and the same compiler, so these allow ~15 % more.
+PREDICTED_S = {"layer": 130, "throughput": 85, "steps": 380, "norms": 50}
 MIN_PART_S = 30  # a part starts only with this much budget left
 GRACE_S = 30  # a part still running this long after the deadline is stopped
 OK, FAILED, INCOMPLETE = 0, 1, 3  # a part's exit status
@@ -503,23 +502,39 @@ def run_part(name: str, args, deadline: float, log) -> tuple[str, float]:
     return STATUS.get(process.returncode, f"**FAILED** (exit {process.returncode})"), seconds
 
 
-def write_summary(out: Path, device: str, rows: dict, budget_s: float) -> bool:
-    """``gpu_check.md`` from this run's rows merged into ``gpu_check.json``'s; whether every part ran passed."""
+def write_summary(out: Path, rows: dict, device: str | None = None, note: str = "") -> bool:
+    """Add ``rows`` (part -> status and seconds) to ``out/gpu_check.json`` and write ``gpu_check.md`` from it; whether
+    every part of ``rows`` passed. ``device``: its line (default: the json's, else this machine's)."""
     path = out / "gpu_check.json"
-    earlier = json.loads(path.read_text()) if path.exists() else {"parts": {}}
-    parts = {**earlier["parts"], **rows}
-    path.write_text(json.dumps({"device": device_line(device), "parts": parts}, indent=2) + "\n")
+    summary = json.loads(path.read_text()) if path.exists() else {"parts": {}}
+    summary["device"] = device or summary.get("device") or device_line("cuda" if torch.cuda.is_available() else "cpu")
+    summary["parts"].update(rows)
+    path.write_text(json.dumps(summary, indent=2) + "\n")
     from common import table
 
-    ordered = [p for p in PARTS if p in parts]
+    parts = summary["parts"]
     lines = [
-        "# GPU check (`make gpu-check`)", "", f"- device: {device_line(device)}",
-        f"- date: {datetime.datetime.now().strftime('%Y-%m-%d %H:%M')}, budget {budget_s:.0f} s for this run's parts", "",
+        "# GPU check (`make gpu-check`)", "", f"- device: {summary['device']}",
+        f"- written: {datetime.datetime.now().strftime('%Y-%m-%d %H:%M')}{note}", "",
         *table(["part", "file", "predicted s", "measured s", "result"],
-               [[p, f"`gpu_{p}.md`", PREDICTED_S[p], parts[p]["seconds"], parts[p]["status"]] for p in ordered]), "",
+               [[p, f"`gpu_{p}.md`", PREDICTED_S[p], parts[p]["seconds"], parts[p]["status"]] for p in PARTS if p in parts]), "",
     ]
     (out / "gpu_check.md").write_text("\n".join(lines))
-    return all(parts[p]["status"] in ("ok", "not started (budget)") for p in rows)
+    return all(rows[p]["status"] in ("ok", "not started (budget)") for p in rows)
+
+
+def gather(folders: list[Path], out: Path) -> None:
+    """One summary of several runs (a lent machine's two commands): each folder's parts and files into ``out``."""
+    out.mkdir(parents=True, exist_ok=True)
+    for folder in folders:
+        summary = json.loads((folder / "gpu_check.json").read_text())
+        for part in summary["parts"]:
+            for name in (f"gpu_{part}.md", f"gpu_{part}.json"):
+                if (folder / name).exists():
+                    (out / name).write_text((folder / name).read_text())
+        with open(out / "gpu_check.log", "a") as log:
+            log.write((folder / "gpu_check.log").read_text())
+        write_summary(out, summary["parts"], summary["device"], note=f"; gathered from {len(folders)} runs")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -531,9 +546,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cases", nargs="+", metavar="NAME", help="training-step cases by name, e.g. 'cola btp' (default: all)")
     parser.add_argument("--list", action="store_true", help="print the training-step cases and exit")
     parser.add_argument("--device", default="cuda", help="cuda (default); cpu runs the parts' code paths at small shapes")
+    parser.add_argument("--gather", nargs="+", type=Path, metavar="FOLDER",
+                        help="write one summary in --out of the runs whose --out folders these are (no GPU needed)")
     parser.add_argument("--part", choices=PARTS, help=argparse.SUPPRESS)  # one part, in this process
     parser.add_argument("--deadline", type=float, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.gather:
+        gather(args.gather, args.out)
+        print((args.out / "gpu_check.md").read_text())
+        return 0
     if args.list:
         for case in cases():
             if args.cases is None or case.name in args.cases:
@@ -548,6 +569,7 @@ def main(argv: list[str] | None = None) -> int:
         return PART_FUNCTIONS[args.part](args, args.deadline or time.time() + args.budget_s)
 
     deadline = time.time() + args.budget_s
+    note = f"; budget {args.budget_s:.0f} s for {', '.join(args.only)}"
     plan = ", ".join(f"{p} {PREDICTED_S[p]} s" for p in args.only)
     print(f"gpu-check on {device_line(args.device)}\npredicted (one H100): {plan}; total "
           f"{sum(PREDICTED_S[p] for p in args.only)} s; budget {args.budget_s:.0f} s", flush=True)
@@ -565,8 +587,8 @@ def main(argv: list[str] | None = None) -> int:
             status, seconds = run_part(name, args, time.time() + share, log)
             rows[name] = {"status": status, "seconds": round(seconds)}
             print(f"{name}: {status} in {seconds:.0f} s", flush=True)
-            write_summary(args.out, args.device, rows, args.budget_s)
-    passed = write_summary(args.out, args.device, rows, args.budget_s)
+            write_summary(args.out, rows, device_line(args.device), note)
+    passed = write_summary(args.out, rows, device_line(args.device), note)
     print((args.out / "gpu_check.md").read_text())
     return 0 if passed else 1
 
