@@ -150,7 +150,7 @@ def _shared_seed() -> int:
 def initialize_shards(model: nn.Module, seed: int) -> None:
     """Fill every shard with its slice of the single-device initial value (drawn at full shape from
     ``(seed, canonical name)``, one tensor at a time)."""
-    from ..modeling_boost_llama import name_seed
+    from ..weights_boost_llama import name_seed
 
     for module in model.modules():
         for name, param in module.named_parameters(recurse=False):
@@ -168,19 +168,29 @@ class TensorParallelBaseModel:
     """The base model under a layout (its forward checks the token ids before any collective:
     :func:`~boost_hf.modeling_boost_llama.check_token_ids`); under sequence parallelism the sequence length is checked
     first (before any collective); under BTP, ``inputs_embeds: [B, S, d]`` are split to this rank's ``[B, S, d/p]``
-    (backward: all-gather of their gradient)."""
+    (backward: all-gather of their gradient).
+
+    Without its embedding (a pipeline stage after the first) it takes the residual stream as the layout holds it
+    (``[B, S, d/p]`` under BTP, the ``[B, S/p, d]`` token shard under Megatron's sequence parallelism), as the
+    previous stage handed it on: nothing is split, and the mask and positions are those of the whole sequence."""
 
     plan: TensorParallelPlan
 
     def forward(self, *args, **kwargs):
         input_ids = kwargs.get("input_ids", args[0] if args else None)
-        if self.plan.parallel.shards_tokens:
+        holds_embedding = self.embed_tokens is not None
+        if self.plan.parallel.shards_tokens and holds_embedding:
             tokens = input_ids if input_ids is not None else kwargs.get("inputs_embeds")
             if tokens is not None:  # neither: the single-device model's own error
                 check_sequence_length(tokens.shape[1], self.plan.tp_size)
-        if self.plan.residual_sharded and kwargs.get("inputs_embeds") is not None:
+        if self.plan.residual_sharded and holds_embedding and kwargs.get("inputs_embeds") is not None:
             kwargs["inputs_embeds"] = split_to_tp(kwargs["inputs_embeds"], -1, self.plan.group)
         return super().forward(*args, **kwargs)
+
+    def sequence_of(self, inputs_embeds: torch.Tensor) -> torch.Tensor:
+        if self.embed_tokens is None and self.plan.residual_tokens_sharded:  # a stage's input: this rank's S/p tokens
+            return inputs_embeds.new_empty((inputs_embeds.shape[0], inputs_embeds.shape[1] * self.plan.tp_size, 0))
+        return inputs_embeds
 
 
 class TensorParallelCausalLM:
@@ -227,10 +237,11 @@ class TensorParallelCausalLM:
             return_dict=True,
             **kwargs,
         )
-        if return_logits is None:
-            return_logits = labels is None or self.plan.tp_size == 1
-        fields = {name: value for name, value in outputs.items() if name != "logits"}
-        outputs = type(outputs)(**fields, logits=self.lm_head.gather_logits(outputs.logits) if return_logits else None)
+        if self.lm_head is not None:  # (without one, a pipeline stage before the last: hidden states out)
+            if return_logits is None:
+                return_logits = labels is None or self.plan.tp_size == 1
+            fields = {name: value for name, value in outputs.items() if name != "logits"}
+            outputs = type(outputs)(**fields, logits=self.lm_head.gather_logits(outputs.logits) if return_logits else None)
         if return_dict is False or (return_dict is None and not self.config.return_dict):
             return outputs.to_tuple()
         return outputs

@@ -64,8 +64,6 @@ import torch.distributed as dist
 from torch import nn
 from transformers import TrainerCallback
 
-from ..parallel.pipeline import StagePrecision
-
 PRECISION_POLICIES = ("autocast", "bf16_params")
 GRAD_REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 HALF_PRECISIONS = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -122,12 +120,6 @@ class PrecisionPolicy:
     def keeps_fp32_residual(self) -> bool:
         """Whether the residual stream is kept wider than the parameters (``--fp32_residual``)."""
         return self.residual_dtype != self.param_dtype
-
-    def stage_precision(self) -> StagePrecision:
-        """How each pipeline stage applies the policy (:meth:`~boost_hf.parallel.pipeline.Pipeline.set_precision`)."""
-        if self.owner != "boost-hf":
-            return StagePrecision()
-        return StagePrecision(self.autocast_dtype, self.residual_dtype, self.boundary_dtype)
 
     def record(self) -> dict:
         """The policy as plain data (``training_layout.json``, the model card, logs)."""
@@ -459,6 +451,19 @@ class CastAfterOptimizerStep(TrainerCallback):
         self.masters.step_done()
 
 
+class UnderAutocast(nn.Module):
+    """``module`` called under ``policy``'s autocast: a pipeline stage, which the schedule calls, in the run's precision
+    (the trainer's autocast surrounds its own forwards only)."""
+
+    def __init__(self, module: nn.Module, policy: PrecisionPolicy, device_type: str):
+        super().__init__()
+        self.module, self.policy, self.device_type = module, policy, device_type
+
+    def forward(self, *args, **kwargs):
+        with self.policy.autocast(self.device_type):
+            return self.module(*args, **kwargs)
+
+
 class DataParallelReplica(nn.Module):
     """What the Trainer holds as its wrapped model under ``bf16_params`` without pipeline parallelism: the model,
     called as it is (no DDP: :class:`MasterParameters` reduces the gradients over DP)."""
@@ -485,4 +490,5 @@ __all__ = [
     "master_parameters_of",
     "resolve_precision",
     "set_residual_dtype",
+    "UnderAutocast",
 ]

@@ -76,6 +76,7 @@ Launch with ``accelerate launch`` (``world = dp x tp_size`` processes; TP ranks 
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import sys
 import uuid
@@ -139,6 +140,7 @@ from .precision import (
     DEFAULT_BUCKET_MB,
     CastAfterOptimizerStep,
     DataParallelReplica,
+    UnderAutocast,
     full_precision_parameters,
     keep_master_parameters,
     resolve_precision,
@@ -216,10 +218,14 @@ class BoostTrainer(Trainer):
             bucket = (getattr(self.args, "ddp_bucket_cap_mb", None) or DEFAULT_BUCKET_MB) << 20
             self.master_parameters = keep_master_parameters(model, self.precision, state.dp_group, state.dp_size, bucket)
             self.add_callback(CastAfterOptimizerStep(self.master_parameters))
-        if self.precision.keeps_fp32_residual:
-            set_residual_dtype(model, self.precision.residual_dtype)
-        if pipeline_of(model) is not None:
-            pipeline_of(model).set_precision(self.precision.stage_precision(), ddp_over_data_parallel=self.master_parameters is None)
+        pipeline = pipeline_of(model)
+        if self.precision.keeps_fp32_residual or (pipeline is not None and self.precision.owner == "boost-hf"):
+            set_residual_dtype(model, self.precision.residual_dtype)  # (a later stage's input arrives in the boundary dtype)
+        if pipeline is not None:
+            boost_hf_owned = self.precision.owner == "boost-hf"
+            pipeline.configure(boundary_dtype=self.precision.boundary_dtype if boost_hf_owned else None,
+                               wrap=functools.partial(UnderAutocast, policy=self.precision, device_type=self.args.device.type),
+                               ddp_over_data_parallel=self.master_parameters is None)
         trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
         self.metrics = TrainingMetrics(
             model.config,
@@ -451,7 +457,7 @@ class BoostTrainer(Trainer):
             if pipeline is None:
                 loss = super().training_step(model, inputs, num_items_in_batch)
             else:
-                model.train()  # each stage's forward applies the precision policy (Pipeline.set_precision)
+                model.train()  # each stage's forward applies the precision policy (Pipeline.configure)
                 loss = poison_nonfinite_loss(pipeline_training_step(pipeline, self._prepare_inputs(inputs)))
                 self.metrics.count_p2p_bytes(boundary_bytes_per_step(pipeline, tuple(inputs["input_ids"].shape)))
         self._nonfinite_loss_logged = ~torch.isfinite(loss) | self._nonfinite_loss_logged  # no sync
