@@ -43,9 +43,11 @@ checkpoints hold fp32 under the canonical names. The bf16 tensors are made by th
 **Why not DDP.** DDP reduces ``p.grad`` in the parameter's dtype and cannot change a parameter's dtype after it is
 built, so under ``bf16_params`` it would all-reduce (and, with ``no_sync``, accumulate) in bf16. Instead each
 parameter's post-accumulate-grad hook adds its bf16 gradient into the fp32 buffer; the buffer is cut into buckets
-(``--ddp_bucket_cap_mb``, 25 MiB by default, in reverse parameter order as backward produces them) and each bucket's
-all-reduce over the DP group is started, asynchronously, as soon as every parameter in it received the last
-micro-batch's gradient, so the reduction overlaps the rest of backward as DDP's does; the step waits for them.
+(``--ddp_bucket_cap_mb``, 25 MiB by default, in reverse parameter order as backward produces them) and the buckets'
+all-reduces over the DP group are started, asynchronously, in bucket order, as DDP's reducer issues them: a bucket
+whose parameters all received the last micro-batch's gradient starts once every bucket before it has started (a
+bucket that fills early waits for the earlier ones), so every rank issues the same all-reduces in the same order
+whatever order its gradients arrive in, and the reduction overlaps the rest of backward; the step waits for them.
 
 **The checkpoint contract.** :func:`full_precision_parameters` is the one context a save or a load enters: inside
 it the model's parameters are the fp32 masters under their canonical names (``loading=True``: whatever is written
@@ -312,6 +314,7 @@ class MasterParameters:
                 self.bucket_of.update((m, bucket) for m in members)
                 start, members, size = start + size, [], 0
         self.index = {id(p): i for i, p in enumerate(self.params)}
+        self.next_bucket = 0  # the first bucket whose all-reduce has not started (they start in bucket order)
         self.arrivals = [0] * len(self.params)
         self.accumulations_per_step = 1
         self.swapped = False
@@ -320,8 +323,9 @@ class MasterParameters:
     # ------------------------------------------------------------------ backward
     @torch.no_grad()
     def _accumulate(self, param: nn.Parameter) -> None:
-        """Post-accumulate-grad hook: ``grad`` (this micro-batch's, bf16) added into the fp32 buffer and freed; the
-        bucket's all-reduce starts when all its parameters received their last micro-batch's gradient."""
+        """Post-accumulate-grad hook: ``grad`` (this micro-batch's, bf16) added into the fp32 buffer and freed; once
+        all its bucket's parameters received their last micro-batch's gradient, the ready buckets from the next one
+        in bucket order start their all-reduces (:meth:`_launch_ready`)."""
         i = self.index[id(param)]
         self.grads[i].add_(param.grad)
         param.grad = None
@@ -336,7 +340,14 @@ class MasterParameters:
         bucket = self.bucket_of[i]
         bucket.pending -= 1
         if bucket.pending == 0:
-            self._launch(bucket)
+            self._launch_ready()
+
+    def _launch_ready(self) -> None:
+        """Start the all-reduces of the consecutive full buckets from :attr:`next_bucket` on (bucket order: the same
+        collectives in the same order on every rank)."""
+        while self.next_bucket < len(self.buckets) and self.buckets[self.next_bucket].pending == 0:
+            self._launch(self.buckets[self.next_bucket])
+            self.next_bucket += 1
 
     def _launch(self, bucket: _Bucket) -> None:
         """Start ``bucket``'s average over DP: divided by ``dp`` first (as DDP), summed in the reduce dtype."""
@@ -354,9 +365,9 @@ class MasterParameters:
         if self.swapped:
             return
         if self.dp_group is not None:
-            for bucket in self.buckets:
-                if bucket.work is None:
-                    self._launch(bucket)
+            for bucket in self.buckets[self.next_bucket:]:
+                self._launch(bucket)
+            self.next_bucket = len(self.buckets)
             for bucket in self.buckets:
                 bucket.work.wait()
                 if bucket.reduced is not bucket.view:
@@ -375,6 +386,7 @@ class MasterParameters:
         self._restore(write_back=True)
         self.flat_grads.zero_()
         self.arrivals = [0] * len(self.params)
+        self.next_bucket = 0
         for bucket in self.buckets:
             bucket.pending, bucket.work, bucket.reduced = len(bucket.members), None, None
 

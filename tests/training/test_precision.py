@@ -219,6 +219,39 @@ def test_bf16_params_cast_the_weights_once_per_optimizer_step():
     assert sum(during_backward[0].values()) >= 6 * sum(1 for n in names if n.endswith((".A", ".B")))
 
 
+def test_bucket_all_reduces_start_in_bucket_order_whatever_order_the_gradients_arrive_in(monkeypatch):
+    """As DDP's reducer: a bucket that fills before an earlier one waits for it, so every rank issues the same
+    all-reduces in the same order (here the last bucket's gradients arrive first, then the others' in reverse)."""
+    model = tiny_model()
+    masters = MasterParameters(model, BF16_PARAMS, dp_group=object(), dp_size=2, bucket_bytes=4096)
+    issued = []
+
+    class Done:
+        def wait(self):
+            pass
+
+    def all_reduce(tensor, *args, **kwargs):
+        issued.append(next(i for i, b in enumerate(masters.buckets) if b.view.data_ptr() == tensor.data_ptr()))
+        return Done()
+
+    monkeypatch.setattr(dist, "all_reduce", all_reduce)
+    assert len(masters.buckets) > 2
+    arrival = [i for bucket in reversed(masters.buckets) for i in bucket.members]
+    last = masters.buckets[-1]
+    with torch.no_grad():
+        for i in arrival:
+            param = masters.params[i]
+            param.grad = torch.ones_like(param)
+            masters._accumulate(param)
+            if i == last.members[-1]:
+                assert last.pending == 0 and issued == []  # full, but bucket 0 has not started: it waits
+    assert issued == list(range(len(masters.buckets)))
+    masters.gradients_ready()
+    assert issued == list(range(len(masters.buckets)))  # nothing issued twice
+    masters.step_done()
+    assert masters.next_bucket == 0
+
+
 def test_bf16_params_present_fp32_masters_to_saves_and_loads(tmp_path):
     """Within :func:`full_precision_parameters` the parameters are the fp32 masters (``save_pretrained`` writes them),
     and what a load writes into them becomes the masters, the bf16 parameters cast from it."""
