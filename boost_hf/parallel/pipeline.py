@@ -255,6 +255,7 @@ class Pipeline:
         ]
         self._wrapped: list[nn.Module] | None = None
         self._schedules: dict[tuple[int, int, torch.dtype], object] = {}
+        self._normaliser = 1.0  # what the running step divides each micro-batch's loss sum by
         self._wrap = None
         self.ddp_over_data_parallel = True
 
@@ -324,9 +325,10 @@ class Pipeline:
             return cls(stages, **kwargs)
         return cls(stages[0], **kwargs)
 
-    def _loss(self, logits: torch.Tensor, labels: torch.Tensor, *, normaliser: float) -> torch.Tensor:
-        """One micro-batch's summed vocab-parallel cross-entropy divided by ``normaliser``."""
-        return vocab_parallel_causal_lm_loss(logits, labels, group=self.plan.group, num_items_in_batch=normaliser)
+    def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """One micro-batch's summed vocab-parallel cross-entropy divided by the running step's normaliser (set by
+        :meth:`_run`: the schedules of torch 2.11 take no ``loss_kwargs``)."""
+        return vocab_parallel_causal_lm_loss(logits, labels, group=self.plan.group, num_items_in_batch=self._normaliser)
 
     # ------------------------------------------------------------------ running
     def _check_batch(self, input_ids: torch.Tensor, labels: torch.Tensor) -> None:
@@ -355,12 +357,12 @@ class Pipeline:
         dtype = self.boundary_dtype
         schedule = self._schedule(input_ids.shape[0] // self.parallel.microbatches, input_ids.shape[1], dtype)
         losses: list[torch.Tensor] = []
-        normaliser = float(tokens) / self.state.dp_size if train else 1.0
+        self._normaliser = float(tokens) / self.state.dp_size if train else 1.0
         args = (input_ids,) if 0 in self.placement.stages else ()
         kwargs = {"attention_mask": attention_mask} if attention_mask is not None else {}
         target = labels if self.holds_last_stage else None
         run = schedule.step if train else schedule.eval
-        run(*args, target=target, losses=losses, return_outputs=False, loss_kwargs={"normaliser": normaliser}, **kwargs)
+        run(*args, target=target, losses=losses, return_outputs=False, **kwargs)
         total = torch.stack([loss.detach().float() for loss in losses]).sum() if losses else torch.zeros(())
         if train:
             total = total * (1.0 / self.state.dp_size) * float(tokens)  # back to a plain sum of token losses
