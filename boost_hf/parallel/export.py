@@ -112,7 +112,7 @@ def export_weights(dcp_folder: str, output_dir: str, config, *, max_shard_size: 
 def save_model_files(model: nn.Module, output_dir: str, dtype: torch.dtype | None = None) -> None:
     """What ``PreTrainedModel.save_pretrained`` writes besides the weights, as it writes it: ``config.json`` (with
     ``architectures``, ``dtype`` and the ``auto_map`` of the remote code), ``generation_config.json`` and the remote
-    code files (``modeling_boost_llama.py``, ``configuration_boost_llama.py``). One process."""
+    code files (``modeling_boost_llama.py``, the siblings it imports, ``configuration_boost_llama.py``). One process."""
     from transformers.dynamic_module_utils import custom_object_save
 
     config = model.config

@@ -210,8 +210,8 @@ def model_card(config, *, seq_len: int, license: str = "apache-2.0", datasets: l
 
 
 PUBLISHED_FILES = ("config.json", "generation_config.json", "README.md", "training_args.bin")
-"""Files of a training checkpoint that an export copies as they are (with the remote code named in ``auto_map`` and
-the tokenizer)."""
+"""Files of a training checkpoint that an export copies as they are (with the remote code, the model file's siblings
+included, and the tokenizer)."""
 
 
 def export_checkpoint(checkpoint: str, output_dir: str, *, max_shard_size: int | str | None = None) -> str:
@@ -241,8 +241,8 @@ def export_checkpoint(checkpoint: str, output_dir: str, *, max_shard_size: int |
         dist.broadcast_object_list(run_id, src=0)
     with atomic_directory(output_dir, is_writer=writer, run_id=f"export-{run_id[0]}", config=config) as staging:
         if writer:
-            code = {f"{target.split('.')[0]}.py" for target in (getattr(config, "auto_map", None) or {}).values()}
-            for name in (*PUBLISHED_FILES, *sorted(code)):
+            code = sorted(name for name in os.listdir(checkpoint) if name.endswith(".py"))  # the remote code and its siblings
+            for name in (*PUBLISHED_FILES, *code):
                 if os.path.isfile(os.path.join(checkpoint, name)):
                     shutil.copy2(os.path.join(checkpoint, name), os.path.join(staging, name))
             if os.path.isfile(os.path.join(checkpoint, "tokenizer_config.json")):
