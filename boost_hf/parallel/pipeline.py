@@ -48,6 +48,7 @@ summed over DP, so every rank returns the same value. When the trainer reduces t
 from __future__ import annotations
 
 import copy
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -56,6 +57,7 @@ from torch import nn
 
 from .config import MULTI_STAGE_SCHEDULES, ParallelConfig
 from .cross_entropy import IGNORE_INDEX, vocab_parallel_causal_lm_loss
+from .parts import PartParallelism, data_parallelism, prepare_part
 from .primitives import gather_from_tp, split_to_tp
 from .sequence_parallel import check_sequence_length
 
@@ -256,19 +258,20 @@ class Pipeline:
         self._wrapped: list[nn.Module] | None = None
         self._schedules: dict[tuple[int, int, torch.dtype], object] = {}
         self._normaliser = 1.0  # what the running step divides each micro-batch's loss sum by
-        self._wrap = None
-        self.ddp_over_data_parallel = True
+        on_its_own = PartParallelism(data_parallel=data_parallelism(self.state, pipeline=True), dp_group=self.state.dp_group,
+                                     ddp_kwargs={"broadcast_buffers": False})
+        self._wrap = functools.partial(prepare_part, how=on_its_own)
 
-    def configure(self, *, boundary_dtype: torch.dtype | None = None, wrap=None, ddp_over_data_parallel: bool = True) -> None:
+    def configure(self, *, boundary_dtype: torch.dtype | None = None, wrap=None) -> None:
         """Before the first step: send the boundary tensors in ``boundary_dtype`` (``None``: the parameters' dtype);
-        run each chunk as ``wrap(chunk)`` (e.g. under the precision policy's autocast); ``ddp_over_data_parallel=False``:
-        the stages are not wrapped in DDP (the caller reduces the gradients over the DP group)."""
+        run each chunk as ``wrap(chunk)`` returns it (:func:`~boost_hf.parallel.parts.prepare_part` with the caller's
+        settings; by default each chunk in DDP over the DP group, when there is one)."""
         if self._wrapped is not None:
             raise RuntimeError("configure must be called before the pipeline's first step (its stages are built).")
         for chunk in self.chunks:
             chunk.boundary_dtype = boundary_dtype
-        self._wrap = wrap
-        self.ddp_over_data_parallel = ddp_over_data_parallel
+        if wrap is not None:
+            self._wrap = wrap
 
     @property
     def boundary_dtype(self) -> torch.dtype:
@@ -281,16 +284,9 @@ class Pipeline:
 
     # ------------------------------------------------------------------ building
     def stage_modules(self) -> list[nn.Module]:
-        """The chunks, each wrapped in DDP over the DP group when there is one and the pipeline reduces its
-        gradients (built once)."""
+        """The chunks as the schedule runs them, each prepared by :meth:`configure`'s ``wrap`` (built once)."""
         if self._wrapped is None:
-            wrapped = [self._wrap(chunk) for chunk in self.chunks] if self._wrap is not None else list(self.chunks)
-            if self.state.dp_group is not None and self.ddp_over_data_parallel:
-                wrapped = [
-                    nn.parallel.DistributedDataParallel(module, process_group=self.state.dp_group, broadcast_buffers=False)
-                    for module in wrapped
-                ]
-            self._wrapped = wrapped
+            self._wrapped = [self._wrap(chunk) for chunk in self.chunks]
         return self._wrapped
 
     def _schedule(self, microbatch: int, seq: int, dtype: torch.dtype):

@@ -123,6 +123,16 @@ class PrecisionPolicy:
         """Whether the residual stream is kept wider than the parameters (``--fp32_residual``)."""
         return self.residual_dtype != self.param_dtype
 
+    def apply_residual_dtype(self, model: nn.Module) -> None:
+        """Set a boost-hf model's residual stream dtype to the policy's (a pipeline stage's input, sent in the boundary
+        dtype, is cast back to it; elsewhere the embedding's output is cast only under ``--fp32_residual``). Another
+        model is left as it is, unless the policy keeps a wider residual (then it raises: only boost-hf models can)."""
+        base = getattr(model, "base_model", model)
+        if self.owner == "boost-hf" and hasattr(type(base), "residual_dtype"):
+            base.residual_dtype = self.residual_dtype
+        elif self.keeps_fp32_residual:
+            set_residual_dtype(model, self.residual_dtype)
+
     def record(self) -> dict:
         """The policy as plain data (``training_layout.json``, the model card, logs)."""
         return {
@@ -463,34 +473,8 @@ class CastAfterOptimizerStep(TrainerCallback):
         self.masters.step_done()
 
 
-class UnderAutocast(nn.Module):
-    """``module`` called under ``policy``'s autocast: a pipeline stage, which the schedule calls, in the run's precision
-    (the trainer's autocast surrounds its own forwards only)."""
-
-    def __init__(self, module: nn.Module, policy: PrecisionPolicy, device_type: str):
-        super().__init__()
-        self.module, self.policy, self.device_type = module, policy, device_type
-
-    def forward(self, *args, **kwargs):
-        with self.policy.autocast(self.device_type):
-            return self.module(*args, **kwargs)
-
-
-class DataParallelReplica(nn.Module):
-    """What the Trainer holds as its wrapped model under ``bf16_params`` without pipeline parallelism: the model,
-    called as it is (no DDP: :class:`MasterParameters` reduces the gradients over DP)."""
-
-    def __init__(self, model: nn.Module):
-        super().__init__()
-        self.module = model
-
-    def forward(self, *args, **kwargs):
-        return self.module(*args, **kwargs)
-
-
 __all__ = [
     "CastAfterOptimizerStep",
-    "DataParallelReplica",
     "FP32",
     "GRAD_REDUCE_DTYPES",
     "MasterParameters",
@@ -502,5 +486,4 @@ __all__ = [
     "master_parameters_of",
     "resolve_precision",
     "set_residual_dtype",
-    "UnderAutocast",
 ]

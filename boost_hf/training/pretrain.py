@@ -53,7 +53,7 @@ def main(argv: list[str]) -> None:
     if resume == "auto":  # a job script's first launch and its requeues alike
         resume = "last" if completed_checkpoints(training_args.output_dir) else None
     training_args.eval_on_start = training_args.eval_on_start or not resume  # logged at step 0
-    with trainer.stop_requests.handling():  # a signal after the last step still saves a checkpoint
+    with trainer.run.stop_requests.handling():  # a signal after the last step still saves a checkpoint
         trainer.train(resume_from_checkpoint=True if resume == "last" else resume)
         trainer.stop_if_requested()
         end = trainer.evaluate()

@@ -206,7 +206,7 @@ def pristine_run(tmp_path_factory):
     t = trainer(folder)
     t.train()
     t.save_final_model()
-    t._output_dir_lock.release()
+    t.run.release()
     return folder
 
 
@@ -585,7 +585,7 @@ def test_the_time_budget_saves_a_checkpoint_and_exits_76_and_the_resume_loses_no
         "boost-hf: the time budget of --exit_after_minutes 1e-09 is spent: every rank finished step 1 and the run saved "
         f"'{tmp_path / 'run' / 'checkpoint-1'}'; exiting with status 76. Continue with --resume_from_checkpoint last.")
     assert (tmp_path / "run" / "checkpoint-1" / "manifest.json").is_file() and not (tmp_path / "run" / "final").exists()
-    stopped._output_dir_lock.release()
+    stopped.run.release()
     resumed = trainer(tmp_path / "run", save_strategy="no")
     resumed.train(resume_from_checkpoint=True)
     assert list(logged_losses(stopped)) == [1]
