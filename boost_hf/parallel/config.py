@@ -175,11 +175,6 @@ class ParallelConfig:
         starts = [sum(split[:stage]) for stage in range(len(split))]
         return [range(start, start + count) for start, count in zip(starts, split)]
 
-    @property
-    def shards_tokens(self) -> bool:
-        """Sequence parallelism is on and there is more than one rank to shard the tokens over."""
-        return self.sequence_parallel and self.tp_size > 1
-
     @staticmethod
     def help(name: str) -> str:
         """The help text of field ``name``."""

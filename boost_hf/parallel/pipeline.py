@@ -185,7 +185,7 @@ class PipelineChunk(nn.Module):
             microbatch, seq = input_ids.shape
         else:
             hidden, *packed = (_ContiguousGradient.apply(x) for x in inputs)
-            microbatch, seq = hidden.shape[0], hidden.shape[1] * (self.plan.tp_size if self.plan.residual_tokens_sharded else 1)
+            microbatch, seq = hidden.shape[0], hidden.shape[1] * (self.plan.tp_size if self.plan.residual_split == "tokens" else 1)
             latents = receive_latents(packed[0], self._boundary(microbatch, seq), self.latent_names, microbatch, self.plan.group) if packed else None
             stage_inputs = {"inputs_embeds": hidden, "lax_latents": latents}
         outputs = self.model(**stage_inputs, attention_mask=attention_mask, use_cache=False)
@@ -335,7 +335,7 @@ class Pipeline:
         check_token_ids(input_ids, self.model.config.vocab_size)
         check_token_ids(labels, self.model.config.vocab_size, "labels", ignore_index=IGNORE_INDEX)
         batch, m = input_ids.shape[0], self.parallel.microbatches
-        if self.parallel.shards_tokens:
+        if self.parallel.sequence_parallel:  # (at tp_size 1 every length splits)
             check_sequence_length(input_ids.shape[1], self.parallel.tp_size)
         if batch % m != 0:
             raise ValueError(

@@ -366,7 +366,7 @@ def head_saved_bytes(config, parallel: ParallelConfig, tokens: int, precision: s
     a, p, d, vocab = policy.activation, parallel.tp_size, config.hidden_size, config.vocab_size // parallel.tp_size
     if runs_single_device_layers(parallel):
         norm = tokens * d * (4 + policy.residual + a) + tokens * 4
-    elif parallel.shards_tokens and parallel.tp_style == "megatron":
+    elif parallel.sequence_parallel and parallel.tp_style == "megatron":  # (at tp_size 1 the same bytes)
         shard = tokens // p
         norm = whole_norm_saved_bytes(shard, d, a, policy.residual) - shard * d * a + tokens * d * a
     else:

@@ -26,11 +26,12 @@ def build_trainer(argv: list[str], **trainer_kwargs) -> BoostTrainer:
     model_args, data_args, training_args = parse_recipe(argv)
     tokenizer = build_tokenizer(data_args)
     config = build_config(model_args, tokenizer)
-    check_model_and_data(config, tokenizer, data_args.block_size, training_args.to_parallel_config(config))  # before any collective
+    parallel_config = training_args.to_parallel_config(config)  # the run's layout, built once
+    check_model_and_data(config, tokenizer, data_args.block_size, parallel_config)  # before any collective
     enter_phase("dataset building")
     datasets = build_datasets(data_args, tokenizer, training_args)
     enter_phase("model building")
-    model = build_model(model_args, training_args, tokenizer)
+    model = build_model(model_args, training_args, tokenizer, config=config, parallel_config=parallel_config)
     enter_phase("trainer set-up")
     trainer = BoostTrainer(
         model=model,
