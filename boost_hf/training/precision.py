@@ -1,7 +1,9 @@
 """The precision a run trains in: one named :class:`PrecisionPolicy`, applied the same way in every mode.
 
 The precision asked for (``--bf16``, accelerate's ``mixed_precision`` from an accelerate config or
-``ACCELERATE_MIXED_PRECISION``, DeepSpeed's ``bf16``) and ``--precision_policy`` resolve, once, in
+``ACCELERATE_MIXED_PRECISION``, DeepSpeed's ``bf16``) and the settings declared once in
+:class:`~boost_hf.precision_config.PrecisionConfig` (``--precision_policy``, ``--grad_reduce_dtype``,
+``--fp32_residual``; ``boost-hf plan`` and ``estimate`` take the same options) resolve, once, in
 :func:`resolve_precision`, into a policy that the trainer, the pipeline and the checkpoints read:
 
 =================  ===============================================================================================
@@ -66,8 +68,9 @@ import torch.distributed as dist
 from torch import nn
 from transformers import TrainerCallback
 
-PRECISION_POLICIES = ("autocast", "bf16_params")
-GRAD_REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+from ..precision_config import PRECISION_POLICIES, PrecisionConfig
+
+GRAD_REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # GradReduceDtype's
 HALF_PRECISIONS = {"bf16": torch.bfloat16, "fp16": torch.float16}
 DEFAULT_BUCKET_MB = 25
 
@@ -166,18 +169,13 @@ def _deepspeed_dtype(config: dict, key: str, default: torch.dtype) -> torch.dtyp
 
 
 def resolve_precision(args) -> PrecisionPolicy:
-    """The policy of training arguments ``args`` (any ``TrainingArguments``; boost-hf's add ``precision_policy``,
-    ``grad_reduce_dtype``, ``fp32_residual``). Raises ``ValueError`` naming the fix for a contradictory setting; no
-    communication, the same answer on every rank."""
+    """The policy of training arguments ``args`` (any ``TrainingArguments``; boost-hf's add the fields of
+    :class:`~boost_hf.precision_config.PrecisionConfig`, validated there) with the half precision they ask for. Raises
+    ``ValueError`` naming the fix for a contradictory setting; no communication, the same answer on every rank."""
+    settings = PrecisionConfig.of(args)
     half = HALF_PRECISIONS.get(getattr(args, "mixed_precision", "no"))
-    asked = getattr(args, "precision_policy", None)
-    reduce = getattr(args, "grad_reduce_dtype", None)
-    fp32_residual = getattr(args, "fp32_residual", False)
+    asked, reduce, fp32_residual = settings.precision_policy, settings.grad_reduce_dtype, settings.fp32_residual
     plugin = getattr(args, "deepspeed_plugin", None)
-    if asked is not None and asked not in PRECISION_POLICIES:
-        raise ValueError(f"precision_policy must be one of {', '.join(PRECISION_POLICIES)}, got {asked!r}.")
-    if reduce is not None and reduce not in GRAD_REDUCE_DTYPES:
-        raise ValueError(f"grad_reduce_dtype must be one of {', '.join(GRAD_REDUCE_DTYPES)}, got {reduce!r}.")
     if plugin is not None or getattr(args, "deepspeed", None):
         return _deepspeed_precision(args, plugin, half, asked, reduce, fp32_residual)
     if half is None:
@@ -189,6 +187,8 @@ def resolve_precision(args) -> PrecisionPolicy:
                 "config), or drop it for an fp32 run."
             )
         return FP32
+    if asked == "fp32":
+        raise ValueError(_fp32_with_half(half))
     if asked != "bf16_params":
         if reduce is not None or fp32_residual:
             raise ValueError(
@@ -235,6 +235,8 @@ def _deepspeed_precision(args, plugin, half, asked, reduce, fp32_residual) -> Pr
                 "bf16.enabled: true in the DeepSpeed config)."
             )
         return PrecisionPolicy("fp32", owner="deepspeed")
+    if asked == "fp32":
+        raise ValueError(_fp32_with_half(half))
     if asked == "autocast":
         raise ValueError(
             f"--precision_policy autocast asks for fp32 parameters under autocast, but DeepSpeed's {dtype_name(half)} mode "
@@ -247,6 +249,11 @@ def _deepspeed_precision(args, plugin, half, asked, reduce, fp32_residual) -> Pr
         grad_accumulation_dtype=_deepspeed_dtype(config, "data_types.grad_accum_dtype", half),
         grad_reduce_dtype=_deepspeed_dtype(config, "communication_data_type", half),
     )
+
+
+def _fp32_with_half(half: torch.dtype) -> str:
+    return (f"--precision_policy fp32 trains without half precision, but {dtype_name(half)} was asked for (--bf16 / --fp16, "
+            "accelerate's mixed_precision or DeepSpeed's bf16): drop it, or choose --precision_policy autocast or bf16_params.")
 
 
 def cast_parameters(model: nn.Module, dtype: torch.dtype) -> None:

@@ -95,7 +95,7 @@ def test_policies_compute_store_and_reduce_in_what_they_say():
     (Args("bf16", fp32_residual=True), "belong to --precision_policy bf16_params"),
     (Args("fp16", "bf16_params"), "use --bf16 true instead of --fp16"),
     (Args("fp16", pp_size=2), "use --bf16 true"),
-    (Args("bf16", "fp8"), "precision_policy must be one of autocast, bf16_params"),
+    (Args("bf16", "fp8"), "precision_policy must be one of fp32, autocast, bf16_params"),
     (Args("bf16", "bf16_params", "fp16"), "grad_reduce_dtype must be one of fp32, bf16"),
     (Args("bf16", "autocast", deepspeed_config={"bf16": {"enabled": True}}), "that is bf16_params"),
     (Args("bf16", "bf16_params", "fp32", deepspeed_config={"bf16": {"enabled": True}}), "set communication_data_type"),
