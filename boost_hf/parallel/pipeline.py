@@ -263,6 +263,8 @@ class Pipeline:
     (the weights are final by then) and once per micro-batch shape.
     """
 
+    _normaliser = 1.0  # what each micro-batch's loss sum is divided by in the running step
+
     def __init__(self, model: nn.Module, plan, placement: Placement):
         self.model, self.plan, self.placement = model, plan, placement
         self.parallel: ParallelConfig = plan.parallel
@@ -339,9 +341,10 @@ class Pipeline:
             return cls(stages, **kwargs)
         return cls(stages[0], **kwargs)
 
-    def _loss(self, logits: torch.Tensor, labels: torch.Tensor, *, normaliser: float) -> torch.Tensor:
-        """One micro-batch's summed vocab-parallel cross-entropy divided by ``normaliser``."""
-        return vocab_parallel_causal_lm_loss(logits, labels, group=self.plan.group, num_items_in_batch=normaliser)
+    def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """One micro-batch's summed vocab-parallel cross-entropy divided by the running step's normaliser (set by
+        :meth:`_run`: the schedule calls this with ``(output, target)`` only; its ``loss_kwargs`` arrived in torch 2.13)."""
+        return vocab_parallel_causal_lm_loss(logits, labels, group=self.plan.group, num_items_in_batch=self._normaliser)
 
     # ------------------------------------------------------------------ running
     def _check_batch(self, input_ids: torch.Tensor, labels: torch.Tensor) -> None:
@@ -370,12 +373,12 @@ class Pipeline:
         dtype = self.boundary_dtype
         schedule = self._schedule(input_ids.shape[0] // self.parallel.microbatches, input_ids.shape[1], dtype)
         losses: list[torch.Tensor] = []
-        normaliser = float(tokens) / self.state.dp_size if train else 1.0
+        self._normaliser = float(tokens) / self.state.dp_size if train else 1.0
         args = (input_ids,) if 0 in self.placement.stages else ()
         kwargs = {"attention_mask": attention_mask} if attention_mask is not None else {}
         target = labels if self.holds_last_stage else None
         run = schedule.step if train else schedule.eval
-        run(*args, target=target, losses=losses, return_outputs=False, loss_kwargs={"normaliser": normaliser}, **kwargs)
+        run(*args, target=target, losses=losses, return_outputs=False, **kwargs)
         total = torch.stack([loss.detach().float() for loss in losses]).sum() if losses else torch.zeros(())
         if train:
             total = total * (1.0 / self.state.dp_size) * float(tokens)  # back to a plain sum of token losses
