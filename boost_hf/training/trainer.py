@@ -120,6 +120,7 @@ from .compatibility import accelerator_without_parallelism_config
 from ..parallel.state import ParallelState
 from ..evaluation import batch_sums, metrics_from_sums, sums_of_batch
 from .deepspeed import ModelParallelUnit, configure_deepspeed, deepspeed_initialize_hooks, skip_shm_comm_if_requested
+from .deepspeed_universal import universal_resume
 from .grad_norm import clip_grad_norm_, global_grad_norm
 from .health import is_finite, nonfinite_error, poison_nonfinite_loss
 from .metrics import TrainingMetrics
@@ -150,6 +151,7 @@ from .resume import (
     load_optimizer_files,
     missing_file_error,
     optimizer_record,
+    read_training_layout,
     training_layout,
     write_training_layout,
 )
@@ -325,7 +327,8 @@ class BoostTrainer(Trainer):
         hooks = contextlib.nullcontext()
         if self.is_deepspeed_enabled:
             mpu = ModelParallelUnit(self.parallel_state) if self.parallel_state.mesh is not None else None
-            hooks = deepspeed_initialize_hooks(mpu)
+            saved = read_training_layout(resume_from_checkpoint) if resume_from_checkpoint else None  # another tp x dp:
+            hooks = deepspeed_initialize_hooks(mpu, universal_resume(resume_from_checkpoint, self.args.output_dir, saved, self.training_layout()))
         with hooks:
             return super()._prepare_for_training(max_steps, train_dataloader, resume_from_checkpoint)
 
