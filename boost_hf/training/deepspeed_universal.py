@@ -31,12 +31,14 @@ fragment by name (``param_slice_mappings``), so the order in which the grouped p
   from there (then the folder is removed). The checks that need no collective (:func:`universal_resume_refusal`,
   called by :func:`~boost_hf.training.resume.check_resume_layout`) run first.
 
-Refused, with the fix: ZeRO-3 (saved or resumed) and ZeRO-0 (DeepSpeed without ZeRO) checkpoints, whose files this
+The conversion runs on global rank 0 while the other ranks wait in one collective, so it must end within the
+collective timeout (``--ddp_timeout``): raise it for a large model. Refused, with the fix: ZeRO-3 (saved or resumed) and ZeRO-0 (DeepSpeed without ZeRO) checkpoints, whose files this
 path does not convert (resume them at their own layout, or start from their weights with ``--init_from``); a
 checkpoint written before this description existed (no ``deepspeed_universal_info`` in its ``training_layout.json``:
 its model states carry no ``universal_checkpoint_info``, so DeepSpeed could not tell a row-parallel slice from a
 column-parallel one); optimizer state other than Adam's (``ds_to_universal`` converts ``exp_avg`` / ``exp_avg_sq``
-only).
+only); frozen parameters (:meth:`UniversalResume.prepare_model`: DeepSpeed restores only what its optimizer
+holds).
 """
 
 from __future__ import annotations
@@ -242,7 +244,20 @@ class UniversalResume:
         return {**config, "checkpoint": {**config.get("checkpoint", {}), "load_universal": True}}
 
     def prepare_model(self, model) -> None:
-        """Give each parameter its slicing of the whole tensors (:func:`parameter_slicing`)."""
+        """Give each parameter its slicing of the whole tensors (:func:`parameter_slicing`). A frozen parameter is
+        refused (the same error on every rank, before DeepSpeed starts): the universal checkpoint restores the
+        parameters DeepSpeed's optimizer holds, and DeepSpeed loads no module state from it."""
+        frozen = [name for name, param in model.named_parameters() if not param.requires_grad]
+        if frozen:
+            if not dist.is_initialized() or dist.get_rank() == 0:
+                shutil.rmtree(self.folder, ignore_errors=True)
+            raise ValueError(
+                f"resuming {self.checkpoint} at another layout through DeepSpeed's universal checkpoint restores the "
+                f"parameters DeepSpeed's optimizer holds, and {len(frozen)} parameters are frozen (requires_grad=False: "
+                f"{', '.join(frozen[:3])}{', ...' if len(frozen) > 3 else ''}), which would keep this run's initial values. "
+                "Resume at the layout the checkpoint was saved at, or start from its weights only with --init_from "
+                f"{self.checkpoint}."
+            )
         attach_universal_checkpoint_info(model, loading=True)
 
     def redirect(self, engine) -> None:

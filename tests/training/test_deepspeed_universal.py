@@ -22,7 +22,8 @@ import pytest
 import torch
 
 from boost_hf.training.deepspeed import DEEPSPEED_PARAMETER_ORDER
-from boost_hf.training.deepspeed_universal import UNIVERSAL_INFO_RECORD, universal_resume
+from boost_hf import BoostLlamaConfig, BoostLlamaForCausalLM
+from boost_hf.training.deepspeed_universal import AUTOTP_META, UNIVERSAL_INFO_RECORD, UniversalResume, universal_resume
 from boost_hf.training.resume import ResumeLayoutError, check_resume_layout, write_training_layout
 from tests.distributed import launch
 from tests.training import deepspeed_universal_cases as cases
@@ -173,3 +174,18 @@ def test_optimizer_state_other_than_adams_is_refused(tmp_path):
     with pytest.raises(ResumeLayoutError, match=r"optimizer state holds \['momentum_buffer'\].* converts Adam's moments "
                                                 r"\(exp_avg, exp_avg_sq\) only\. Resume at tp_size=1 on 4 processes"):
         check_resume_layout(str(tmp_path), layout(2, 2, 2))
+
+
+def test_frozen_parameters_are_refused(tmp_path):
+    """DeepSpeed's universal load restores what its optimizer holds: a frozen parameter would keep this run's values."""
+    model = BoostLlamaForCausalLM(BoostLlamaConfig(**cases.TINY, bottleneck="cola"))
+    resume = UniversalResume(str(tmp_path / "checkpoint-3"), str(tmp_path / ".universal-checkpoint-3"))
+    (tmp_path / ".universal-checkpoint-3").mkdir()
+    model.model.embed_tokens.weight.requires_grad_(False)
+    with pytest.raises(ValueError, match=r"1 parameters are frozen \(requires_grad=False: model.embed_tokens.weight\).* "
+                                         r"Resume at the layout the checkpoint was saved at, or start from its weights only"):
+        resume.prepare_model(model)
+    assert not (tmp_path / ".universal-checkpoint-3").exists()
+    model.model.embed_tokens.weight.requires_grad_(True)
+    resume.prepare_model(model)
+    assert getattr(model.lm_head.weight, AUTOTP_META) == {"replicated": True, "partition_dim": None}
