@@ -36,7 +36,9 @@ Trainer hook                           boost-hf behaviour
                                        fp32 gradients over DP
 ``_prepare_for_training``              (DeepSpeed) ``deepspeed.initialize`` gets our groups as ``mpu``: ZeRO
                                        shards over DP only; grouped projections stay stored together in its
-                                       bf16 cast and flat buffers (:mod:`boost_hf.training.deepspeed`)
+                                       bf16 cast and flat buffers (:mod:`boost_hf.training.deepspeed`); a ZeRO-1/2
+                                       checkpoint of another tp x dp goes through DeepSpeed's universal checkpoint
+                                       (:mod:`boost_hf.training.deepspeed_universal`)
 ``_clip_grad_norm`` / ``_get_grad_norm``  (no DeepSpeed) the true global norm: TP shards summed over the TP
                                        group, replicated parameters once (DeepSpeed does the same via ``mpu``)
 ``training_step`` / ``log``            tokens/s, MFU, communication per step (:mod:`boost_hf.training.metrics`),
@@ -57,7 +59,7 @@ Trainer hook                           boost-hf behaviour
 ``train``                              resume from the last *complete* checkpoint (newer damaged ones skipped,
                                        logged; a stream continues from its saved position: the Trainer skips no
                                        batch, ``ignore_data_skip`` during ``train``), refused at a layout it cannot
-                                       resume exactly (another global batch; DeepSpeed at another tp x dp);
+                                       resume exactly (another global batch; ZeRO-3 at another tp x dp);
                                        refuse an earlier run's ``output_dir`` unless ``overwrite_output_dir``;
                                        lock ``output_dir``; start the hang watchdog; a collective that
                                        times out (``--ddp_timeout``) is named, also in ``evaluate``
