@@ -36,7 +36,9 @@ Trainer hook                           boost-hf behaviour
                                        fp32 gradients over DP
 ``_prepare_for_training``              (DeepSpeed) ``deepspeed.initialize`` gets our groups as ``mpu``: ZeRO
                                        shards over DP only; grouped projections stay stored together in its
-                                       bf16 cast and flat buffers (:mod:`boost_hf.training.deepspeed`)
+                                       bf16 cast and flat buffers (:mod:`boost_hf.training.deepspeed`); a ZeRO-1/2
+                                       checkpoint of another tp x dp goes through DeepSpeed's universal checkpoint
+                                       (:mod:`boost_hf.training.deepspeed_universal`)
 ``_clip_grad_norm`` / ``_get_grad_norm``  (no DeepSpeed) the true global norm: TP shards summed over the TP
                                        group, replicated parameters once (DeepSpeed does the same via ``mpu``)
 ``training_step`` / ``log``            tokens/s, MFU, communication per step (:mod:`boost_hf.training.metrics`),
@@ -57,7 +59,7 @@ Trainer hook                           boost-hf behaviour
 ``train``                              resume from the last *complete* checkpoint (newer damaged ones skipped,
                                        logged; a stream continues from its saved position: the Trainer skips no
                                        batch, ``ignore_data_skip`` during ``train``), refused at a layout it cannot
-                                       resume exactly (another global batch; DeepSpeed at another tp x dp);
+                                       resume exactly (another global batch; ZeRO-3 at another tp x dp);
                                        refuse an earlier run's ``output_dir`` unless ``overwrite_output_dir``;
                                        lock ``output_dir``; start the hang watchdog; a collective that
                                        times out (``--ddp_timeout``) is named, also in ``evaluate``
@@ -120,6 +122,7 @@ from .compatibility import accelerator_without_parallelism_config
 from ..parallel.state import ParallelState
 from ..evaluation import batch_sums, metrics_from_sums, sums_of_batch
 from .deepspeed import ModelParallelUnit, configure_deepspeed, deepspeed_initialize_hooks, skip_shm_comm_if_requested
+from .deepspeed_universal import universal_resume
 from .grad_norm import clip_grad_norm_, global_grad_norm
 from .health import is_finite, nonfinite_error, poison_nonfinite_loss
 from .metrics import TrainingMetrics
@@ -150,6 +153,7 @@ from .resume import (
     load_optimizer_files,
     missing_file_error,
     optimizer_record,
+    read_training_layout,
     training_layout,
     write_training_layout,
 )
@@ -325,7 +329,8 @@ class BoostTrainer(Trainer):
         hooks = contextlib.nullcontext()
         if self.is_deepspeed_enabled:
             mpu = ModelParallelUnit(self.parallel_state) if self.parallel_state.mesh is not None else None
-            hooks = deepspeed_initialize_hooks(mpu)
+            saved = read_training_layout(resume_from_checkpoint) if resume_from_checkpoint else None  # another tp x dp:
+            hooks = deepspeed_initialize_hooks(mpu, universal_resume(resume_from_checkpoint, self.args.output_dir, saved, self.training_layout()))
         with hooks:
             return super()._prepare_for_training(max_steps, train_dataloader, resume_from_checkpoint)
 
