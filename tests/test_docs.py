@@ -155,8 +155,11 @@ def _check_accelerate(argv: list[str], command: str) -> None:
 
 
 def _check_make(argv: list[str], command: str) -> None:
-    targets = re.findall(r"^([\w-]+):", (ROOT / "Makefile").read_text(), flags=re.M)
-    assert set(argv) <= set(targets), f"{command}: the Makefile's targets are {targets}"
+    makefile = (ROOT / "Makefile").read_text()
+    targets = re.findall(r"^([\w-]+):", makefile, flags=re.M)
+    variables = [word.split("=")[0] for word in argv if "=" in word]
+    assert all(f"$({name})" in makefile for name in variables), f"{command}: the Makefile reads none of {variables}"
+    assert {w for w in argv if "=" not in w} <= set(targets), f"{command}: the Makefile's targets are {targets}"
 
 
 def _check_pip(argv: list[str], command: str) -> None:

@@ -248,6 +248,8 @@ class Pipeline:
     (the weights are final by then) and once per micro-batch shape.
     """
 
+    _normaliser = 1.0  # what each micro-batch's loss sum is divided by in the running step
+
     def __init__(self, model: nn.Module, plan, placement: Placement):
         self.model, self.plan, self.placement = model, plan, placement
         self.parallel: ParallelConfig = plan.parallel
@@ -257,7 +259,6 @@ class Pipeline:
         ]
         self._wrapped: list[nn.Module] | None = None
         self._schedules: dict[tuple[int, int, torch.dtype], object] = {}
-        self._normaliser = 1.0  # what the running step divides each micro-batch's loss sum by
         on_its_own = PartParallelism(data_parallel=data_parallelism(self.state, pipeline=True), dp_group=self.state.dp_group,
                                      ddp_kwargs={"broadcast_buffers": False})
         self._wrap = functools.partial(prepare_part, how=on_its_own)
@@ -323,7 +324,7 @@ class Pipeline:
 
     def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """One micro-batch's summed vocab-parallel cross-entropy divided by the running step's normaliser (set by
-        :meth:`_run`: the schedules of torch 2.11 take no ``loss_kwargs``)."""
+        :meth:`_run`: the schedule calls this with ``(output, target)`` only; its ``loss_kwargs`` arrived in torch 2.13)."""
         return vocab_parallel_causal_lm_loss(logits, labels, group=self.plan.group, num_items_in_batch=self._normaliser)
 
     # ------------------------------------------------------------------ running

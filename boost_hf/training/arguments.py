@@ -244,15 +244,18 @@ class BoostTrainingArguments(LayoutArguments, PrecisionArguments, TrainingArgume
             self.use_cpu = True
             if int(os.environ.get("WORLD_SIZE", "1")) > 1:
                 self.ddp_backend = self.ddp_backend or "gloo"
-        if self.activation_checkpointing or self.gradient_checkpointing:
+        # the Trainer's own switch: activation_checkpointing from transformers 5.23, gradient_checkpointing before (an alias since)
+        trainer_switches = [name for name in ("activation_checkpointing", "gradient_checkpointing") if hasattr(self, name)]
+        if any(getattr(self, name) for name in trainer_switches):
             if self.activation_checkpointing_mode == "none":
                 self.activation_checkpointing_mode = "full"
             logger.warning(
                 "boost-hf models checkpoint activations through activation_checkpointing_mode (now %r); "
-                "the Trainer's activation_checkpointing flag is turned off.",
-                self.activation_checkpointing_mode,
+                "the Trainer's %s flag is turned off.",
+                self.activation_checkpointing_mode, trainer_switches[0],
             )
-            self.activation_checkpointing = self.gradient_checkpointing = False
+            for name in trainer_switches:
+                setattr(self, name, False)
         check_lowrank_optimizer(self)
         settings_from_accelerate(self)
         check_settings(self)  # whatever set them: flags, recipe, accelerate config, environment

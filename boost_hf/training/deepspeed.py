@@ -42,6 +42,7 @@ import torch
 
 from ..parallel.shared_storage import SharedStorageOwner, cast_parameters
 from ..parallel.state import ParallelState
+from .deepspeed_universal import UniversalResume, attach_universal_checkpoint_info
 
 SHM_COMM_ENV = "BOOST_HF_DEEPSPEED_SHM_COMM"
 
@@ -73,6 +74,10 @@ class ModelParallelUnit:
 
     def get_data_parallel_group(self):
         return self._dp_group
+
+    # the names DeepSpeed's universal-checkpoint loader asks for the TP size by (Megatron's newer API)
+    get_tensor_model_parallel_rank = get_model_parallel_rank
+    get_tensor_model_parallel_world_size = get_model_parallel_world_size
 
 
 #: how DeepSpeed's flat buffers order the parameters (recorded in a checkpoint's training layout; see the module
@@ -115,11 +120,13 @@ def _parameter_dtype(config) -> torch.dtype | None:
 
 
 @contextlib.contextmanager
-def deepspeed_initialize_hooks(mpu: ModelParallelUnit | None):
+def deepspeed_initialize_hooks(mpu: ModelParallelUnit | None, universal: UniversalResume | None = None):
     """Within the block, every ``deepspeed.initialize(...)`` call (accelerate's included) gets ``mpu=mpu`` (when
     given) and keeps the grouped projections' storage: the model's parameters are cast to DeepSpeed's bf16 / fp16
     dtype in groups first and the optimizer's parameter groups (or ``model_parameters``) are ordered with
-    :func:`order_stored_together` (see the module docstring)."""
+    :func:`order_stored_together` (see the module docstring); the model carries DeepSpeed's
+    ``universal_checkpoint_info`` (:mod:`boost_hf.training.deepspeed_universal`), and with ``universal`` the engine
+    loads that converted checkpoint in place of the ZeRO files it is asked for."""
     import deepspeed
 
     original = deepspeed.initialize
@@ -140,7 +147,13 @@ def deepspeed_initialize_hooks(mpu: ModelParallelUnit | None):
             parameters = kwargs.get("model_parameters")
             if isinstance(parameters, list) and parameters and isinstance(parameters[0], dict):
                 order_stored_together(model, parameters)
-        return original(*args, **kwargs)
+            attach_universal_checkpoint_info(model, loading=universal is not None)
+        if universal is not None:
+            kwargs["config_params" if "config_params" in kwargs else "config"] = universal.deepspeed_config(config)
+        initialized = original(*args, **kwargs)
+        if universal is not None:
+            universal.redirect(initialized[0])
+        return initialized
 
     deepspeed.initialize = initialize
     try:

@@ -18,10 +18,11 @@ are the same). Together the files hold every parameter's state under its canonic
   weights are) and takes this rank's slice with the parameter's :class:`~boost_hf.parallel.sharding.ShardSpec`;
   scalars (``step``) and the hyper-parameters of the parameter groups are copied. Exact (no arithmetic). The DP
   size of a run without DeepSpeed does not enter the optimizer state.
-* **DeepSpeed**: ZeRO partitions over the DP group are resumed by DeepSpeed at the same TP x DP size and
-  ZeRO stage only; another layout raises :class:`ResumeLayoutError`, and so does a checkpoint whose DeepSpeed flat
-  buffers order the parameters otherwise (``deepspeed_parameter_order``, written by an earlier version:
-  :mod:`boost_hf.training.deepspeed`).
+* **DeepSpeed**: ZeRO partitions over the DP group are resumed by DeepSpeed as saved at the same TP x DP size and
+  ZeRO stage; a checkpoint whose DeepSpeed flat buffers order the parameters otherwise (``deepspeed_parameter_order``,
+  written by an earlier version: :mod:`boost_hf.training.deepspeed`) raises :class:`ResumeLayoutError`. A ZeRO-1/2
+  checkpoint at another TP x DP size or ZeRO-1/2 stage goes through DeepSpeed's universal checkpoint
+  (:mod:`boost_hf.training.deepspeed_universal`, which says what it refuses).
 * **Data position**: the trainer resumes at ``global_step`` and skips ``global_step x global batch`` samples of
   the epoch's seeded permutation. The permutation does not depend on the layout, and step ``s`` trains
   samples ``[s x B, (s + 1) x B)`` of it at any DP size, micro-batch and accumulation whose product is the global
@@ -41,6 +42,7 @@ import torch
 from ..parallel.sharding import shard_spec_of
 from .checkpoint import optimizer_file_name
 from .deepspeed import DEEPSPEED_PARAMETER_ORDER
+from .deepspeed_universal import UNIVERSAL_INFO_RECORD, universal_resume_refusal
 
 LAYOUT_NAME = "training_layout.json"
 
@@ -86,6 +88,7 @@ def training_layout(*, tp_size: int, dp_size: int, zero_stage: int | None, args,
     }
     if zero_stage is not None:
         layout["deepspeed_parameter_order"] = DEEPSPEED_PARAMETER_ORDER
+        layout["deepspeed_universal_info"] = UNIVERSAL_INFO_RECORD
     if zero_stage is None and optimizer_records is not None:
         layout["optimizer"] = optimizer_records
     return layout
@@ -153,12 +156,10 @@ def check_resume_layout(checkpoint: str, current: dict) -> None:
             f"state of one cannot be loaded by the other. Resume {which}, or {weights_only}."
         )
     if (saved["tp_size"], saved["dp_size"], saved["zero_stage"]) != (current["tp_size"], current["dp_size"], current["zero_stage"]):
-        raise ResumeLayoutError(
-            f"{checkpoint} is a DeepSpeed checkpoint of {_describe(saved)} and this run is {_describe(current)}: DeepSpeed "
-            "cannot reshard ZeRO partitions to another TP x DP size or stage. Resume at "
-            f"tp_size={saved['tp_size']} on {saved['tp_size'] * saved['dp_size']} processes with ZeRO-{saved['zero_stage']}, "
-            f"or {weights_only}."
-        )
+        refusal = universal_resume_refusal(checkpoint, saved, current)  # else converted (deepspeed_universal)
+        if refusal is not None:
+            raise ResumeLayoutError(refusal)
+        return
     if saved.get("deepspeed_parameter_order") != current.get("deepspeed_parameter_order"):
         raise ResumeLayoutError(
             f"{checkpoint} is a DeepSpeed checkpoint written by an earlier boost-hf version, whose DeepSpeed flat buffers "

@@ -8,7 +8,8 @@ as it is, or the pipeline schedule over this rank's stages), which it never asks
 * set-up: the precision policy (:mod:`.precision`, ``--bf16``, ``--precision_policy``), its autocast around every
   forward; the engine prepares each part of the model once (:func:`~boost_hf.parallel.parts.prepare_part`: compile
   per decoder layer, then DDP over the DP group, or none under ``bf16_params``' fp32 masters, or accelerate's own:
-  DeepSpeed, whose ``deepspeed.initialize`` gets our groups as ``mpu``, :mod:`.deepspeed`); LORO and ZeRO-1
+  DeepSpeed, whose ``deepspeed.initialize`` gets our groups as ``mpu``, :mod:`.deepspeed`, and resumes a ZeRO-1/2
+  checkpoint of another tp x dp through its universal checkpoint, :mod:`.deepspeed_universal`); LORO and ZeRO-1
   optimizers (``create_optimizer`` / ``create_scheduler``); ``get_tp_size``: global batch and loss count DP ranks only;
 * data: TP peers get the same micro-batch, a stream is read once per DP replica and resumes from its saved position
   (:mod:`.data`); DP-sharded evaluation with exact token-weighted sums (``eval_perplexity``, ``eval_bits_per_byte``)
@@ -57,6 +58,7 @@ from .checkpoint import DCP_FOLDER, atomic_directory, completed_checkpoints, ful
 from .compatibility import accelerator_without_parallelism_config
 from .data import EvalShard, StreamLoader, restore_data_position, save_data_position, shard_by_data_parallel_rank
 from .deepspeed import ModelParallelUnit, configure_deepspeed, deepspeed_initialize_hooks, skip_shm_comm_if_requested
+from .deepspeed_universal import universal_resume
 from .engine import engine_for
 from .grad_norm import clip_grad_norm_, global_grad_norm
 from .health import NonfiniteSteps, poison_nonfinite_loss
@@ -65,7 +67,9 @@ from .optimizer_state import load_optimizer_state, optimizer_state
 from .precision import DEFAULT_BUCKET_MB, CastAfterOptimizerStep, full_precision_parameters, keep_master_parameters, resolve_precision
 from .preflight import TokenIdCheckingCollator, check_dataset
 from .publish import publishing, save_publishing_files, write_model_card
-from .resume import load_optimizer_files, missing_file_error, optimizer_record, training_layout, write_training_layout
+from .resume import (
+    load_optimizer_files, missing_file_error, optimizer_record, read_training_layout, training_layout, write_training_layout,
+)
 from .run_folder import RunFolder
 from .watchdog import exit_with_launcher, in_phase, naming_collective_timeouts
 from .zero1 import zero1_class_and_kwargs
@@ -223,8 +227,10 @@ class BoostTrainer(Trainer):
 
     def _prepare_for_training(self, max_steps, train_dataloader, resume_from_checkpoint):
         hooks = contextlib.nullcontext()
-        if self.is_deepspeed_enabled:
-            hooks = deepspeed_initialize_hooks(ModelParallelUnit(self.parallel_state) if self.parallel_state.mesh is not None else None)
+        if self.is_deepspeed_enabled:  # a ZeRO-1/2 checkpoint of another tp x dp resumes through DeepSpeed's universal one
+            mpu = ModelParallelUnit(self.parallel_state) if self.parallel_state.mesh is not None else None
+            saved = read_training_layout(resume_from_checkpoint) if resume_from_checkpoint else None
+            hooks = deepspeed_initialize_hooks(mpu, universal_resume(resume_from_checkpoint, self.args.output_dir, saved, self.training_layout()))
         with hooks:
             return super()._prepare_for_training(max_steps, train_dataloader, resume_from_checkpoint)
 

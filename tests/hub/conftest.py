@@ -7,7 +7,6 @@ import random
 
 import pytest
 import torch
-from datasets import Dataset
 
 WORDS = ("the river city north old music school light stone green early war king song water field paper "
          "people small house long road winter summer market bridge church island mountain station language").split()
@@ -24,7 +23,9 @@ def documents(count: int, seed: int) -> list[str]:
     return docs
 
 
-def packed(tokenizer, texts: list[str]) -> Dataset:
+def packed(tokenizer, texts: list[str]):
+    from datasets import Dataset
+
     from boost_hf.data.pipeline import pack_blocks, tokenize_documents
 
     return pack_blocks(tokenize_documents(Dataset.from_dict({"text": texts}), tokenizer), BLOCK)
@@ -38,6 +39,7 @@ def hub_texts() -> dict[str, list[str]]:
 @pytest.fixture(scope="session")
 def trained_run(tmp_path_factory, hub_texts):
     """``(trainer, final folder)`` of a CoLA model trained 6 steps (cola, d=32, 2 layers, rank 8, vocab 320)."""
+    pytest.importorskip("datasets", reason="needs the [train] extra (datasets): a trained run")
     from boost_hf import BoostLlamaConfig, BoostLlamaForCausalLM
     from boost_hf.data import train_bpe_tokenizer
     from boost_hf.training import BoostTrainer, BoostTrainingArguments

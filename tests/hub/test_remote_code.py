@@ -74,11 +74,9 @@ def boost_hf_outputs(folder):
     return logits, model.generate(ids[:1], max_new_tokens=6, do_sample=False).tolist()
 
 
-def test_remote_code_in_a_fresh_environment_without_boost_hf(tmp_path, trained_run):
-    _, final = trained_run
-    folders = {"final": str(final), "full": str(saved_plain(tmp_path, None)), "lax": str(saved_plain(tmp_path, "lax", lax_gate="kronecker")),
-               "svd": str(saved_plain(tmp_path, "svd")), "lax-dense-biases": str(saved_plain(tmp_path, "lax", lax_gate="dense", attention_bias=True, mlp_bias=True)),
-               "converted-cola": str(converted_from_authors_cola(tmp_path)), "tt": str(saved_plain(tmp_path, "tt"))}
+def check_in_a_fresh_environment(tmp_path, folders: dict[str, str]) -> dict:
+    """Load each folder with plain transformers (no boost-hf) in a fresh environment of this leg's versions; its report,
+    after checking that each logits tensor equals boost-hf's bit for bit and each greedy generation boost-hf's."""
     python = isolated_env.create(tmp_path / "venv")
     script = ISOLATED_SCRIPT.replace("INPUT_IDS", repr(INPUT_IDS)).replace("FOLDERS", repr(json.dumps(folders)))
     result = isolated_env.run(python, script, tmp_path)
@@ -96,6 +94,39 @@ def test_remote_code_in_a_fresh_environment_without_boost_hf(tmp_path, trained_r
         remote = torch.load(tmp_path / f"{name}.logits.pt")
         assert remote.dtype == torch.float32 and torch.equal(remote, logits), name
         assert entry["generated"] == generated, name
+    return report
+
+
+def test_remote_code_of_every_bottleneck_in_a_fresh_environment_without_boost_hf(tmp_path):
+    folders = {"full": str(saved_plain(tmp_path, None)), "lax": str(saved_plain(tmp_path, "lax", lax_gate="kronecker")),
+               "svd": str(saved_plain(tmp_path, "svd")), "cola": str(saved_plain(tmp_path, "cola")),
+               "lax-dense-biases": str(saved_plain(tmp_path, "lax", lax_gate="dense", attention_bias=True, mlp_bias=True)),
+               "converted-cola": str(converted_from_authors_cola(tmp_path)), "tt": str(saved_plain(tmp_path, "tt"))}
+    check_in_a_fresh_environment(tmp_path, folders)
+
+
+def test_the_same_logits_on_every_supported_version(tmp_path):
+    """Checkpoints of every bottleneck, saved with this checkout's model file as remote code, give the logits written on
+    the pinned stack (tests/hub/reference_logits.py) within 1e-5, in boost-hf and with plain transformers, on whichever
+    versions this leg runs (make test runs it at the pinned and at the minimum versions)."""
+    from safetensors.torch import load_file
+
+    from .reference_logits import CHECKPOINTS, INPUT_IDS as REFERENCE_IDS, REFERENCE
+
+    assert REFERENCE_IDS == INPUT_IDS
+    expected = load_file(REFERENCE / "logits.safetensors")
+    folders = {}
+    for name in CHECKPOINTS:
+        folders[name] = str(tmp_path / name)
+        BoostLlamaForCausalLM.from_pretrained(REFERENCE / name).save_pretrained(folders[name])
+    check_in_a_fresh_environment(tmp_path, folders)
+    for name, folder in folders.items():
+        torch.testing.assert_close(torch.load(tmp_path / f"{name}.logits.pt"), expected[name], rtol=1e-5, atol=1e-5, msg=name)
+
+
+def test_a_trained_final_folder_in_a_fresh_environment_without_boost_hf(tmp_path, trained_run):
+    _, final = trained_run
+    report = check_in_a_fresh_environment(tmp_path, {"final": str(final)})
     assert report["final"]["use_cache"] is True
     assert report["final"]["pipeline"].startswith("The river") and len(report["final"]["pipeline"]) > len("The river")
     tokenizer = trained_run[0].processing_class

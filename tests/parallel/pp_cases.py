@@ -12,7 +12,7 @@ there the single-process fp32 gradient of that tensor was itself 4.5e-6 from the
 so two fp32 summation orders could differ by twice that; under the authors' definition (now) its floor is 8e-7 and
 the worst floor of any LaX gradient 2.7e-6.
 
-The first step also counts what crosses the stage boundaries: the tensors each rank sends point-to-point
+The second step also counts what crosses the stage boundaries: the tensors each rank sends point-to-point
 (activations forward, gradients backward, through the engine's one send path) against
 :func:`~boost_hf.perf.comm_formula.stage_boundary_communication`, and under btp and vanilla the all-gathers over TP
 (LaX's shared latents) against the same formula plus the layers' and the last stage's own.
@@ -117,17 +117,18 @@ def pipeline_run(config, parallel: ParallelConfig, seq: int = SEQ) -> dict:
     losses, norms, grads = [], [], None
     for step, (ids, labels) in enumerate(batches(seq)):
         mine = slice(state.dp_rank * rows, (state.dp_rank + 1) * rows)
-        with counting_point_to_point() as sent, CommCounter() as collectives:  # (only the first step's are kept)
+        with counting_point_to_point() as sent, CommCounter() as collectives:  # (only the second step's are kept)
             loss = pipeline.train_step(ids[mine], labels[mine])
         norms.append(float(clip_grad_norm_(model.parameters(), MAX_NORM, state.tp_group, state.pp_group)))
         if step == 0:
             grads = {n: gather_full(p.grad, shard_spec_of(p), state.tp_group) for n, p in model.named_parameters()}
-            first_step = {"sends": len(sent), "elements": sum(sent), "all_gather": collectives.by_kind["all_gather"].elements}
+        if step == 1:  # a step's traffic: the first also initialises the stages (torch 2.11 sends each neighbour 1 element)
+            second_step = {"sends": len(sent), "elements": sum(sent), "all_gather": collectives.by_kind["all_gather"].elements}
         losses.append(float(loss))
         optimizer.step()
         optimizer.zero_grad()
     params = {n: gather_full(p.detach(), shard_spec_of(p), state.tp_group) for n, p in model.named_parameters()}
-    return {"losses": losses, "norms": norms, "grads": grads, "params": params, "pp_rank": state.pp_rank, **first_step}
+    return {"losses": losses, "norms": norms, "grads": grads, "params": params, "pp_rank": state.pp_rank, **second_step}
 
 
 def expected_boundary_traffic(config, parallel: ParallelConfig, pp_rank: int, dp_size: int, seq: int) -> dict:

@@ -53,14 +53,14 @@ def test_parameters_after_two_clipped_adamw_steps_match(reports):
 
 
 def test_counted_point_to_point_traffic_equals_the_formula(reports):
-    """Tensors and elements each rank sent across stage boundaries in the first step (activations forward,
+    """Tensors and elements each rank sent across stage boundaries in a step, the second (activations forward,
     gradients backward) equal ``stage_boundary_communication`` (LaX's latents: a 1/p token share per TP rank)."""
     bad = [(c["case"], rank, c["p2p"]) for rank, c in _cases(reports) if c["p2p"]["counted"] != c["p2p"]["formula"]]
     assert not bad, bad
 
 
 def test_counted_all_gathers_over_tp_equal_the_formula(reports):
-    """The all-gathers over TP (btp and vanilla) of the first step: the boundary's (LaX's shared latents) plus the
+    """The all-gathers over TP (btp and vanilla) of a step, the second: the boundary's (LaX's shared latents) plus the
     layers' and the last stage's, as the formula counts them."""
     counted = [(c["case"], rank, c["tp_all_gather"]) for rank, c in _cases(reports) if c["tp_all_gather"]["formula"] is not None]
     assert any(case["model"].get("bottleneck") == "lax" and case["parallel"].get("tp_size", 1) > 1 for case, _, _ in counted)
