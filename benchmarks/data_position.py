@@ -67,7 +67,7 @@ def streamed_trainer(output_dir: Path, stream, steps: int):
 
 
 def resume_cost(steps: int, work: Path) -> tuple[list[list], dict]:
-    from boost_hf.checkpoint_integrity import write_manifest
+    from boost_hf.checkpoint.integrity import write_manifest
     from boost_hf.data import build_lm_datasets, load_tokenizer
     from boost_hf.training import BoostTrainer
     from boost_hf.training.data import DATA_POSITION_DIR

@@ -99,7 +99,7 @@ def test_no_import_circle():
 def test_only_the_model_hooks_entry_imports_parallelize():
     graph = import_graph()
     importers = {name for name, edges in graph.items() if "boost_hf.parallel.parallelize" in edges}
-    assert importers <= {"boost_hf", "boost_hf.parallel", "boost_hf.parallel.model_hooks"}, importers
+    assert importers <= {"boost_hf", "boost_hf.parallel", "boost_hf.checkpoint.model_hooks"}, importers
 
 
 def test_the_config_is_plain_data():

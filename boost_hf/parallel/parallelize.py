@@ -26,7 +26,6 @@ from .layouts import Layout, layout_for
 from .modules import adopt, parallel_class, shard_parameter
 from .pipeline import Pipeline, check_pipeline_model, keep_this_ranks_stages
 from .primitives import split_to_tp
-from .export import DEFAULT_MAX_SHARD_SIZE, save_sharded_pretrained
 from .sequence_parallel import check_sequence_length
 from .sharding import shard_spec_of
 from .state import ParallelState, check_world, get_parallel_state
@@ -197,7 +196,7 @@ class TensorParallelCausalLM:
     * ``logits``: the full ``[B, S, V]`` (one all-gather) when no labels are given (``generate`` works),
       at ``tp_size=1`` or when ``return_logits=True``; otherwise ``None``.
     * ``save_pretrained``: call on every rank; the canonical safetensors files are written from every rank's
-      shards, one output file per rank at a time (:mod:`boost_hf.parallel.export`): nothing is gathered.
+      shards, one output file per rank at a time (:mod:`boost_hf.checkpoint.export`): nothing is gathered.
     """
 
     plan: TensorParallelPlan
@@ -245,7 +244,7 @@ class TensorParallelCausalLM:
                         max_shard_size: int | str | None = None, **kwargs):
         """Collective: the single-device model's folder (canonical safetensors files of at most ``max_shard_size``,
         default 5GB, config, remote code), written from every rank's shards without gathering them
-        (:func:`~boost_hf.parallel.export.save_sharded_pretrained`). With an explicit ``state_dict`` (whole
+        (:func:`~boost_hf.checkpoint.export.save_sharded_pretrained`). With an explicit ``state_dict`` (whole
         tensors), transformers' own ``save_pretrained`` on the main process."""
         if is_main_process is None:
             is_main_process = not dist.is_initialized() or dist.get_rank() == 0
@@ -262,8 +261,7 @@ class TensorParallelCausalLM:
                 f"save_pretrained of a parallel model writes the canonical safetensors from every rank's shards and takes "
                 f"max_shard_size only; got {unsupported or args}: save, then upload the folder (huggingface_hub.upload_folder)."
             )
-        save_sharded_pretrained(self, str(save_directory), is_main_process=is_main_process,
-                                max_shard_size=max_shard_size or DEFAULT_MAX_SHARD_SIZE)
+        self.plan.parallel.save_pretrained(self, str(save_directory), is_main_process=is_main_process, max_shard_size=max_shard_size)
 
 
 def _keep_class_identity(mixin: type, cls: type) -> type:

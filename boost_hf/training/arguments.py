@@ -23,7 +23,7 @@ from ..parallel.config import ParallelConfig
 from ..parallel.settings import config_of_training_arguments, parse_layer_split, training_fields
 from ..precision_config import precision_training_fields
 from ..optim.loro import EPSILON_PLACEMENTS, LOWRANK_OPTIMIZERS
-from ..optim.loro_schedule import check_authors_schedule
+from ..optim.loro_schedule import authors_schedule_shift, check_authors_schedule
 from .compatibility import check_settings, settings_from_accelerate
 from .health import NONFINITE_POLICIES
 from .preemption import DEFAULT_EXIT_SIGNALS, parse_exit_signals
@@ -104,11 +104,6 @@ def check_authors_loro_schedule(args) -> None:
                                min_ratio=kwargs["min_lr_rate"], shift=authors_schedule_shift(args, args.max_steps))
 
 
-def authors_schedule_shift(args, training_steps: int) -> int:
-    """``loro_schedule_shift``, by default minus the warm-up steps (the authors' 60m, 130m and 1b scripts)."""
-    return -args.get_warmup_steps(training_steps) if args.loro_schedule_shift is None else args.loro_schedule_shift
-
-
 LayoutArguments = make_dataclass("LayoutArguments", training_fields(), kw_only=True)
 LayoutArguments.__doc__ = """The layout fields of :class:`BoostTrainingArguments`: :class:`ParallelConfig`'s, generated from its
 declaration (names, types, defaults, help) with the differences :mod:`boost_hf.parallel.settings` states
@@ -165,7 +160,7 @@ class BoostTrainingArguments(LayoutArguments, PrecisionArguments, TrainingArgume
         save_async: write each checkpoint in the background: the model's and optimizer's shards are copied to host
             memory (this rank's own, once), training goes on, and a thread writes them, hashes them, writes the
             manifest and renames the folder; the next save, the final model and the end of ``train`` wait for it. A
-            run killed meanwhile leaves only a staging folder (:mod:`boost_hf.training.checkpoint`).
+            run killed meanwhile leaves only a staging folder (:mod:`boost_hf.checkpoint.folders`).
         save_max_shard_size: largest safetensors file of ``final/`` and of every parallel ``save_pretrained`` (default
             ``"5GB"``): each file is written by one rank, which holds at most that much of the model.
 

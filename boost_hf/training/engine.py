@@ -21,9 +21,11 @@ import contextlib
 import dataclasses
 import functools
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
+from transformers.trainer_utils import EvalPrediction
 
 from ..evaluation import batch_sums, sums_of_batch
 from ..parallel.parts import PartParallelism, data_parallelism, prepare_part
@@ -92,6 +94,24 @@ class StepEngine:
     @property
     def holds_logits(self) -> bool:
         return True
+
+    def user_metrics(self, compute_metrics, predictions: list, label_ids: list, prefix: str) -> dict:
+        """``compute_metrics(EvalPrediction)`` on the predictions and labels (kept by :meth:`evaluate`) of every DP rank
+        (in DP-rank order, gathered as objects over the DP group), on the ranks holding the logits, sent to every rank;
+        keys get ``prefix``. The fully masked rows that pad the DP shards to equal length
+        (:class:`~boost_hf.training.data.EvalShard`) are dropped."""
+        computed = None
+        if self.holds_logits:
+            labels = torch.cat(label_ids)
+            real = (labels != -100).flatten(1).any(-1)
+            local = (torch.cat(predictions)[real].numpy(), labels[real].numpy())
+            if self.state.dp_group is not None:
+                shards = [None] * self.state.dp_size
+                dist.all_gather_object(shards, local, group=self.state.dp_group)
+                local = tuple(np.concatenate([shard[i] for shard in shards]) for i in range(2))
+            computed = compute_metrics(EvalPrediction(predictions=local[0], label_ids=local[1]))
+        computed = self.from_logit_holders(computed)
+        return {key if key.startswith(f"{prefix}_") else f"{prefix}_{key}": value for key, value in computed.items()}
 
     def from_logit_holders(self, value):
         """``value`` as the ranks holding the logits computed it, on every rank."""

@@ -13,7 +13,7 @@ tokenizer, its remote code and model card (``README.md``) to ``<output_dir>/fina
 
 from __future__ import annotations
 
-from .checkpoint import completed_checkpoints
+from ..checkpoint.folders import completed_checkpoints
 from .preflight import check_model_and_data
 from .recipe import build_config, build_datasets, build_model, build_tokenizer, card_datasets, parse_recipe
 from .trainer import BoostTrainer

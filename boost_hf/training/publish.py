@@ -12,7 +12,7 @@ model card.
 * :func:`publishing`, :func:`save_publishing_files`: what a trainer's saved folders hold besides the weights;
 * :func:`export_checkpoint` (``boost-hf export CHECKPOINT OUT``): a training checkpoint (its model's shards in
   ``dcp/``) as that folder, the weights streamed into safetensors files of at most ``max_shard_size``, one file per
-  rank at a time (:mod:`boost_hf.parallel.export`).
+  rank at a time (:mod:`boost_hf.checkpoint.export`).
 """
 
 from __future__ import annotations
@@ -274,15 +274,15 @@ included, and the tokenizer)."""
 def export_checkpoint(checkpoint: str, output_dir: str, *, max_shard_size: int | str | None = None) -> str:
     """Write the Hugging Face folder of the training checkpoint ``checkpoint`` into ``output_dir``: its weights as
     transformers' safetensors files of at most ``max_shard_size`` (default 5GB), streamed out of ``dcp/`` file by
-    file (:func:`~boost_hf.parallel.export.export_weights`; launched on several processes, each writes every
+    file (:func:`~boost_hf.checkpoint.export.export_weights`; launched on several processes, each writes every
     ``world``-th file), its config, generation config, remote code, tokenizer and model card, and a manifest. The
     checkpoint is verified first (each rank its share of the files). Atomic like a checkpoint: a staging folder,
     the manifest, one rename. Collective when ``torch.distributed`` is initialised. Returns ``output_dir``."""
     import torch.distributed as dist
 
     from ..configuration_boost_llama import BoostLlamaConfig
-    from ..parallel.export import DEFAULT_MAX_SHARD_SIZE, export_weights
-    from .checkpoint import DCP_FOLDER, atomic_directory, is_distributed_checkpoint, verify_checkpoint_once
+    from ..checkpoint.export import DEFAULT_MAX_SHARD_SIZE, export_weights
+    from ..checkpoint.folders import DCP_FOLDER, atomic_directory, is_distributed_checkpoint, verify_checkpoint_once
 
     if not is_distributed_checkpoint(checkpoint):
         raise FileNotFoundError(

@@ -26,14 +26,14 @@ import yaml
 from datasets import Dataset
 from transformers import HfArgumentParser, set_seed
 
-from ..checkpoint_integrity import MANIFEST_NAME
+from ..checkpoint.integrity import MANIFEST_NAME
 from ..configuration_boost_llama import BoostLlamaConfig
 from ..data import DEFAULT_VALIDATION_PERCENT, build_lm_datasets, load_tokenizer
 from ..modeling_boost_llama import BoostLlamaForCausalLM
 from ..parallel.config import ParallelConfig
 from .arguments import BoostTrainingArguments
 from ..shipped import ACCELERATE_CONFIGS_DIR, RECIPES_DIR, VOCAB_MULTIPLE, recipe_model_config, resolve_recipe, shipped_recipes
-from .checkpoint import verify_checkpoint_once
+from ..checkpoint.folders import verify_checkpoint_once
 
 # BoostLlamaConfig fields that a recipe does not set: taken from the tokenizer or the training arguments.
 _NOT_RECIPE_FIELDS = {"use_cache", "pad_token_id", "bos_token_id", "eos_token_id", "rope_parameters"}

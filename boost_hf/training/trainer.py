@@ -16,7 +16,7 @@ as it is, or the pipeline schedule over this rank's stages), which it never asks
   and ``compute_metrics`` on the full-vocabulary logits of every DP rank;
 * steps: tokens/s, MFU, communication per step (:mod:`.metrics`), the true global grad norm (TP shards summed over
   TP, stages over PP), non-finite losses and norms stopped or skipped (:mod:`.health`);
-* the run (:mod:`.run_folder`): resume from the last *complete* checkpoint (refused at a layout it cannot resume
+* the run (:mod:`.run`, :mod:`boost_hf.checkpoint.run_folder`): resume from the last *complete* checkpoint (refused at a layout it cannot resume
   exactly), the output folder locked, the hang watchdog, preemption by signal or time budget (:mod:`.preemption`);
 * saving: checkpoints of every rank's shards (DCP, optionally asynchronous: :mod:`.checkpoint`,
   :mod:`.optimizer_state`, :mod:`.resume`) loadable at any PP x TP x DP layout; the publishable ``final/``
@@ -32,45 +32,38 @@ import functools
 import os
 
 import datasets
-import numpy as np
 import torch
-import torch.distributed as dist
 from accelerate.utils import DynamoBackend
 from torch.utils.data import DataLoader
 from transformers import Trainer
-from transformers.trainer import SCHEDULER_NAME, TRAINER_STATE_NAME
-from transformers.trainer_callback import ExportableState
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, EvalLoopOutput, EvalPrediction, SaveStrategy, rotate_checkpoints
+from transformers.trainer_utils import EvalLoopOutput
 
+from ..checkpoint.deepspeed_universal import universal_resume
+from ..checkpoint.folders import atomic_directory, completed_checkpoints, full_parameters
+from ..checkpoint.resume import read_training_layout
 from ..data.collate import causal_lm_collator
 from ..data.stream import BlockStream
 from ..evaluation import metrics_from_sums
-from ..optim.loro import check_loro_training, loro_optimizer, restart_schedule_at_exact_steps
-from ..optim.loro_schedule import authors_schedule
-from ..parallel.export import save_model_files
+from ..optim.loro import check_loro_training, optimizer_of_arguments, restart_schedule_at_exact_steps
+from ..optim.loro_schedule import schedule_of_arguments
 from ..parallel.parts import PartParallelism
-from ..parallel.sharded_state import load_model_state, model_state
 from ..parallel.state import ParallelState
-from ..parallel.weights_io import load_canonical_checkpoint, resolve_checkpoint_files
 from ..perf.flops import training_flops_per_token
-from .arguments import authors_schedule_shift, default_peak_tflops
-from .checkpoint import DCP_FOLDER, atomic_directory, completed_checkpoints, full_parameters, is_distributed_checkpoint
+from .arguments import default_peak_tflops
+from .checkpointing import (
+    load_optimizer_and_scheduler, load_weights, run_layout, save_checkpoint, save_optimizer_and_scheduler,
+)
 from .compatibility import accelerator_without_parallelism_config
-from .data import EvalShard, StreamLoader, restore_data_position, save_data_position, shard_by_data_parallel_rank
+from .data import EvalShard, StreamLoader, restore_data_position, shard_by_data_parallel_rank
 from .deepspeed import ModelParallelUnit, configure_deepspeed, deepspeed_initialize_hooks, skip_shm_comm_if_requested
-from .deepspeed_universal import universal_resume
 from .engine import engine_for
 from .grad_norm import clip_grad_norm_, global_grad_norm
 from .health import NonfiniteSteps, poison_nonfinite_loss
 from .metrics import TrainingMetrics
-from .optimizer_state import load_optimizer_state, optimizer_state
 from .precision import DEFAULT_BUCKET_MB, CastAfterOptimizerStep, full_precision_parameters, keep_master_parameters, resolve_precision
 from .preflight import TokenIdCheckingCollator, check_dataset
 from .publish import publishing, save_publishing_files, write_model_card
-from .resume import (
-    load_optimizer_files, missing_file_error, optimizer_record, read_training_layout, training_layout, write_training_layout,
-)
-from .run_folder import RunFolder
+from .run import TrainingRun
 from .watchdog import exit_with_launcher, in_phase, naming_collective_timeouts
 from .zero1 import zero1_class_and_kwargs
 
@@ -118,7 +111,7 @@ class BoostTrainer(Trainer):
         super().__init__(model=model, args=args, **kwargs)
         self.precision = resolve_precision(self.args)
         self.nonfinite = NonfiniteSteps(self.args)
-        self.run = RunFolder(self.args)
+        self.run = TrainingRun(self.args)
         self.add_callback(self.run.stop_at_step_end)
         self.master_parameters = None  # bf16_params: the fp32 masters and gradients (training/precision.py)
         if self.precision.has_masters:
@@ -179,11 +172,7 @@ class BoostTrainer(Trainer):
         args = self.args
         if self.optimizer is None and getattr(args, "lowrank_optimizer", "adamw") == "loro":
             model = self.model if model is None else model
-            self.optimizer = loro_optimizer(
-                model, lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon,
-                weight_decay=args.weight_decay, exact_every=args.loro_exact_every, lr_scale=args.loro_lr_scale,
-                decay_parameter_names=self.get_decay_parameter_names(model), epsilon_placement=args.adam_epsilon_placement,
-            )
+            self.optimizer = optimizer_of_arguments(model, args, self.get_decay_parameter_names(model))
         if self.optimizer is None and getattr(args, "zero1_optimizer", False) and self.parallel_state.dp_size > 1:
             chosen = self.optimizer_cls_and_kwargs
             optimizer_cls, kwargs = chosen or self.get_optimizer_cls_and_kwargs(args, self.model if model is None else model)
@@ -198,12 +187,7 @@ class BoostTrainer(Trainer):
         args = self.args
         loro = getattr(args, "lowrank_optimizer", "adamw") == "loro"
         if self.lr_scheduler is None and loro and args.loro_schedule == "authors":
-            self.lr_scheduler = authors_schedule(
-                self.optimizer if optimizer is None else optimizer, training_steps=num_training_steps,
-                warmup_steps=args.get_warmup_steps(num_training_steps), restart_every=args.loro_exact_every,
-                restart_warmup_steps=args.loro_restart_warmup_steps, min_ratio=args.lr_scheduler_kwargs["min_lr_rate"],
-                shift=authors_schedule_shift(args, num_training_steps),
-            )
+            self.lr_scheduler = schedule_of_arguments(args, self.optimizer if optimizer is None else optimizer, num_training_steps)
             self._created_lr_scheduler = True
             return self.lr_scheduler
         created = self.lr_scheduler is None
@@ -278,26 +262,8 @@ class BoostTrainer(Trainer):
             totals = self.engine.evaluate(model, batches, self.processing_class, keep if self.compute_metrics is not None else None)
         metrics = metrics_from_sums(totals.cpu(), metric_key_prefix)
         if self.compute_metrics is not None:
-            metrics.update(self.user_metrics(predictions, label_ids, metric_key_prefix))
+            metrics.update(self.engine.user_metrics(self.compute_metrics, predictions, label_ids, metric_key_prefix))
         return EvalLoopOutput(predictions=None, label_ids=None, metrics=metrics, num_samples=len(dataloader.dataset.dataset))
-
-    def user_metrics(self, predictions: list, label_ids: list, prefix: str) -> dict:
-        """``compute_metrics(EvalPrediction)`` on the predictions and labels of every DP rank (in DP-rank order,
-        gathered as objects over the DP group), on the ranks holding the logits, sent to every rank; keys get
-        ``prefix``. The fully masked rows that pad the DP shards to equal length (:class:`~.data.EvalShard`) are
-        dropped."""
-        computed = None
-        if self.engine.holds_logits:
-            labels = torch.cat(label_ids)
-            real = (labels != -100).flatten(1).any(-1)
-            local = (torch.cat(predictions)[real].numpy(), labels[real].numpy())
-            if self.parallel_state.dp_group is not None:
-                shards = [None] * self.parallel_state.dp_size
-                dist.all_gather_object(shards, local, group=self.parallel_state.dp_group)
-                local = tuple(np.concatenate([shard[i] for shard in shards]) for i in range(2))
-            computed = self.compute_metrics(EvalPrediction(predictions=local[0], label_ids=local[1]))
-        computed = self.engine.from_logit_holders(computed)
-        return {key if key.startswith(f"{prefix}_") else f"{prefix}_{key}": value for key, value in computed.items()}
 
     def evaluate(self, *args, **kwargs):
         """``Trainer.evaluate``; a collective that times out is named (:func:`~boost_hf.training.watchdog.naming_collective_timeouts`)."""
@@ -369,7 +335,7 @@ class BoostTrainer(Trainer):
 
     # ------------------------------------------------------------------ the run
     def train(self, resume_from_checkpoint: str | bool | None = None, **kwargs):
-        """``Trainer.train`` in this run's folder (:class:`~boost_hf.training.run_folder.RunFolder`):
+        """``Trainer.train`` in this run's folder (:class:`~boost_hf.checkpoint.run_folder.RunFolder`):
         ``resume_from_checkpoint=True`` takes the last *complete* checkpoint; a new run refuses an ``output_dir``
         holding an earlier run unless ``overwrite_output_dir``; the folder is locked."""
         resume = self.run.resume_point(resume_from_checkpoint, self.model.config, self.training_layout())
@@ -447,125 +413,24 @@ class BoostTrainer(Trainer):
         return target
 
     def _save_checkpoint(self, model, trial) -> None:
-        """The Trainer's checkpoint, every rank writing its own shards: the model's parameters and the optimizer's
-        state as a ``torch.distributed.checkpoint`` in ``dcp/`` (:func:`~boost_hf.parallel.sharded_state.model_state`,
-        :func:`~boost_hf.training.optimizer_state.optimizer_state`; under DeepSpeed the model only, its optimizer in its
-        own folder), beside the Trainer's other files (``Trainer._save_checkpoint``'s: scheduler, RNG, trainer state,
-        best-model record, hub push) and the Hugging Face folder without weights. Written by
-        :class:`~boost_hf.training.checkpoint.CheckpointSaver`: a staging folder, the manifest, the rename; only then
-        are old checkpoints rotated out (``--save_total_limit``). ``--save_async``: the shards are copied to host
-        memory and written in the background; the next save (and the final model) waits for this one."""
-        if self.hp_search_backend is None and trial is None:
-            self.store_flos()
-        self.run.claim()
-        run_dir = self._get_output_dir(trial=trial)
-        target = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
-        self.run.saver.wait()  # the previous save is complete under its name (best-model record, rotation)
-
-        def write_files(staging: str) -> None:
-            if self.args.should_save:
-                with publishing(self):
-                    save_model_files(self.model, staging)
-                save_publishing_files(self, staging)
-            if self.args.save_strategy in (SaveStrategy.STEPS, SaveStrategy.EPOCH, SaveStrategy.BEST) and self.state.best_global_step:
-                best = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.best_global_step}")
-                if best == target or os.path.exists(best):
-                    self.state.best_model_checkpoint = best
-            if not self.args.save_only_model:
-                self._save_optimizer_and_scheduler(staging)
-                self._save_scaler(staging)
-                self._save_rng_state(staging)
-                save_data_position(staging, self.train_dataset, self.train_loader, self.args)
-            if self.args.should_save:
-                for callback in self.callback_handler.callbacks + [self.control]:
-                    if isinstance(callback, ExportableState):
-                        name, exported = type(callback).__name__, callback.state()
-                        if isinstance(self.state.stateful_callbacks[name], list):
-                            self.state.stateful_callbacks[name].append(exported)
-                        else:
-                            self.state.stateful_callbacks[name] = exported
-                self.state.save_to_json(os.path.join(staging, TRAINER_STATE_NAME))
-
-        def rotate() -> None:
-            rotate_checkpoints(output_dir=run_dir, save_total_limit=self.args.save_total_limit,
-                               best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=True)
-
-        with full_precision_parameters(self.model), full_parameters(self.model, self.zero_stage):  # bf16_params: the masters
-            shards = {"model": model_state(self.model)}
-            if not self.args.save_only_model and not self.is_deepspeed_enabled:
-                shards["optimizer"] = optimizer_state(self.model, self.optimizer)
-            self.run.saver.save(target, write_files=write_files, state_dict=shards, config=self.model.config,
-                                       asynchronous=getattr(self.args, "save_async", False),
-                                       after_commit=rotate if self.args.should_save else None)
-        if self.args.push_to_hub:
-            self.run.saver.wait()
-            self._push_from_checkpoint(target)
-
-    def training_layout(self, optimizer_records: list[dict] | None = None) -> dict:
-        """This run's PP x TP x DP sizes, ZeRO stage, global batch, precision policy (its record: what computes,
-        stores, accumulates and reduces in which dtype) and, given, the optimizer record of each pipeline rank
-        (:func:`optimizer_records`; :mod:`boost_hf.training.resume`)."""
-        state = self.parallel_state
-        layout = training_layout(tp_size=state.tp_size, dp_size=state.dp_size, pp_size=state.pp_size, zero_stage=self.zero_stage,
-                                 args=self.args, optimizer_records=optimizer_records)
-        return {**layout, "precision": self.precision.record()}
-
-    def optimizer_records(self) -> list[dict] | None:
-        """:func:`~boost_hf.training.resume.optimizer_record` of every pipeline rank, in pipeline order (``None`` under
-        DeepSpeed). Collective under pipeline parallelism: one ``all_gather_object`` over the PP group."""
-        if self.is_deepspeed_enabled:
-            return None
-        own = optimizer_record(self.model, self.optimizer)
-        if self.parallel_state.pp_group is None:
-            return [own]
-        records = [None] * self.parallel_state.pp_size
-        dist.all_gather_object(records, own, group=self.parallel_state.pp_group)
-        return records
+        """The Trainer's checkpoint, every rank writing its own shards (:func:`~.checkpointing.save_checkpoint`)."""
+        save_checkpoint(self, trial)
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
-        """The scheduler and ``training_layout.json`` with each pipeline rank's optimizer record (which lets a run at
-        another PP x TP x DP layout check and reshard the optimizer state, saved by every rank with the model's shards);
-        under DeepSpeed its own checkpoint folder (ZeRO partitions per DP and TP rank). Collective."""
-        records = self.optimizer_records()
-        if self.is_deepspeed_enabled:
-            super()._save_optimizer_and_scheduler(output_dir)
-        if self.args.should_save:
-            if not self.is_deepspeed_enabled:
-                torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
-            write_training_layout(output_dir, self.training_layout(records))
-
-    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
-        """The optimizer state of this rank (resharded if the checkpoint has another PP x TP x DP layout) and the
-        scheduler; a missing one is an error naming it (``--init_from`` starts from the weights only)."""
-        if checkpoint is None:
-            return
-        scheduler = os.path.join(checkpoint, SCHEDULER_NAME)
-        if self.is_deepspeed_enabled:
-            if not os.path.isfile(scheduler) and type(self.lr_scheduler).__name__ != "DeepSpeedSchedulerWrapper":
-                raise missing_file_error(scheduler, checkpoint, "learning-rate scheduler state")
-            return super()._load_optimizer_and_scheduler(checkpoint)
-        state, elsewhere = self.parallel_state, self.engine.absent_parameters
-        with full_precision_parameters(self.model, loading=True):  # the state in the masters' dtype (bf16_params)
-            if is_distributed_checkpoint(checkpoint):
-                load_optimizer_state(self.optimizer, self.model, checkpoint, elsewhere)
-            else:
-                device = "cpu" if self.args.device.type == "cpu" else self.args.device  # torch cannot restore to "cpu:0"
-                load_optimizer_files(self.optimizer, self.model, checkpoint, state.tp_rank, state.tp_size, device,
-                                     state.pp_rank, state.pp_size, held_elsewhere=elsewhere)
-        if not os.path.isfile(scheduler):
-            raise missing_file_error(scheduler, checkpoint, "learning-rate scheduler state")
-        self.lr_scheduler.load_state_dict(torch.load(scheduler, weights_only=True))
+        save_optimizer_and_scheduler(self, output_dir)
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
-        """This rank's shards of the checkpoint's weights, saved at any layout (its ``dcp/``, resharded by DCP; a
-        checkpoint of boost-hf 0.x: its canonical ``model.safetensors``); :meth:`train` verified the folder against
-        its manifest and architecture record first."""
-        model = self.accelerator.unwrap_model(model if model is not None else self.model)
-        with full_precision_parameters(model, loading=True):  # bf16_params: into the fp32 masters
-            if is_distributed_checkpoint(resume_from_checkpoint):
-                load_model_state(model, os.path.join(resume_from_checkpoint, DCP_FOLDER))
-            else:
-                load_canonical_checkpoint(model, resolve_checkpoint_files(resume_from_checkpoint))
+        """This rank's shards of the checkpoint's weights, saved at any layout (:func:`~.checkpointing.load_weights`)."""
+        load_weights(self, resume_from_checkpoint, model)
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        """This rank's optimizer state (resharded at another layout) and the scheduler
+        (:func:`~.checkpointing.load_optimizer_and_scheduler`)."""
+        load_optimizer_and_scheduler(self, checkpoint)
+
+    def training_layout(self, optimizer_records: list[dict] | None = None) -> dict:
+        """This run's layout record (:func:`~.checkpointing.run_layout`)."""
+        return run_layout(self, optimizer_records)
 
 
 __all__ = ["BoostTrainer"]

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from datasets import Dataset
 
-import boost_hf.checkpoint_integrity as integrity
+import boost_hf.checkpoint.integrity as integrity
 from boost_hf import BoostLlamaConfig, BoostLlamaForCausalLM
 from boost_hf.training import BoostTrainer, BoostTrainingArguments
 
@@ -122,7 +122,7 @@ def main() -> None:
     parser.add_argument("--tp", type=int, default=2)
     options = parser.parse_args()
     out = Path(options.out)
-    import boost_hf.training.run_folder as run_folder_module
+    import boost_hf.checkpoint.run_folder as run_folder_module
 
     run_folder_module.verify_checkpoint_once = counted("verify", run_folder_module.verify_checkpoint_once)
     BoostTrainer._load_from_checkpoint = measured("load_model", BoostTrainer._load_from_checkpoint)

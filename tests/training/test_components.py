@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from boost_hf.training.checkpoint import atomic_directory
+from boost_hf.checkpoint.folders import atomic_directory
 from boost_hf.training.data import EvalShard
 from boost_hf.training.deepspeed import configure_deepspeed
 from boost_hf.training.grad_norm import clip_grad_norm_, global_grad_norm

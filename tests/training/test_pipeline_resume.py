@@ -27,7 +27,7 @@ import pytest
 import torch
 
 from boost_hf.parallel.sharding import ShardSpec
-from boost_hf.training.resume import (
+from boost_hf.checkpoint.resume import (
     LAYOUT_NAME,
     ResumeLayoutError,
     check_resume_layout,

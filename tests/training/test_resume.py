@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 import torch
 
-from boost_hf.checkpoint_integrity import CheckpointIntegrityError, write_manifest
+from boost_hf.checkpoint.integrity import CheckpointIntegrityError, write_manifest
 from boost_hf.parallel.sharding import ShardSpec
 from boost_hf.training.deepspeed import DEEPSPEED_PARAMETER_ORDER
-from boost_hf.training.resume import (
+from boost_hf.checkpoint.resume import (
     LAYOUT_NAME,
     ResumeLayoutError,
     check_resume_layout,

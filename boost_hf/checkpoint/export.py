@@ -48,7 +48,7 @@ def single_device_skeleton_of(config) -> nn.Module:
 def weight_files_plan(config, saved: dict[str, tuple], max_shard_size: int | str):
     """``huggingface_hub``'s ``StateDictSplit`` of the single-device model's state dict (tied weights removed as
     transformers' ``save_pretrained`` removes them), each tensor with its saved shape and dtype (``saved``:
-    :func:`~boost_hf.parallel.sharded_state.saved_tensors`). Raises ``ValueError`` naming missing or
+    :func:`~boost_hf.checkpoint.sharded_state.saved_tensors`). Raises ``ValueError`` naming missing or
     wrongly-shaped tensors."""
     from huggingface_hub import split_torch_state_dict_into_shards
     from transformers.modeling_utils import remove_tied_weights_from_state_dict
