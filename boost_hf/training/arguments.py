@@ -21,6 +21,7 @@ from transformers import TrainingArguments
 
 from ..parallel.config import ParallelConfig
 from ..parallel.settings import config_of_training_arguments, parse_layer_split, training_fields
+from ..data_parallel_config import data_parallel_training_fields
 from ..precision_config import precision_training_fields
 from ..optim.loro import EPSILON_PLACEMENTS, LOWRANK_OPTIMIZERS
 from ..optim.loro_schedule import authors_schedule_shift, check_authors_schedule
@@ -113,16 +114,24 @@ PrecisionArguments = make_dataclass("PrecisionArguments", precision_training_fie
 PrecisionArguments.__doc__ = """The precision fields of :class:`BoostTrainingArguments`: :class:`~boost_hf.precision_config.PrecisionConfig`'s,
 generated from its declaration (names, ``Literal`` choices, defaults, help)."""
 PrecisionArguments.__module__ = __name__
+DataParallelArguments = make_dataclass("DataParallelArguments", data_parallel_training_fields(), kw_only=True)
+DataParallelArguments.__doc__ = """The data-parallel fields of :class:`BoostTrainingArguments`:
+:class:`~boost_hf.data_parallel_config.DataParallelConfig`'s, generated from its declaration (names, ``Literal`` choices,
+defaults, help)."""
+DataParallelArguments.__module__ = __name__
 
 
 @dataclass(kw_only=True)
-class BoostTrainingArguments(LayoutArguments, PrecisionArguments, TrainingArguments):
+class BoostTrainingArguments(LayoutArguments, PrecisionArguments, DataParallelArguments, TrainingArguments):
     """Training arguments of boost-hf: ``TrainingArguments``, the layout fields of :class:`LayoutArguments` (those of
     :class:`~boost_hf.parallel.config.ParallelConfig`, whose help says what each does: ``tp_size``, ``tp_style``,
     ``rmsnorm``, ``group_linears``, ``activation_checkpointing_mode``, ``sequence_parallel``, ``pp_size``,
     ``pp_schedule``, ``pp_microbatches``, ``pp_stages_per_rank``, ``pp_layer_split``), the precision fields of
     :class:`PrecisionArguments` (those of :class:`~boost_hf.precision_config.PrecisionConfig`: ``precision_policy``,
-    ``grad_reduce_dtype``, ``fp32_residual``), and:
+    ``grad_reduce_dtype``, ``fp32_residual``), the data-parallel fields of :class:`DataParallelArguments` (those of
+    :class:`~boost_hf.data_parallel_config.DataParallelConfig`: ``data_parallel``, ``dp_replicate_size``,
+    ``fsdp_reshard_after_forward``, ``fsdp_units``; FSDP2 asked for through transformers' ``--fsdp``, an accelerate
+    config or ``parallelism_config`` is written onto them, :mod:`boost_hf.training.compatibility`), and:
 
     Args:
         peak_tflops: dense peak TFLOP/s of one device, the denominator of MFU (default: the GPU preset of
@@ -317,4 +326,4 @@ class BoostTrainingArguments(LayoutArguments, PrecisionArguments, TrainingArgume
         return config_of_training_arguments(self, model_config)
 
 
-__all__ = ["BoostTrainingArguments", "LayoutArguments", "default_peak_tflops", "CPU_PEAK_TFLOPS"]
+__all__ = ["BoostTrainingArguments", "DataParallelArguments", "LayoutArguments", "default_peak_tflops", "CPU_PEAK_TFLOPS"]

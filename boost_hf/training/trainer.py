@@ -46,14 +46,16 @@ from ..data.stream import BlockStream
 from ..evaluation import metrics_from_sums
 from ..optim.loro import check_loro_training, optimizer_of_arguments, restart_schedule_at_exact_steps
 from ..optim.loro_schedule import schedule_of_arguments
+from ..data_parallel_config import DataParallelConfig
+from ..parallel.fully_shard import FullyShard
 from ..parallel.parts import PartParallelism
-from ..parallel.state import ParallelState
+from ..parallel.state import ParallelState, data_parallel_mesh
 from ..perf.flops import training_flops_per_token
 from .arguments import default_peak_tflops
 from .checkpointing import (
     load_optimizer_and_scheduler, load_weights, run_layout, save_checkpoint, save_optimizer_and_scheduler,
 )
-from .compatibility import accelerator_without_parallelism_config
+from .compatibility import without_accelerate_parallelism
 from .data import EvalShard, StreamLoader, restore_data_position, shard_by_data_parallel_rank
 from .deepspeed import ModelParallelUnit, configure_deepspeed, deepspeed_initialize_hooks, skip_shm_comm_if_requested
 from .engine import engine_for
@@ -132,7 +134,7 @@ class BoostTrainer(Trainer):
 
     # ------------------------------------------------------------------ set-up
     def create_accelerator_and_postprocess(self) -> None:
-        with accelerator_without_parallelism_config():  # honoured by the arguments, not to be applied again
+        with without_accelerate_parallelism():  # honoured by the arguments, not to be applied again
             super().create_accelerator_and_postprocess()
         if self.args.deepspeed_plugin is not None and not self.is_deepspeed_enabled:
             raise ValueError(
@@ -153,7 +155,8 @@ class BoostTrainer(Trainer):
 
     def part_parallelism(self) -> PartParallelism:
         """What the engine applies to each part of the model after TP and activation checkpointing: compile, the
-        policy's autocast (around the stages the pipeline schedule calls), DDP's settings over the DP group."""
+        policy's autocast (around the stages the pipeline schedule calls), DDP's settings over the DP group, or FSDP2's
+        (:meth:`fully_shard`)."""
         args = self.args
         ddp = self.accelerator.ddp_handler.to_kwargs() if self.accelerator.ddp_handler is not None else {}
         ddp.update(find_unused_parameters=bool(args.ddp_find_unused_parameters),
@@ -162,7 +165,23 @@ class BoostTrainer(Trainer):
             compile=dict(backend=args.torch_compile_backend, mode=args.torch_compile_mode) if args.torch_compile else None,
             context=functools.partial(self.precision.autocast, args.device.type), dp_group=self.parallel_state.dp_group,
             ddp_kwargs=ddp, place=functools.partial(self.accelerator.prepare_model, evaluation_mode=True),
+            fully_shard=self.fully_shard(),
         )
+
+    def fully_shard(self) -> FullyShard | None:
+        """FSDP2's settings under ``--data_parallel fsdp2`` with more than one DP rank (else ``None``): the DP mesh
+        (HSDP's with ``--dp_replicate_size``; collective the first time), the reshard policy and units, and the
+        precision policy's dtypes (``bf16_params``: gathered in bf16, reduced in its reduce dtype; the sharded
+        parameters are the fp32 masters)."""
+        settings, state = DataParallelConfig.of(self.args), self.parallel_state
+        if not settings.fully_sharded or state.dp_group is None:
+            return None
+        casts = self.precision.owner == "fsdp2"
+        return FullyShard(mesh=data_parallel_mesh(state, settings.dp_replicate_size),
+                          reshard_after_forward=settings.fsdp_reshard_after_forward,
+                          layers_apart=settings.fsdp_units == "decoder_layers",
+                          param_dtype=self.precision.param_dtype if casts else None,
+                          reduce_dtype=self.precision.grad_reduce_dtype if casts else None)
 
     def autocast_smart_context_manager(self, cache_enabled: bool | None = True) -> contextlib.AbstractContextManager:
         """The precision policy's autocast (``torch.autocast`` to the compute dtype, or nothing) for a forward."""
