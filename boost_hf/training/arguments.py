@@ -23,6 +23,7 @@ from ..parallel.config import ParallelConfig
 from ..parallel.settings import config_of_training_arguments, parse_layer_split, training_fields
 from ..optim.loro import EPSILON_PLACEMENTS, LOWRANK_OPTIMIZERS
 from ..optim.loro_schedule import check_authors_schedule
+from .stack import check_training_stack
 from .compatibility import check_settings, settings_from_accelerate
 from .health import NONFINITE_POLICIES
 from .preemption import DEFAULT_EXIT_SIGNALS, parse_exit_signals
@@ -253,6 +254,7 @@ class BoostTrainingArguments(LayoutArguments, TrainingArguments):
     dataloader_drop_last: bool = True
 
     def __post_init__(self) -> None:
+        check_training_stack()
         self.pp_layer_split = parse_layer_split(self.pp_layer_split)
         if not torch.cuda.is_available():
             self.use_cpu = True

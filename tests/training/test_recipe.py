@@ -142,8 +142,12 @@ def test_sequence_parallel_argument_and_its_refusals():
 
 
 def test_trainer_activation_checkpointing_flag_selects_full_recompute():
-    args = BoostTrainingArguments(output_dir="unused", activation_checkpointing=True)
-    assert args.activation_checkpointing_mode == "full" and not args.activation_checkpointing
+    """The Trainer's own switch (activation_checkpointing from transformers 5.23, gradient_checkpointing before)."""
+    from dataclasses import fields
+
+    switch = "activation_checkpointing" if "activation_checkpointing" in {f.name for f in fields(BoostTrainingArguments)} else "gradient_checkpointing"
+    args = BoostTrainingArguments(output_dir="unused", **{switch: True})
+    assert args.activation_checkpointing_mode == "full" and not getattr(args, switch)
 
 
 def test_model_config_takes_the_tokenizer_vocabulary_padded():
