@@ -256,11 +256,23 @@ class HangWatchdog:
 
     def a_peer_exited(self) -> bool:
         """Whether another rank has already left the run (finished, failed or stopped by this watchdog): one store
-        call. A SIGTERM then comes from the launcher stopping the rest of the run, not from a scheduler."""
+        call. A SIGTERM then comes from the launcher stopping the rest of the run, not from a scheduler. A store that
+        cannot be reached (``DistNetworkError``: the connection closed or refused, the launcher hosting it is gone)
+        counts as the run's end; any other store error (a timeout, a busy store) says nothing about the peers: this
+        returns ``False`` (the signal is taken for a scheduler's, and the run saves) and prints why."""
+        import torch.distributed as dist
+
         try:
             return self.store.add(f"{_PREFIX}exited", 0) > 0
-        except Exception:  # the launcher's store is gone: so is the run
+        except (dist.DistNetworkError, ConnectionError):  # the launcher's store is gone: so is the run
             return True
+        except Exception as error:  # noqa: BLE001 (not evidence of an exit: the stop request is honoured)
+            message = (f"boost-hf: rank {self.rank} could not read the count of exited ranks from the launcher's store "
+                       f"({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}); taking the signal "
+                       "for a stop request (the run saves a checkpoint).\n")
+            with contextlib.suppress(OSError):
+                os.write(2, message.encode())  # called from a signal handler: no buffered stream
+            return False
 
     def _run(self) -> None:
         peers = [r for r in range(self.world_size) if r != self.rank]
