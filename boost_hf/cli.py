@@ -281,8 +281,9 @@ def _run_plan(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from .parallel.settings import layout_values
-    from .perf.planner import Cluster, plan_inputs, plan, plan_report
+    from .perf.planner import Cluster, check_positive, plan_inputs, plan, plan_report
 
+    check_positive(gpus_per_node=args.gpus_per_node, gpu_memory_gb=args.gpu_memory_gb, top=args.top)
     inputs = plan_inputs(recipe=args.recipe, preset=args.preset, config_path=args.config, gpus=args.gpus,
                          seq_len=args.seq, global_batch=args.global_batch)
     hardware = _hardware(args, gpus_per_node=args.gpus_per_node or (args.gpus if args.gpu == "cpu" else None),
