@@ -15,12 +15,17 @@ Supported sources:
 
 If the source has no validation split (``validation``, ``valid``, ``val``, ``dev`` or
 ``test``), one is carved from ``train`` by a stable hash of each document's text (of its ids, pre-tokenized).
+
+Records without the text field (or with a null one) are counted and refused, naming the count; with
+``skip_records_without_text`` they are left out and the count is logged (a stream, which cannot be counted ahead,
+refuses or skips them as it reads them: :func:`~boost_hf.data.pipeline.document_token_ids`).
 """
 
 from __future__ import annotations
 
 import glob
 import json
+import logging
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -39,6 +44,8 @@ from datasets.exceptions import DatasetGenerationError
 from .checks import check_text_file, require_existing_path
 from .corpus import DEFAULT_VALIDATION_PERCENT, load_wikipedia_sample
 from .splits import split_by_key
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_SOURCE = "wikipedia-sample"
 VALIDATION_SPLIT_NAMES: tuple[str, ...] = ("validation", "valid", "val", "dev", "test")
@@ -198,6 +205,25 @@ def load_raw_dataset(
     return load_dataset(os.fspath(source), config, streaming=streaming, cache_dir=hf_cache, **kwargs)
 
 
+def without_missing_text(dataset: Dataset, text_column: str, split: str, skip: bool) -> Dataset:
+    """``dataset`` (map-style, text) if every record has ``text_column`` (not null); else ``ValueError`` naming how many
+    lack it, or, with ``skip``, ``dataset`` without them (a cached filter) and a warning with the count. Counted from
+    the Arrow column's null count (no pass over the data)."""
+    missing = dataset.with_format("arrow")[text_column].null_count
+    if not missing:
+        return dataset
+    if not skip:
+        raise ValueError(
+            f"{missing} of {len(dataset)} records of the {split} data have no {text_column!r} field (or a null one): they "
+            f"would be left out of the {split} data. Give every record its text, set text_column to the field that holds "
+            "it, or pass --skip_records_without_text true (skip_records_without_text=True) to leave them out."
+        )
+    logger.warning("skipping %d of %d records of the %s data without a %r field (skip_records_without_text)",
+                   missing, len(dataset), split, text_column)
+    return dataset.filter(lambda batch: [text is not None for text in batch[text_column]], batched=True,
+                          desc=f"Leaving out the records without {text_column!r}")
+
+
 def load_text_splits(
     source: Source = None,
     *,
@@ -208,12 +234,14 @@ def load_text_splits(
     cache_dir: PathLike | None = None,
     datasets_cache_dir: PathLike | None = None,
     load_kwargs: Mapping[str, Any] | None = None,
+    skip_records_without_text: bool = False,
 ) -> AnyDatasetDict:
     """Load ``source`` as a dict with exactly ``train`` and ``validation`` splits.
 
     A source with one split (or a plain dataset) is used as ``train``; a missing validation
     split is carved from ``train`` with :func:`boost_hf.data.splits.split_by_key` on
     ``text_column`` (``input_ids`` for pre-tokenized documents), so it is deterministic and disjoint by document.
+    Records of a map-style source without ``text_column`` are refused (:func:`without_missing_text`).
     """
     loaded = load_raw_dataset(
         source,
@@ -239,6 +267,10 @@ def load_text_splits(
     pre_tokenized = columns is not None and "input_ids" in columns
     if columns is not None and text_column not in columns and not pre_tokenized:
         raise ValueError(f"text column {text_column!r} not found, and no input_ids column; columns are {columns}")
+    if not pre_tokenized and isinstance(train, Dataset):
+        train = without_missing_text(train, text_column, "train", skip_records_without_text)
+        if isinstance(validation, Dataset):
+            validation = without_missing_text(validation, text_column, "validation", skip_records_without_text)
     if validation is None:
         return split_by_key(train, "input_ids" if pre_tokenized else text_column, validation_percent)
     if isinstance(train, IterableDataset):

@@ -76,6 +76,9 @@ class DataArguments:
     )
     dataset_config: str | None = field(default=None, metadata={"help": "Hub dataset configuration."})
     text_column: str = field(default="text", metadata={"help": "Column holding the document text."})
+    skip_records_without_text: bool = field(
+        default=False, metadata={"help": "Leave out the records without the text column (counted and logged) instead of "
+                                         "refusing the data."})
     tokenizer: str = field(
         default="bpe",
         metadata={"help": "bpe-<vocab> (byte-level BPE trained on the Wikipedia sample, cached), a folder or a Hub name."},
@@ -182,6 +185,7 @@ def build_datasets(data_args: DataArguments, tokenizer, training_args: BoostTrai
             shuffle_buffer=data_args.shuffle_buffer,
             seed=seed,
             stream_shards=data_args.stream_shards,
+            skip_records_without_text=data_args.skip_records_without_text,
         )
     if data_args.streaming:
         validation = datasets["validation"]

@@ -167,3 +167,37 @@ def test_hub_name_is_routed_to_load_dataset(small_tokenizer, monkeypatch: pytest
     assert isinstance(built["train"], BlockStream) and isinstance(built["validation"], BlockStream)
     assert len(list(built["validation"])) == 1
     assert all(len(row["input_ids"]) == BLOCK for row in built["train"])
+
+
+def test_records_without_the_text_field_are_counted_and_refused_or_skipped(small_tokenizer, tmp_path: Path, caplog) -> None:
+    """9 of 40 JSON lines without ``text`` (one of them ``null``): refused with the count, map-style and streamed;
+    skipped on request with the count logged, the blocks then those of the file without them."""
+    lines = [{"text": t} if i % 5 else ({"title": f"t{i}"} if i != 10 else {"text": None}) for i, t in enumerate(SENTENCES)]
+    lines = lines[:5 * 9]
+    missing = sum(line.get("text") is None for line in lines)
+    with_text = [line["text"] for line in lines if line.get("text") is not None]
+    source = tmp_path / "docs.jsonl"
+    source.write_text("".join(json.dumps(line) + "\n" for line in lines), encoding="utf-8")
+    clean = tmp_path / "clean.jsonl"
+    clean.write_text("".join(json.dumps({"text": text, "title": "x"}) + "\n" for text in with_text), encoding="utf-8")
+    files = {"train": str(source), "validation": str(clean)}
+    with pytest.raises(ValueError, match=rf"{missing} of {len(lines)} records of the train data have no 'text' field \(or a "
+                                         r"null one\).*--skip_records_without_text true"):
+        build_lm_datasets(files, small_tokenizer, BLOCK, datasets_cache_dir=tmp_path / "hf")
+    with caplog.at_level("WARNING"):
+        built = build_lm_datasets(files, small_tokenizer, BLOCK, datasets_cache_dir=tmp_path / "hf",
+                                  skip_records_without_text=True)
+    assert f"skipping {missing} of {len(lines)} records of the train data without a 'text' field" in caplog.text
+    assert built["train"]["input_ids"] == built["validation"]["input_ids"]  # the same documents, the same blocks
+
+    stream = build_lm_datasets(files, small_tokenizer, BLOCK, streaming=True, max_eval_blocks=1,
+                               datasets_cache_dir=tmp_path / "hf-stream")["train"]
+    with pytest.raises(ValueError, match=r"record\(s\) read have no 'text' field .*--skip_records_without_text true"):
+        list(stream)
+    stream = build_lm_datasets(files, small_tokenizer, BLOCK, streaming=True, max_eval_blocks=1,
+                               datasets_cache_dir=tmp_path / "hf-stream", skip_records_without_text=True)["train"]
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        rows = [row["input_ids"].tolist() for row in stream]
+    assert rows == built["train"]["input_ids"][: len(rows)] and len(rows) >= len(built["train"])
+    assert stream.to_ids.records_without_text == missing and "without a 'text' field so far" in caplog.text
