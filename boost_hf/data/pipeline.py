@@ -17,6 +17,7 @@ resumes without re-reading. The result depends only on the data, the tokenizer a
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -30,7 +31,7 @@ from transformers import PreTrainedTokenizerBase
 
 from .checks import token_id_range
 from .corpus import DEFAULT_VALIDATION_PERCENT
-from .sources import PathLike, Source, load_text_splits
+from .sources import PathLike, Source, load_text_splits, local_data_files, unreadable_file_error
 from .stream import BlockStream
 from .tokenizer import load_tokenizer
 
@@ -343,6 +344,8 @@ def build_lm_datasets(
     if streaming:
         to_ids = document_token_ids(tokenizer, text_column=text_column, add_bos=add_bos,
                                     skip_records_without_text=skip_records_without_text)
+        files = local_data_files(source)
+        explain = functools.partial(unreadable_file_error, files, load_kwargs) if files else None
         streams = {}
         for name, split in splits.items():
             columns = _selected_columns(split.column_names, text_column)
@@ -351,7 +354,7 @@ def build_lm_datasets(
                 split.select_columns(columns) if columns is not None else split, to_ids, block_size,
                 max_blocks=max_train_blocks if training else max_eval_blocks,
                 shuffle_buffer=shuffle_buffer if training else 0, seed=seed,
-                logical_streams=stream_shards if training else 1,
+                logical_streams=stream_shards if training else 1, explain_read_error=explain,
             )
         return streams
     caps = {"train": max_train_blocks, "validation": max_eval_blocks}

@@ -111,17 +111,56 @@ def _load_files(
     builders = {builder_for_file(path) for files in data_files.values() for path in files}
     if len(builders) != 1:
         raise ValueError(f"all data files must share one format, got {sorted(builders)}")
-    for path in (path for files in data_files.values() for path in files):
+    paths = [path for files in data_files.values() for path in files]
+    for path in paths:
         if builder_for_file(path) != "parquet" and not path.lower().endswith(_COMPRESSION_SUFFIXES):
             check_text_file(path)
     builder = builders.pop()
+    if builder == "parquet":
+        check_parquet_footers(paths)
     try:
-        return load_dataset(builder, data_files=data_files, streaming=streaming, cache_dir=datasets_cache_dir, **load_kwargs)
-    except DatasetGenerationError:
-        if builder == "json":
-            for path in (path for files in data_files.values() for path in files):
+        loaded = load_dataset(builder, data_files=data_files, streaming=streaming, cache_dir=datasets_cache_dir, **load_kwargs)
+    except DatasetGenerationError as error:
+        raise unreadable_file_error(paths, load_kwargs) or error
+    return loaded
+
+
+def check_parquet_footers(paths: list[str]) -> None:
+    """``ValueError`` naming the first Parquet file whose footer (its schema and row groups, a few KiB at the end of
+    the file) cannot be read: a truncated, damaged or not-Parquet file (pyarrow: "Parquet magic bytes not found")."""
+    import pyarrow.parquet as pq
+
+    for path in paths:
+        try:
+            pq.read_metadata(path)
+        except Exception as error:  # noqa: BLE001 (pyarrow's ArrowInvalid, OSError: named with the file below)
+            raise ValueError(_unreadable(path, "parquet", error)) from None
+
+
+def _unreadable(path: str, builder: str, error: BaseException) -> str:
+    reason = str(error).strip().splitlines()[0][:300] if str(error).strip() else ""
+    return (f"data file {path!r} cannot be read as {builder} ({type(error).__name__}: {reason}): it is damaged, "
+            "truncated or not in that format; replace it or remove it from the dataset.")
+
+
+def unreadable_file_error(paths: list[str], load_kwargs: Mapping[str, Any] | None = None) -> ValueError | None:
+    """After reading the data failed: the ``ValueError`` naming the first of ``paths`` that its reader cannot read, with
+    the reader's error (a JSON Lines file: its first invalid line), or ``None`` if each reads on its own. Reads the
+    files, one by one: for the error path only."""
+    for path in paths:
+        builder = builder_for_file(path)
+        try:
+            if builder == "json":
                 check_json_lines(path)
-        raise
+            for _ in load_dataset(builder, data_files=[path], split="train", streaming=True, **dict(load_kwargs or {})):
+                pass
+        except ValueError as error:
+            if str(error).startswith(f"data file {path!r}"):
+                return error
+            return ValueError(_unreadable(path, builder, error))
+        except Exception as error:  # noqa: BLE001 (the reader's own error, named with its file)
+            return ValueError(_unreadable(path, builder, error))
+    return None
 
 
 def check_json_lines(path: str) -> None:
@@ -145,6 +184,22 @@ def check_json_lines(path: str) -> None:
                     f"data file {path!r}, line {number}: not valid JSON ({error.msg} at column {error.colno}): "
                     f"{line[:80]!r}. Fix or remove that line (JSON Lines: one JSON object per line)."
                 ) from None
+
+
+def local_data_files(source: Source) -> list[str] | None:
+    """The local data files ``source`` names (a file, a glob, a list of them, a ``{split: files}`` mapping), as
+    :func:`load_raw_dataset` reads them; ``None`` for the other sources (a folder, the Wikipedia sample, the Hub)."""
+    if source is None or (isinstance(source, str) and source == DEFAULT_SOURCE):
+        return None
+    if isinstance(source, Mapping):
+        found = [_as_file_list(value) for value in source.values()]
+        return None if any(files is None for files in found) else [path for files in found for path in files]
+    if isinstance(source, (str, os.PathLike)) and os.path.isdir(os.path.expanduser(os.fspath(source))):
+        return None
+    try:
+        return _as_file_list(source if isinstance(source, (str, os.PathLike)) else list(source))
+    except FileNotFoundError:
+        return None
 
 
 def load_raw_dataset(

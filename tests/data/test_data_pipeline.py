@@ -201,3 +201,60 @@ def test_records_without_the_text_field_are_counted_and_refused_or_skipped(small
         rows = [row["input_ids"].tolist() for row in stream]
     assert rows == built["train"]["input_ids"][: len(rows)] and len(rows) >= len(built["train"])
     assert stream.to_ids.records_without_text == missing and "without a 'text' field so far" in caplog.text
+
+
+def _damaged(tmp_path: Path, kind: str) -> tuple[list[str], str]:
+    """Good files of one format and one damaged file among them: ``(files, the damaged file's name)``."""
+    import gzip
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    suffix = {"parquet magic": ".parquet", "parquet truncated": ".parquet", "jsonl.gz": ".jsonl.gz", "csv": ".csv",
+              "jsonl": ".jsonl"}[kind]
+    files = []
+    for i in range(2):
+        path = tmp_path / f"good{i}{suffix}"
+        texts = SENTENCES[i * 20:(i + 1) * 20]
+        if suffix == ".parquet":
+            pq.write_table(pa.table({"text": texts}), path)
+        elif suffix == ".csv":
+            path.write_text("text\n" + "".join(f'"{t}"\n' for t in texts))
+        elif suffix == ".jsonl.gz":
+            path.write_bytes(gzip.compress("".join(json.dumps({"text": t}) + "\n" for t in texts).encode()))
+        else:
+            _write_jsonl(path, texts)
+        files.append(str(path))
+    bad = tmp_path / f"bad{suffix}"
+    if kind == "parquet magic":
+        bad.write_bytes(b"not parquet at all" * 20)
+    elif kind == "parquet truncated":
+        bad.write_bytes(Path(files[0]).read_bytes()[:-30])
+    elif kind == "jsonl.gz":
+        bad.write_bytes(gzip.compress(b'{"text": "one"}\n{"text": "two"\n'))
+    elif kind == "csv":
+        bad.write_text('text\n"one"\n"two\n')
+    else:
+        _write_jsonl(bad, SENTENCES[:30])
+        with bad.open("a") as f:
+            f.write('{"text": "cut short"\n')
+    return [files[0], str(bad), files[1]], str(bad)
+
+
+@pytest.mark.parametrize("kind, reader_error", [
+    ("parquet magic", r"ArrowInvalid: .*Parquet magic bytes not found"),
+    ("parquet truncated", r"ArrowInvalid: "),
+    ("jsonl.gz", r"ArrowInvalid: JSON parse error"),
+    ("csv", r"ParserError: "),
+    ("jsonl", r"not valid JSON \(Expecting"),
+])
+@pytest.mark.parametrize("streaming", [False, True])
+def test_a_damaged_file_of_any_format_is_named_with_the_readers_error(small_tokenizer, tmp_path: Path, kind, reader_error,
+                                                                      streaming) -> None:
+    """One damaged file among good ones: the error names that file and says what its reader said (map-style: when the
+    data is loaded; streamed: when the stream reaches it, or, for Parquet's footer, when it is loaded)."""
+    files, bad = _damaged(tmp_path, kind)
+    with pytest.raises(ValueError, match=rf"data file '{bad}'(, line 31:| cannot be read as \w+ \().*{reader_error}"):
+        built = build_lm_datasets(files, small_tokenizer, BLOCK, streaming=streaming, max_eval_blocks=1,
+                                  datasets_cache_dir=tmp_path / "hf")
+        list(built["train"])
