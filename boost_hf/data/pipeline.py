@@ -31,7 +31,8 @@ from transformers import PreTrainedTokenizerBase
 
 from .checks import token_id_range
 from .corpus import DEFAULT_VALIDATION_PERCENT
-from .sources import PathLike, Source, load_text_splits, local_data_files, unreadable_file_error
+from .fingerprint import attach_sources
+from .sources import PathLike, Source, load_text_splits, local_data_files, training_sources, unreadable_file_error
 from .stream import BlockStream
 from .tokenizer import load_tokenizer
 
@@ -320,6 +321,9 @@ def build_lm_datasets(
         skip_records_without_text: leave out the records without ``text_column`` (counted and logged) instead of
             refusing them.
 
+    The training set carries its :class:`~boost_hf.data.fingerprint.DataSources` (:func:`training_sources`), which
+    a checkpoint's data position records the fingerprint of.
+
     Returns:
         A ``DatasetDict`` with ``train`` and ``validation`` blocks (``input_ids`` of ``block_size`` ids, ``labels``
         only when the documents had their own), or, streaming, a dict of two :class:`BlockStream`.
@@ -356,6 +360,7 @@ def build_lm_datasets(
                 shuffle_buffer=shuffle_buffer if training else 0, seed=seed,
                 logical_streams=stream_shards if training else 1, explain_read_error=explain,
             )
+        attach_sources(streams["train"], training_sources(source, config=config, load_kwargs=load_kwargs))
         return streams
     caps = {"train": max_train_blocks, "validation": max_eval_blocks}
     built: dict[str, Dataset] = {}
@@ -374,4 +379,5 @@ def build_lm_datasets(
             raise ValueError(
                 f"the {name} split of {source!r} has no complete block of {block_size} tokens: add text or lower block_size."
             )
+    attach_sources(built["train"], training_sources(source, config=config, load_kwargs=load_kwargs))
     return DatasetDict(built)

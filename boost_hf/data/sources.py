@@ -43,6 +43,7 @@ from datasets.exceptions import DatasetGenerationError
 
 from .checks import check_text_file, require_existing_path
 from .corpus import DEFAULT_VALIDATION_PERCENT, load_wikipedia_sample
+from .fingerprint import DataSources, folder_files
 from .splits import split_by_key
 
 logger = logging.getLogger(__name__)
@@ -200,6 +201,30 @@ def local_data_files(source: Source) -> list[str] | None:
         return _as_file_list(source if isinstance(source, (str, os.PathLike)) else list(source))
     except FileNotFoundError:
         return None
+
+
+def training_sources(source: Source = None, *, config: str | None = None,
+                     load_kwargs: Mapping[str, Any] | None = None) -> DataSources:
+    """The :class:`~boost_hf.data.fingerprint.DataSources` of ``source``'s training split: its local files (a
+    ``{split: files}`` mapping: its ``train`` files; a folder: the files under it), or, for the Wikipedia sample and a
+    Hub dataset, what pins it (the dump's SHA-256 and the cleaning version; the name, configuration and revision)."""
+    if source is None or (isinstance(source, str) and source == DEFAULT_SOURCE):
+        from .corpus import CLEANING_VERSION, WIKI_SAMPLE_SHA256
+
+        return DataSources(f"the Wikipedia sample (sha256 {WIKI_SAMPLE_SHA256[:16]}..., cleaning version {CLEANING_VERSION})")
+    if isinstance(source, Mapping) and "train" in source:
+        return DataSources(f"the files {source['train']!r}", tuple(_as_file_list(source["train"]) or ()))
+    files = local_data_files(source)
+    if files is not None:
+        return DataSources(f"the files {source!r}", tuple(files))
+    path = os.path.expanduser(os.fspath(source)) if isinstance(source, (str, os.PathLike)) else None
+    if path is not None and os.path.isdir(path):
+        train = os.path.join(path, "train")  # a DatasetDict.save_to_disk folder: its train split
+        folder = train if os.path.isfile(os.path.join(path, "dataset_dict.json")) and os.path.isdir(train) else path
+        return DataSources(f"the folder {folder!r}", tuple(folder_files(folder)))
+    pinned = [f"configuration {config}"] if config else []
+    pinned += [f"revision {load_kwargs['revision']}"] if load_kwargs and load_kwargs.get("revision") else []
+    return DataSources(f"the Hub dataset {os.fspath(source)!r}" + (f" ({', '.join(pinned)})" if pinned else ""))
 
 
 def load_raw_dataset(

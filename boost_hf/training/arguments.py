@@ -170,6 +170,8 @@ class BoostTrainingArguments(LayoutArguments, TrainingArguments):
             run killed meanwhile leaves only a staging folder (:mod:`boost_hf.training.checkpoint`).
         save_max_shard_size: largest safetensors file of ``final/`` and of every parallel ``save_pretrained`` (default
             ``"5GB"``): each file is written by one rank, which holds at most that much of the model.
+        resume_on_changed_data: resume at the checkpoint's data position although the training data's fingerprint
+            (:mod:`boost_hf.data.fingerprint`) differs from the one the checkpoint recorded (refused without it).
 
     Without CUDA, ``use_cpu`` is set (and ``ddp_backend="gloo"`` when launched on several processes), so
     ``accelerate launch`` runs on CPU processes with or without DeepSpeed. ``ddp_timeout`` bounds every collective
@@ -241,6 +243,11 @@ class BoostTrainingArguments(LayoutArguments, TrainingArguments):
     )
     save_max_shard_size: str = field(
         default="5GB", metadata={"help": "Largest safetensors file of final/ (each written by one rank, holding at most that)."}
+    )
+    resume_on_changed_data: bool = field(
+        default=False,
+        metadata={"help": "Resume at the checkpoint's data position although the training data's fingerprint differs from "
+                          "the saved one (files added, removed or changed): the samples after it differ from the saved run's."},
     )
 
     # CoLA recipe defaults (BOOST.md section 1)
