@@ -666,3 +666,28 @@ def test_resuming_on_changed_data_is_refused_naming_both_fingerprints(tmp_path, 
     with caplog.at_level("WARNING"):
         train(checkpoint, resume_on_changed_data=True)
     assert "Continuing at the saved position on this data (--resume_on_changed_data)" in caplog.text
+
+
+def test_a_damaged_lock_is_said_at_once_and_taken_over_after_two_heartbeats_unless_its_owner_repairs_it(tmp_path, capfd):
+    """A garbage lock file written just now (an old heartbeat bound of 60 s would wait a minute, silently): the run says
+    it found it and takes it over after 2 heartbeats; a live owner whose lock was written over rewrites it at its next
+    beat, so a second run is refused."""
+    import time
+
+    (tmp_path / ".boost_hf.lock").write_text("garbage {")
+    started = time.monotonic()
+    lock = OutputDirLock(str(tmp_path), heartbeat_s=0.5, stale_after_s=60)
+    lock.acquire("new-run")
+    assert time.monotonic() - started < 5
+    err = capfd.readouterr().err
+    assert re.search(r"holds a damaged lock file .*\.boost_hf\.lock \(not the record a run writes\): taking it over if it "
+                     r"stays so for 1 s", err), err
+    assert "took over the lock" in err and "a damaged lock file, owner unknown: it stayed damaged for 1 s" in err
+    assert json.loads((tmp_path / ".boost_hf.lock").read_text())["run_id"] == "new-run"
+
+    (tmp_path / ".boost_hf.lock").write_text("written over")  # the live owner's lock damaged
+    with pytest.raises(OutputDirInUseError, match="is in use by another run"):
+        OutputDirLock(str(tmp_path), heartbeat_s=0.5, stale_after_s=60).acquire("second-run")
+    assert "was damaged; rewriting it" in capfd.readouterr().err
+    assert json.loads((tmp_path / ".boost_hf.lock").read_text())["run_id"] == "new-run"
+    lock.release()
