@@ -56,6 +56,7 @@ from ..data.collate import IGNORE_INDEX
 from ..data.fingerprint import describe_fingerprint, fingerprint_differences, sampled_rows_sha256, sources_of
 from ..data.stream import Block, BlockStream
 from ..parallel.state import ParallelState
+from .decisions import decided_on_rank_zero
 
 logger = logging.getLogger(__name__)
 
@@ -337,25 +338,6 @@ def data_fingerprint(train_dataset, loader) -> dict | None:
     return fingerprint or None
 
 
-def _decided_on_rank_zero(decide):
-    """``decide()`` on global rank 0, its result (or its error, raised on every rank) sent to every rank: one
-    ``broadcast_object_list`` when launched on several processes."""
-    launched = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-    outcome = [None, None]  # [result, error]
-    if not launched or dist.get_rank() == 0:
-        try:
-            outcome[0] = decide()
-        except Exception as error:  # noqa: BLE001 (raised on every rank below)
-            if not launched:
-                raise
-            outcome[1] = f"{type(error).__name__}: {error} (on rank 0)"
-    if launched:
-        dist.broadcast_object_list(outcome, src=0)
-    if outcome[1] is not None:
-        raise RuntimeError(outcome[1])
-    return outcome[0]
-
-
 def check_same_data(checkpoint: str, record: dict | None, train_dataset, loader, args) -> None:
     """Collective when launched (global rank 0 compares, every rank raises): ``ValueError`` naming what differs and
     both fingerprints when this run's training data is not the data ``checkpoint`` was saved with (a file added,
@@ -374,7 +356,7 @@ def check_same_data(checkpoint: str, record: dict | None, train_dataset, loader,
                 f"{describe_fingerprint(saved)}; now: {describe_fingerprint(now)}. The run would continue on other "
                 "samples than the saved run's.")
 
-    found = _decided_on_rank_zero(differences)
+    found = decided_on_rank_zero(differences)
     if found is None:
         return
     if getattr(args, "resume_on_changed_data", False):

@@ -21,7 +21,6 @@ import typing
 from dataclasses import dataclass, field, fields, make_dataclass
 from pathlib import Path
 
-import torch.distributed as dist
 import yaml
 from datasets import Dataset
 from transformers import HfArgumentParser, set_seed
@@ -33,6 +32,7 @@ from ..modeling_boost_llama import BoostLlamaForCausalLM
 from .arguments import BoostTrainingArguments
 from ..shipped import ACCELERATE_CONFIGS_DIR, RECIPES_DIR, VOCAB_MULTIPLE, recipe_model_config, resolve_recipe, shipped_recipes
 from .checkpoint import verify_checkpoint_once
+from .decisions import decided_on_rank_zero
 
 # BoostLlamaConfig fields that a recipe does not set: taken from the tokenizer or the training arguments.
 _NOT_RECIPE_FIELDS = {"use_cache", "pad_token_id", "bos_token_id", "eos_token_id", "rope_parameters"}
@@ -196,21 +196,8 @@ def build_datasets(data_args: DataArguments, tokenizer, training_args: BoostTrai
 
 def read_on_rank_zero(read):
     """``read()`` on global rank 0, its result (or its error, raised on every rank) sent to every rank: one
-    ``broadcast_object_list`` when launched."""
-    launched = dist.is_available() and dist.is_initialized()
-    outcome = [None, None]  # [result, error]
-    if not launched or dist.get_rank() == 0:
-        try:
-            outcome[0] = read()
-        except Exception as error:  # noqa: BLE001 (raised on every rank below)
-            outcome[1] = (type(error).__name__, str(error))
-            if not launched:
-                raise
-    if launched:
-        dist.broadcast_object_list(outcome, src=0)
-    if outcome[1] is not None:
-        raise (ValueError if outcome[1][0] == "ValueError" else RuntimeError)(f"{outcome[1][1]} (read on rank 0)")
-    return outcome[0]
+    ``broadcast_object_list`` when launched (:func:`~boost_hf.training.decisions.decided_on_rank_zero`)."""
+    return decided_on_rank_zero(read)
 
 
 DEFAULT_CORPUS_HUB_NAME = "wikimedia/wikipedia"
