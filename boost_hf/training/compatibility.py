@@ -21,8 +21,8 @@ so the rest of boost-hf reads one place: ``mixed_precision`` (``--bf16`` / ``--f
 * ``dp_shard_size`` (FSDP), ``cp_size`` (context parallelism), ``sp_size`` (DeepSpeed's Ulysses) are refused, each
   naming boost-hf's nearest setting;
 * one layout, two ways of writing it: a size set by both ``parallelism_config`` and a flag or the recipe must agree
-  (else refused, naming both). A size of 1 sets nothing (accelerate's default, which ``accelerate launch`` always
-  writes), so a flag left at its default (``tp_size`` 1) takes ``parallelism_config``'s value.
+  (else refused, naming both), a flag or recipe value of 1 included: ``--tp_size`` is unset (``None``) unless given.
+  On accelerate's side a size of 1 sets nothing (accelerate's default, which ``accelerate launch`` always writes).
 
 accelerate itself then never sees ``parallelism_config``: the trainer creates its ``Accelerator`` without it
 (:func:`accelerator_without_parallelism_config`), or accelerate would build its own device mesh and TP on top.
@@ -117,24 +117,25 @@ def unsupported_parallelism(sizes: dict[str, int], origin: str) -> str | None:
 
 def layout_from_parallelism_config(args) -> None:
     """Honour accelerate's ``parallelism_config`` on ``args`` (no collective; every rank reads the same arguments and
-    environment): its ``tp_size`` becomes ``args.tp_size``, its ``dp_replicate_size`` must equal ``WORLD_SIZE / (tp_size
+    environment): its ``tp_size`` becomes ``args.tp_size`` (``None``: not given; 1 without either), its
+    ``dp_replicate_size`` must equal ``WORLD_SIZE / (tp_size
     x pp_size)``; ``ValueError`` naming the fix for what does not map (:func:`unsupported_parallelism`) and for a size
     that a flag or the recipe sets otherwise. ``args.parallelism_config`` is then ``None``: accelerate must not apply it."""
     found = accelerate_parallelism(args)
     if found is None:
+        args.tp_size = 1 if args.tp_size is None else args.tp_size
         return
     origin, sizes = found
     refusal = unsupported_parallelism(sizes, origin)
     if refusal is not None:
         raise ValueError(refusal)
-    tp = sizes.get("tp", 1)
-    if tp > 1 and args.tp_size not in (1, tp):
+    tp = sizes.get("tp")
+    if tp is not None and args.tp_size not in (None, tp):
         raise ValueError(
             f"{origin} sets tp_size={tp} but the flag or the recipe sets tp_size={args.tp_size} (--tp_size, tp_size: in "
             "the recipe): one layout, written twice, differently. Set one of them (or both to the same value)."
         )
-    if tp > 1:
-        args.tp_size = tp
+    args.tp_size = args.tp_size if args.tp_size is not None else tp or 1
     dp = sizes.get("dp_replicate", 1)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if dp > 1 and dp * args.tp_size * args.pp_size != world:
