@@ -67,7 +67,7 @@ def streamed_trainer(output_dir: Path, stream, steps: int):
 
 
 def resume_cost(steps: int, work: Path) -> tuple[list[list], dict]:
-    from boost_hf.checkpoint_integrity import write_manifest
+    from boost_hf.checkpoint.integrity import write_manifest
     from boost_hf.data import build_lm_datasets, load_tokenizer
     from boost_hf.training import BoostTrainer
     from boost_hf.training.data import DATA_POSITION_DIR
@@ -85,7 +85,7 @@ def resume_cost(steps: int, work: Path) -> tuple[list[list], dict]:
     try:
         whole = streamed_trainer(work / "whole", stream, steps)
         whole.train()
-        whole._output_dir_lock.release()
+        whole.run.release()
         checkpoint = work / "whole" / f"checkpoint-{steps}"
         read_by_then = {"documents": whole.train_loader.documents_read, "tokens": whole.train_loader.tokens_read}
         without = work / "without-position" / checkpoint.name
@@ -98,7 +98,7 @@ def resume_cost(steps: int, work: Path) -> tuple[list[list], dict]:
             resumed = streamed_trainer(work / f"resumed-{len(rows)}", stream, steps)
             started = time.perf_counter()
             resumed.train(resume_from_checkpoint=str(folder))
-            resumed._output_dir_lock.release()
+            resumed.run.release()
             documents, tokens, at = first["at"]
             rows.append([name, documents, f"{tokens:,}", f"{at - started:.2f}"])
             losses[name] = [log["loss"] for log in resumed.state.log_history if "loss" in log and log["step"] > steps]

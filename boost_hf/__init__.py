@@ -7,6 +7,7 @@ from .modeling_boost_llama import BoostLlamaForCausalLM, BoostLlamaModel, BoostL
 from .parallel.comm_counter import CommCounter
 from .parallel.config import ParallelConfig
 from .parallel.parallelize import parallelize
+from .checkpoint import model_hooks  # noqa: F401  (a ParallelConfig builds, loads and saves a shard through it)
 
 AutoConfig.register(BoostLlamaConfig.model_type, BoostLlamaConfig, exist_ok=True)
 AutoModel.register(BoostLlamaConfig, BoostLlamaModel, exist_ok=True)

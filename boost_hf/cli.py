@@ -46,6 +46,7 @@ def _hardware(args: argparse.Namespace, **overrides):
 
 def _add_estimate_arguments(parser: argparse.ArgumentParser) -> None:
     from .parallel.settings import add_options
+    from .precision_config import add_precision_options
 
     model = parser.add_argument_group("model and workload")
     model.add_argument("--preset", default="cola-7b", help="model preset, e.g. cola-7b, lax-13b, llama-3b "
@@ -66,6 +67,10 @@ def _add_estimate_arguments(parser: argparse.ArgumentParser) -> None:
         "sequence_parallel": " Vanilla is estimated without it.",
     })
 
+    # PrecisionConfig's policy (the estimate models one data-parallel rank: no gradient all-reduce to set the dtype of)
+    add_precision_options(parser.add_argument_group("precision"), exclude=("grad_reduce_dtype", "fp32_residual"), notes={
+        "precision_policy": " Here: the policy whose casts are timed (default: none modelled, as the calibration ran).",
+    })
     _add_hardware_options(parser.add_argument_group("hardware (overrides the --gpu preset)"), default="a100")
 
     eff = parser.add_argument_group("kernel efficiencies (override the calibrated values)")
@@ -202,7 +207,8 @@ def _run_estimate(args: argparse.Namespace) -> int:
     from .parallel.settings import layout_values
 
     config = BoostLlamaConfig.from_preset(args.preset)
-    workload = Workload(micro_batch=args.micro_batch, seq_len=args.seq, **layout_values(args))
+    workload = Workload(micro_batch=args.micro_batch, seq_len=args.seq, precision=args.precision_policy,
+                        **layout_values(args))
     hardware = _hardware(args)
     overrides = {
         "gemm_max": args.efficiency,
@@ -242,7 +248,7 @@ def _run_estimate(args: argparse.Namespace) -> int:
 
 def _add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     from .parallel.settings import add_options
-    from .perf.memory import PRECISION_BYTES
+    from .precision_config import add_precision_options
 
     model = parser.add_argument_group("model (one of)")
     model.add_argument("--recipe", help="a YAML recipe or a shipped one's name (demo, cola-7b, ...): its model, sequence "
@@ -264,12 +270,11 @@ def _add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     add_options(search, exclude=("pp_layer_split",), defaults={f: None for f in (
         "tp_size", "tp_style", "rmsnorm", "group_linears", "activation_checkpointing", "sequence_parallel", "pp_size",
         "pp_schedule", "pp_microbatches", "pp_stages_per_rank")})
-    search.add_argument("--precision", nargs="+", choices=tuple(PRECISION_BYTES),
-                        help="precision policies to consider (default: autocast and bf16_params on GPUs, fp32 on cpu)")
     search.add_argument("--zero1", choices=("true", "false"), help="keep --zero1_optimizer true or false (default: both)")
-    search.add_argument("--grad-reduce-dtype", "--grad_reduce_dtype", dest="grad_reduce_dtype", choices=("fp32", "bf16"),
-                        help="bf16_params' DP gradient all-reduce dtype (default fp32; bf16 halves its bytes and rounds "
-                             "the gradients' sum: your choice, not searched)")
+    add_precision_options(search, exclude=("fp32_residual",), several=True, notes={
+        "precision_policy": " Here: the policies to consider (default: autocast and bf16_params on GPUs, fp32 on cpu).",
+        "grad_reduce_dtype": " bf16 halves its bytes and rounds the gradients' sum: your choice, not searched.",
+    })
     out = parser.add_argument_group("output")
     out.add_argument("--top", type=int, default=5, help="layouts shown (default 5)")
     out.add_argument("--accelerate-config", default="boost-hf-plan.yaml",
@@ -291,7 +296,7 @@ def _run_plan(args: argparse.Namespace) -> int:
     cluster = Cluster(args.gpus, hardware, round(hardware.memory_gb * GIB))
     fixed = {name: value for name, value in layout_values(args).items() if value is not None}
     cpu = args.gpu == "cpu"
-    precisions = tuple(args.precision or (("fp32",) if cpu else ("autocast", "bf16_params")))
+    precisions = tuple(args.precision_policy or (("fp32",) if cpu else ("autocast", "bf16_params")))
     zero1 = None if args.zero1 is None else (args.zero1 == "true",)
     result = plan(inputs.config, cluster, seq_len=inputs.seq_len, global_batch=inputs.global_batch, fixed=fixed,
                   precisions=precisions, zero1_options=zero1, grad_reduce_dtype=args.grad_reduce_dtype)

@@ -2,8 +2,9 @@
 
 A single-device model that reads like ``transformers``' ``modeling_llama.py``: norm -> rotary ->
 projections -> MLP -> attention -> decoder layer -> base model -> causal-LM head. It imports only
-``torch``, ``transformers`` and its configuration, so it is also what a saved checkpoint ships as remote
-code. With ``bottleneck=None`` it is exactly ``transformers.LlamaForCausalLM`` (same names, same logits).
+``torch``, ``transformers`` and its siblings (the configuration, the tensor-train projections and the weights'
+initialisation and loading), so it is also what a saved checkpoint ships as remote code. With ``bottleneck=None``
+it is exactly ``transformers.LlamaForCausalLM`` (same names, same logits).
 
 Tensor parallelism is applied from outside (:func:`boost_hf.parallel.parallelize`), which swaps these
 modules for sharded ones and keeps every parameter name.
@@ -14,21 +15,16 @@ Shapes: ``B`` batch, ``S`` sequence, ``d`` hidden size, ``r`` rank.
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import json
-import os
 from collections.abc import Callable
+from dataclasses import dataclass
 from functools import partial
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import GenerationMixin, PretrainedConfig, PreTrainedModel
-from transformers import initialization as init
+from transformers import GenerationMixin, PreTrainedModel
 from transformers.activations import ACT2FN
 from transformers.cache_utils import Cache, DynamicCache
-from transformers.conversion_mapping import get_checkpoint_conversion_mapping, register_checkpoint_conversion_mapping
-from transformers.core_model_loading import Transpose, WeightConverter
 from transformers.masking_utils import create_causal_mask
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
@@ -39,7 +35,9 @@ from transformers.utils import can_return_tuple, logging
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
-from .configuration_boost_llama import AUTHORS_COLA_MODEL_TYPE, BoostLlamaConfig, TensorTrainShape
+from .configuration_boost_llama import BoostLlamaConfig
+from .tensor_train_boost_llama import BoostLlamaTensorTrainCores, BoostLlamaTensorTrainLinear
+from .weights_boost_llama import CheckedLoading, SeededInitialization
 
 logger = logging.get_logger(__name__)
 
@@ -182,91 +180,6 @@ class BoostLlamaLaxLinear(BoostLlamaLowRankLinear):
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, crossing={self.crossing}"
-
-
-def contract_cores(cores: list[torch.Tensor]) -> torch.Tensor:
-    """Consecutive tensor-train cores ``[r_0, m_0, r_1], ..., [r_{k-1}, m_{k-1}, r_k]`` contracted over their shared
-    ranks: the matrix ``[r_0 m_0 ... m_{k-1}, r_k]``, rows indexed by ``(r_0, m_0, ..., m_{k-1})`` row-major."""
-    matrix = cores[0].reshape(-1, cores[0].shape[-1])
-    for core in cores[1:]:
-        matrix = (matrix @ core.reshape(core.shape[0], -1)).reshape(-1, core.shape[-1])
-    return matrix
-
-
-class BoostLlamaTensorTrainCores(nn.Module):
-    """The cores of one tensor-train projection, ``[rank_in, mode, rank_out]`` each: parameters ``0``, ``1``, ...
-    (``<projection>.cores.<i>``, as the release names them).
-
-    Module call ``cores(start, stop)``: cores ``start .. stop - 1`` contracted (:func:`contract_cores`). A module
-    call, so that what gathers a module's parameters before its forward (DeepSpeed ZeRO-3) gathers the cores."""
-
-    def __init__(self, shapes: list[tuple[int, int, int]]):
-        super().__init__()
-        for i, shape in enumerate(shapes):
-            self.register_parameter(str(i), nn.Parameter(torch.empty(shape)))
-
-    def __len__(self) -> int:
-        return len(self._parameters)
-
-    def __getitem__(self, i: int) -> torch.Tensor:
-        return self._parameters[str(i)]
-
-    def __iter__(self):
-        return iter(self._parameters.values())
-
-    def forward(self, start: int, stop: int) -> torch.Tensor:
-        return contract_cores([self[i] for i in range(start, stop)])
-
-    def extra_repr(self) -> str:
-        return ", ".join(f"{name}: {tuple(core.shape)}" for name, core in self._parameters.items())
-
-
-class BoostLlamaTensorTrainLinear(nn.Module):
-    """Tensor-train projection (the BOOST release's ``TensorTrainLinear``): ``y = (x A^T) B^T (+ bias)``.
-
-    ``cores``: the input cores (modes of ``in_features``) then the output cores (modes of ``out_features``), see
-    :class:`~.configuration_boost_llama.TensorTrainShape`. The input cores contract into ``A^T: [in_features, r]``,
-    the output cores into ``B^T: [r, out_features]`` (``r`` the middle rank), both at every call, and the tokens
-    go through two GEMMs, as the release's half reconstruction; nothing between the factors. ``A: [r, in_features]``
-    and ``B: [out_features, r]`` are these reconstructions (properties, not parameters), so the tensor-parallel
-    layouts run it as any bottleneck. ``bias: [out_features]`` after ``B``.
-    """
-
-    def __init__(self, in_features: int, out_features: int, tensor_train: TensorTrainShape, bias: bool = False):
-        super().__init__()
-        self.in_features, self.out_features, self.tensor_train = in_features, out_features, tensor_train
-        self.rank = tensor_train.middle_rank
-        self.cores = BoostLlamaTensorTrainCores(tensor_train.core_shapes)
-        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
-
-    @property
-    def A(self) -> torch.Tensor:
-        """``[r, in_features]``: the input cores contracted (rows of ``A^T`` indexed by the input modes)."""
-        return self.cores(0, self.tensor_train.split).T
-
-    @property
-    def B(self) -> torch.Tensor:
-        """``[out_features, r]``: the output cores contracted (columns of ``B^T`` indexed by the output modes)."""
-        split = self.tensor_train.split
-        rank = self.cores[split].shape[0]  # r, or the slice of it that a tensor-parallel rank holds
-        return self.cores(split, len(self.cores)).reshape(rank, -1).T
-
-    def latent(self, z: torch.Tensor) -> torch.Tensor:
-        """The function between the factors: none."""
-        return z
-
-    def up(self, h: torch.Tensor) -> torch.Tensor:
-        return F.linear(h, self.B, self.bias)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.up(F.linear(x, self.A))
-
-    def extra_repr(self) -> str:
-        tt = self.tensor_train
-        return (
-            f"in_features={self.in_features}, out_features={self.out_features}, rank={self.rank}, "
-            f"modes={list(tt.input_modes)}x{list(tt.output_modes)}, ranks={list(tt.ranks)}, bias={self.bias is not None}"
-        )
 
 
 def make_projection(config: BoostLlamaConfig, name: str, layer_idx: int) -> nn.Module:
@@ -481,13 +394,7 @@ class BoostLlamaDecoderLayer(CheckpointsItsOwnBlock):
         return (hidden_states, *(crossing.current[name] for name in PROJECTIONS)) if crossing is not None else (hidden_states,)
 
 
-def name_seed(seed: int, name: str) -> int:
-    """A per-parameter seed from the global seed and the parameter's name (the same at every TP size)."""
-    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
-
-
-class BoostLlamaPreTrainedModel(PreTrainedModel):
+class BoostLlamaPreTrainedModel(SeededInitialization, PreTrainedModel):
     config_class = BoostLlamaConfig
     config: BoostLlamaConfig
     base_model_prefix = "model"
@@ -500,66 +407,6 @@ class BoostLlamaPreTrainedModel(PreTrainedModel):
     _can_compile_fullgraph = True
     _supports_attention_backend = True
     _can_record_outputs = {"hidden_states": BoostLlamaDecoderLayer, "attentions": BoostLlamaAttention}
-
-    def initial_value(self, module: nn.Module, name: str, shape: tuple[int, ...], generator: torch.Generator) -> torch.Tensor | None:
-        """The initial value of parameter ``name`` of ``module`` at its full ``shape`` (``None``: not ours).
-
-        Dense weights ``N(0, initializer_range^2)``; bottleneck factors ``N(0, s^2)`` with
-        ``s = r^(-1/4) (in + out)^(-1/4)`` (CoLA; ``factor_init="xavier"``: ``s = sqrt(2 / (rows + columns))`` of each
-        factor's own shape) and the bias after ``B`` ``U(-out^(-1/2), out^(-1/2))`` (CoLA); LaX
-        gates as their authors initialise them: the dense gate ``N(0, 0.02^2)`` with a zero bias (timm's
-        ``nn.Linear`` init), each Kronecker factor ``[n, n]`` Kaiming-uniform ``U(-sqrt(6/n), sqrt(6/n))``;
-        tensor-train cores ``[r_in, m, r_out]`` as the BOOST release initialises them, ``N(0, s^2)`` with
-        ``s = (r_in r_out)^(-1/4) initializer_range^(1 / tt_cores)`` (their product has std about
-        ``initializer_range``), and a zero bias; norm weights 1 and other biases 0.
-        """
-        if isinstance(module, BoostLlamaLowRankLinear) and name in ("A", "B") and self.config.factor_init == "xavier":
-            std = (2.0 / (shape[0] + shape[1])) ** 0.5
-        elif isinstance(module, BoostLlamaLowRankLinear) and name in ("A", "B"):
-            std = (module.rank**-0.25) * ((module.in_features + module.out_features) ** -0.25)
-        elif isinstance(module, BoostLlamaLowRankLinear) and name == "bias":
-            bound = module.out_features**-0.5
-            return torch.empty(shape).uniform_(-bound, bound, generator=generator)
-        elif isinstance(module, BoostLlamaLaxLinear) and name == "gate":
-            std = 0.02
-        elif isinstance(module, BoostLlamaTensorTrainCores):
-            rank_in, _, rank_out = shape
-            std = (rank_in * rank_out) ** -0.25 * self.config.initializer_range ** (1.0 / self.config.tt_cores)
-        elif isinstance(module, BoostLlamaLaxLinear) and name in ("gate_left", "gate_right"):
-            bound = (6.0 / shape[1]) ** 0.5  # torch.nn.init.kaiming_uniform_ with its defaults (fan_in, a=0)
-            return torch.empty(shape).uniform_(-bound, bound, generator=generator)
-        elif isinstance(module, (nn.Linear, nn.Embedding)) and name == "weight":
-            std = self.config.initializer_range
-        elif name in ("bias", "gate_bias"):
-            return torch.zeros(shape)
-        elif isinstance(module, (BoostLlamaRMSNorm, nn.LayerNorm)) and name == "weight":
-            return torch.ones(shape)
-        else:
-            return None
-        return torch.empty(shape).normal_(0.0, std, generator=generator)
-
-    def parameter_name(self, module: nn.Module, name: str) -> str:
-        """The checkpoint name of ``module``'s parameter ``name``, relative to the base model (``lm_head.weight``)."""
-        names = self.__dict__.get("_module_names")
-        if names is None or module not in names:
-            names = self.__dict__["_module_names"] = {m: n for n, m in self.named_modules()}
-        full = f"{names[module]}.{name}" if names[module] else name
-        prefix = self.base_model_prefix + "."
-        return full[len(prefix):] if full.startswith(prefix) else full
-
-    def _init_weights(self, module: nn.Module) -> None:
-        """Every parameter is drawn from a generator seeded by ``(torch.initial_seed(), its name)``: the
-        model is reproducible from the seed alone and independent of how it is later sharded."""
-        if isinstance(module, BoostLlamaRotaryEmbedding):
-            super()._init_weights(module)
-        for name, param in module.named_parameters(recurse=False):
-            generator = torch.Generator().manual_seed(name_seed(torch.initial_seed(), self.parameter_name(module, name)))
-            value = self.initial_value(module, name, tuple(param.shape), generator)
-            if value is None:
-                continue  # not a parameter of this model's own modules (e.g. an adapter added later)
-            if isinstance(module, nn.Embedding) and module.padding_idx is not None:
-                value[module.padding_idx] = 0.0
-            init.copy_(param, value)
 
 
 def positions_to_keep(hidden_states: torch.Tensor, logits_to_keep: int | torch.Tensor) -> torch.Tensor:
@@ -597,9 +444,21 @@ def check_token_ids(ids: torch.Tensor, vocab_size: int, where: str = "input_ids"
         raise ValueError(f"token id {int(low) if low < 0 else int(high)} in {where} is {outside}: {fix}")
 
 
+@dataclass
+class BoostLlamaModelOutput(BaseModelOutputWithPast):
+    """``BaseModelOutputWithPast`` and, from a model without its final norm (a pipeline stage that hands on), LaX's
+    ``lax_latents``: the last block's latents ``{projection: [B, S, r]}``, which the next block crosses in."""
+
+    lax_latents: dict[str, torch.Tensor] | None = None
+
+
 class BoostLlamaModel(BoostLlamaPreTrainedModel):
     """Embedding -> decoder layers -> final norm; ``last_hidden_state: [B, S, d]``. ``input_ids`` outside the
     vocabulary raise (:func:`check_token_ids`).
+
+    A pipeline stage is this model with what it lacks set to ``None`` (as torchtitan's): without ``embed_tokens``
+    it takes ``inputs_embeds`` (the previous stage's hidden states, and its ``lax_latents``); without ``norm`` it
+    returns the decoder stack's output and LaX's ``lax_latents`` for the next stage.
 
     ``residual_dtype``: the dtype of the residual stream between the decoder layers (``None``: the embedding's).
     ``torch.float32`` over bf16 weights keeps the residual additions in fp32 while the layers compute in bf16 under
@@ -629,30 +488,33 @@ class BoostLlamaModel(BoostLlamaPreTrainedModel):
         past_key_values: Cache | None = None,
         inputs_embeds: torch.Tensor | None = None,
         use_cache: bool | None = None,
+        lax_latents: dict[str, torch.Tensor] | None = None,
         **kwargs,
-    ) -> BaseModelOutputWithPast:
+    ) -> BoostLlamaModelOutput:
         if (input_ids is None) ^ (inputs_embeds is not None):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
+        if input_ids is not None and self.embed_tokens is None:
+            raise ValueError("this model holds no embedding (a pipeline stage after the first): pass inputs_embeds")
         if input_ids is not None:
             check_token_ids(input_ids, self.config.vocab_size)
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
         if use_cache and past_key_values is None:
             past_key_values = DynamicCache(config=self.config)
+        sequence = self.sequence_of(inputs_embeds)
         if position_ids is None:
             past_seen_tokens = past_key_values.get_seq_length() if past_key_values is not None else 0
-            position_ids = (torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen_tokens).unsqueeze(0)
+            position_ids = (torch.arange(sequence.shape[1], device=sequence.device) + past_seen_tokens).unsqueeze(0)
 
         causal_mask = create_causal_mask(
             config=self.config,
-            inputs_embeds=inputs_embeds,
+            inputs_embeds=sequence,
             attention_mask=attention_mask,
             past_key_values=past_key_values,
             position_ids=position_ids,
         )
         hidden_states = inputs_embeds if self.residual_dtype is None else inputs_embeds.to(self.residual_dtype)
         position_embeddings = self.rotary_emb(hidden_states, position_ids=position_ids)
-        lax_latents = None
         for decoder_layer in self.layers[: self.config.num_hidden_layers]:
             hidden_states, lax_latents = decoder_layer(
                 hidden_states,
@@ -664,46 +526,17 @@ class BoostLlamaModel(BoostLlamaPreTrainedModel):
                 lax_latents=lax_latents,
                 **kwargs,
             )
-        hidden_states = self.norm(hidden_states)
-        return BaseModelOutputWithPast(last_hidden_state=hidden_states, past_key_values=past_key_values)
+        if self.norm is None:  # a stage before the last: its output and LaX's latents go to the next stage
+            return BoostLlamaModelOutput(last_hidden_state=hidden_states, past_key_values=past_key_values, lax_latents=lax_latents)
+        return BoostLlamaModelOutput(last_hidden_state=self.norm(hidden_states), past_key_values=past_key_values)
+
+    def sequence_of(self, inputs_embeds: torch.Tensor) -> torch.Tensor:
+        """The tensor whose ``[B, S]`` the causal mask and the positions are built for: ``inputs_embeds`` (a
+        tensor-parallel stage whose input is a token shard overrides this)."""
+        return inputs_embeds
 
 
-HUB_KWARGS = ("cache_dir", "revision", "token", "local_files_only", "force_download", "subfolder", "proxies")
-
-
-def is_authors_cola_checkpoint(pretrained_model_name_or_path, kwargs: dict) -> bool:
-    """Whether the checkpoint's ``config.json`` was written by the CoLA authors' code (``model_type: "cola"``)."""
-    hub = {name: kwargs[name] for name in HUB_KWARGS if name in kwargs}
-    try:
-        config_dict, _ = PretrainedConfig.get_config_dict(pretrained_model_name_or_path, **hub)
-    except OSError:
-        return False  # no config to read: the ordinary load reports it
-    return config_dict.get("model_type") == AUTHORS_COLA_MODEL_TYPE
-
-
-def authors_cola_weight_conversions() -> list[WeightConverter]:
-    """transformers' checkpoint conversions from the CoLA authors' parameters: ``*.cola_a [in, r]`` -> ``A``
-    (transposed), ``*.cola_b [r, out]`` -> ``B`` (transposed); every other name (embedding, norms, biases after
-    ``B``, LM head) is already ours."""
-    return [
-        WeightConverter(source_patterns="cola_a", target_patterns="A", operations=[Transpose(0, 1)]),
-        WeightConverter(source_patterns="cola_b", target_patterns="B", operations=[Transpose(0, 1)]),
-    ]
-
-
-@contextlib.contextmanager
-def converting_authors_cola(class_name: str):
-    """Within: ``from_pretrained`` of ``class_name`` applies :func:`authors_cola_weight_conversions` (registered
-    with transformers' conversion mapping for that class only while loading, then restored)."""
-    previous = get_checkpoint_conversion_mapping(class_name)
-    register_checkpoint_conversion_mapping(class_name, authors_cola_weight_conversions(), overwrite=True)
-    try:
-        yield
-    finally:
-        register_checkpoint_conversion_mapping(class_name, previous or [], overwrite=True)
-
-
-class BoostLlamaForCausalLM(BoostLlamaPreTrainedModel, GenerationMixin):
+class BoostLlamaForCausalLM(CheckedLoading, BoostLlamaPreTrainedModel, GenerationMixin):
     """Causal LM: base model -> LM head ``[B, S, V]`` -> next-token cross-entropy (``labels`` outside the vocabulary,
     other than ``IGNORE_INDEX``, raise).
 
@@ -724,124 +557,6 @@ class BoostLlamaForCausalLM(BoostLlamaPreTrainedModel, GenerationMixin):
             self.post_init()
         if parallel_config is not None:
             parallel_config.parallelize(self)
-
-    @classmethod
-    def from_pretrained(cls, pretrained_model_name_or_path, *model_args, parallel_config=None, check_architecture=True, **kwargs):
-        """``PreTrainedModel.from_pretrained``; with a boost-hf ``parallel_config``, this rank's shard of the
-        given tensor-parallel layout, reading only this rank's slices of the checkpoint.
-
-        A checkpoint (folder or Hub id) must match the model exactly: missing, unexpected or wrongly-shaped
-        weights raise, unless ``output_loading_info=True`` (the report is returned instead) or
-        ``ignore_mismatched_sizes=True`` (sizes only). ``from_pretrained(None, config=..., state_dict=...)``
-        reads no checkpoint and behaves as in transformers (missing weights are initialised). A checkpoint records the
-        architecture its weights were trained as (boost-hf's ``manifest.json``, else its saved ``config.json``): a config
-        that computes another function (see :meth:`_check_saved_architecture`) raises unless ``check_architecture=False``.
-
-        A checkpoint written by the CoLA authors' code (``model_type: "cola"``) is converted while it loads
-        (:meth:`from_authors_cola`)."""
-        if check_architecture and pretrained_model_name_or_path is not None:
-            cls._check_saved_architecture(str(pretrained_model_name_or_path), kwargs)
-        if pretrained_model_name_or_path is not None and is_authors_cola_checkpoint(pretrained_model_name_or_path, kwargs):
-            return cls.from_authors_cola(pretrained_model_name_or_path, *model_args, parallel_config=parallel_config, **kwargs)
-        if parallel_config is not None:  # the architecture was checked above
-            return parallel_config.load_pretrained(cls, pretrained_model_name_or_path, *model_args, check_architecture=False, **kwargs)
-        return cls._from_pretrained_checked(pretrained_model_name_or_path, *model_args, **kwargs)
-
-    @classmethod
-    def from_authors_cola(cls, pretrained_model_name_or_path, *model_args, parallel_config=None, **kwargs):
-        """A checkpoint written by the CoLA authors' code (``alvin-zyl/CoLA``), loaded as it is: its
-        ``config.json`` read as ours (``BoostLlamaConfig.get_config_dict``), its ``*.cola_a`` / ``*.cola_b``
-        transposed into ``A`` / ``B`` by transformers' checkpoint conversion (:func:`authors_cola_weight_conversions`).
-        The model saves in the canonical format. With a ``parallel_config`` the whole checkpoint is converted on
-        each rank, then sliced into this rank's shard (no collective but the layout's checks)."""
-        with converting_authors_cola(cls.__name__):
-            loaded = cls._from_pretrained_checked(pretrained_model_name_or_path, *model_args, **kwargs)
-        model = loaded[0] if isinstance(loaded, tuple) else loaded
-        model._weight_conversions = []  # converted once: save_pretrained writes our names, not the authors'
-        if parallel_config is not None:
-            parallel_config.parallelize(model)
-        return loaded
-
-    @classmethod
-    def _from_pretrained_checked(cls, pretrained_model_name_or_path, *model_args, **kwargs):
-        """``PreTrainedModel.from_pretrained`` that raises on any mismatch between checkpoint and model."""
-        if pretrained_model_name_or_path is None:
-            # No checkpoint to check (weights from ``state_dict=`` and ``config=`` only): exactly transformers'
-            # behaviour, missing weights initialised and reported with ``output_loading_info``.
-            return super().from_pretrained(None, *model_args, **kwargs)
-        # Unlike a plain transformers load, a checkpoint of another architecture (missing, unexpected or
-        # wrongly-shaped weights) is an error, unless the caller asks for the loading report or to ignore sizes.
-        wants_report = kwargs.pop("output_loading_info", False)
-        tolerate_sizes = kwargs.get("ignore_mismatched_sizes", False)
-        kwargs["ignore_mismatched_sizes"] = True
-        model, report = super().from_pretrained(pretrained_model_name_or_path, *model_args, output_loading_info=True, **kwargs)
-        if wants_report:
-            return model, report
-        order = {name: i for i, name in enumerate(model.state_dict())}
-        mismatched = [] if tolerate_sizes else sorted(report.get("mismatched_keys", ()), key=lambda m: order.get(m[0], -1))
-        problems = {
-            "missing": sorted(report.get("missing_keys", ()), key=lambda name: order.get(name, -1)),
-            "unexpected": sorted(report.get("unexpected_keys", ())),
-            "shape mismatch": [f"{name}: checkpoint {tuple(saved)} vs model {tuple(ours)}" for name, saved, ours in mismatched],
-        }
-        if any(problems.values()):
-            earlier_lax = any(name.endswith(".gate_bias") for name in problems["missing"]) or any(
-                ".layers.0." in name and ".latent_norm." in name for name in problems["unexpected"]
-            )
-            raise ValueError(
-                "checkpoint does not match this model's architecture (was it saved from another bottleneck, rank "
-                "or size? load it with its own config.json): "
-                + "; ".join(f"{kind} {names[:5]}{'...' if len(names) > 5 else ''}" for kind, names in problems.items() if names)
-                + (
-                    ". These are LaX weights of boost-hf's earlier LaX (a latent LayerNorm in block 0, a dense gate "
-                    "without bias), which computes another function than the LaX authors' definition used now."
-                    if earlier_lax else ""
-                )
-            )
-        return model
-
-    @classmethod
-    def _check_saved_architecture(cls, pretrained_model_name_or_path: str, kwargs: dict) -> None:
-        """Raise ``ValueError`` naming the fields where the config used to load a checkpoint (``config=``, keyword
-        overrides such as ``only_lr_act=False``, or an edited ``config.json``) differs from the architecture the
-        checkpoint records: the same tensors would compute another function (a cola checkpoint read as svd,
-        ``only_lr_act`` or the LaX base flipped, ...). The record is the folder's ``manifest.json`` (written by
-        boost-hf's trainer) or else its saved ``config.json`` (``save_pretrained``; local or on the Hub); a checkpoint
-        of another model type (e.g. ``LlamaForCausalLM``) has none here."""
-        config = kwargs.get("config")
-        if config is not None and not isinstance(config, cls.config_class):
-            return
-        record = cls._saved_architecture(pretrained_model_name_or_path, kwargs)
-        if record is None:
-            return
-        if config is None:
-            config, _ = cls.config_class.from_pretrained(pretrained_model_name_or_path, return_unused_kwargs=True, **kwargs)
-        different = config.architecture_differences(record)
-        if different:
-            raise ValueError(
-                f"{pretrained_model_name_or_path!r} was saved from another architecture than the config used to load it "
-                f"({'; '.join(different)}): its weights would compute another function. Load it with its own config.json "
-                "(no config= or overrides), or pass check_architecture=False to load the tensors anyway."
-            )
-
-    @classmethod
-    def _saved_architecture(cls, pretrained_model_name_or_path: str, kwargs: dict) -> dict | None:
-        """The architecture record of a checkpoint: its ``manifest.json``'s, else that of its ``config.json`` when it
-        is a config of this model type; ``None`` when there is neither."""
-        manifest = os.path.join(pretrained_model_name_or_path, kwargs.get("subfolder") or "", "manifest.json")
-        if os.path.isfile(manifest):
-            with open(manifest) as f:
-                record = json.load(f).get("architecture")
-            if record is not None:
-                return record
-        hub = {name: kwargs[name] for name in HUB_KWARGS if name in kwargs}
-        try:
-            saved, _ = cls.config_class.get_config_dict(pretrained_model_name_or_path, **hub)
-        except OSError:
-            return None  # no config to read: the ordinary load reports it
-        if saved.get("model_type") != cls.config_class.model_type:
-            return None
-        return cls.config_class.from_dict(saved).architecture_record()
 
     @can_return_tuple
     def forward(
@@ -867,6 +582,10 @@ class BoostLlamaForCausalLM(BoostLlamaPreTrainedModel, GenerationMixin):
             use_cache=use_cache,
             **kwargs,
         )
+        if self.lm_head is None:  # a pipeline stage before the last: hidden states out
+            if labels is not None:
+                raise ValueError("this model holds no LM head (a pipeline stage before the last): it computes no loss")
+            return outputs
         hidden_states = positions_to_keep(outputs.last_hidden_state, logits_to_keep)
         logits = self.lm_head(hidden_states)
         loss = None
@@ -891,6 +610,7 @@ __all__ = [
     "check_token_ids",
     "BoostLlamaPreTrainedModel",
     "BoostLlamaModel",
+    "BoostLlamaModelOutput",
     "BoostLlamaForCausalLM",
     "BoostLlamaRMSNorm",
     "BoostLlamaRotaryEmbedding",

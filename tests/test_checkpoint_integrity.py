@@ -7,7 +7,7 @@ import json
 import pytest
 
 from boost_hf import BoostLlamaConfig
-from boost_hf.checkpoint_integrity import (
+from boost_hf.checkpoint.integrity import (
     ARCHITECTURE_METADATA_KEY,
     CheckpointIntegrityError,
     architecture_metadata,
@@ -148,7 +148,7 @@ def test_a_folder_without_manifest_is_checked_against_its_config_json(tmp_path, 
 
 
 def test_hashing_shares_give_each_rank_its_own_files_then_balance_the_rest():
-    from boost_hf.checkpoint_integrity import hashing_shares
+    from boost_hf.checkpoint.integrity import hashing_shares
 
     files = {"dcp/__0_0.distcp": 100, "dcp/__1_0.distcp": 100, "dcp/__3_0.distcp": 90, "rng_state_2.pth": 5,
              "dcp/.metadata": 10, "config.json": 2, "big.pt": 60, "rng_state_7.pth": 5}

@@ -202,11 +202,13 @@ def test_remote_code_files_import_nothing_from_boost_hf(tmp_path):
     model = build("cola")
     model.save_pretrained(tmp_path)  # registered for the Auto classes by default
     files = sorted(p.name for p in tmp_path.glob("*.py"))
-    assert files == ["configuration_boost_llama.py", "modeling_boost_llama.py"]
+    assert files == ["configuration_boost_llama.py", "modeling_boost_llama.py", "tensor_train_boost_llama.py",
+                     "weights_boost_llama.py"]
     for path in tmp_path.glob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom) and node.level:
-                assert node.module in ("configuration_boost_llama", "modeling_boost_llama"), (path.name, node.module)
+                assert node.module in ("configuration_boost_llama", "modeling_boost_llama", "tensor_train_boost_llama",
+                                       "weights_boost_llama"), (path.name, node.module)
             elif isinstance(node, (ast.Import, ast.ImportFrom)):
                 names = [node.module] if isinstance(node, ast.ImportFrom) else [a.name for a in node.names]
                 top = {n.split(".")[0] for n in names}

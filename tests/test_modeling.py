@@ -4,6 +4,8 @@ invariance at tp_size=1, weight init, and generation."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -378,6 +380,48 @@ def test_input_ids_and_inputs_embeds_are_exclusive(make_config):
     input_ids, _ = batch(model.config)
     with pytest.raises(ValueError, match="exactly one of input_ids or inputs_embeds"):
         model(input_ids, inputs_embeds=model.model.embed_tokens(input_ids))
+
+
+# ---------------------------------------------------------------------------------- a pipeline stage
+def stage_of(model: BoostLlamaForCausalLM, layers: slice, *, embedding: bool, head: bool) -> BoostLlamaForCausalLM:
+    """A copy of ``model`` running ``layers`` only, with what a pipeline stage lacks set to ``None``."""
+    stage = copy.deepcopy(model)
+    stage.model.layers = nn.ModuleList(stage.model.layers[layers])
+    if not embedding:
+        stage.model.embed_tokens = None
+    if not head:
+        stage.model.norm, stage.lm_head = None, None
+    return stage
+
+
+def test_model_without_embedding_and_norm_is_the_decoder_stack(make_config, variant):
+    """torchtitan's pass-through: hidden states in, the decoder stack's output before the final norm out; the causal
+    LM without its head likewise; two stages (LaX's latents handed from the first to the second) give the logits."""
+    model = build(make_config(variant, num_hidden_layers=3))
+    input_ids, attention_mask = batch(model.config)
+    before_norm = []
+    model.model.norm.register_forward_hook(lambda module, args, output: before_norm.append(args[0]))
+    with torch.no_grad():
+        logits = model(input_ids, attention_mask=attention_mask).logits
+        embeds = model.model.embed_tokens(input_ids)
+        stack = stage_of(model, slice(None), embedding=False, head=False)
+        assert torch.equal(stack.model(inputs_embeds=embeds, attention_mask=attention_mask).last_hidden_state, before_norm[0])
+        out = stack(inputs_embeds=embeds, attention_mask=attention_mask)
+        assert torch.equal(out.last_hidden_state, before_norm[0])
+        assert (out.lax_latents is not None) == (model.config.bottleneck == "lax")
+        first = stage_of(model, slice(0, 2), embedding=True, head=False)(input_ids, attention_mask=attention_mask)
+        last = stage_of(model, slice(2, 3), embedding=False, head=True)
+        staged = last(inputs_embeds=first.last_hidden_state, lax_latents=first.lax_latents, attention_mask=attention_mask)
+    assert torch.equal(staged.logits, logits)
+
+
+def test_a_stage_refuses_what_it_cannot_compute(make_config):
+    model = build(make_config("cola"))
+    input_ids, _ = batch(model.config)
+    with pytest.raises(ValueError, match="holds no embedding"):
+        stage_of(model, slice(None), embedding=False, head=True)(input_ids)
+    with pytest.raises(ValueError, match="holds no LM head"):
+        stage_of(model, slice(None), embedding=True, head=False)(input_ids, labels=input_ids)
 
 
 # ---------------------------------------------------------------------------------- init

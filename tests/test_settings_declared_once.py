@@ -171,3 +171,38 @@ def test_estimate_honours_pp_layer_split():
     uneven = estimate(config, Workload(tp=4, pp=2, num_micro_batches=4, pp_layer_split=(layers // 2 - 4, layers // 2 + 4)),
                       "h100", layouts=("btp",)).layouts["btp"]
     assert uneven.stage_times_s[0] < even.stage_times_s[0] and uneven.stage_times_s[1] > even.stage_times_s[1]
+
+
+# ---------------------------------------------------------------------------------- precision (issue 35)
+def test_precision_is_declared_once_and_generated_everywhere():
+    """``PrecisionConfig``'s fields are the training arguments and the options of ``boost-hf plan`` and ``estimate``
+    (one flag name, ``--precision_policy``, with the declared choices and help); the memory and time tables of the
+    analysis hold one row per declared policy; ``resolve_precision`` validates through the declaration."""
+    from boost_hf.cli import SUBCOMMANDS
+    from boost_hf.perf.estimator import PRECISION_TRAFFIC
+    from boost_hf.perf.memory import PRECISION_BYTES
+    from boost_hf.precision_config import PRECISION_POLICIES, PrecisionConfig
+    from boost_hf.training.precision import resolve_precision
+
+    declared = {f.name: f for f in fields(PrecisionConfig)}
+    training = {f.name: f for f in fields(BoostTrainingArguments)}
+    train_actions = parser_actions(HfArgumentParser(BoostTrainingArguments))
+    for name, f in declared.items():
+        assert training[name].default == f.default and training[name].metadata["help"] == f.metadata["help"], name
+    assert tuple(train_actions["precision_policy"].choices) == PRECISION_POLICIES == ("fp32", "autocast", "bf16_params")
+    assert tuple(train_actions["grad_reduce_dtype"].choices) == ("fp32", "bf16")
+    for command, offered in (("plan", ("precision_policy", "grad_reduce_dtype")), ("estimate", ("precision_policy",))):
+        parser = argparse.ArgumentParser()
+        SUBCOMMANDS[command][1](parser)
+        actions = parser_actions(parser)
+        for name in offered:
+            assert f"--{name}" in actions[name].option_strings and actions[name].help.startswith(declared[name].metadata["help"])
+            assert tuple(actions[name].choices) == tuple(train_actions[name].choices), (command, name)
+        assert "precision" not in actions and "fp32_residual" not in actions
+    assert tuple(PRECISION_BYTES) == tuple(PRECISION_TRAFFIC) == PRECISION_POLICIES
+    with pytest.raises(ValueError, match="precision_policy must be one of fp32, autocast, bf16_params"):
+        PrecisionConfig(precision_policy="fp8")
+    args = BoostTrainingArguments(output_dir="unused", precision_policy="fp32")
+    assert resolve_precision(args).name == "fp32"
+    with pytest.raises(ValueError, match="--precision_policy fp32 trains without half precision, but bf16 was asked for"):
+        resolve_precision(type("Args", (), {"mixed_precision": "bf16", "precision_policy": "fp32"})())

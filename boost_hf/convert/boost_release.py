@@ -78,7 +78,7 @@ import torch
 import yaml
 from safetensors import SafetensorError, safe_open
 
-from ..checkpoint_integrity import write_manifest
+from ..checkpoint.integrity import write_manifest
 from ..configuration_boost_llama import BoostLlamaConfig
 
 RELEASE_CHECKPOINT_VERSIONS = ("1.2", "1.3", "1.4")

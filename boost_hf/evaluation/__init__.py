@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from ..checkpoint_integrity import MANIFEST_NAME, CheckpointIntegrityError, verify_manifest
+from ..checkpoint.integrity import MANIFEST_NAME, CheckpointIntegrityError, verify_manifest
 
 METRIC_PATH = str(Path(__file__).resolve().parent / "bits_per_byte")
 """Folder of the local ``evaluate`` metric: ``evaluate.load(METRIC_PATH)`` works offline."""
@@ -70,7 +70,7 @@ def evaluate_checkpoint(checkpoint: str, data: str, *, block_size: int | None = 
     """Perplexity and bits per byte of ``checkpoint`` (a saved model folder with its tokenizer) on local text
     files ``data`` (text/JSON/CSV/Parquet, one document per row), packed like training (documents followed by
     EOS, blocks of ``block_size`` tokens, default: the tokenizer's ``model_max_length`` if set, else 256). A folder
-    with a ``manifest.json`` is verified first (:class:`~boost_hf.checkpoint_integrity.CheckpointIntegrityError`
+    with a ``manifest.json`` is verified first (:class:`~boost_hf.checkpoint.integrity.CheckpointIntegrityError`
     naming a damaged file)."""
     from datasets import load_dataset
     from safetensors import SafetensorError

@@ -278,4 +278,12 @@ def restart_schedule_at_exact_steps(scheduler, every: int, warmup_steps: int):
     return scheduler
 
 
-__all__ = ["EPSILON_PLACEMENTS", "LOWRANK_OPTIMIZERS", "LORO_WITHOUT_DEEPSPEED", "LoroAdamW", "check_loro_model", "check_loro_training", "factor_pairs", "loro_optimizer", "restart_schedule_at_exact_steps"]
+def optimizer_of_arguments(model: nn.Module, args, decay_parameter_names) -> LoroAdamW:
+    """:func:`loro_optimizer` as training arguments ``args`` set it (``--lowrank_optimizer loro``)."""
+    return loro_optimizer(model, lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon,
+                          weight_decay=args.weight_decay, exact_every=args.loro_exact_every, lr_scale=args.loro_lr_scale,
+                          decay_parameter_names=decay_parameter_names, epsilon_placement=args.adam_epsilon_placement)
+
+
+__all__ = ["EPSILON_PLACEMENTS", "LOWRANK_OPTIMIZERS", "LORO_WITHOUT_DEEPSPEED", "LoroAdamW", "check_loro_model", "check_loro_training",
+           "factor_pairs", "loro_optimizer", "optimizer_of_arguments", "restart_schedule_at_exact_steps"]

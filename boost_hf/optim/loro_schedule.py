@@ -94,4 +94,17 @@ def authors_schedule(optimizer, *, training_steps: int, warmup_steps: int, resta
     return LambdaLR(optimizer, lambda step: authors_multiplier(step, **settings))
 
 
-__all__ = ["authors_multiplier", "authors_schedule", "check_authors_schedule"]
+def authors_schedule_shift(args, training_steps: int) -> int:
+    """``loro_schedule_shift`` of training arguments ``args``, by default minus the warm-up steps (the authors' 60m,
+    130m and 1b scripts)."""
+    return -args.get_warmup_steps(training_steps) if args.loro_schedule_shift is None else args.loro_schedule_shift
+
+
+def schedule_of_arguments(args, optimizer, training_steps: int) -> LambdaLR:
+    """The LORO authors' schedule as training arguments ``args`` set it (``--loro_schedule authors``)."""
+    return authors_schedule(optimizer, training_steps=training_steps, warmup_steps=args.get_warmup_steps(training_steps),
+                            restart_every=args.loro_exact_every, restart_warmup_steps=args.loro_restart_warmup_steps,
+                            min_ratio=args.lr_scheduler_kwargs["min_lr_rate"], shift=authors_schedule_shift(args, training_steps))
+
+
+__all__ = ["authors_multiplier", "authors_schedule", "authors_schedule_shift", "check_authors_schedule", "schedule_of_arguments"]

@@ -6,8 +6,9 @@ the training arguments, the command-line options and the estimator's workload ar
 (:mod:`boost_hf.parallel.settings`). All fields are validated here, once, with errors that say what to change.
 
 The single-device model file, which cannot import boost-hf, reaches the code that builds, loads and checks a
-shard through this object's four model-facing methods; they call the functions that
-:mod:`boost_hf.parallel.model_hooks` registers (:func:`register_model_hooks`) when ``boost_hf.parallel`` is imported.
+shard through this object's model-facing methods (and a parallel model saves through :meth:`ParallelConfig.save_pretrained`);
+they call the functions that :mod:`boost_hf.checkpoint.model_hooks` registers (:func:`register_model_hooks`) when
+``boost_hf`` is imported.
 """
 
 from __future__ import annotations
@@ -175,11 +176,6 @@ class ParallelConfig:
         starts = [sum(split[:stage]) for stage in range(len(split))]
         return [range(start, start + count) for start, count in zip(starts, split)]
 
-    @property
-    def shards_tokens(self) -> bool:
-        """Sequence parallelism is on and there is more than one rank to shard the tokens over."""
-        return self.sequence_parallel and self.tp_size > 1
-
     @staticmethod
     def help(name: str) -> str:
         """The help text of field ``name``."""
@@ -187,7 +183,7 @@ class ParallelConfig:
 
     # The single-device model file reaches boost-hf through the last three (it never imports boost-hf itself);
     # check_model is the same check for callers holding a model config. Each calls the function of the same name in
-    # boost_hf.parallel.model_hooks.
+    # boost_hf.checkpoint.model_hooks.
     def check_model(self, config) -> None:
         """Raise ``ValueError`` naming the field to change if this layout cannot hold ``config``."""
         _hooks().check_model(config, self)
@@ -202,8 +198,13 @@ class ParallelConfig:
 
     def load_pretrained(self, model_class, pretrained_model_name_or_path, *model_args, **kwargs):
         """``model_class.from_pretrained(..., parallel_config=self)``: this rank's shard, reading only this
-        rank's slices (see :func:`boost_hf.parallel.model_hooks.load_pretrained`)."""
+        rank's slices (see :func:`boost_hf.checkpoint.model_hooks.load_pretrained`)."""
         return _hooks().load_pretrained(model_class, pretrained_model_name_or_path, self, *model_args, **kwargs)
+
+    def save_pretrained(self, model, save_directory: str, *, is_main_process: bool, max_shard_size=None) -> None:
+        """Collective: the single-device model's folder written from every rank's shards of ``model`` (see
+        :func:`boost_hf.checkpoint.export.save_sharded_pretrained`)."""
+        _hooks().save_pretrained(model, save_directory, is_main_process=is_main_process, max_shard_size=max_shard_size)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -214,15 +215,16 @@ _model_hooks = None
 
 def register_model_hooks(hooks) -> None:
     """Install what :class:`ParallelConfig`'s model-facing methods call: an object with ``check_model(config,
-    parallel)``, ``single_device_skeleton()``, ``parallelize(model, parallel)`` and ``load_pretrained(model_class,
-    path, parallel, *args, **kwargs)`` (:mod:`boost_hf.parallel.model_hooks` registers itself when imported)."""
+    parallel)``, ``single_device_skeleton()``, ``parallelize(model, parallel)``, ``load_pretrained(model_class,
+    path, parallel, *args, **kwargs)`` and ``save_pretrained(model, save_directory, *, is_main_process,
+    max_shard_size)`` (:mod:`boost_hf.checkpoint.model_hooks` registers itself when imported)."""
     global _model_hooks
     _model_hooks = hooks
 
 
 def _hooks():
     if _model_hooks is None:
-        raise RuntimeError("boost-hf's model hooks are not loaded: import boost_hf (importing boost_hf.parallel loads them).")
+        raise RuntimeError("boost-hf's model hooks are not loaded: import boost_hf (which loads boost_hf.checkpoint.model_hooks).")
     return _model_hooks
 
 

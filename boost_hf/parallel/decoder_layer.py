@@ -96,12 +96,12 @@ class ParallelDecoderLayer:
     ``hidden_states``: the residual stream as the layout holds it (``[B, S, d/p]`` under BTP).
     ``checkpointing``: ``"none"``, ``"full"`` (the block is one recomputed step) or ``"lowrank"``
     (each step recomputed from its inputs).
-    ``token_shard_entry``: under sequence parallelism, the group of the first layer, which keeps its
+    ``sequence_parallel_entry``: under sequence parallelism, the group of the first layer, which keeps its
     ``[B, S/p, d]`` token shard of the replicated ``[B, S, d]`` input (backward: all-gather).
     """
 
     checkpointing = "none"
-    token_shard_entry = None
+    sequence_parallel_entry = None
 
     def forward(
         self,
@@ -114,8 +114,8 @@ class ParallelDecoderLayer:
         lax_latents: Latents | None = None,
         **kwargs,
     ):
-        if self.token_shard_entry is not None:
-            hidden_states = enter_token_shard(hidden_states, self.token_shard_entry)
+        if self.sequence_parallel_entry is not None:
+            hidden_states = enter_token_shard(hidden_states, self.sequence_parallel_entry)
         training = self.training and torch.is_grad_enabled()
         recomputing = self.checkpointing != "none" and training
         hf_checkpointing = self.gradient_checkpointing and training  # transformers' gradient_checkpointing_enable

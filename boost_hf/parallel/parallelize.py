@@ -2,8 +2,10 @@
 :class:`~boost_hf.modeling_boost_llama.BoostLlamaForCausalLM` into this rank's shard.
 
 In a fixed order (torchtitan's lesson): check the layout against the config and the launched world,
-build the process groups, let the :class:`~boost_hf.parallel.layouts.Layout` adopt every decoder layer,
-shard the embedding, final norm and LM head, then fill the shards: a single-device model built on the
+build the process groups, cut this rank's pipeline stages, apply the :class:`~boost_hf.parallel.layouts.Layout`'s
+plan (:meth:`~boost_hf.parallel.layouts.Layout.module_plan`: what each module path becomes, the embedding, rotary
+tables, decoder layers, final norm and LM head included, the paths this rank does not hold skipped), then fill the
+shards: a single-device model built on the
 meta device is initialised by name (each rank draws the full tensor from the same seeded generator and
 keeps its slice), a materialised one is sliced. Parameter names never change, so canonical
 checkpoints load at any TP size and hooks registered on the single-device modules keep firing.
@@ -21,17 +23,12 @@ from torch import nn
 from .config import ParallelConfig
 from .cross_entropy import vocab_parallel_causal_lm_loss
 from .layouts import Layout, layout_for
-from .modules import VocabParallelEmbedding, VocabParallelHead, adopt, parallel_class, shard_parameter
-from .norms import FusedRMSNorm, GatheredRMSNorm
+from .modules import adopt, parallel_class, shard_parameter
 from .pipeline import Pipeline, check_pipeline_model, keep_this_ranks_stages
 from .primitives import split_to_tp
-from .rotary import ComputeDtypeRotaryEmbedding
-from .decoder_layer import ParallelDecoderLayer
-from .export import DEFAULT_MAX_SHARD_SIZE, save_sharded_pretrained
-from .sequence_parallel import TokenGatheringRMSNorm, check_sequence_length
+from .sequence_parallel import check_sequence_length
 from .sharding import shard_spec_of
 from .state import ParallelState, check_world, get_parallel_state
-from .layouts.btp import HiddenShardedEmbedding
 
 
 @dataclass(frozen=True)
@@ -55,13 +52,17 @@ class TensorParallelPlan:
         return self.state.tp_group
 
     @property
-    def residual_sharded(self) -> bool:
-        return self.layout.residual_sharded and self.tp_size > 1
+    def sequence_parallel(self) -> bool:
+        """Sequence parallelism in effect (:attr:`Layout.sequence_parallel <boost_hf.parallel.layouts.Layout.sequence_parallel>`)."""
+        return self.layout.sequence_parallel
 
     @property
-    def residual_tokens_sharded(self) -> bool:
-        """Sequence parallelism of the residual stream (Megatron's): each rank holds ``N/p`` tokens."""
-        return self.parallel.shards_tokens and not self.layout.residual_sharded
+    def residual_split(self) -> str | None:
+        """How this rank holds the residual stream: ``"hidden"`` (its ``[..., d/p]`` slice, BTP), ``"tokens"`` (its
+        ``N/p`` tokens, Megatron's sequence parallelism) or ``None`` (whole)."""
+        if self.layout.residual_sharded and self.tp_size > 1:
+            return "hidden"
+        return "tokens" if self.sequence_parallel else None
 
 
 def checked_layout(config, parallel: ParallelConfig) -> Layout:
@@ -96,29 +97,9 @@ def parallelize(model: nn.Module, parallel: ParallelConfig, *, initialize: bool 
     if parallel.pp_size > 1:  # cut before sharding: this rank keeps its stages' parts only
         placement = keep_this_ranks_stages(model, parallel, plan.state.pp_rank)
     base = model.model
-    if base.embed_tokens is not None:
-        embedding_dim = layout.embedding_split() if plan.tp_size > 1 else None
-        shard_parameter(base.embed_tokens, "weight", embedding_dim, plan)
-        if plan.tp_size > 1:
-            adopt(base.embed_tokens, VocabParallelEmbedding if embedding_dim == 0 else HiddenShardedEmbedding, group=plan.group)
-    if not (plan.tp_size == 1 and parallel.activation_checkpointing == "none"):
-        for layer in base.layers:
-            layout.parallelize_layer(layer, plan)
-        adopt(base.rotary_emb, ComputeDtypeRotaryEmbedding)  # the tables the parallel attention rotates with
-        if plan.residual_tokens_sharded and base.embed_tokens is not None:  # (under PP: the first stage's) layer 0
-            adopt(next(iter(base.layers)), ParallelDecoderLayer, token_shard_entry=plan.group)
-        if base.norm is not None and plan.residual_sharded:
-            adopt(base.norm, GatheredRMSNorm, group=plan.group)
-        elif base.norm is not None and plan.residual_tokens_sharded:
-            adopt(base.norm, TokenGatheringRMSNorm, group=plan.group)
-        elif base.norm is not None:
-            adopt(base.norm, FusedRMSNorm)
-    if model.lm_head is not None:
-        if config.tie_word_embeddings:
-            model.lm_head.weight = base.embed_tokens.weight
-        else:
-            shard_parameter(model.lm_head, "weight", 0, plan)
-        adopt(model.lm_head, VocabParallelHead, group=plan.group, input_gathered=plan.residual_tokens_sharded)
+    for path, place in layout.module_plan(model, plan).items():
+        for module in held_modules(model, path):
+            place(module)
     for module in model.modules():
         for name, param in list(module.named_parameters(recurse=False)):
             if not hasattr(param, "shard_spec"):
@@ -138,6 +119,19 @@ def parallelize(model: nn.Module, parallel: ParallelConfig, *, initialize: bool 
     return model
 
 
+def held_modules(model: nn.Module, path: str) -> list[nn.Module]:
+    """The modules at ``path`` in ``model`` that this rank holds (``parent.*``: each child of ``parent``, in order);
+    none where a module on the way is absent or ``None`` (a pipeline stage's)."""
+    names = path.split(".")
+    every = names[-1] == "*"
+    module = model
+    for name in names[:-1] if every else names:
+        module = getattr(module, name, None)
+        if module is None:
+            return []
+    return list(module.children()) if every else [module]
+
+
 def _shared_seed() -> int:
     """``torch.initial_seed()`` of global rank 0 (every rank draws the same initial weights)."""
     seed = [torch.initial_seed()]
@@ -150,7 +144,7 @@ def _shared_seed() -> int:
 def initialize_shards(model: nn.Module, seed: int) -> None:
     """Fill every shard with its slice of the single-device initial value (drawn at full shape from
     ``(seed, canonical name)``, one tensor at a time)."""
-    from ..modeling_boost_llama import name_seed
+    from ..weights_boost_llama import name_seed
 
     for module in model.modules():
         for name, param in module.named_parameters(recurse=False):
@@ -168,19 +162,29 @@ class TensorParallelBaseModel:
     """The base model under a layout (its forward checks the token ids before any collective:
     :func:`~boost_hf.modeling_boost_llama.check_token_ids`); under sequence parallelism the sequence length is checked
     first (before any collective); under BTP, ``inputs_embeds: [B, S, d]`` are split to this rank's ``[B, S, d/p]``
-    (backward: all-gather of their gradient)."""
+    (backward: all-gather of their gradient).
+
+    Without its embedding (a pipeline stage after the first) it takes the residual stream as the layout holds it
+    (``[B, S, d/p]`` under BTP, the ``[B, S/p, d]`` token shard under Megatron's sequence parallelism), as the
+    previous stage handed it on: nothing is split, and the mask and positions are those of the whole sequence."""
 
     plan: TensorParallelPlan
 
     def forward(self, *args, **kwargs):
         input_ids = kwargs.get("input_ids", args[0] if args else None)
-        if self.plan.parallel.shards_tokens:
+        holds_embedding = self.embed_tokens is not None
+        if self.plan.sequence_parallel and holds_embedding:
             tokens = input_ids if input_ids is not None else kwargs.get("inputs_embeds")
             if tokens is not None:  # neither: the single-device model's own error
                 check_sequence_length(tokens.shape[1], self.plan.tp_size)
-        if self.plan.residual_sharded and kwargs.get("inputs_embeds") is not None:
+        if self.plan.residual_split == "hidden" and holds_embedding and kwargs.get("inputs_embeds") is not None:
             kwargs["inputs_embeds"] = split_to_tp(kwargs["inputs_embeds"], -1, self.plan.group)
         return super().forward(*args, **kwargs)
+
+    def sequence_of(self, inputs_embeds: torch.Tensor) -> torch.Tensor:
+        if self.embed_tokens is None and self.plan.residual_split == "tokens":  # a stage's input: this rank's S/p tokens
+            return inputs_embeds.new_empty((inputs_embeds.shape[0], inputs_embeds.shape[1] * self.plan.tp_size, 0))
+        return inputs_embeds
 
 
 class TensorParallelCausalLM:
@@ -192,7 +196,7 @@ class TensorParallelCausalLM:
     * ``logits``: the full ``[B, S, V]`` (one all-gather) when no labels are given (``generate`` works),
       at ``tp_size=1`` or when ``return_logits=True``; otherwise ``None``.
     * ``save_pretrained``: call on every rank; the canonical safetensors files are written from every rank's
-      shards, one output file per rank at a time (:mod:`boost_hf.parallel.export`): nothing is gathered.
+      shards, one output file per rank at a time (:mod:`boost_hf.checkpoint.export`): nothing is gathered.
     """
 
     plan: TensorParallelPlan
@@ -227,10 +231,11 @@ class TensorParallelCausalLM:
             return_dict=True,
             **kwargs,
         )
-        if return_logits is None:
-            return_logits = labels is None or self.plan.tp_size == 1
-        fields = {name: value for name, value in outputs.items() if name != "logits"}
-        outputs = type(outputs)(**fields, logits=self.lm_head.gather_logits(outputs.logits) if return_logits else None)
+        if self.lm_head is not None:  # (without one, a pipeline stage before the last: hidden states out)
+            if return_logits is None:
+                return_logits = labels is None or self.plan.tp_size == 1
+            fields = {name: value for name, value in outputs.items() if name != "logits"}
+            outputs = type(outputs)(**fields, logits=self.lm_head.gather_logits(outputs.logits) if return_logits else None)
         if return_dict is False or (return_dict is None and not self.config.return_dict):
             return outputs.to_tuple()
         return outputs
@@ -239,7 +244,7 @@ class TensorParallelCausalLM:
                         max_shard_size: int | str | None = None, **kwargs):
         """Collective: the single-device model's folder (canonical safetensors files of at most ``max_shard_size``,
         default 5GB, config, remote code), written from every rank's shards without gathering them
-        (:func:`~boost_hf.parallel.export.save_sharded_pretrained`). With an explicit ``state_dict`` (whole
+        (:func:`~boost_hf.checkpoint.export.save_sharded_pretrained`). With an explicit ``state_dict`` (whole
         tensors), transformers' own ``save_pretrained`` on the main process."""
         if is_main_process is None:
             is_main_process = not dist.is_initialized() or dist.get_rank() == 0
@@ -256,8 +261,7 @@ class TensorParallelCausalLM:
                 f"save_pretrained of a parallel model writes the canonical safetensors from every rank's shards and takes "
                 f"max_shard_size only; got {unsupported or args}: save, then upload the folder (huggingface_hub.upload_folder)."
             )
-        save_sharded_pretrained(self, str(save_directory), is_main_process=is_main_process,
-                                max_shard_size=max_shard_size or DEFAULT_MAX_SHARD_SIZE)
+        self.plan.parallel.save_pretrained(self, str(save_directory), is_main_process=is_main_process, max_shard_size=max_shard_size)
 
 
 def _keep_class_identity(mixin: type, cls: type) -> type:

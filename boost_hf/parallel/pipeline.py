@@ -32,12 +32,11 @@ the all-gather's 176 MB of ring traffic / 230 GB/s = 0.8 ms, 4.5 ms (2.4x less).
 share saves ``(p-1)/p`` of the latents' P2P bytes and the all-gather moves as many ring bytes, so it about breaks
 even; the runtime does not know the topology, so it always shares.
 
-Precision (:meth:`Pipeline.set_precision`, set by the trainer from its precision policy): each chunk's forward runs
-under the policy's autocast (the trainer's autocast does not reach the engine's calls), the embedding's output enters
-the residual stream in its dtype, and every boundary tensor is sent in the policy's boundary dtype (the compute
-dtype: bf16 under autocast, where the receiving stage casts the residual back to its fp32; fp32 only when the residual
-is kept in fp32 under bf16 parameters), the byte counts with it. Without a policy all of these are the parameters'
-dtype, as without a pipeline.
+Each stage runs the model's own forward (:func:`stage_model`: the base model with what the stage lacks set to
+``None``); :class:`PipelineChunk` only unpacks and packs the boundary tensors. Precision is the model's and the
+caller's (:meth:`Pipeline.configure`): the residual dtype is the model's ``residual_dtype``, the autocast is whatever
+``wrap`` puts around each chunk, and every boundary tensor is sent in the ``boundary_dtype`` given (the byte counts
+with it); without one, the parameters' dtype, as without a pipeline.
 
 The loss is the single-process one: each micro-batch's vocab-parallel cross-entropy *sum* divided by
 the token count of the whole step (all DP replicas), times ``dp_size`` because DDP averages gradients
@@ -48,7 +47,8 @@ summed over DP, so every rank returns the same value. When the trainer reduces t
 
 from __future__ import annotations
 
-import contextlib
+import copy
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -57,6 +57,7 @@ from torch import nn
 
 from .config import MULTI_STAGE_SCHEDULES, ParallelConfig
 from .cross_entropy import IGNORE_INDEX, vocab_parallel_causal_lm_loss
+from .parts import PartParallelism, data_parallelism, prepare_part
 from .primitives import gather_from_tp, split_to_tp
 from .sequence_parallel import check_sequence_length
 
@@ -93,6 +94,11 @@ class StageLayers(nn.ModuleDict):
 
     def __iter__(self):
         return iter(self.values())
+
+    def __getitem__(self, key: str | slice):
+        """A layer by its index in the whole model (``"3"``), or, sliced, the held layers in order (as the model's
+        forward slices its ``nn.ModuleList``)."""
+        return list(self.values())[key] if isinstance(key, slice) else super().__getitem__(key)
 
 
 @dataclass(frozen=True)
@@ -137,80 +143,59 @@ class _ContiguousGradient(torch.autograd.Function):
         return grad.contiguous()
 
 
-@dataclass(frozen=True)
-class StagePrecision:
-    """How a pipeline stage computes: ``autocast_dtype`` (its forward under ``torch.autocast``; ``None``: none),
-    ``residual_dtype`` (the residual stream entering its layers, from the embedding or the previous stage;
-    ``None``: as it comes) and ``boundary_dtype`` (the tensors it sends to the next stage; ``None``: the residual's)."""
-
-    autocast_dtype: torch.dtype | None = None
-    residual_dtype: torch.dtype | None = None
-    boundary_dtype: torch.dtype | None = None
-
-    def autocast(self, device_type: str):
-        if self.autocast_dtype is None:
-            return contextlib.nullcontext()
-        return torch.autocast(device_type, dtype=self.autocast_dtype)
+def stage_model(model: nn.Module, layers: range, first: bool, last: bool) -> nn.Module:
+    """The base model of one stage: a view of this rank's ``model.model`` (a shallow copy of the module, no parameter
+    copied) holding these ``layers`` only, its embedding on the first stage and its final norm on the last; ``None``
+    where a stage lacks them, so that the model's own forward runs the stage."""
+    base = model.model
+    view = copy.copy(base)
+    view._modules = {
+        **base._modules,
+        "embed_tokens": base.embed_tokens if first else None,
+        "layers": StageLayers({str(i): base.layers[str(i)] for i in layers}),
+        "norm": base.norm if last else None,
+    }
+    return view
 
 
 class PipelineChunk(nn.Module):
-    """One pipeline stage of the model: ``(input_ids)`` or ``(hidden, [latents])`` in, ``(hidden, [latents])``
-    or the vocab-parallel logits ``[mb, S, V/p]`` (last stage) out.
+    """One pipeline stage as the engine runs it: ``(input_ids)`` or ``(hidden, [latents])`` in, ``(hidden, [latents])``
+    or the vocab-parallel logits ``[mb, S, V/p]`` (last stage) out. An adapter around the model's own forward
+    (:func:`stage_model`, then the LM head on the last stage): it unpacks and packs the boundary tensors.
 
     ``hidden``: the residual as the layout holds it; ``latents``: LaX only, the handed-on latents of the 7
     projections packed ``[rows, 7 r]`` as the layout's :meth:`~boost_hf.parallel.layouts.Layout.stage_boundary`
     says (this rank's share of the replicated latents is taken before sending and all-gathered over TP on
-    arrival: :func:`send_latents`, :func:`receive_latents`). Registers the model's own modules (no copy).
+    arrival: :func:`send_latents`, :func:`receive_latents`), in ``boundary_dtype`` (``None``: the residual's).
     """
 
     def __init__(self, model: nn.Module, stage: int, layers: range, num_stages: int):
         super().__init__()
-        base = model.model
         self.config, self.plan = model.config, model.plan
         self.is_first, self.is_last = stage == 0, stage == num_stages - 1
-        self.embed_tokens = base.embed_tokens if self.is_first else None
-        self.layers = nn.ModuleList(base.layers[str(i)] for i in layers)
-        self.rotary_emb = base.rotary_emb
-        self.norm = base.norm if self.is_last else None
+        self.model = stage_model(model, layers, self.is_first, self.is_last)
         self.lm_head = model.lm_head if self.is_last else None
         self.latent_names = latent_names(model.config)
-        self.precision = StagePrecision()
+        self.boundary_dtype: torch.dtype | None = None
 
     def forward(self, *inputs: torch.Tensor, attention_mask: torch.Tensor | None = None):
-        with self.precision.autocast(inputs[0].device.type):
-            return self._forward(*inputs, attention_mask=attention_mask)
-
-    def _forward(self, *inputs: torch.Tensor, attention_mask: torch.Tensor | None = None):
-        from transformers.masking_utils import create_causal_mask
-
-        precision = self.precision
         if self.is_first:
             (input_ids,) = inputs
-            hidden = self.embed_tokens(input_ids)
-            hidden = hidden if precision.residual_dtype is None else hidden.to(precision.residual_dtype)
+            stage_inputs = {"input_ids": input_ids}
             microbatch, seq = input_ids.shape
-            latents = None
         else:
             hidden, *packed = (_ContiguousGradient.apply(x) for x in inputs)
-            hidden = hidden if precision.residual_dtype is None else hidden.to(precision.residual_dtype)
-            microbatch, seq = hidden.shape[0], hidden.shape[1] * (self.plan.tp_size if self.plan.residual_tokens_sharded else 1)
+            microbatch, seq = hidden.shape[0], hidden.shape[1] * (self.plan.tp_size if self.plan.residual_split == "tokens" else 1)
             latents = receive_latents(packed[0], self._boundary(microbatch, seq), self.latent_names, microbatch, self.plan.group) if packed else None
-        sequence = hidden.new_empty((microbatch, seq, 0))  # the whole sequence's shape (the residual may hold a token shard)
-        position_ids = torch.arange(seq, device=hidden.device).unsqueeze(0)
-        mask = create_causal_mask(
-            config=self.config, inputs_embeds=sequence, attention_mask=attention_mask, past_key_values=None, position_ids=position_ids
-        )
-        position_embeddings = self.rotary_emb(sequence, position_ids=position_ids)
-        for layer in self.layers:
-            hidden, latents = layer(
-                hidden, attention_mask=mask, position_embeddings=position_embeddings, position_ids=position_ids, lax_latents=latents
-            )
+            stage_inputs = {"inputs_embeds": hidden, "lax_latents": latents}
+        outputs = self.model(**stage_inputs, attention_mask=attention_mask, use_cache=False)
         if self.is_last:
-            return self.lm_head(self.norm(hidden))
-        sent = precision.boundary_dtype or hidden.dtype
+            return self.lm_head(outputs.last_hidden_state)
+        hidden = outputs.last_hidden_state
+        sent = self.boundary_dtype or hidden.dtype
         if not self.latent_names:
             return (hidden.to(sent).contiguous(),)
-        packed = send_latents(latents, self._boundary(microbatch, seq), self.latent_names, self.plan.group)
+        packed = send_latents(outputs.lax_latents, self._boundary(microbatch, seq), self.latent_names, self.plan.group)
         return hidden.to(sent).contiguous(), packed.to(sent)
 
     def _boundary(self, microbatch: int, seq: int):
@@ -274,22 +259,25 @@ class Pipeline:
         ]
         self._wrapped: list[nn.Module] | None = None
         self._schedules: dict[tuple[int, int, torch.dtype], object] = {}
-        self.ddp_over_data_parallel = True
+        on_its_own = PartParallelism(data_parallel=data_parallelism(self.state, pipeline=True), dp_group=self.state.dp_group,
+                                     ddp_kwargs={"broadcast_buffers": False})
+        self._wrap = functools.partial(prepare_part, how=on_its_own)
 
-    def set_precision(self, precision: StagePrecision, *, ddp_over_data_parallel: bool = True) -> None:
-        """Run every stage with ``precision``; ``ddp_over_data_parallel=False``: the stages are not wrapped in DDP
-        (the caller reduces the gradients over the DP group). Before the first step only."""
+    def configure(self, *, boundary_dtype: torch.dtype | None = None, wrap=None) -> None:
+        """Before the first step: send the boundary tensors in ``boundary_dtype`` (``None``: the parameters' dtype);
+        run each chunk as ``wrap(chunk)`` returns it (:func:`~boost_hf.parallel.parts.prepare_part` with the caller's
+        settings; by default each chunk in DDP over the DP group, when there is one)."""
         if self._wrapped is not None:
-            raise RuntimeError("set_precision must be called before the pipeline's first step (its stages are built).")
+            raise RuntimeError("configure must be called before the pipeline's first step (its stages are built).")
         for chunk in self.chunks:
-            chunk.precision = precision
-        self.ddp_over_data_parallel = ddp_over_data_parallel
+            chunk.boundary_dtype = boundary_dtype
+        if wrap is not None:
+            self._wrap = wrap
 
     @property
     def boundary_dtype(self) -> torch.dtype:
         """The dtype of the tensors crossing this pipeline's stage boundaries (both ways)."""
-        precision = self.chunks[0].precision
-        return precision.boundary_dtype or precision.residual_dtype or activation_dtype(self.model)
+        return self.chunks[0].boundary_dtype or activation_dtype(self.model)
 
     @property
     def holds_last_stage(self) -> bool:
@@ -297,16 +285,9 @@ class Pipeline:
 
     # ------------------------------------------------------------------ building
     def stage_modules(self) -> list[nn.Module]:
-        """The chunks, each wrapped in DDP over the DP group when there is one and the pipeline reduces its
-        gradients (built once)."""
+        """The chunks as the schedule runs them, each prepared by :meth:`configure`'s ``wrap`` (built once)."""
         if self._wrapped is None:
-            if self.state.dp_group is None or not self.ddp_over_data_parallel:
-                self._wrapped = list(self.chunks)
-            else:
-                self._wrapped = [
-                    nn.parallel.DistributedDataParallel(chunk, process_group=self.state.dp_group, broadcast_buffers=False)
-                    for chunk in self.chunks
-                ]
+            self._wrapped = [self._wrap(chunk) for chunk in self.chunks]
         return self._wrapped
 
     def _schedule(self, microbatch: int, seq: int, dtype: torch.dtype):
@@ -355,7 +336,7 @@ class Pipeline:
         check_token_ids(input_ids, self.model.config.vocab_size)
         check_token_ids(labels, self.model.config.vocab_size, "labels", ignore_index=IGNORE_INDEX)
         batch, m = input_ids.shape[0], self.parallel.microbatches
-        if self.parallel.shards_tokens:
+        if self.parallel.sequence_parallel:  # (at tp_size 1 every length splits)
             check_sequence_length(input_ids.shape[1], self.parallel.tp_size)
         if batch % m != 0:
             raise ValueError(
@@ -417,7 +398,6 @@ __all__ = [
     "PipelineChunk",
     "Placement",
     "StageLayers",
-    "StagePrecision",
     "activation_dtype",
     "check_pipeline_model",
     "count_targets",
@@ -425,5 +405,6 @@ __all__ = [
     "latent_names",
     "receive_latents",
     "send_latents",
+    "stage_model",
     "stage_ranks",
 ]

@@ -28,7 +28,7 @@ import math
 import torch
 
 from ..configuration_boost_llama import TensorTrainShape
-from ..modeling_boost_llama import contract_cores
+from ..tensor_train_boost_llama import contract_cores
 from .communication import Communication, all_reduce
 from .layouts.base import Gemm
 from .modules import adopt, shard_parameter, shard_repr

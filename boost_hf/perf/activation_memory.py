@@ -30,7 +30,7 @@ def saved_parts_per_layer(config, parallel: ParallelConfig, tokens: int, layer_i
     layout = layout_for(config, parallel)
     residual = layout.residual_elements(config, tokens)
     carries = 7 * tokens * config.rank if config.bottleneck == "lax" and layer_idx > 0 else 0
-    if parallel.shards_tokens:
+    if layout.sequence_parallel:
         carries //= parallel.tp_size  # BTP's latent sequence parallelism hands on token shards
     mode = parallel.activation_checkpointing
     if mode == "full":

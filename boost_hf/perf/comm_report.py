@@ -25,14 +25,14 @@ LAYOUTS = {
 
 
 def _config(preset: str, full_rank: bool, layers: int):
-    from boost_hf import BoostLlamaConfig
+    from ..configuration_boost_llama import BoostLlamaConfig
 
     size = preset.split("-", 1)[1]
     return BoostLlamaConfig.from_preset(f"llama-{size}" if full_rank else preset, num_hidden_layers=layers)
 
 
 def _count(config, parallel, batch: int, seq: int) -> tuple[dict, dict]:
-    from boost_hf import BoostLlamaForCausalLM
+    from ..modeling_boost_llama import BoostLlamaForCausalLM
 
     with no_init_weights():
         model = BoostLlamaForCausalLM(config, parallel_config=parallel)

@@ -47,7 +47,7 @@ def layer_gemms(config, parallel: ParallelConfig, tokens: int, *, crossing: bool
     :meth:`~boost_hf.parallel.layouts.Layout.local_gemms`), plus LaX's crossings (``crossing`` and
     ``bottleneck == "lax"``), which act on the full, replicated ``r`` (on this rank's ``N/p`` tokens under
     BTP's latent sequence parallelism)."""
-    crossing_tokens = tokens // parallel.tp_size if parallel.shards_tokens else tokens
+    crossing_tokens = tokens // parallel.tp_size if parallel.sequence_parallel else tokens  # (at tp_size 1: all of them)
     return layout_for(config, parallel).local_gemms(config, tokens) + _crossing_gemms(config, crossing_tokens, crossing)
 
 
@@ -94,7 +94,7 @@ def elementwise_elements_per_token(config, parallel: ParallelConfig) -> float:
         latent += 7 * 2 * latent_width
     if layout.residual_sharded and parallel.rmsnorm == "online" and parallel.tp_size > 1:
         latent += 2 * (3 * r + 2 * r)
-    if parallel.shards_tokens:
+    if layout.sequence_parallel:
         if layout.residual_sharded:
             latent /= parallel.tp_size
         else:

@@ -48,7 +48,7 @@ activations without checkpointing for the gradients it produces (twice that unde
 as well); under ``autocast`` with checkpointing the cast cache, which keeps a bf16 copy of every weight of the rank
 for the whole forward of a micro-batch (autocast caches the casts of leaf parameters until its region exits; without
 checkpointing the copies are kept for backward anyway, per micro-batch in flight); the save of a checkpoint: every rank writes its own shards through ``torch.distributed.checkpoint``
-(``boost_hf/training/checkpoint.py``), copying one tensor at a time to the host (``--save_async``: all its shards, to
+(``boost_hf/checkpoint/folders.py``), copying one tensor at a time to the host (``--save_async``: all its shards, to
 host memory once): no GPU memory beyond one tensor's host copy, which :attr:`MemoryBreakdown.save_host` reports.
 
 **Framework allowance** (:data:`FRAMEWORK`, not measured on this CPU machine; an explicit allowance, overridable):
@@ -366,7 +366,7 @@ def head_saved_bytes(config, parallel: ParallelConfig, tokens: int, precision: s
     a, p, d, vocab = policy.activation, parallel.tp_size, config.hidden_size, config.vocab_size // parallel.tp_size
     if runs_single_device_layers(parallel):
         norm = tokens * d * (4 + policy.residual + a) + tokens * 4
-    elif parallel.shards_tokens and parallel.tp_style == "megatron":
+    elif parallel.sequence_parallel and parallel.tp_style == "megatron":  # (at tp_size 1 the same bytes)
         shard = tokens // p
         norm = whole_norm_saved_bytes(shard, d, a, policy.residual) - shard * d * a + tokens * d * a
     else:

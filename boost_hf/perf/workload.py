@@ -87,7 +87,7 @@ class Workload:
         object.__setattr__(self, "precision", precision)
         object.__setattr__(self, "grad_reduce_dtype", grad_reduce_dtype)
         check_schedule(parallel.pp_schedule, parallel.pp_stages_per_rank)
-        if parallel.shards_tokens:
+        if parallel.sequence_parallel:  # (at tp_size 1 every length splits)
             check_sequence_length(seq_len, parallel.tp_size)
 
     @property

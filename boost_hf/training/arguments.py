@@ -21,8 +21,9 @@ from transformers import TrainingArguments
 
 from ..parallel.config import ParallelConfig
 from ..parallel.settings import config_of_training_arguments, parse_layer_split, training_fields
+from ..precision_config import precision_training_fields
 from ..optim.loro import EPSILON_PLACEMENTS, LOWRANK_OPTIMIZERS
-from ..optim.loro_schedule import check_authors_schedule
+from ..optim.loro_schedule import authors_schedule_shift, check_authors_schedule
 from .stack import check_training_stack
 from .compatibility import check_settings, settings_from_accelerate
 from .health import NONFINITE_POLICIES
@@ -104,24 +105,25 @@ def check_authors_loro_schedule(args) -> None:
                                min_ratio=kwargs["min_lr_rate"], shift=authors_schedule_shift(args, args.max_steps))
 
 
-def authors_schedule_shift(args, training_steps: int) -> int:
-    """``loro_schedule_shift``, by default minus the warm-up steps (the authors' 60m, 130m and 1b scripts)."""
-    return -args.get_warmup_steps(training_steps) if args.loro_schedule_shift is None else args.loro_schedule_shift
-
-
 LayoutArguments = make_dataclass("LayoutArguments", training_fields(), kw_only=True)
 LayoutArguments.__doc__ = """The layout fields of :class:`BoostTrainingArguments`: :class:`ParallelConfig`'s, generated from its
 declaration (names, types, defaults, help) with the differences :mod:`boost_hf.parallel.settings` states
 (``activation_checkpointing_mode``, ``tp_style="auto"``, ``pp_layer_split`` as a comma-separated list)."""
 LayoutArguments.__module__ = __name__
+PrecisionArguments = make_dataclass("PrecisionArguments", precision_training_fields(), kw_only=True)
+PrecisionArguments.__doc__ = """The precision fields of :class:`BoostTrainingArguments`: :class:`~boost_hf.precision_config.PrecisionConfig`'s,
+generated from its declaration (names, ``Literal`` choices, defaults, help)."""
+PrecisionArguments.__module__ = __name__
 
 
 @dataclass(kw_only=True)
-class BoostTrainingArguments(LayoutArguments, TrainingArguments):
+class BoostTrainingArguments(LayoutArguments, PrecisionArguments, TrainingArguments):
     """Training arguments of boost-hf: ``TrainingArguments``, the layout fields of :class:`LayoutArguments` (those of
     :class:`~boost_hf.parallel.config.ParallelConfig`, whose help says what each does: ``tp_size``, ``tp_style``,
     ``rmsnorm``, ``group_linears``, ``activation_checkpointing_mode``, ``sequence_parallel``, ``pp_size``,
-    ``pp_schedule``, ``pp_microbatches``, ``pp_stages_per_rank``, ``pp_layer_split``), and:
+    ``pp_schedule``, ``pp_microbatches``, ``pp_stages_per_rank``, ``pp_layer_split``), the precision fields of
+    :class:`PrecisionArguments` (those of :class:`~boost_hf.precision_config.PrecisionConfig`: ``precision_policy``,
+    ``grad_reduce_dtype``, ``fp32_residual``), and:
 
     Args:
         peak_tflops: dense peak TFLOP/s of one device, the denominator of MFU (default: the GPU preset of
@@ -156,15 +158,6 @@ class BoostTrainingArguments(LayoutArguments, TrainingArguments):
             parameters (torch's ``ZeroRedundancyOptimizer`` over the DP group; :mod:`boost_hf.training.zero1`), at any
             layout including ``pp_size > 1``; each rank saves its own share (resumable at any layout, with or
             without it). At dp 1 there is nothing to shard: the plain optimizer. Not with DeepSpeed or LORO.
-        precision_policy: how bf16 (``--bf16``, or accelerate's ``mixed_precision``) trains
-            (:mod:`boost_hf.training.precision`): ``"autocast"`` (the default: fp32 parameters, the forward under bf16
-            autocast) or ``"bf16_params"`` (bf16 parameters, fp32 master weights, gradients accumulated and all-reduced
-            over DP in fp32, checkpoints in fp32). With DeepSpeed's bf16 mode the policy is DeepSpeed's own
-            ``bf16_params``. Refused without bf16.
-        grad_reduce_dtype: ``bf16_params`` only: the dtype of the data-parallel gradient all-reduce, ``"fp32"``
-            (default) or ``"bf16"`` (half the bytes; each bucket rounded to bf16 for the sum, then accumulated back in fp32).
-        fp32_residual: ``bf16_params`` only: keep the residual stream in fp32 while the layers compute in bf16
-            (Megatron-LM's ``fp32_residual_connection``; off by default, as there).
         exit_signals: signals (default ``"SIGTERM,SIGUSR1"``; ``""``: none) after which every rank finishes its step, the
             run saves a checkpoint and every rank exits with status 76 (:mod:`boost_hf.training.preemption`).
         exit_after_minutes: the same after this many minutes since the process started (default 0: no budget), e.g. a
@@ -172,7 +165,7 @@ class BoostTrainingArguments(LayoutArguments, TrainingArguments):
         save_async: write each checkpoint in the background: the model's and optimizer's shards are copied to host
             memory (this rank's own, once), training goes on, and a thread writes them, hashes them, writes the
             manifest and renames the folder; the next save, the final model and the end of ``train`` wait for it. A
-            run killed meanwhile leaves only a staging folder (:mod:`boost_hf.training.checkpoint`).
+            run killed meanwhile leaves only a staging folder (:mod:`boost_hf.checkpoint.folders`).
         save_max_shard_size: largest safetensors file of ``final/`` and of every parallel ``save_pretrained`` (default
             ``"5GB"``): each file is written by one rank, which holds at most that much of the model.
         resume_on_changed_data: resume at the checkpoint's data position although the training data's fingerprint
@@ -225,18 +218,6 @@ class BoostTrainingArguments(LayoutArguments, TrainingArguments):
     adam_epsilon_placement: str = field(
         default="torch", metadata={"help": "torch (torch's AdamW) or transformers (lr sqrt(bc2)/bc1 m/(sqrt(v)+eps), the LORO "
                                            "authors' optimizer); LORO only."}
-    )
-    # precision (issue 26): boost_hf/training/precision.py
-    precision_policy: str | None = field(
-        default=None,
-        metadata={"help": "With bf16: autocast (default; fp32 parameters under bf16 autocast) or bf16_params (bf16 "
-                          "parameters, fp32 masters and gradient accumulation/reduction). DeepSpeed bf16 is bf16_params."},
-    )
-    grad_reduce_dtype: str | None = field(
-        default=None, metadata={"help": "bf16_params: dtype of the data-parallel gradient all-reduce, fp32 (default) or bf16."}
-    )
-    fp32_residual: bool = field(
-        default=False, metadata={"help": "bf16_params: keep the residual stream in fp32 (Megatron's fp32_residual_connection)."}
     )
     # preemption: stop at a step boundary, save, exit with status 76 (boost_hf.training.preemption)
     exit_signals: str = field(

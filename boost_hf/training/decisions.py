@@ -54,9 +54,9 @@ def decided_on_rank_zero(decide):
 def resume_checkpoint(run_dir: str, resume_from_checkpoint: str | bool | None) -> str | None:
     """The checkpoint a run resumes, decided on global rank 0 (:func:`decided_on_rank_zero`): ``True`` or ``"last"``:
     the newest complete checkpoint of ``run_dir`` (``FileNotFoundError`` when there is none,
-    :func:`~boost_hf.training.checkpoint.newest_complete_checkpoint`); ``"auto"``: that, or ``None`` (a new run) when
+    :func:`~boost_hf.checkpoint.folders.newest_complete_checkpoint`); ``"auto"``: that, or ``None`` (a new run) when
     there is none; a path: itself (``FileNotFoundError`` if it is no folder); ``None`` / ``False``: ``None``."""
-    from .checkpoint import completed_checkpoints, newest_complete_checkpoint
+    from ..checkpoint.folders import completed_checkpoints, newest_complete_checkpoint
 
     def decide() -> str | None:
         if resume_from_checkpoint in (None, False, ""):
@@ -74,7 +74,7 @@ def resume_checkpoint(run_dir: str, resume_from_checkpoint: str | bool | None) -
 
 def checkpoint_is_complete(folder: str) -> bool:
     """Whether ``folder`` (a ``checkpoint-<step>``) is a complete checkpoint of its run, decided on global rank 0."""
-    from .checkpoint import completed_checkpoints
+    from ..checkpoint.folders import completed_checkpoints
 
     return decided_on_rank_zero(
         lambda: os.path.abspath(folder) in map(os.path.abspath, completed_checkpoints(os.path.dirname(os.path.abspath(folder)))))

@@ -25,9 +25,9 @@ casts the parameters itself keeping each group in one buffer
 the optimizer's parameter groups so that the parameters stored together are consecutive, in storage order
 (:func:`order_stored_together`): DeepSpeed's flat buffers then hold each group as consecutive rows again, and
 the grouped GEMMs keep reading views (in fp32 and in bf16). This changes where each parameter lies in
-DeepSpeed's flat buffers, so a checkpoint records the order (:data:`DEEPSPEED_PARAMETER_ORDER`) and one written
+DeepSpeed's flat buffers, so a checkpoint records the order (``DEEPSPEED_PARAMETER_ORDER``) and one written
 in the earlier order is refused on resume instead of loading its ZeRO partitions into the wrong parameters
-(:mod:`boost_hf.training.resume`).
+(:mod:`boost_hf.checkpoint.resume`, which records it: :data:`~boost_hf.checkpoint.resume.DEEPSPEED_PARAMETER_ORDER`).
 
 On CPU, DeepSpeed compiles a shared-memory collective op on first use (75-95 s on 2 cores, cached in
 ``~/.cache/torch_extensions``); training does not need it. ``BOOST_HF_DEEPSPEED_SHM_COMM=0`` skips it.
@@ -40,9 +40,10 @@ import os
 
 import torch
 
+from ..checkpoint.resume import DEEPSPEED_PARAMETER_ORDER
 from ..parallel.shared_storage import SharedStorageOwner, cast_parameters
 from ..parallel.state import ParallelState
-from .deepspeed_universal import UniversalResume, attach_universal_checkpoint_info
+from ..checkpoint.deepspeed_universal import UniversalResume, attach_universal_checkpoint_info
 
 SHM_COMM_ENV = "BOOST_HF_DEEPSPEED_SHM_COMM"
 
@@ -80,9 +81,6 @@ class ModelParallelUnit:
     get_tensor_model_parallel_world_size = get_model_parallel_world_size
 
 
-#: how DeepSpeed's flat buffers order the parameters (recorded in a checkpoint's training layout; see the module
-#: docstring): each group of parameters stored together consecutively, at the place of its first member
-DEEPSPEED_PARAMETER_ORDER = "stored-together-consecutive"
 
 
 def order_stored_together(model, param_groups) -> None:
@@ -125,7 +123,7 @@ def deepspeed_initialize_hooks(mpu: ModelParallelUnit | None, universal: Univers
     given) and keeps the grouped projections' storage: the model's parameters are cast to DeepSpeed's bf16 / fp16
     dtype in groups first and the optimizer's parameter groups (or ``model_parameters``) are ordered with
     :func:`order_stored_together` (see the module docstring); the model carries DeepSpeed's
-    ``universal_checkpoint_info`` (:mod:`boost_hf.training.deepspeed_universal`), and with ``universal`` the engine
+    ``universal_checkpoint_info`` (:mod:`boost_hf.checkpoint.deepspeed_universal`), and with ``universal`` the engine
     loads that converted checkpoint in place of the ZeRO files it is asked for."""
     import deepspeed
 

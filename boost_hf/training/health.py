@@ -56,4 +56,29 @@ def nonfinite_error(step: int, grad_norm, last_checkpoint: str | None, consecuti
     return NonFiniteError(f"{what}: training stopped and nothing was saved after it; {resume}. {advice}")
 
 
-__all__ = ["NONFINITE_POLICIES", "NonFiniteError", "poison_nonfinite_loss", "is_finite", "nonfinite_error"]
+class NonfiniteSteps:
+    """What each step's gradient norm decides (``--nonfinite``, ``--nonfinite_max_consecutive_skips`` of ``args``);
+    ``skipped``: the steps skipped so far (logged as ``nonfinite_skipped_steps``)."""
+
+    def __init__(self, args):
+        self.policy = getattr(args, "nonfinite", "stop")
+        self.max_consecutive = getattr(args, "nonfinite_max_consecutive_skips", 0)
+        self.skipped = self.consecutive = 0
+
+    def check(self, grad_norm, step: int, optimizer, last_checkpoint) -> None:
+        """After optimizer step ``step``'s gradients (1-based): a non-finite ``grad_norm`` raises under ``stop`` (naming
+        ``last_checkpoint()``) or drops the gradients (``optimizer.zero_grad``: torch optimizers skip a parameter
+        without one) under ``skip_step``, raising after too many skips in a row."""
+        if is_finite(grad_norm):
+            self.consecutive = 0
+            return
+        if self.policy == "stop":
+            raise nonfinite_error(step, grad_norm, last_checkpoint())
+        optimizer.zero_grad(set_to_none=True)
+        self.skipped += 1
+        self.consecutive += 1
+        if self.max_consecutive and self.consecutive >= self.max_consecutive:
+            raise nonfinite_error(step, grad_norm, last_checkpoint(), consecutive_skips=self.consecutive)
+
+
+__all__ = ["NONFINITE_POLICIES", "NonFiniteError", "NonfiniteSteps", "poison_nonfinite_loss", "is_finite", "nonfinite_error"]

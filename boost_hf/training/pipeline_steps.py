@@ -1,15 +1,18 @@
-"""The trainer's steps under pipeline parallelism: each runs the model's :class:`~boost_hf.parallel.pipeline.Pipeline`
-instead of calling the model (whose stages live on several ranks).
+"""The steps of the pipeline engine (:class:`~boost_hf.training.engine.PipelineEngine`), which runs the model's
+:class:`~boost_hf.parallel.pipeline.Pipeline` (whose stages live on several ranks) instead of calling the model.
 
-* :func:`pipeline_training_step`: one optimizer step's forward and backward, the schedule over the batch's
-  micro-batches; returns the token-weighted mean loss over every DP replica's batch (the same on every rank).
-* :func:`pipeline_evaluation_sums`: ``[nll sum, tokens, bytes]`` of one evaluation batch, already summed over DP;
-  a batch that does not split into the micro-batches is padded with fully ignored rows (exact: they add nothing).
-* :func:`last_stage_logits` / :func:`from_last_stage`: ``compute_metrics`` under PP: the logits of each evaluation
-  batch, where they live (the last stage's ranks), and what those ranks computed from them, on every rank.
-* :func:`boundary_bytes_per_step`: the point-to-point bytes this rank sends in one training step.
+* a training step: the schedule over the batch's micro-batches; the token-weighted mean loss over every DP replica's
+  batch (the same on every rank);
+* evaluation: ``[nll sum, tokens, bytes]`` of each batch, already summed over DP; a batch that does not split into
+  the micro-batches is padded with fully ignored rows (exact: they add nothing); ``compute_metrics``' logits where
+  they live (the last stage's ranks), what those ranks computed from them sent to every rank
+  (:func:`last_stage_logits`, :func:`from_last_stage`);
+* :func:`boundary_bytes_per_step`: the point-to-point bytes this rank sends in one training step;
 * :func:`pipeline_greedy_generate`: the end-of-training sample, generated through the pipeline (no rank holds
   more than its stages).
+
+Each stage (:class:`~boost_hf.parallel.pipeline.PipelineChunk`) is a part :func:`~boost_hf.parallel.parts.prepare_part`
+prepares (compile, the precision policy's autocast, DDP over the DP group), as the pipeline builds its stages.
 """
 
 from __future__ import annotations
@@ -27,15 +30,11 @@ from ..parallel.pipeline import stage_ranks
 from ..perf.comm_formula import stage_boundary_communication
 
 
-def pipeline_of(model):
-    """The model's :class:`~boost_hf.parallel.pipeline.Pipeline` (``None`` without pipeline parallelism)."""
-    return getattr(model, "pipeline", None)
-
-
 class PipelineReplica(nn.Module):
     """What the Trainer holds as its wrapped model under pipeline parallelism: the model (``module``) as it is.
-    Accelerate must not wrap it in DDP over the whole world (each rank holds other stages); the pipeline wraps each
-    stage in DDP over the DP group itself. Calling it raises: steps run through the pipeline."""
+    Accelerate must not wrap it in DDP over the whole world (each rank holds other stages); each stage is wrapped in
+    DDP over the DP group (:func:`~boost_hf.training.engine.prepare_part`). Calling it raises: steps run through the
+    pipeline."""
 
     def __init__(self, model: nn.Module):
         super().__init__()
@@ -43,12 +42,6 @@ class PipelineReplica(nn.Module):
 
     def forward(self, *args, **kwargs):
         raise RuntimeError("a pipelined model runs through model.pipeline (train_step / eval_step), not by calling it")
-
-
-def pipeline_training_step(pipeline, inputs: dict) -> torch.Tensor:
-    """Forward and backward of ``inputs`` (``input_ids``, ``labels``, optional ``attention_mask``) through the
-    pipeline; the detached mean loss, identical on every rank."""
-    return pipeline.train_step(inputs["input_ids"], inputs["labels"], inputs.get("attention_mask")).detach()
 
 
 def _pad_rows(tensor: torch.Tensor | None, rows: int, value) -> torch.Tensor | None:
@@ -139,6 +132,4 @@ __all__ = [
     "last_stage_logits",
     "pipeline_evaluation_sums",
     "pipeline_greedy_generate",
-    "pipeline_of",
-    "pipeline_training_step",
 ]

@@ -1,7 +1,9 @@
 """The precision a run trains in: one named :class:`PrecisionPolicy`, applied the same way in every mode.
 
 The precision asked for (``--bf16``, accelerate's ``mixed_precision`` from an accelerate config or
-``ACCELERATE_MIXED_PRECISION``, DeepSpeed's ``bf16``) and ``--precision_policy`` resolve, once, in
+``ACCELERATE_MIXED_PRECISION``, DeepSpeed's ``bf16``) and the settings declared once in
+:class:`~boost_hf.precision_config.PrecisionConfig` (``--precision_policy``, ``--grad_reduce_dtype``,
+``--fp32_residual``; ``boost-hf plan`` and ``estimate`` take the same options) resolve, once, in
 :func:`resolve_precision`, into a policy that the trainer, the pipeline and the checkpoints read:
 
 =================  ===============================================================================================
@@ -43,9 +45,11 @@ checkpoints hold fp32 under the canonical names. The bf16 tensors are made by th
 **Why not DDP.** DDP reduces ``p.grad`` in the parameter's dtype and cannot change a parameter's dtype after it is
 built, so under ``bf16_params`` it would all-reduce (and, with ``no_sync``, accumulate) in bf16. Instead each
 parameter's post-accumulate-grad hook adds its bf16 gradient into the fp32 buffer; the buffer is cut into buckets
-(``--ddp_bucket_cap_mb``, 25 MiB by default, in reverse parameter order as backward produces them) and each bucket's
-all-reduce over the DP group is started, asynchronously, as soon as every parameter in it received the last
-micro-batch's gradient, so the reduction overlaps the rest of backward as DDP's does; the step waits for them.
+(``--ddp_bucket_cap_mb``, 25 MiB by default, in reverse parameter order as backward produces them) and the buckets'
+all-reduces over the DP group are started, asynchronously, in bucket order, as DDP's reducer issues them: a bucket
+whose parameters all received the last micro-batch's gradient starts once every bucket before it has started (a
+bucket that fills early waits for the earlier ones), so every rank issues the same all-reduces in the same order
+whatever order its gradients arrive in, and the reduction overlaps the rest of backward; the step waits for them.
 
 **The checkpoint contract.** :func:`full_precision_parameters` is the one context a save or a load enters: inside
 it the model's parameters are the fp32 masters under their canonical names (``loading=True``: whatever is written
@@ -64,10 +68,9 @@ import torch.distributed as dist
 from torch import nn
 from transformers import TrainerCallback
 
-from ..parallel.pipeline import StagePrecision
+from ..precision_config import PRECISION_POLICIES, PrecisionConfig
 
-PRECISION_POLICIES = ("autocast", "bf16_params")
-GRAD_REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+GRAD_REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # GradReduceDtype's
 HALF_PRECISIONS = {"bf16": torch.bfloat16, "fp16": torch.float16}
 DEFAULT_BUCKET_MB = 25
 
@@ -123,11 +126,15 @@ class PrecisionPolicy:
         """Whether the residual stream is kept wider than the parameters (``--fp32_residual``)."""
         return self.residual_dtype != self.param_dtype
 
-    def stage_precision(self) -> StagePrecision:
-        """How each pipeline stage applies the policy (:meth:`~boost_hf.parallel.pipeline.Pipeline.set_precision`)."""
-        if self.owner != "boost-hf":
-            return StagePrecision()
-        return StagePrecision(self.autocast_dtype, self.residual_dtype, self.boundary_dtype)
+    def apply_residual_dtype(self, model: nn.Module) -> None:
+        """Set a boost-hf model's residual stream dtype to the policy's (a pipeline stage's input, sent in the boundary
+        dtype, is cast back to it; elsewhere the embedding's output is cast only under ``--fp32_residual``). Another
+        model is left as it is, unless the policy keeps a wider residual (then it raises: only boost-hf models can)."""
+        base = getattr(model, "base_model", model)
+        if self.owner == "boost-hf" and hasattr(type(base), "residual_dtype"):
+            base.residual_dtype = self.residual_dtype
+        elif self.keeps_fp32_residual:
+            set_residual_dtype(model, self.residual_dtype)
 
     def record(self) -> dict:
         """The policy as plain data (``training_layout.json``, the model card, logs)."""
@@ -162,18 +169,13 @@ def _deepspeed_dtype(config: dict, key: str, default: torch.dtype) -> torch.dtyp
 
 
 def resolve_precision(args) -> PrecisionPolicy:
-    """The policy of training arguments ``args`` (any ``TrainingArguments``; boost-hf's add ``precision_policy``,
-    ``grad_reduce_dtype``, ``fp32_residual``). Raises ``ValueError`` naming the fix for a contradictory setting; no
-    communication, the same answer on every rank."""
+    """The policy of training arguments ``args`` (any ``TrainingArguments``; boost-hf's add the fields of
+    :class:`~boost_hf.precision_config.PrecisionConfig`, validated there) with the half precision they ask for. Raises
+    ``ValueError`` naming the fix for a contradictory setting; no communication, the same answer on every rank."""
+    settings = PrecisionConfig.of(args)
     half = HALF_PRECISIONS.get(getattr(args, "mixed_precision", "no"))
-    asked = getattr(args, "precision_policy", None)
-    reduce = getattr(args, "grad_reduce_dtype", None)
-    fp32_residual = getattr(args, "fp32_residual", False)
+    asked, reduce, fp32_residual = settings.precision_policy, settings.grad_reduce_dtype, settings.fp32_residual
     plugin = getattr(args, "deepspeed_plugin", None)
-    if asked is not None and asked not in PRECISION_POLICIES:
-        raise ValueError(f"precision_policy must be one of {', '.join(PRECISION_POLICIES)}, got {asked!r}.")
-    if reduce is not None and reduce not in GRAD_REDUCE_DTYPES:
-        raise ValueError(f"grad_reduce_dtype must be one of {', '.join(GRAD_REDUCE_DTYPES)}, got {reduce!r}.")
     if plugin is not None or getattr(args, "deepspeed", None):
         return _deepspeed_precision(args, plugin, half, asked, reduce, fp32_residual)
     if half is None:
@@ -185,6 +187,8 @@ def resolve_precision(args) -> PrecisionPolicy:
                 "config), or drop it for an fp32 run."
             )
         return FP32
+    if asked == "fp32":
+        raise ValueError(_fp32_with_half(half))
     if asked != "bf16_params":
         if reduce is not None or fp32_residual:
             raise ValueError(
@@ -231,6 +235,8 @@ def _deepspeed_precision(args, plugin, half, asked, reduce, fp32_residual) -> Pr
                 "bf16.enabled: true in the DeepSpeed config)."
             )
         return PrecisionPolicy("fp32", owner="deepspeed")
+    if asked == "fp32":
+        raise ValueError(_fp32_with_half(half))
     if asked == "autocast":
         raise ValueError(
             f"--precision_policy autocast asks for fp32 parameters under autocast, but DeepSpeed's {dtype_name(half)} mode "
@@ -243,6 +249,11 @@ def _deepspeed_precision(args, plugin, half, asked, reduce, fp32_residual) -> Pr
         grad_accumulation_dtype=_deepspeed_dtype(config, "data_types.grad_accum_dtype", half),
         grad_reduce_dtype=_deepspeed_dtype(config, "communication_data_type", half),
     )
+
+
+def _fp32_with_half(half: torch.dtype) -> str:
+    return (f"--precision_policy fp32 trains without half precision, but {dtype_name(half)} was asked for (--bf16 / --fp16, "
+            "accelerate's mixed_precision or DeepSpeed's bf16): drop it, or choose --precision_policy autocast or bf16_params.")
 
 
 def cast_parameters(model: nn.Module, dtype: torch.dtype) -> None:
@@ -320,6 +331,7 @@ class MasterParameters:
                 self.bucket_of.update((m, bucket) for m in members)
                 start, members, size = start + size, [], 0
         self.index = {id(p): i for i, p in enumerate(self.params)}
+        self.next_bucket = 0  # the first bucket whose all-reduce has not started (they start in bucket order)
         self.arrivals = [0] * len(self.params)
         self.accumulations_per_step = 1
         self.swapped = False
@@ -328,8 +340,9 @@ class MasterParameters:
     # ------------------------------------------------------------------ backward
     @torch.no_grad()
     def _accumulate(self, param: nn.Parameter) -> None:
-        """Post-accumulate-grad hook: ``grad`` (this micro-batch's, bf16) added into the fp32 buffer and freed; the
-        bucket's all-reduce starts when all its parameters received their last micro-batch's gradient."""
+        """Post-accumulate-grad hook: ``grad`` (this micro-batch's, bf16) added into the fp32 buffer and freed; once
+        all its bucket's parameters received their last micro-batch's gradient, the ready buckets from the next one
+        in bucket order start their all-reduces (:meth:`_launch_ready`)."""
         i = self.index[id(param)]
         self.grads[i].add_(param.grad)
         param.grad = None
@@ -344,7 +357,14 @@ class MasterParameters:
         bucket = self.bucket_of[i]
         bucket.pending -= 1
         if bucket.pending == 0:
-            self._launch(bucket)
+            self._launch_ready()
+
+    def _launch_ready(self) -> None:
+        """Start the all-reduces of the consecutive full buckets from :attr:`next_bucket` on (bucket order: the same
+        collectives in the same order on every rank)."""
+        while self.next_bucket < len(self.buckets) and self.buckets[self.next_bucket].pending == 0:
+            self._launch(self.buckets[self.next_bucket])
+            self.next_bucket += 1
 
     def _launch(self, bucket: _Bucket) -> None:
         """Start ``bucket``'s average over DP: divided by ``dp`` first (as DDP), summed in the reduce dtype."""
@@ -362,9 +382,9 @@ class MasterParameters:
         if self.swapped:
             return
         if self.dp_group is not None:
-            for bucket in self.buckets:
-                if bucket.work is None:
-                    self._launch(bucket)
+            for bucket in self.buckets[self.next_bucket:]:
+                self._launch(bucket)
+            self.next_bucket = len(self.buckets)
             for bucket in self.buckets:
                 bucket.work.wait()
                 if bucket.reduced is not bucket.view:
@@ -383,6 +403,7 @@ class MasterParameters:
         self._restore(write_back=True)
         self.flat_grads.zero_()
         self.arrivals = [0] * len(self.params)
+        self.next_bucket = 0
         for bucket in self.buckets:
             bucket.pending, bucket.work, bucket.reduced = len(bucket.members), None, None
 
@@ -459,21 +480,8 @@ class CastAfterOptimizerStep(TrainerCallback):
         self.masters.step_done()
 
 
-class DataParallelReplica(nn.Module):
-    """What the Trainer holds as its wrapped model under ``bf16_params`` without pipeline parallelism: the model,
-    called as it is (no DDP: :class:`MasterParameters` reduces the gradients over DP)."""
-
-    def __init__(self, model: nn.Module):
-        super().__init__()
-        self.module = model
-
-    def forward(self, *args, **kwargs):
-        return self.module(*args, **kwargs)
-
-
 __all__ = [
     "CastAfterOptimizerStep",
-    "DataParallelReplica",
     "FP32",
     "GRAD_REDUCE_DTYPES",
     "MasterParameters",

@@ -20,7 +20,7 @@ def check_model_and_data(config, tokenizer, block_size, parallel=None) -> None:
     """``block_size`` fits the model's positions (and, under the sequence parallelism of ``parallel``, a
     ``ParallelConfig``, splits evenly over its TP ranks), and every token id of ``tokenizer`` fits its vocabulary."""
     check_int("block_size", block_size, minimum=2)
-    if parallel is not None and parallel.shards_tokens and block_size % parallel.tp_size:
+    if parallel is not None and parallel.sequence_parallel and block_size % parallel.tp_size:
         p = parallel.tp_size
         raise ValueError(
             f"block_size ({block_size}) is not divisible by tp_size ({p}), over which sequence_parallel=True splits each "

@@ -13,7 +13,7 @@ tokenizer, its remote code and model card (``README.md``) to ``<output_dir>/fina
 
 from __future__ import annotations
 
-from .checkpoint import completed_checkpoints
+from ..checkpoint.folders import completed_checkpoints
 from .preflight import check_model_and_data
 from .recipe import build_config, build_datasets, build_model, build_tokenizer, card_datasets, parse_recipe
 from .trainer import BoostTrainer
@@ -26,11 +26,12 @@ def build_trainer(argv: list[str], **trainer_kwargs) -> BoostTrainer:
     model_args, data_args, training_args = parse_recipe(argv)
     tokenizer = build_tokenizer(data_args)
     config = build_config(model_args, tokenizer)
-    check_model_and_data(config, tokenizer, data_args.block_size, training_args.to_parallel_config(config))  # before any collective
+    parallel_config = training_args.to_parallel_config(config)  # the run's layout, built once
+    check_model_and_data(config, tokenizer, data_args.block_size, parallel_config)  # before any collective
     enter_phase("dataset building")
     datasets = build_datasets(data_args, tokenizer, training_args)
     enter_phase("model building")
-    model = build_model(model_args, training_args, tokenizer)
+    model = build_model(model_args, training_args, tokenizer, config=config, parallel_config=parallel_config)
     enter_phase("trainer set-up")
     trainer = BoostTrainer(
         model=model,
@@ -53,7 +54,7 @@ def main(argv: list[str]) -> None:
     if resume == "auto":  # a job script's first launch and its requeues alike
         resume = "last" if completed_checkpoints(training_args.output_dir) else None
     training_args.eval_on_start = training_args.eval_on_start or not resume  # logged at step 0
-    with trainer.stop_requests.handling():  # a signal after the last step still saves a checkpoint
+    with trainer.run.stop_requests.handling():  # a signal after the last step still saves a checkpoint
         trainer.train(resume_from_checkpoint=True if resume == "last" else resume)
         trainer.stop_if_requested()
         end = trainer.evaluate()

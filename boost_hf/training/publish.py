@@ -8,10 +8,11 @@ model card.
   tools that prepend the declared BOS, e.g. lm-evaluation-harness, would score text the model never saw);
 * :func:`model_card`: ``README.md`` with the Hub's YAML metadata, the architecture, its cost against full rank,
   the parallel layout and recipe it was trained with, held-out perplexity / bits per byte, and how to load it
-  with and without boost-hf;
+  with and without boost-hf (:func:`write_model_card`: a trainer's);
+* :func:`publishing`, :func:`save_publishing_files`: what a trainer's saved folders hold besides the weights;
 * :func:`export_checkpoint` (``boost-hf export CHECKPOINT OUT``): a training checkpoint (its model's shards in
   ``dcp/``) as that folder, the weights streamed into safetensors files of at most ``max_shard_size``, one file per
-  rank at a time (:mod:`boost_hf.parallel.export`).
+  rank at a time (:mod:`boost_hf.checkpoint.export`).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import re
 import shutil
 import uuid
 
+import torch
 import yaml
 
 from ..perf.flops import forward_flops_per_token
@@ -210,9 +212,64 @@ def model_card(config, *, seq_len: int, license: str = "apache-2.0", datasets: l
     return "\n".join(lines)
 
 
+@contextlib.contextmanager
+def publishing(trainer):
+    """During the block the trainer's model config is as published: ``use_cache`` on, the tokenizer's special tokens
+    (:func:`inference_settings`, :func:`publish_special_tokens`)."""
+    tokenizer = trainer.processing_class if hasattr(trainer.processing_class, "save_pretrained") else None
+    tokens = publish_special_tokens(trainer.model, tokenizer, trainer.trained_with_bos) if tokenizer is not None else contextlib.nullcontext()
+    with inference_settings(trainer.model), tokens:
+        yield
+
+
+def save_publishing_files(trainer, output_dir: str) -> None:
+    """The files of a published folder beside the weights and config: the tokenizer, the model card and the training
+    arguments. One process."""
+    tokenizer = trainer.processing_class if hasattr(trainer.processing_class, "save_pretrained") else None
+    if tokenizer is not None:
+        save_tokenizer(tokenizer, output_dir, context=trainer.context_length(), used_bos=trainer.trained_with_bos)
+    write_model_card(trainer, output_dir)
+    torch.save(trainer.args, os.path.join(output_dir, "training_args.bin"))
+
+
+def write_model_card(trainer, output_dir: str) -> None:
+    """``<output_dir>/README.md``: the model card (:func:`model_card`) with the trainer's layout, recipe and last
+    held-out metrics; ``trainer.card_metadata`` sets its ``license`` and ``datasets``."""
+    state, args, config = trainer.parallel_state, trainer.args, trainer.model.config
+    layout = args.to_parallel_config(config) if hasattr(args, "to_parallel_config") else None
+    parallel = {"pp_size": state.pp_size, "tp_size": state.tp_size, "dp_size": state.dp_size}
+    if layout is not None:
+        parallel.update(tp_style=layout.tp_style, rmsnorm=layout.rmsnorm, group_linears=layout.group_linears,
+                        activation_checkpointing=layout.activation_checkpointing)
+    parallel["deepspeed_zero_stage"] = trainer.zero_stage
+    global_batch = args.per_device_train_batch_size * state.dp_size * args.gradient_accumulation_steps
+    context, steps = trainer.context_length(), trainer.state.global_step
+    recipe = {"optimizer steps": steps, "global batch (sequences)": global_batch, "sequence length": context,
+              "training tokens": steps * global_batch * context, "peak learning rate": args.learning_rate,
+              "schedule": schedule_name(args), "weight decay": args.weight_decay, "gradient clipping": args.max_grad_norm,
+              "seed": args.seed, "precision": trainer.precision.describe()}
+    evaluations = [log for log in trainer.state.log_history if "eval_perplexity" in log]
+    card = model_card(config, seq_len=context, parallel=parallel, recipe=recipe,
+                      metrics=evaluations[-1] if evaluations else None, used_bos=trainer.trained_with_bos,
+                      repo_hint=args.hub_model_id or os.path.join(args.output_dir, "final"), **trainer.card_metadata)
+    with open(os.path.join(output_dir, "README.md"), "w") as f:
+        f.write(card)
+
+
+def schedule_name(args) -> str:
+    """The learning-rate schedule training arguments ``args`` follow, as the model card names it."""
+    name = getattr(args.lr_scheduler_type, "value", args.lr_scheduler_type)
+    if getattr(args, "lowrank_optimizer", "adamw") != "loro":
+        return name
+    if args.loro_schedule == "authors":
+        return (f"the LORO authors' cosine_restart (min ratio {args.lr_scheduler_kwargs['min_lr_rate']}, restart every "
+                f"{args.loro_exact_every} steps over {args.loro_restart_warmup_steps})")
+    return f"{name}, restarted after each LORO exact step (every {args.loro_exact_every} steps, over {args.loro_restart_warmup_steps})"
+
+
 PUBLISHED_FILES = ("config.json", "generation_config.json", "README.md", "training_args.bin")
-"""Files of a training checkpoint that an export copies as they are (with the remote code named in ``auto_map`` and
-the tokenizer)."""
+"""Files of a training checkpoint that an export copies as they are (with the remote code, the model file's siblings
+included, and the tokenizer)."""
 
 
 def check_export_target(checkpoint: str, output_dir: str, *, overwrite: bool = False) -> None:
@@ -234,7 +291,7 @@ def check_export_target(checkpoint: str, output_dir: str, *, overwrite: bool = F
     entries = sorted(os.listdir(target))
     if not entries or overwrite:
         return
-    from .output_lock import LOCK_NAME
+    from ..checkpoint.lock import LOCK_NAME
 
     run = [name for name in entries if re.match(r"^checkpoint-\d+$", name) or name in (LOCK_NAME, "trainer_state.json")]
     if run:
@@ -252,7 +309,7 @@ def export_checkpoint(checkpoint: str, output_dir: str, *, max_shard_size: int |
                       overwrite: bool = False) -> str:
     """Write the Hugging Face folder of the training checkpoint ``checkpoint`` into ``output_dir``: its weights as
     transformers' safetensors files of at most ``max_shard_size`` (default 5GB), streamed out of ``dcp/`` file by
-    file (:func:`~boost_hf.parallel.export.export_weights`; launched on several processes, each writes every
+    file (:func:`~boost_hf.checkpoint.export.export_weights`; launched on several processes, each writes every
     ``world``-th file), its config, generation config, remote code, tokenizer and model card, and a manifest. The
     checkpoint is verified first (each rank its share of the files). Atomic like a checkpoint: a staging folder,
     the manifest, one rename. An existing ``output_dir`` must be an empty folder, or is replaced with ``overwrite``;
@@ -261,8 +318,8 @@ def export_checkpoint(checkpoint: str, output_dir: str, *, max_shard_size: int |
     import torch.distributed as dist
 
     from ..configuration_boost_llama import BoostLlamaConfig
-    from ..parallel.export import DEFAULT_MAX_SHARD_SIZE, export_weights
-    from .checkpoint import DCP_FOLDER, atomic_directory, is_distributed_checkpoint, verify_checkpoint_once
+    from ..checkpoint.export import DEFAULT_MAX_SHARD_SIZE, export_weights
+    from ..checkpoint.folders import DCP_FOLDER, atomic_directory, is_distributed_checkpoint, verify_checkpoint_once
 
     if not is_distributed_checkpoint(checkpoint):
         raise FileNotFoundError(
@@ -279,8 +336,8 @@ def export_checkpoint(checkpoint: str, output_dir: str, *, max_shard_size: int |
         dist.broadcast_object_list(run_id, src=0)
     with atomic_directory(output_dir, is_writer=writer, run_id=f"export-{run_id[0]}", config=config) as staging:
         if writer:
-            code = {f"{target.split('.')[0]}.py" for target in (getattr(config, "auto_map", None) or {}).values()}
-            for name in (*PUBLISHED_FILES, *sorted(code)):
+            code = sorted(name for name in os.listdir(checkpoint) if name.endswith(".py"))  # the remote code and its siblings
+            for name in (*PUBLISHED_FILES, *code):
                 if os.path.isfile(os.path.join(checkpoint, name)):
                     shutil.copy2(os.path.join(checkpoint, name), os.path.join(staging, name))
             if os.path.isfile(os.path.join(checkpoint, "tokenizer_config.json")):
@@ -293,4 +350,15 @@ def export_checkpoint(checkpoint: str, output_dir: str, *, max_shard_size: int |
     return output_dir
 
 
-__all__ = ["check_export_target", "export_checkpoint", "inference_settings", "save_tokenizer", "publish_special_tokens", "model_card"]
+__all__ = [
+    "check_export_target",
+    "export_checkpoint",
+    "inference_settings",
+    "model_card",
+    "publish_special_tokens",
+    "publishing",
+    "save_publishing_files",
+    "save_tokenizer",
+    "schedule_name",
+    "write_model_card",
+]

@@ -25,13 +25,14 @@ import yaml
 from datasets import Dataset
 from transformers import HfArgumentParser, set_seed
 
-from ..checkpoint_integrity import MANIFEST_NAME
+from ..checkpoint.integrity import MANIFEST_NAME
 from ..configuration_boost_llama import BoostLlamaConfig, DerivedRankError
 from ..data import DEFAULT_VALIDATION_PERCENT, build_lm_datasets, load_tokenizer
 from ..modeling_boost_llama import BoostLlamaForCausalLM
+from ..parallel.config import ParallelConfig
 from .arguments import BoostTrainingArguments
 from ..shipped import ACCELERATE_CONFIGS_DIR, RECIPES_DIR, VOCAB_MULTIPLE, recipe_model_config, resolve_recipe, shipped_recipes
-from .checkpoint import verify_checkpoint_once
+from ..checkpoint.folders import verify_checkpoint_once
 from .decisions import decided_on_rank_zero
 
 # BoostLlamaConfig fields that a recipe does not set: taken from the tokenizer or the training arguments.
@@ -247,12 +248,15 @@ def check_checkpoint_folder(path: str) -> None:
         )
 
 
-def build_model(model_args, training_args: BoostTrainingArguments, tokenizer) -> BoostLlamaForCausalLM:
+def build_model(model_args, training_args: BoostTrainingArguments, tokenizer, *, config=None,
+                parallel_config: ParallelConfig | None = None) -> BoostLlamaForCausalLM:
     """This rank's shard of the model (call inside the launched process group, i.e. after parsing the
-    training arguments). Weights depend only on ``training_args.seed``, whatever the TP size. A checkpoint given
-    as ``init_from`` is verified against its manifest and architecture record (when it has a manifest)."""
-    config = build_config(model_args, tokenizer)
-    parallel_config = training_args.to_parallel_config(config)
+    training arguments), of ``config`` under ``parallel_config`` (default: built from the arguments, as
+    :func:`~boost_hf.training.pretrain.build_trainer` builds them once for the run). Weights depend only on
+    ``training_args.seed``, whatever the TP size. A checkpoint given as ``init_from`` is verified against its
+    manifest and architecture record (when it has a manifest)."""
+    config = config if config is not None else build_config(model_args, tokenizer)
+    parallel_config = parallel_config if parallel_config is not None else training_args.to_parallel_config(config)
     if model_args.init_from:
         if os.path.isfile(os.path.join(model_args.init_from, MANIFEST_NAME)):
             verify_checkpoint_once(model_args.init_from, config)

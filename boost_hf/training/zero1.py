@@ -15,13 +15,15 @@ owner.
 Checkpoints are the same files as without ZeRO-1: before saving, every DP rank's share is consolidated on DP rank 0
 (:meth:`~torch.distributed.optim.ZeroRedundancyOptimizer.consolidate_state_dict`: one object broadcast per DP rank
 over the DP group), which writes the whole state dict of its (pipeline, TP) rank; so a run resumes with or without
-``--zero1_optimizer`` and at any PP x TP x DP (:mod:`boost_hf.training.resume`), each rank keeping its share on load.
+``--zero1_optimizer`` and at any PP x TP x DP (:mod:`boost_hf.checkpoint.resume`), each rank keeping its share on load.
 """
 
 from __future__ import annotations
 
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.optim import Optimizer
+
+from ..checkpoint.optimizer_state import sharded_over_data_parallel
 
 ZERO1_WITH_DEEPSPEED = (
     "--zero1_optimizer shards the optimizer state with torch's ZeroRedundancyOptimizer, which DeepSpeed's engine "
@@ -70,12 +72,6 @@ def zero1_class_and_kwargs(optimizer_cls, optimizer_kwargs: dict, dp_group) -> t
     """``(DataParallelShardedOptimizer, kwargs)`` building ``optimizer_cls(params, **optimizer_kwargs)`` sharded over
     ``dp_group`` (for ``Trainer.optimizer_cls_and_kwargs``)."""
     return DataParallelShardedOptimizer, {"optimizer_class": optimizer_cls, "process_group": dp_group, **optimizer_kwargs}
-
-
-def sharded_over_data_parallel(optimizer) -> ZeroRedundancyOptimizer | None:
-    """The ``ZeroRedundancyOptimizer`` inside ``optimizer`` (as it is, or wrapped by accelerate), else ``None``."""
-    inner = getattr(optimizer, "optimizer", optimizer)
-    return inner if isinstance(inner, ZeroRedundancyOptimizer) else None
 
 
 __all__ = ["DataParallelShardedOptimizer", "zero1_class_and_kwargs", "sharded_over_data_parallel"]

@@ -14,7 +14,7 @@ import yaml
 from transformers import AutoTokenizer, GenerationConfig
 
 from boost_hf import BoostLlamaConfig
-from boost_hf.checkpoint_integrity import verify_checkpoint
+from boost_hf.checkpoint.integrity import verify_checkpoint
 from boost_hf.perf.flops import forward_flops_per_token
 from boost_hf.training.publish import model_card, save_tokenizer
 
@@ -113,7 +113,7 @@ def test_a_checkpoint_exports_to_the_final_folder(trained_run, tmp_path):
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from boost_hf.parallel.weights_io import resolve_checkpoint_files
+    from boost_hf.checkpoint.weights_io import resolve_checkpoint_files
     from boost_hf.cli import main
 
     trainer, final = trained_run

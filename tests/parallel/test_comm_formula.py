@@ -22,6 +22,7 @@ from boost_hf.perf.comm_formula import (
     ring_traffic_bytes,
 )
 from boost_hf.parallel.config import ParallelConfig
+from boost_hf.parallel.layouts import LAYOUTS
 
 N = 10
 SMALL = dict(
@@ -247,7 +248,7 @@ def test_sequence_parallel_configuration_is_validated():
         ParallelConfig(tp_size=2, tp_style="megatron", sequence_parallel="yes")
     with pytest.raises(ValueError, match="not supported by tp_style='vanilla'.*sequence_parallel=False"):
         ParallelConfig(tp_size=2, tp_style="vanilla", sequence_parallel=True)
-    assert not ParallelConfig(tp_size=1, tp_style="megatron", sequence_parallel=True).shards_tokens
+    assert not LAYOUTS["megatron"](ParallelConfig(tp_size=1, tp_style="megatron", sequence_parallel=True)).sequence_parallel
 
 
 def test_invalid_layouts_raise():

@@ -12,6 +12,7 @@ from boost_hf.perf.activation_memory import saved_bytes_per_layer
 from boost_hf.perf.comm_formula import layer_communication, stage_boundary_communication
 from boost_hf.perf.estimator import COMPONENTS, estimate
 from boost_hf.perf.flops import attention_flops_per_token, contraction_flops, crossing_flops_per_token, linear_flops_per_token
+from boost_hf.parallel.layouts import LAYOUTS
 from boost_hf.perf.hardware import get_hardware
 from boost_hf.perf.kernels import CALIBRATED_EFFICIENCY, KernelEfficiency, layer_gemms
 from boost_hf.perf.micro_batches import micro_batch_options, recommend_micro_batches
@@ -332,7 +333,8 @@ def test_sequence_parallel_activation_memory_is_activation_memorys(mode):
 def test_sequence_parallel_workload_errors():
     with pytest.raises(ValueError, match="pad it to a multiple of 4"):
         Workload(tp=4, seq_len=4098, sequence_parallel=True)
-    assert Workload(tp=1, seq_len=4097, sequence_parallel=True).parallel("btp").shards_tokens is False
+    parallel = Workload(tp=1, seq_len=4097, sequence_parallel=True).parallel("btp")  # tp 1: nothing to split
+    assert LAYOUTS["btp"](parallel).sequence_parallel is False
 
 
 def test_sequence_parallel_pipeline_sends_megatrons_token_shard():

@@ -71,7 +71,7 @@ def test_nothing_fits_says_the_memory_needed(tmp_path, capsys):
 
 def test_a_given_setting_is_kept(tmp_path, capsys):
     assert main(["plan", "--preset", "cola-7b", "--gpus", "8", "--gpu", "a100-nvswitch", "--tp_size", "4",
-                 "--activation_checkpointing", "lowrank", "--zero1", "false", "--precision", "autocast", "--json",
+                 "--activation_checkpointing", "lowrank", "--zero1", "false", "--precision_policy", "autocast", "--json",
                  "--accelerate-config", str(tmp_path / "a.yaml")]) == 0
     layouts = json.loads(capsys.readouterr().out)
     assert {(x["tp"], x["activation_checkpointing"], x["zero1"], x["precision"]) for x in layouts} == {(4, "lowrank", False, "autocast")}
@@ -95,7 +95,7 @@ def test_bf16_gradient_reduction_halves_the_dp_bytes(tmp_path, capsys):
         return estimate_layout(config, "btp", workload, hardware).breakdown_s["dp_comm"]
 
     assert 0 < dp_seconds("bf16") < dp_seconds("fp32")
-    assert main(["plan", "--preset", "cola-7b", "--gpus", "16", "--gpu", "a100", "--precision", "bf16_params",
+    assert main(["plan", "--preset", "cola-7b", "--gpus", "16", "--gpu", "a100", "--precision_policy", "bf16_params",
                  "--grad-reduce-dtype", "bf16", "--json", "--top", "2", "--accelerate-config", str(tmp_path / "a.yaml")]) == 0
     best = json.loads(capsys.readouterr().out)[0]
     assert best["grad_reduce_dtype"] == ("bf16" if best["dp"] > 1 else None)

@@ -15,9 +15,9 @@ import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from boost_hf import BoostLlamaConfig
-from boost_hf.checkpoint_integrity import write_manifest
-from boost_hf.parallel.export import export_weights
-from boost_hf.training.resume import LAYOUT_NAME
+from boost_hf.checkpoint.integrity import write_manifest
+from boost_hf.checkpoint.export import export_weights
+from boost_hf.checkpoint.resume import LAYOUT_NAME
 
 
 def read_checkpoint(checkpoint: Path) -> dict:

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from datasets import Dataset
 
-import boost_hf.checkpoint_integrity as integrity
+import boost_hf.checkpoint.integrity as integrity
 from boost_hf import BoostLlamaConfig, BoostLlamaForCausalLM
 from boost_hf.training import BoostTrainer, BoostTrainingArguments
 
@@ -70,7 +70,7 @@ def measured(phase: str, run):
         before, hashed, start = reset_peak(), HASHED[0], time.perf_counter()
         result = run(self, *args, **kwargs)
         blocked = time.perf_counter() - start  # training waited this long
-        saver = getattr(self, "checkpoint_saver", None)
+        saver = getattr(getattr(self, "run", None), "saver", None)
         if saver is not None:
             saver.wait()  # an asynchronous save is complete
         if dist.is_initialized():
@@ -122,9 +122,9 @@ def main() -> None:
     parser.add_argument("--tp", type=int, default=2)
     options = parser.parse_args()
     out = Path(options.out)
-    import boost_hf.training.trainer as trainer_module
+    import boost_hf.checkpoint.run_folder as run_folder_module
 
-    trainer_module.verify_checkpoint_once = counted("verify", trainer_module.verify_checkpoint_once)
+    run_folder_module.verify_checkpoint_once = counted("verify", run_folder_module.verify_checkpoint_once)
     BoostTrainer._load_from_checkpoint = measured("load_model", BoostTrainer._load_from_checkpoint)
     BoostTrainer._load_optimizer_and_scheduler = measured("load_optimizer", BoostTrainer._load_optimizer_and_scheduler)
     save = BoostTrainer._save_checkpoint

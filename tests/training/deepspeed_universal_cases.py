@@ -7,7 +7,7 @@ and saves a DeepSpeed checkpoint as the trainer does (``checkpoint-2/global_step
 through DeepSpeed's own accessors (``safe_get_full_fp32_param``, ``safe_get_full_optimizer_state``, all-gathered over
 DP) and all-gathered over TP, is the canonical fp32 master and AdamW moments of every parameter. The run then takes
 step 3 (the uninterrupted run's loss). Each resume converts the checkpoint
-(:func:`~boost_hf.training.deepspeed_universal.universal_resume`, on rank 0), builds the model at its layout, loads
+(:func:`~boost_hf.checkpoint.deepspeed_universal.universal_resume`, on rank 0), builds the model at its layout, loads
 it under the hooks through ``engine.load_checkpoint(checkpoint)`` (what transformers calls) and records, per
 parameter, whether its fp32 master, its two moments and the parameter itself equal this layout's slice of the
 canonical tensors, the step counts and learning rates, and then the loss of step 3 on the same global batch.
@@ -24,7 +24,7 @@ from boost_hf import BoostLlamaConfig, BoostLlamaForCausalLM, ParallelConfig
 from boost_hf.parallel.sharding import gather_full, shard_spec_of
 from boost_hf.parallel.state import get_parallel_state
 from boost_hf.training.deepspeed import ModelParallelUnit, deepspeed_initialize_hooks
-from boost_hf.training.deepspeed_universal import universal_resume
+from boost_hf.checkpoint.deepspeed_universal import universal_resume
 
 SEED, LR, GLOBAL_BATCH, SEQ = 1234, 1e-3, 4, 8
 TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=8,

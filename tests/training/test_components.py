@@ -8,8 +8,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import boost_hf.training.checkpoint as checkpoint_module
-from boost_hf.training.checkpoint import atomic_directory, remove_stale_staging
+import boost_hf.checkpoint.folders as checkpoint_module
+from boost_hf.checkpoint.folders import atomic_directory, remove_stale_staging
 from boost_hf.training.data import EvalShard
 from boost_hf.training.deepspeed import configure_deepspeed
 from boost_hf.training.grad_norm import clip_grad_norm_, global_grad_norm

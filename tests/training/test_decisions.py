@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from boost_hf.checkpoint_integrity import write_manifest
+from boost_hf.checkpoint.integrity import write_manifest
 from boost_hf.training.decisions import checkpoint_is_complete, decided_on_rank_zero, resume_checkpoint
 
 from ..distributed import launch

@@ -1,5 +1,5 @@
 """A DeepSpeed ZeRO-1/2 checkpoint resumes at another TP x DP size or ZeRO stage through DeepSpeed's universal
-checkpoint (:mod:`boost_hf.training.deepspeed_universal`), for every layout; what cannot be converted is refused
+checkpoint (:mod:`boost_hf.checkpoint.deepspeed_universal`), for every layout; what cannot be converted is refused
 with the fix, before any collective.
 
 One launch of 4 processes (``deepspeed_universal_cases.py``; about 2 minutes on 2 cores): btp (CoLA and LaX),
@@ -23,8 +23,8 @@ import torch
 
 from boost_hf.training.deepspeed import DEEPSPEED_PARAMETER_ORDER
 from boost_hf import BoostLlamaConfig, BoostLlamaForCausalLM
-from boost_hf.training.deepspeed_universal import AUTOTP_META, UNIVERSAL_INFO_RECORD, UniversalResume, universal_resume
-from boost_hf.training.resume import ResumeLayoutError, check_resume_layout, write_training_layout
+from boost_hf.checkpoint.deepspeed_universal import AUTOTP_META, UNIVERSAL_INFO_RECORD, UniversalResume, universal_resume
+from boost_hf.checkpoint.resume import ResumeLayoutError, check_resume_layout, write_training_layout
 from tests.distributed import launch
 from tests.training import deepspeed_universal_cases as cases
 

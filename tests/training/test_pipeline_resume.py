@@ -27,7 +27,7 @@ import pytest
 import torch
 
 from boost_hf.parallel.sharding import ShardSpec
-from boost_hf.training.resume import (
+from boost_hf.checkpoint.resume import (
     LAYOUT_NAME,
     ResumeLayoutError,
     check_resume_layout,
@@ -310,6 +310,6 @@ def test_zero1_in_one_process_is_the_plain_optimizer(tmp_path):
     with_zero1, without = trainer(tmp_path / "zero1", zero1_optimizer=True), trainer(tmp_path / "plain")
     for t in (with_zero1, without):
         t.train()
-        t._output_dir_lock.release()
+        t.run.release()
     assert not isinstance(getattr(with_zero1.optimizer, "optimizer", None), torch.distributed.optim.ZeroRedundancyOptimizer)
     assert all(torch.equal(a, b) for a, b in zip(with_zero1.model.parameters(), without.model.parameters()))

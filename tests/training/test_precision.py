@@ -95,7 +95,7 @@ def test_policies_compute_store_and_reduce_in_what_they_say():
     (Args("bf16", fp32_residual=True), "belong to --precision_policy bf16_params"),
     (Args("fp16", "bf16_params"), "use --bf16 true instead of --fp16"),
     (Args("fp16", pp_size=2), "use --bf16 true"),
-    (Args("bf16", "fp8"), "precision_policy must be one of autocast, bf16_params"),
+    (Args("bf16", "fp8"), "precision_policy must be one of fp32, autocast, bf16_params"),
     (Args("bf16", "bf16_params", "fp16"), "grad_reduce_dtype must be one of fp32, bf16"),
     (Args("bf16", "autocast", deepspeed_config={"bf16": {"enabled": True}}), "that is bf16_params"),
     (Args("bf16", "bf16_params", "fp32", deepspeed_config={"bf16": {"enabled": True}}), "set communication_data_type"),
@@ -217,6 +217,39 @@ def test_bf16_params_cast_the_weights_once_per_optimizer_step():
     layer_weight = "model.layers.1.self_attn.q_proj.A"
     assert during_backward[0][layer_weight] == 6  # 3 forwards + 3 recomputations
     assert sum(during_backward[0].values()) >= 6 * sum(1 for n in names if n.endswith((".A", ".B")))
+
+
+def test_bucket_all_reduces_start_in_bucket_order_whatever_order_the_gradients_arrive_in(monkeypatch):
+    """As DDP's reducer: a bucket that fills before an earlier one waits for it, so every rank issues the same
+    all-reduces in the same order (here the last bucket's gradients arrive first, then the others' in reverse)."""
+    model = tiny_model()
+    masters = MasterParameters(model, BF16_PARAMS, dp_group=object(), dp_size=2, bucket_bytes=4096)
+    issued = []
+
+    class Done:
+        def wait(self):
+            pass
+
+    def all_reduce(tensor, *args, **kwargs):
+        issued.append(next(i for i, b in enumerate(masters.buckets) if b.view.data_ptr() == tensor.data_ptr()))
+        return Done()
+
+    monkeypatch.setattr(dist, "all_reduce", all_reduce)
+    assert len(masters.buckets) > 2
+    arrival = [i for bucket in reversed(masters.buckets) for i in bucket.members]
+    last = masters.buckets[-1]
+    with torch.no_grad():
+        for i in arrival:
+            param = masters.params[i]
+            param.grad = torch.ones_like(param)
+            masters._accumulate(param)
+            if i == last.members[-1]:
+                assert last.pending == 0 and issued == []  # full, but bucket 0 has not started: it waits
+    assert issued == list(range(len(masters.buckets)))
+    masters.gradients_ready()
+    assert issued == list(range(len(masters.buckets)))  # nothing issued twice
+    masters.step_done()
+    assert masters.next_bucket == 0
 
 
 def test_bf16_params_present_fp32_masters_to_saves_and_loads(tmp_path):

@@ -122,14 +122,14 @@ def test_sequence_parallel_argument_and_its_refusals():
     _, _, args = parse_recipe(["--tp_size", "2", "--sequence_parallel", "true", "--sample_max_new_tokens", "0", "--output_dir", "unused"])
     for bottleneck, style in (("cola", "btp"), (None, "megatron")):
         parallel = args.to_parallel_config(SimpleNamespace(bottleneck=bottleneck))
-        assert parallel.tp_style == style and parallel.shards_tokens
+        assert parallel.tp_style == style and parallel.sequence_parallel and parallel.tp_size == 2
     fields = dict(output_dir="unused", tp_size=2, sequence_parallel=True)
     with pytest.raises(ValueError, match="cannot generate the end-of-training sample .* Pass --sample_max_new_tokens 0"):
         BoostTrainingArguments(**fields)
     with pytest.raises(ValueError, match="not supported by tp_style='vanilla'"):
         BoostTrainingArguments(**fields, sample_max_new_tokens=0, tp_style="vanilla")
     pipelined = BoostTrainingArguments(**fields, sample_max_new_tokens=0, pp_size=2).to_parallel_config(SimpleNamespace(bottleneck=None))
-    assert pipelined.pp_size == 2 and pipelined.shards_tokens  # stages send their N/p-token shards
+    assert pipelined.pp_size == 2 and pipelined.sequence_parallel and pipelined.tp_size == 2  # stages send their N/p-token shards
     assert BoostTrainingArguments(output_dir="unused", sequence_parallel=True).sample_max_new_tokens > 0  # tp 1: nothing split
 
     from boost_hf.training.preflight import check_model_and_data

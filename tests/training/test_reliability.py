@@ -18,11 +18,11 @@ from datasets import Dataset
 from transformers import Trainer
 
 from boost_hf import BoostLlamaConfig, BoostLlamaForCausalLM
-from boost_hf.checkpoint_integrity import CheckpointIntegrityError
+from boost_hf.checkpoint.integrity import CheckpointIntegrityError
 from boost_hf.training import BoostTrainer, BoostTrainingArguments
-from boost_hf.training.checkpoint import CheckpointWriteError
+from boost_hf.checkpoint.folders import CheckpointWriteError
 from boost_hf.training.health import NonFiniteError
-from boost_hf.training.output_lock import OutputDirInUseError, OutputDirLock
+from boost_hf.checkpoint.lock import OutputDirInUseError, OutputDirLock
 from boost_hf.training.preemption import PREEMPTED_EXIT_CODE, TrainingStopped
 
 VOCAB, BLOCK = 64, 16
@@ -207,7 +207,7 @@ def pristine_run(tmp_path_factory):
     t = trainer(folder)
     t.train()
     t.save_final_model()
-    t._output_dir_lock.release()
+    t.run.release()
     return folder
 
 
@@ -259,7 +259,7 @@ def test_a_damaged_manifest_names_the_file_and_last_skips_it(finished_run, damag
                                                        rf"be verified .* The previous complete checkpoint of this run is '{earlier}'"):
         trainer(finished_run).train(resume_from_checkpoint=str(finished_run / "checkpoint-4"))
     t = trainer(finished_run)
-    with caplog.at_level("WARNING", logger="boost_hf.training.checkpoint"):
+    with caplog.at_level("WARNING", logger="boost_hf.checkpoint.folders"):
         t.train(resume_from_checkpoint=True)
     assert f"skipping {finished_run / 'checkpoint-4'}, not a complete checkpoint: '{manifest}' is damaged" in caplog.text
     assert f"resuming from {earlier}" in caplog.text
@@ -373,11 +373,11 @@ def test_a_requeued_job_takes_its_earlier_launchs_lock_at_once(tmp_path, monkeyp
 def test_checkpoints_are_staged_verified_renamed_then_rotated(tmp_path, monkeypatch):
     """Each save: files into ``.checkpoint-<step>.tmp-<run id>``, its manifest, one rename, and only then the rotation
     of ``--save_total_limit``: when old checkpoints are deleted, the new one is complete under its final name."""
-    import boost_hf.training.trainer as trainer_module
-    from boost_hf.checkpoint_integrity import verify_manifest
+    import boost_hf.training.checkpointing as checkpointing
+    from boost_hf.checkpoint.integrity import verify_manifest
 
     events = []
-    rotate = trainer_module.rotate_checkpoints
+    rotate = checkpointing.rotate_checkpoints
 
     def recording_rotation(output_dir, **kwargs):
         names = sorted(n for n in os.listdir(output_dir) if n != ".boost_hf.lock")
@@ -386,7 +386,7 @@ def test_checkpoints_are_staged_verified_renamed_then_rotated(tmp_path, monkeypa
         events.append(names)
         rotate(output_dir, **kwargs)
 
-    monkeypatch.setattr(trainer_module, "rotate_checkpoints", recording_rotation)
+    monkeypatch.setattr(checkpointing, "rotate_checkpoints", recording_rotation)
     t = trainer(tmp_path, save_total_limit=1, max_steps=6)
     stale = tmp_path / ".checkpoint-9.tmp-killed-run"  # a run killed while saving left its staging folder
     stale.mkdir(parents=True)
@@ -396,8 +396,8 @@ def test_checkpoints_are_staged_verified_renamed_then_rotated(tmp_path, monkeypa
 
 
 def test_a_save_that_fails_before_its_rename_keeps_the_previous_checkpoint_with_save_total_limit(tmp_path, monkeypatch):
-    import boost_hf.training.checkpoint as checkpoint_module
-    from boost_hf.checkpoint_integrity import verify_manifest
+    import boost_hf.checkpoint.folders as checkpoint_module
+    from boost_hf.checkpoint.integrity import verify_manifest
 
     write_manifest = checkpoint_module.write_manifest
     t = trainer(tmp_path, save_total_limit=1, max_steps=4)
@@ -438,7 +438,7 @@ def test_disk_full_keeps_the_previous_checkpoint_and_no_partial_folder(tmp_path,
         with pytest.raises(CheckpointWriteError, match=r"could not save .*checkpoint-4': no space left on device"):
             t.train()
         assert sorted(p.name for p in disk.iterdir() if p.name != ".boost_hf.lock") == ["checkpoint-2"]
-        from boost_hf.checkpoint_integrity import verify_manifest
+        from boost_hf.checkpoint.integrity import verify_manifest
 
         verify_manifest(str(disk / "checkpoint-2"))
     finally:
@@ -586,7 +586,7 @@ def test_the_time_budget_saves_a_checkpoint_and_exits_76_and_the_resume_loses_no
         "boost-hf: the time budget of --exit_after_minutes 1e-09 is spent: every rank finished step 1 and the run saved "
         f"'{tmp_path / 'run' / 'checkpoint-1'}'; exiting with status 76. Continue with --resume_from_checkpoint last.")
     assert (tmp_path / "run" / "checkpoint-1" / "manifest.json").is_file() and not (tmp_path / "run" / "final").exists()
-    stopped._output_dir_lock.release()
+    stopped.run.release()
     resumed = trainer(tmp_path / "run", save_strategy="no")
     resumed.train(resume_from_checkpoint=True)
     assert list(logged_losses(stopped)) == [1]

@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 import torch
 
-from boost_hf.checkpoint_integrity import CheckpointIntegrityError, write_manifest
+from boost_hf.checkpoint.integrity import CheckpointIntegrityError, write_manifest
 from boost_hf.parallel.sharding import ShardSpec
 from boost_hf.training.deepspeed import DEEPSPEED_PARAMETER_ORDER
-from boost_hf.training.resume import (
+from boost_hf.checkpoint.resume import (
     LAYOUT_NAME,
     ResumeLayoutError,
     check_resume_layout,
@@ -37,7 +37,7 @@ def checkpoint(tmp_path_factory):
     run = tmp_path_factory.mktemp("resume") / "run"
     t = trainer(run)
     t.train()
-    t._output_dir_lock.release()
+    t.run.release()
     return t, run / "checkpoint-2"
 
 
@@ -87,7 +87,7 @@ def test_missing_optimizer_or_scheduler_file_is_an_error(checkpoint, tmp_path):
     agreeing) is an error naming what is missing and ``--init_from``; a file deleted after the save fails the manifest."""
     weights_only = trainer(tmp_path / "weights-only", save_only_model=True, max_steps=2)
     weights_only.train()
-    weights_only._output_dir_lock.release()
+    weights_only.run.release()
     with pytest.raises(FileNotFoundError, match=r"checkpoint-2 holds no optimizer state \(it was saved with --save_only_model.*--init_from .*checkpoint-2"):
         trainer(tmp_path / "a").train(resume_from_checkpoint=str(tmp_path / "weights-only" / "checkpoint-2"))
     t, folder = checkpoint
@@ -228,7 +228,7 @@ def test_a_stream_resumed_at_step_200_reads_at_most_two_global_batches_of_docume
     monkeypatch.setattr(BoostTrainer, "training_step", first_step)
     whole = trainer(tmp_path / "whole", **run)
     whole.train()
-    whole._output_dir_lock.release()
+    whole.run.release()
     read_by_step_200 = whole.train_loader.documents_read
     decoded[0], at_first_step[:] = 0, []
     resumed = trainer(tmp_path / "resumed", **run)
@@ -259,7 +259,7 @@ def test_a_stream_resumes_only_as_it_was_defined(tmp_path):
 
     saved = trainer(tmp_path / "saved", train=small_stream(shuffle_buffer=4), max_steps=2)
     saved.train()
-    saved._output_dir_lock.release()
+    saved.run.release()
     checkpoint = str(tmp_path / "saved" / "checkpoint-2")
     with pytest.raises(ValueError, match=r"defined as \{.*'shuffle_buffer': 4.*this run's is \{.*'shuffle_buffer': 8"):
         trainer(tmp_path / "other-buffer", train=small_stream(shuffle_buffer=8)).train(resume_from_checkpoint=checkpoint)

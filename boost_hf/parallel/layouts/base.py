@@ -18,7 +18,9 @@ low-rank checkpointing) cuts between them:
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar, NamedTuple
 
@@ -28,9 +30,10 @@ from torch import nn
 from ..communication import NO_COMMUNICATION, Communication, PassCommunication
 from ..decoder_layer import Latents, ParallelAttention, ParallelDecoderLayer, ParallelMLP, Tensors
 from ..fused import weight_views
-from ..modules import adopt, compute_dtype, shard_parameter, shard_repr
-from ..norms import FusedRMSNorm
-from ..sequence_parallel import TokenShardedRMSNorm
+from ..modules import VocabParallelEmbedding, VocabParallelHead, adopt, compute_dtype, shard_parameter, shard_repr
+from ..norms import FusedRMSNorm, GatheredRMSNorm
+from ..rotary import ComputeDtypeRotaryEmbedding
+from ..sequence_parallel import TokenGatheringRMSNorm, TokenShardedRMSNorm
 
 GROUPS: dict[str, tuple[str, ...]] = {
     "qkv": ("q_proj", "k_proj", "v_proj"),
@@ -172,9 +175,18 @@ class Layout:
     stored_together: ClassVar[tuple[str, ...]] = ()
     #: the dimension of the block norms' weight each rank holds a slice of (``None``: replicated)
     norm_split: ClassVar[int | None] = None
+    #: what the embedding becomes at tp_size > 1 (its table split along :meth:`embedding_split`)
+    embedding_class: ClassVar[type] = VocabParallelEmbedding
 
     def __init__(self, parallel):
         self.parallel = parallel
+
+    @property
+    def sequence_parallel(self) -> bool:
+        """Sequence parallelism in effect: asked for (``ParallelConfig.sequence_parallel``) with more than one TP rank
+        to split the tokens over. The one name of the concept below the flag: the plan, the projection groups, the
+        layers and the collectives read it."""
+        return self.parallel.sequence_parallel and self.parallel.tp_size > 1
 
     # ------------------------------------------------------------------ validation
     def check(self, config) -> None:
@@ -200,15 +212,51 @@ class Layout:
                 )
 
     # ------------------------------------------------------------------ runtime
+    def module_plan(self, model: nn.Module, plan) -> dict[str, Callable[[nn.Module], None]]:
+        """What each module of a causal LM becomes on this rank, by its path (``model.layers.*``: every decoder layer),
+        in the order :func:`~boost_hf.parallel.parallelize` applies them, skipping the paths this rank does not hold
+        (a pipeline stage's missing embedding, layers, final norm or head). At ``tp_size=1`` without recomputation the
+        decoder layers, the rotary tables and the final norm stay the single-device modules."""
+        split = plan.residual_split
+        entries = {"model.embed_tokens": functools.partial(self.place_embedding, plan=plan)}
+        if plan.tp_size > 1 or self.parallel.activation_checkpointing != "none":
+            entries["model.layers.*"] = functools.partial(self.parallelize_layer, plan=plan)
+            entries["model.rotary_emb"] = functools.partial(adopt, mixin=ComputeDtypeRotaryEmbedding)
+            if split == "tokens":  # the first layer keeps this rank's token shard of the embedding's output
+                entries["model.layers.0"] = functools.partial(adopt, mixin=ParallelDecoderLayer, sequence_parallel_entry=plan.group)
+            if split is None:
+                entries["model.norm"] = functools.partial(adopt, mixin=FusedRMSNorm)
+            else:  # the final norm of a split residual gathers it for the head
+                norm = GatheredRMSNorm if split == "hidden" else TokenGatheringRMSNorm
+                entries["model.norm"] = functools.partial(adopt, mixin=norm, group=plan.group)
+        entries["lm_head"] = functools.partial(self.place_head, plan=plan, model=model)
+        return entries
+
+    def place_embedding(self, embedding: nn.Module, plan) -> None:
+        """The ``[V, d]`` table split along :meth:`embedding_split` (replicated at ``tp_size=1``), looked up by
+        :attr:`embedding_class`."""
+        split = self.embedding_split() if plan.tp_size > 1 else None
+        shard_parameter(embedding, "weight", split, plan)
+        if plan.tp_size > 1:
+            adopt(embedding, self.embedding_class, group=plan.group)
+
+    def place_head(self, head: nn.Module, plan, model: nn.Module) -> None:
+        """The vocab-parallel LM head ``[V/p, d]`` (the embedding's weight when tied), fed the gathered residual."""
+        if model.config.tie_word_embeddings:
+            head.weight = model.model.embed_tokens.weight
+        else:
+            shard_parameter(head, "weight", 0, plan)
+        adopt(head, VocabParallelHead, group=plan.group, input_gathered=plan.residual_split == "tokens")
+
     def parallelize_layer(self, layer: nn.Module, plan) -> None:
         """Turn one single-device decoder layer into this rank's shard, in place (parameter names kept):
         every projection through :meth:`parallelize_projection`, every group's communication from
         :meth:`projection_group`; the attention, MLP and layer then run as the parallel modules. The block
         norms of a whole (unsharded) residual run fused (:class:`~boost_hf.parallel.norms.FusedRMSNorm`), on
         this rank's tokens under sequence parallelism."""
-        if not plan.residual_sharded:
+        if plan.residual_split != "hidden":
             for norm in (layer.input_layernorm, layer.post_attention_layernorm):
-                if self.parallel.shards_tokens:
+                if self.sequence_parallel:
                     adopt(norm, TokenShardedRMSNorm, group=plan.group)
                 else:
                     adopt(norm, FusedRMSNorm)
@@ -286,7 +334,7 @@ class Layout:
     def residual_elements(self, config, tokens: int) -> int:
         """Elements of the residual stream one rank holds: ``N d``, or ``N d / p`` when it is split along
         ``d`` (``residual_sharded``) or along tokens (sequence parallelism)."""
-        split = self.parallel.tp_size > 1 and (self.residual_sharded or self.parallel.shards_tokens)
+        split = self.parallel.tp_size > 1 and (self.residual_sharded or self.sequence_parallel)
         return tokens * config.hidden_size // (self.parallel.tp_size if split else 1)
 
     def saved_latent_elements(self, config, tokens: int) -> int:
@@ -321,14 +369,14 @@ class Layout:
         already); otherwise they are replicated over TP and each rank sends a ``1/p`` share of the ``N = mb S``
         rows (``latents_shared``; the whole ``N`` rows when ``p`` does not divide ``N``)."""
         p, d = self.parallel.tp_size, config.hidden_size
-        if self.parallel.shards_tokens and not self.residual_sharded:
+        if self.sequence_parallel and not self.residual_sharded:
             residual = (microbatch, seq // p, d)
         else:
             residual = (microbatch, seq, self.widths(config).residual)
         if config.bottleneck != "lax":
             return StageBoundary(residual)
         width, rows = len(config.projection_shapes()) * config.rank, microbatch * seq
-        if self.parallel.shards_tokens:
+        if self.sequence_parallel:
             return StageBoundary(residual, (rows // p, width))
         if p > 1 and rows % p == 0:
             return StageBoundary(residual, (rows // p, width), gathered=rows * width)

@@ -89,18 +89,18 @@ class BottleneckAwareGroup(ProjectionGroup):
     and the buffer gains the norm statistics (:mod:`boost_hf.parallel.fused`); ``reduce``: all-reduce it
     in place; ``project``: scale by the global ``1/rms`` (online), latent functions (grouped, SiLU or none: both in
     one kernel each way, :mod:`boost_hf.parallel.latent_op`), copy into the TP region (one collective in backward
-    when grouped) and each B. ``tokens_sharded`` (latent sequence
+    when grouped) and each B. ``sequence_parallel`` (latent sequence
     parallelism): ``reduce`` reduce-scatters over tokens (``[B, S/p, k r (+ statistics)]``), ``project`` runs
     the latent functions on those tokens and all-gathers the latents instead of the copy."""
 
-    def __init__(self, owner, names, *, group, grouped, statistics: bool, hidden_size: int, eps: float, tokens_sharded: bool):
+    def __init__(self, owner, names, *, group, grouped, statistics: bool, hidden_size: int, eps: float, sequence_parallel: bool):
         super().__init__(owner, names, group=group, grouped=grouped)
         self.statistics, self.hidden_size, self.eps = statistics, hidden_size, eps
-        self.tokens_sharded = tokens_sharded
+        self.sequence_parallel = sequence_parallel
 
     def _to_b(self, latent: torch.Tensor) -> torch.Tensor:
         """The latents the B's read, from this rank's: copied into the TP region, or gathered over tokens."""
-        return gather_tokens(latent, self.group) if self.tokens_sharded else copy_to_tp(latent, self.group)
+        return gather_tokens(latent, self.group) if self.sequence_parallel else copy_to_tp(latent, self.group)
 
     def down(self, x):
         factors = [p.A for p in self.projections]
@@ -111,7 +111,7 @@ class BottleneckAwareGroup(ProjectionGroup):
         return down_projection(x, factors, grouped=self.grouped)
 
     def reduce(self, partials):
-        reduce = reduce_scatter_tokens if self.tokens_sharded else reduce_from_tp
+        reduce = reduce_scatter_tokens if self.sequence_parallel else reduce_from_tp
         return tuple(reduce(partial, self.group) for partial in partials)
 
     def project(self, z, previous=None):
@@ -143,6 +143,7 @@ class BottleneckAwareGroup(ProjectionGroup):
 class BottleneckAwareLayout(Layout):
     name = "btp"
     residual_sharded = True
+    embedding_class = HiddenShardedEmbedding
     split_dimensions = ("hidden_size", "intermediate_size")
     stored_together = ("A", "B")
     norm_split = 0
@@ -186,7 +187,7 @@ class BottleneckAwareLayout(Layout):
         if is_tensor_train(projection):
             shard_tensor_train(projection, self.tensor_train_splits(projection.tensor_train), plan)
         self.shard_projection(projection, group_name, plan)  # A and B where they are parameters, the bias
-        if self.parallel.shards_tokens and hasattr(projection, "crossed_latent"):
+        if self.sequence_parallel and hasattr(projection, "crossed_latent"):
             # LaX's crossing gate and latent LayerNorm run on this rank's tokens
             latent_parameters = [name for name, _ in projection.named_parameters() if name not in ("A", "B", "bias")]
             reduce_gradients_over_tokens(projection, latent_parameters, plan)
@@ -198,7 +199,7 @@ class BottleneckAwareLayout(Layout):
         return BottleneckAwareGroup(
             owner, GROUPS[group_name], group=plan.group, grouped=self.parallel.group_linears,
             statistics=group_name in READS_NORM and online, hidden_size=config.hidden_size, eps=config.rms_norm_eps,
-            tokens_sharded=self.parallel.shards_tokens,
+            sequence_parallel=self.sequence_parallel,
         )
 
     def layer_communication(self, config, tokens):
@@ -209,7 +210,7 @@ class BottleneckAwareLayout(Layout):
         # the N partial sums of squares of each of the 2 norms ride in the next A's collective (in
         # STATISTICS_WIDTH columns: one used, the rest keep the GEMM output rows 16-byte aligned)
         statistics = 2 * n * STATISTICS_WIDTH if self.parallel.rmsnorm == "online" else 0
-        if self.parallel.shards_tokens:
+        if self.sequence_parallel:
             # latent sequence parallelism: reduce-scatter of the A outputs (with the statistics), all-gather of
             # the latents before the B's; backward the mirror image
             forward = reduce_scatter(calls, 7 * n * r + statistics) + all_gather(calls, 7 * n * r)
@@ -224,7 +225,7 @@ class BottleneckAwareLayout(Layout):
     def parameter_gradient_communication(self, config, layer_idx: int) -> Communication:
         if config.bottleneck == "tt":
             return gradient_communication(config, self.tensor_train_splits)
-        if not (self.parallel.shards_tokens and config.bottleneck == "lax" and layer_idx > 0):
+        if not (self.sequence_parallel and config.bottleneck == "lax" and layer_idx > 0):
             return Communication()
         # one all-reduce per crossing-gate and latent-LayerNorm parameter of each of the 7 projections
         r, (a, b) = config.rank, config.kronecker_factors
@@ -238,7 +239,7 @@ class BottleneckAwareLayout(Layout):
         recomputed = Communication()
         if self.parallel.rmsnorm == "sync":
             recomputed = recomputed + all_reduce(2, 2 * tokens)  # the statistics all-reduces sit inside the norms' steps
-        if self.parallel.shards_tokens:
+        if self.sequence_parallel:
             # the all-gathers of the latents sit inside the steps that apply the B's
             recomputed = recomputed + all_gather(4 if self.parallel.group_linears else 7, 7 * tokens * config.rank)
         return recomputed
@@ -251,14 +252,14 @@ class BottleneckAwareLayout(Layout):
 
     def saved_latent_elements(self, config, tokens):
         latents = 7 * tokens * config.rank + (2 * tokens * STATISTICS_WIDTH if self.parallel.rmsnorm == "online" else 0)
-        return latents // self.parallel.tp_size if self.parallel.shards_tokens else latents
+        return latents // self.parallel.tp_size if self.sequence_parallel else latents
 
     def saved_bytes_without_checkpointing(self, config, tokens, *, activation_bytes, residual_bytes, weights_cast):
         # modelled: the grouped projections with the online norm, without LaX
         if config.bottleneck == "lax" or not self.parallel.group_linears or self.parallel.rmsnorm != "online":
             return None
         p, n, a, r = self.parallel.tp_size, tokens, activation_bytes, config.rank
-        shard = n // p if self.parallel.shards_tokens else n  # tokens of the token-sharded latent work
+        shard = n // p if self.sequence_parallel else n  # tokens of the token-sharded latent work
         widths = self.widths(config)
         if p > 1:  # each online norm: its output in the compute dtype (the A's input, [N, d/p]) and 4 fp32 per token
             # (1/rms and the statistics the fused scale-and-activation op keeps: measured by the saved-tensor probe)
@@ -269,7 +270,7 @@ class BottleneckAwareLayout(Layout):
         # it comes from (this rank's tokens under SP): the activated latent's input, the online norm's scaled latent
         latents = 0
         for group, w in zip(("qkv", "o", "gate_up", "down"), (3 * r, r, 2 * r, r)):
-            reduced_apart = config.latent_activation is not None or (self.parallel.shards_tokens and group in READS_NORM)
+            reduced_apart = config.latent_activation is not None or (self.sequence_parallel and group in READS_NORM)
             latents += n * w + (shard * w if reduced_apart else 0)
         # attention: rotated q and k, v, the output ([N, heads/p x head_dim]) and the log-sum-exp per head (fp32)
         heads = config.num_attention_heads // p

@@ -56,14 +56,14 @@ class ColumnParallel:
 
 class RowParallel:
     """``nn.Linear`` split along its input: ``[B, S, d_in/p]`` -> all-reduce -> ``+ bias`` (replicated, added
-    once after the all-reduce) -> ``[B, S, d_out]``. ``tokens_sharded`` (sequence parallelism): reduce-scatter
+    once after the all-reduce) -> ``[B, S, d_out]``. ``sequence_parallel`` (sequence parallelism): reduce-scatter
     along tokens instead -> ``[B, S/p, d_out]`` (the bias gradient all-reduced in backward)."""
 
     group = None
-    tokens_sharded = False
+    sequence_parallel = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.tokens_sharded:
+        if self.sequence_parallel:
             return add_bias(reduce_scatter_tokens(F.linear(x, self.weight), self.group), replicated_on_shard(self.bias, self.group))
         return add_bias(reduce_from_tp(F.linear(x, self.weight), self.group), self.bias)
 
@@ -72,31 +72,31 @@ class RowParallel:
 
 
 class DenseGroup(ProjectionGroup):
-    """``tokens_sharded``: a column group whose input is this rank's token shard (sequence parallelism).
+    """``sequence_parallel``: a column group whose input is this rank's token shard (sequence parallelism).
 
     Column groups cast their shared input to the compute dtype; without sequence parallelism they copy it
     into the TP region once and (grouped) run one GEMM for all their projections
-    (:func:`~boost_hf.parallel.fused.column_linear`). With ``tokens_sharded`` the
+    (:func:`~boost_hf.parallel.fused.column_linear`). With ``sequence_parallel`` the
     input stays this rank's ``[B, S/p, d]`` tokens, and :func:`~boost_hf.parallel.sequence_parallel.gathered_linear`
     gathers them for the projections' GEMMs (one for the group when grouped, one per projection otherwise) and
     keeps only the shard for backward; a group with a replaced or pre-hooked projection all-gathers the tokens
     (``[B, S, d]``) and calls each projection on them. Row groups pass their input on to their one projection."""
 
-    def __init__(self, owner, names, *, group, grouped, column: bool, tokens_sharded: bool):
+    def __init__(self, owner, names, *, group, grouped, column: bool, sequence_parallel: bool):
         super().__init__(owner, names, group=group, grouped=grouped)
-        self.column, self.tokens_sharded = column, tokens_sharded
+        self.column, self.sequence_parallel = column, sequence_parallel
 
     def down(self, x):
         if not self.column:
             return (x,)
         x = x.to(compute_dtype(x))
-        return (x if self.tokens_sharded else copy_to_tp(x, self.group),)
+        return (x if self.sequence_parallel else copy_to_tp(x, self.group),)
 
     def project(self, z, previous=None):
         (h,) = z
         projections = self.projections
-        gathers = self.tokens_sharded and self.all_plain(projections, ColumnParallel)
-        if self.tokens_sharded and not gathers:
+        gathers = self.sequence_parallel and self.all_plain(projections, ColumnParallel)
+        if self.sequence_parallel and not gathers:
             h = gather_tokens(h, self.group)
         if not (gathers or self.runs_together(projections, ColumnParallel)):
             return [projection(h) for projection in projections], {}
@@ -140,18 +140,18 @@ class MegatronLayout(Layout):
         if column:
             adopt(projection, ColumnParallel, group=plan.group)
         else:
-            adopt(projection, RowParallel, group=plan.group, tokens_sharded=self.parallel.shards_tokens)
+            adopt(projection, RowParallel, group=plan.group, sequence_parallel=self.sequence_parallel)
 
     def projection_group(self, layer, owner, group_name, plan):
         column = group_name in COLUMN_GROUPS
         return DenseGroup(
             owner, GROUPS[group_name], group=plan.group, grouped=self.parallel.group_linears,
-            column=column, tokens_sharded=column and self.parallel.shards_tokens,
+            column=column, sequence_parallel=column and self.sequence_parallel,
         )
 
     def layer_communication(self, config, tokens):
         n, d = tokens, config.hidden_size
-        if not self.parallel.shards_tokens:
+        if not self.sequence_parallel:
             # Row-parallel o_proj and down_proj reduce their outputs; the column-parallel inputs of q/k/v
             # and gate/up reduce their input gradients.
             return PassCommunication(all_reduce(2, n * (d + d)), all_reduce(2, 2 * n * d))
@@ -167,7 +167,7 @@ class MegatronLayout(Layout):
     def backward_overlaps(self, config, tokens):
         """Sequence parallelism: each column group's re-gather of its input (``N d``) runs beside the group's
         input-gradient GEMMs (:func:`~boost_hf.parallel.sequence_parallel.gathered_linear`, as Megatron-LM)."""
-        if not self.parallel.shards_tokens:
+        if not self.sequence_parallel:
             return []
         gemms = self.local_gemms(config, tokens)
         return [
@@ -178,7 +178,7 @@ class MegatronLayout(Layout):
 
     def outside_layers_communication(self, config, tokens):
         n, d = tokens, config.hidden_size
-        if not self.parallel.shards_tokens:
+        if not self.sequence_parallel:
             # Vocab-parallel embedding (forward all-reduce); vocab-parallel LM head (backward all-reduce).
             return PassCommunication(all_reduce(1, n * d), all_reduce(1, n * d))
         # Sequence parallelism: the embedding's all-reduce, kept; the first layer keeps its token shard
@@ -195,8 +195,8 @@ class MegatronLayout(Layout):
             return None
         p, n, a, d = self.parallel.tp_size, tokens, activation_bytes, config.hidden_size
         widths = self.widths(config)
-        norms = 2 * whole_norm_saved_bytes(n // p if self.parallel.shards_tokens else n, d, a, residual_bytes)
-        if self.parallel.shards_tokens:  # each norm of a token shard also keeps its weight (the residual's dtype)
+        norms = 2 * whole_norm_saved_bytes(n // p if self.sequence_parallel else n, d, a, residual_bytes)
+        if self.sequence_parallel:  # each norm of a token shard also keeps its weight (the residual's dtype)
             norms += 2 * d * residual_bytes
         heads = config.num_attention_heads // p
         # attention: the q/k/v GEMM output, the rotated q and k, the output; the log-sum-exp per head (fp32)

@@ -27,8 +27,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .sharding import ShardSpec, shard_spec_of
-from .state import ParallelState
+from ..parallel.sharding import ShardSpec, shard_spec_of
+from ..parallel.state import ParallelState
 
 MODEL_KEY = "model"
 """Top-level key of the model's parameters in a DCP state dict (entries ``model.<canonical name>``)."""

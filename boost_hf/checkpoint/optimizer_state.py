@@ -4,7 +4,7 @@ holds, under the parameters' canonical names, and reads its own slice of it at a
 Entries of the DCP state dict (``optimizer.`` + ...):
 
 * ``state.<canonical name>.<key>``: a tensor of the parameter's shape (AdamW's and LORO's ``exp_avg``,
-  ``exp_avg_sq``) as a DTensor with the parameter's placements (:func:`~boost_hf.parallel.sharded_state.as_dtensor`:
+  ``exp_avg_sq``) as a DTensor with the parameter's placements (:func:`~boost_hf.checkpoint.sharded_state.as_dtensor`:
   split over TP like the parameter, replicated over DP, so DCP writes it once); any other tensor (``step``) as it is,
   written once; other values pickled.
 * ``param_groups.pp<q>``: the hyper-parameters of each parameter group (without ``params``) of pipeline rank ``q``.
@@ -13,7 +13,7 @@ With ``--zero1_optimizer`` each DP rank holds the state of its share of the para
 that (no consolidation on one rank); on load, each rank reads the state of its share of the new partition. Plain
 optimizers, LORO (AdamW's keys; its place in the period is a group hyper-parameter) and ZeRO-1 are saved alike, so a
 run resumes with or without ZeRO-1 at any PP x TP x DP. The group of each parameter is checked against the
-checkpoint's ``training_layout.json`` record (:mod:`boost_hf.training.resume`).
+checkpoint's ``training_layout.json`` record (:mod:`boost_hf.checkpoint.resume`).
 """
 
 from __future__ import annotations
@@ -24,9 +24,10 @@ import pickle
 import torch
 import torch.distributed as dist
 
-from ..parallel.sharded_state import as_dtensor, dcp_metadata, parallel_state_of, quiet_single_process_warning
+from torch.distributed.optim import ZeroRedundancyOptimizer
+
 from ..parallel.sharding import shard_spec_of
-from .checkpoint import DCP_FOLDER
+from .sharded_state import DCP_FOLDER, as_dtensor, dcp_metadata, parallel_state_of, quiet_single_process_warning
 from .resume import (
     LAYOUT_NAME,
     ResumeLayoutError,
@@ -36,7 +37,6 @@ from .resume import (
     read_training_layout,
     saved_optimizer_record,
 )
-from .zero1 import sharded_over_data_parallel
 
 OPTIMIZER_KEY = "optimizer"
 
@@ -156,4 +156,10 @@ def load_optimizer_state(optimizer, model, checkpoint: str, held_elsewhere: froz
         whole.holds_state = True
 
 
-__all__ = ["OPTIMIZER_KEY", "optimizer_state", "load_optimizer_state"]
+def sharded_over_data_parallel(optimizer) -> ZeroRedundancyOptimizer | None:
+    """The ``ZeroRedundancyOptimizer`` inside ``optimizer`` (as it is, or wrapped by accelerate), else ``None``."""
+    inner = getattr(optimizer, "optimizer", optimizer)
+    return inner if isinstance(inner, ZeroRedundancyOptimizer) else None
+
+
+__all__ = ["OPTIMIZER_KEY", "optimizer_state", "load_optimizer_state", "sharded_over_data_parallel"]

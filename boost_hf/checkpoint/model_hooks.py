@@ -1,16 +1,16 @@
-"""The model hooks: what a ``BoostLlamaForCausalLM`` given a ``parallel_config`` runs to check, build and load
-this rank's shard.
+"""The model hooks: what a ``BoostLlamaForCausalLM`` given a ``parallel_config`` runs to check, build, load and
+save this rank's shard.
 
 Why this module exists: the single-device model file (``modeling_boost_llama.py``) ships as remote code and
-imports only torch, transformers and its configuration, so it cannot import boost-hf. It reaches boost-hf
+imports only torch, transformers and its siblings, so it cannot import boost-hf. It reaches boost-hf
 through the one object a caller with boost-hf installed hands it, the
-:class:`~boost_hf.parallel.config.ParallelConfig`, whose four methods (``single_device_skeleton``,
-``parallelize``, ``load_pretrained``, ``check_model``) call the functions of the same names here.
-``ParallelConfig`` is plain data and imports no boost-hf module: this module registers itself with it
-(:func:`~boost_hf.parallel.config.register_model_hooks`) when it is imported, and ``boost_hf.parallel`` imports
-it, so any ``ParallelConfig`` (whose module lives in that package) finds it. The imports run one way::
+:class:`~boost_hf.parallel.config.ParallelConfig`, whose methods (``single_device_skeleton``, ``parallelize``,
+``load_pretrained``, ``check_model``; and ``save_pretrained``, which a parallel model's own ``save_pretrained``
+calls) call the functions of the same names here. ``ParallelConfig`` is plain data and imports no boost-hf module:
+this module registers itself with it (:func:`~boost_hf.parallel.config.register_model_hooks`) when it is imported,
+and ``boost_hf`` imports it. It sits in the checkpoint package, above ``parallel/``: the imports run one way::
 
-    model_hooks -> parallelize, weights_io, pipeline, layouts -> config
+    model_hooks -> export, sharded_state, weights_io (checkpoint) -> parallelize, layouts -> config (parallel)
 
 and no module but this one and the package faces imports :mod:`~boost_hf.parallel.parallelize`.
 """
@@ -24,9 +24,10 @@ import sys
 import torch
 from transformers.initialization import no_init_weights
 
-from .config import ParallelConfig, register_model_hooks
-from .parallelize import checked_layout, parallelize
+from ..parallel.config import ParallelConfig, register_model_hooks
+from ..parallel.parallelize import checked_layout, parallelize
 from .sharded_state import DCP_FOLDER, is_distributed_checkpoint, load_model_state
+from .export import DEFAULT_MAX_SHARD_SIZE, save_sharded_pretrained
 from .weights_io import HUB_KWARGS, load_canonical_checkpoint, resolve_checkpoint_files
 
 # from_pretrained arguments with nothing to do when each rank reads its own slices itself
@@ -103,7 +104,7 @@ def load_pretrained(model_class, pretrained_model_name_or_path, parallel: Parall
 
 def load_training_checkpoint(model_class, folder: str, parallel: ParallelConfig, config=None):
     """This rank's shard of ``parallel``'s layout from the training checkpoint ``folder`` (its ``dcp/``, saved at any
-    layout; :func:`~boost_hf.parallel.sharded_state.load_model_state` reads only this rank's byte ranges), with its
+    layout; :func:`~boost_hf.checkpoint.sharded_state.load_model_state` reads only this rank's byte ranges), with its
     ``config.json`` unless ``config`` is given."""
     if config is None:
         config = model_class.config_class.from_pretrained(folder)
@@ -115,6 +116,13 @@ def load_training_checkpoint(model_class, folder: str, parallel: ParallelConfig,
     return model
 
 
+def save_pretrained(model, save_directory: str, *, is_main_process: bool, max_shard_size=None) -> None:
+    """``save_pretrained`` of a parallel model: :func:`~boost_hf.checkpoint.export.save_sharded_pretrained` (files of at
+    most ``max_shard_size``, default 5GB)."""
+    save_sharded_pretrained(model, save_directory, is_main_process=is_main_process,
+                            max_shard_size=max_shard_size or DEFAULT_MAX_SHARD_SIZE)
+
+
 register_model_hooks(sys.modules[__name__])
 
-__all__ = ["check_model", "single_device_skeleton", "parallelize", "load_pretrained", "load_training_checkpoint"]
+__all__ = ["check_model", "single_device_skeleton", "parallelize", "load_pretrained", "load_training_checkpoint", "save_pretrained"]

@@ -48,7 +48,7 @@ def single_device_skeleton_of(config) -> nn.Module:
 def weight_files_plan(config, saved: dict[str, tuple], max_shard_size: int | str):
     """``huggingface_hub``'s ``StateDictSplit`` of the single-device model's state dict (tied weights removed as
     transformers' ``save_pretrained`` removes them), each tensor with its saved shape and dtype (``saved``:
-    :func:`~boost_hf.parallel.sharded_state.saved_tensors`). Raises ``ValueError`` naming missing or
+    :func:`~boost_hf.checkpoint.sharded_state.saved_tensors`). Raises ``ValueError`` naming missing or
     wrongly-shaped tensors."""
     from huggingface_hub import split_torch_state_dict_into_shards
     from transformers.modeling_utils import remove_tied_weights_from_state_dict
@@ -112,7 +112,7 @@ def export_weights(dcp_folder: str, output_dir: str, config, *, max_shard_size: 
 def save_model_files(model: nn.Module, output_dir: str, dtype: torch.dtype | None = None) -> None:
     """What ``PreTrainedModel.save_pretrained`` writes besides the weights, as it writes it: ``config.json`` (with
     ``architectures``, ``dtype`` and the ``auto_map`` of the remote code), ``generation_config.json`` and the remote
-    code files (``modeling_boost_llama.py``, ``configuration_boost_llama.py``). One process."""
+    code files (``modeling_boost_llama.py``, the siblings it imports, ``configuration_boost_llama.py``). One process."""
     from transformers.dynamic_module_utils import custom_object_save
 
     config = model.config

@@ -29,7 +29,7 @@ fragment by name (``param_slice_mappings``), so the order in which the grouped p
   converts ``checkpoint-<N>/global_step<N>`` into ``<output_dir>/.universal-checkpoint-<N>/`` (DeepSpeed's
   ``ds_to_universal``, one worker), every rank waits, and the returned :class:`UniversalResume` has the engine load
   from there (then the folder is removed). The checks that need no collective (:func:`universal_resume_refusal`,
-  called by :func:`~boost_hf.training.resume.check_resume_layout`) run first.
+  called by :func:`~boost_hf.checkpoint.resume.check_resume_layout`) run first.
 
 The conversion runs on global rank 0 while the other ranks wait in one collective, so it must end within the
 collective timeout (``--ddp_timeout``): raise it for a large model. Refused, with the fix: ZeRO-3 (saved or resumed) and ZeRO-0 (DeepSpeed without ZeRO) checkpoints, whose files this
@@ -152,7 +152,7 @@ def attach_universal_checkpoint_info(model, loading: bool = False) -> None:
 
 # ---------------------------------------------------------------------------------------------------- resume checks
 def _describe(layout: dict) -> str:
-    """As :mod:`boost_hf.training.resume` names a layout in its messages."""
+    """As :mod:`boost_hf.checkpoint.resume` names a layout in its messages."""
     zero = f", ZeRO-{layout['zero_stage']}" if layout.get("zero_stage") is not None else ", no DeepSpeed"
     batch = f", global batch {layout['global_batch_size']}" if "global_batch_size" in layout else ""
     return f"tp_size={layout['tp_size']} x dp={layout['dp_size']}{zero}{batch}"
@@ -186,7 +186,7 @@ def _saved_optimizer_state_keys(path: str) -> set[str]:
 
 
 def universal_resume_refusal(checkpoint: str, saved: dict, current: dict) -> str | None:
-    """Why the DeepSpeed checkpoint ``checkpoint`` (its :func:`~boost_hf.training.resume.training_layout` ``saved``)
+    """Why the DeepSpeed checkpoint ``checkpoint`` (its :func:`~boost_hf.checkpoint.resume.training_layout` ``saved``)
     cannot resume at ``current`` (a DeepSpeed layout with another TP x DP size or ZeRO stage) through DeepSpeed's
     universal checkpoint, with the fix; ``None`` when it can. Reads files only (no collective): the same answer on
     every rank."""
@@ -299,7 +299,7 @@ def convert_to_universal(checkpoint: str, folder: str) -> None:
 
 def universal_resume(checkpoint: str | None, output_dir: str, saved: dict | None, current: dict) -> UniversalResume | None:
     """For a DeepSpeed resume of ``checkpoint`` (its training layout ``saved``) at another TP x DP size or ZeRO stage
-    (``current``: this run's), which :func:`~boost_hf.training.resume.check_resume_layout` let through
+    (``current``: this run's), which :func:`~boost_hf.checkpoint.resume.check_resume_layout` let through
     (:func:`universal_resume_refusal`): convert it on global rank 0 into ``<output_dir>/.universal-<checkpoint name>``
     while the other ranks wait, and return the :class:`UniversalResume`; ``None`` (no collective) when no conversion
     is needed. Collective otherwise: a failed conversion raises on every rank."""

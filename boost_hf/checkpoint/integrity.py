@@ -9,7 +9,7 @@ loaded as svd, ``only_lr_act`` cannot be flipped on load, and a flipped byte is 
 Pure functions, no collectives: call them on the process that writes or reads the folder. A launched run spreads
 the work: each rank hashes its share of the files (:func:`hashing_shares`: the files it wrote itself, then the
 others balanced by size), the shares' digests are gathered into one manifest (:func:`write_manifest` with
-``files=``), and a resume verifies each rank's share (:func:`check_files`); see :mod:`boost_hf.training.checkpoint`.
+``files=``), and a resume verifies each rank's share (:func:`check_files`); see :mod:`boost_hf.checkpoint.folders`.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import os
 import re
 from concurrent.futures import ThreadPoolExecutor
 
-from .configuration_boost_llama import BoostLlamaConfig
+from ..configuration_boost_llama import BoostLlamaConfig
 
 MANIFEST_NAME = "manifest.json"
 MANIFEST_VERSION = 1

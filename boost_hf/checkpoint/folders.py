@@ -4,8 +4,8 @@ A checkpoint folder ``checkpoint-<step>`` holds
 
 * ``dcp/``: the model's parameters and the optimizer's state as a ``torch.distributed.checkpoint`` (DCP): every
   rank writes the shards it holds, in parallel, into its own files ``__<rank>_<n>.distcp`` (DP replicas and TP
-  copies of a replicated tensor written once; :mod:`boost_hf.parallel.sharded_state`,
-  :mod:`boost_hf.training.optimizer_state`), global rank 0 the small ``.metadata``; under DeepSpeed the model only,
+  copies of a replicated tensor written once; :mod:`boost_hf.checkpoint.sharded_state`,
+  :mod:`boost_hf.checkpoint.optimizer_state`), global rank 0 the small ``.metadata``; under DeepSpeed the model only,
   the optimizer in DeepSpeed's own ``global_step<N>/`` folder (ZeRO partitions per DP and TP rank);
 * ``config.json``, ``generation_config.json``, the remote code, the tokenizer and ``README.md`` (the model card): the
   Hugging Face folder without its weights, which :func:`~boost_hf.training.publish.export_checkpoint` (``boost-hf
@@ -13,9 +13,9 @@ A checkpoint folder ``checkpoint-<step>`` holds
 * ``scheduler.pt``, ``rng_state_<rank>.pth`` (every rank), ``trainer_state.json``, ``training_args.bin`` and any
   other file the trainer writes into the folder;
 * ``training_layout.json``: PP x TP x DP sizes, ZeRO stage, global batch and, per pipeline rank, the optimizer's
-  parameters (canonical names) and groups (:mod:`boost_hf.training.resume`);
+  parameters (canonical names) and groups (:mod:`boost_hf.checkpoint.resume`);
 * ``manifest.json``, written last by global rank 0 once every rank has written
-  (:mod:`boost_hf.checkpoint_integrity`): size and SHA-256 of every file and the model's architecture record. Each
+  (:mod:`boost_hf.checkpoint.integrity`): size and SHA-256 of every file and the model's architecture record. Each
   rank hashes its share of the files (those it wrote itself, then the others balanced by size) and the digests are
   gathered: no rank reads every file. A folder without it is incomplete; resuming verifies it, each rank its share
   (:func:`verify_checkpoint_once`).
@@ -30,8 +30,8 @@ renames; the next save, the final model and the end of ``train`` wait for it). I
 error) the staging folder is removed, the earlier folders are untouched, and :class:`CheckpointWriteError` says
 what happened (and how much space is left). Staging folders left by a killed run are removed when the next run
 takes the output folder's lock, and a folder it had moved aside to replace is moved back if the new one never got
-its name (:func:`remove_stale_staging`; the lock, which keeps a second run out of an
-``output_dir`` in use, is :mod:`boost_hf.training.output_lock`).
+its name (:func:`remove_stale_staging`; the lock, which keeps a second run out of an ``output_dir`` in use, is
+:mod:`boost_hf.checkpoint.lock`).
 
 The folders must be on a file system every rank reads and writes at the same path (shared by all nodes): global
 rank 0 writes ``.metadata``, the manifest and the rename, and a resume at another layout reads other ranks' files.
@@ -54,7 +54,7 @@ from torch.distributed.checkpoint.staging import AsyncStager
 from transformers.trainer import OPTIMIZER_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from ..checkpoint_integrity import (
+from .integrity import (
     MANIFEST_NAME,
     CheckpointIntegrityError,
     check_architecture,
@@ -66,7 +66,7 @@ from ..checkpoint_integrity import (
     write_manifest,
 )
 
-from ..parallel.sharded_state import DCP_FOLDER, is_distributed_checkpoint, quiet_single_process_warning
+from .sharded_state import DCP_FOLDER, is_distributed_checkpoint, quiet_single_process_warning
 
 logger = logging.getLogger(__name__)
 
@@ -173,7 +173,7 @@ def _staging_path(target: str, run_id: str, kind: str = "tmp") -> str:
 
 def _write_manifest_spread(staging: str, *, is_writer: bool, config, group=None) -> None:
     """Collective over ``group`` (all ranks): each rank hashes its share of ``staging``'s files
-    (:func:`~boost_hf.checkpoint_integrity.hashing_shares`: what it wrote, then the rest balanced by size), the digests
+    (:func:`~boost_hf.checkpoint.integrity.hashing_shares`: what it wrote, then the rest balanced by size), the digests
     are gathered on global rank 0 (``is_writer``), which writes the manifest."""
     _barrier(group)
     if not _launched():
@@ -373,8 +373,8 @@ def _previous_complete(folder: str) -> str | None:
 def verify_checkpoint_once(folder: str, config) -> None:
     """Collective when launched: ``folder`` checked against its manifest, the work spread over the ranks: every rank
     reads the manifest and checks the architecture record against ``config``, then checks its share of the files
-    (size and SHA-256, :func:`~boost_hf.checkpoint_integrity.hashing_shares`: each file read once, by one rank); every
-    rank raises the same :class:`~boost_hf.checkpoint_integrity.CheckpointIntegrityError`. A damaged
+    (size and SHA-256, :func:`~boost_hf.checkpoint.integrity.hashing_shares`: each file read once, by one rank); every
+    rank raises the same :class:`~boost_hf.checkpoint.integrity.CheckpointIntegrityError`. A damaged
     ``checkpoint-<step>`` (its manifest included) names the previous complete checkpoint of its run to resume from."""
     problem = None
     try:

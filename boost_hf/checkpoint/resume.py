@@ -6,7 +6,7 @@ the ZeRO stage (``None`` without DeepSpeed), the global batch and, without DeepS
 (``"optimizer"``, :func:`saved_optimizer_record`): for each pipeline rank, the files of its TP ranks, its optimizer's
 group sizes and its parameters in state-dict order with their canonical names and sharding (``partition_dim``).
 The optimizer state itself is one ``torch`` state dict per (pipeline rank, TP rank)
-(:func:`~boost_hf.training.checkpoint.optimizer_file_name`: ``optimizer.pt`` at pp 1 x tp 1,
+(:func:`~boost_hf.checkpoint.folders.optimizer_file_name`: ``optimizer.pt`` at pp 1 x tp 1,
 ``optimizer_tp<rank>.pt`` at pp 1, ``optimizer_pp<rank>_tp<rank>.pt`` under PP), over that pipeline rank's
 parameters; DP ranks hold identical copies (with ``--zero1_optimizer`` they are consolidated first, so the files
 are the same). Together the files hold every parameter's state under its canonical name.
@@ -22,7 +22,7 @@ are the same). Together the files hold every parameter's state under its canonic
   ZeRO stage; a checkpoint whose DeepSpeed flat buffers order the parameters otherwise (``deepspeed_parameter_order``,
   written by an earlier version: :mod:`boost_hf.training.deepspeed`) raises :class:`ResumeLayoutError`. A ZeRO-1/2
   checkpoint at another TP x DP size or ZeRO-1/2 stage goes through DeepSpeed's universal checkpoint
-  (:mod:`boost_hf.training.deepspeed_universal`, which says what it refuses).
+  (:mod:`boost_hf.checkpoint.deepspeed_universal`, which says what it refuses).
 * **Data position**: the trainer resumes at ``global_step`` and skips ``global_step x global batch`` samples of
   the epoch's seeded permutation. The permutation does not depend on the layout, and step ``s`` trains
   samples ``[s x B, (s + 1) x B)`` of it at any DP size, micro-batch and accumulation whose product is the global
@@ -41,11 +41,14 @@ import os
 import torch
 
 from ..parallel.sharding import shard_spec_of
-from .checkpoint import optimizer_file_name
-from .deepspeed import DEEPSPEED_PARAMETER_ORDER
+from .folders import optimizer_file_name
 from .deepspeed_universal import UNIVERSAL_INFO_RECORD, universal_resume_refusal
 
 logger = logging.getLogger(__name__)
+
+#: how DeepSpeed's flat buffers order the parameters (:mod:`boost_hf.training.deepspeed`), recorded in a checkpoint's
+#: training layout: each group of parameters stored together consecutively, at the place of its first member
+DEEPSPEED_PARAMETER_ORDER = "stored-together-consecutive"
 
 LAYOUT_NAME = "training_layout.json"
 

@@ -1,0 +1,98 @@
+"""A run's output folder: which checkpoint a run resumes from, the lock that keeps a second run out, the run id
+naming its staging folders, the checkpoint writer, and the earlier run a new one replaces.
+
+The training run (:class:`~boost_hf.training.run.TrainingRun`) adds the hang watchdog and the stop requests.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+
+import torch.distributed as dist
+from transformers.trainer import TRAINER_STATE_NAME
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+from .folders import (
+    CheckpointSaver,
+    check_fresh_output_dir,
+    newest_complete_checkpoint,
+    remove_earlier_run,
+    remove_stale_staging,
+    verify_checkpoint_once,
+)
+from .lock import OutputDirInUseError, OutputDirLock
+from .resume import check_resume_layout
+
+
+class RunFolder:
+    """The folder a run writes, ``args.output_dir`` (``args``: any ``TrainingArguments``). ``run_id`` and ``saver``
+    (the :class:`~boost_hf.checkpoint.folders.CheckpointSaver`) exist once the folder is claimed (:meth:`claim`)."""
+
+    def __init__(self, args):
+        self.args = args
+        self.run_id: str | None = None
+        self.saver: CheckpointSaver | None = None
+        self._lock: OutputDirLock | None = None
+
+    def claim(self) -> None:
+        """Collective, once per run: lock ``output_dir`` on the writing rank and share the run id (which names the
+        staging folders) with every rank; every rank raises the writer's error if the folder is in use."""
+        if self.run_id is not None:
+            return
+        claim = [None, None]  # [run id, error]
+        if self.args.should_save:
+            claim[0] = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
+            self._lock = OutputDirLock(self.args.output_dir)
+            try:
+                self._lock.acquire(claim[0])
+                remove_stale_staging(self.args.output_dir, claim[0])
+            except OutputDirInUseError as error:
+                claim[1] = str(error)
+        if dist.is_available() and dist.is_initialized():
+            dist.broadcast_object_list(claim, src=0)
+        if claim[1] is not None:
+            raise OutputDirInUseError(claim[1])
+        self.run_id = claim[0]
+        self.saver = CheckpointSaver(is_writer=self.args.should_save, run_id=self.run_id)
+
+    def release(self) -> None:
+        """Release the output folder's lock now (a process's exit releases it too): another run may write the folder."""
+        if self._lock is not None:
+            self._lock.release()
+
+    def resume_point(self, resume_from_checkpoint: str | bool | None, config, layout: dict) -> str | None:
+        """The checkpoint a run continues from (``True``: the last *complete* one; ``None``: a new run, which refuses an
+        ``output_dir`` holding an earlier run unless ``overwrite_output_dir``), verified against its manifest and
+        architecture and resumable at this run's ``layout``."""
+        run_dir = self.args.output_dir
+        if resume_from_checkpoint is True:
+            resume_from_checkpoint = newest_complete_checkpoint(run_dir)
+        elif isinstance(resume_from_checkpoint, str) and not os.path.isdir(resume_from_checkpoint):
+            raise FileNotFoundError(f"resume_from_checkpoint: no such file or folder: {resume_from_checkpoint!r}")
+        elif not resume_from_checkpoint:
+            check_fresh_output_dir(run_dir, getattr(self.args, "overwrite_output_dir", False))
+            return None
+        if not os.path.isfile(os.path.join(resume_from_checkpoint, TRAINER_STATE_NAME)):
+            raise FileNotFoundError(
+                f"resume_from_checkpoint: {resume_from_checkpoint!r} has no {TRAINER_STATE_NAME}, so it is a saved model (e.g. "
+                f"final/), not a training checkpoint: it holds no optimizer, schedule or data position to continue. Start a "
+                f"new run from its weights with --init_from {resume_from_checkpoint}, or resume from a checkpoint-<step> folder."
+            )
+        # verified here for every resume: transformers skips _load_from_checkpoint under DeepSpeed
+        verify_checkpoint_once(resume_from_checkpoint, config)
+        check_resume_layout(resume_from_checkpoint, layout)
+        return resume_from_checkpoint
+
+    def take_over(self, resumed: bool) -> None:
+        """Collective: claim the folder; a new run (reached only with ``overwrite_output_dir``, or nothing to remove)
+        removes the earlier run's checkpoints and final model."""
+        self.claim()
+        if not resumed and self.args.should_save and os.path.isdir(self.args.output_dir):
+            remove_earlier_run(self.args.output_dir)
+
+    def checkpoint_path(self, step: int) -> str:
+        return os.path.join(self.args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{step}")
+
+
+__all__ = ["RunFolder"]

@@ -1,0 +1,159 @@
+"""The trainer's checkpoints, one call each: :func:`save_checkpoint` (``Trainer._save_checkpoint``),
+:func:`load_weights` (``_load_from_checkpoint``) and :func:`load_optimizer_and_scheduler`
+(``_load_optimizer_and_scheduler``), written on the checkpoint package (:mod:`boost_hf.checkpoint`: the folders,
+their manifest and integrity, the model's and the optimizer's sharded state and its resharding, the layout record,
+the run folder) and on what the trainer adds to a checkpoint (the publishable files, the data position, the fp32
+masters of ``bf16_params``).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+from transformers import Trainer
+from transformers.trainer import SCHEDULER_NAME, TRAINER_STATE_NAME
+from transformers.trainer_callback import ExportableState
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, SaveStrategy, rotate_checkpoints
+
+from ..checkpoint.export import save_model_files
+from ..checkpoint.folders import full_parameters
+from ..checkpoint.optimizer_state import load_optimizer_state, optimizer_state
+from ..checkpoint.resume import load_optimizer_files, missing_file_error, optimizer_record, training_layout, write_training_layout
+from ..checkpoint.sharded_state import DCP_FOLDER, is_distributed_checkpoint, load_model_state, model_state
+from ..checkpoint.weights_io import load_canonical_checkpoint, resolve_checkpoint_files
+from .data import save_data_position
+from .precision import full_precision_parameters
+from .publish import publishing, save_publishing_files
+
+
+def save_checkpoint(trainer, trial) -> None:
+    """The Trainer's checkpoint, every rank writing its own shards: the model's parameters and the optimizer's
+    state as a ``torch.distributed.checkpoint`` in ``dcp/`` (:func:`~boost_hf.checkpoint.sharded_state.model_state`,
+    :func:`~boost_hf.checkpoint.optimizer_state.optimizer_state`; under DeepSpeed the model only, its optimizer in its
+    own folder), beside the Trainer's other files (``Trainer._save_checkpoint``'s: scheduler, RNG, trainer state,
+    best-model record, hub push) and the Hugging Face folder without weights. Written by
+    :class:`~boost_hf.checkpoint.folders.CheckpointSaver`: a staging folder, the manifest, the rename; only then
+    are old checkpoints rotated out (``--save_total_limit``). ``--save_async``: the shards are copied to host
+    memory and written in the background; the next save (and the final model) waits for this one."""
+    if trainer.hp_search_backend is None and trial is None:
+        trainer.store_flos()
+    trainer.run.claim()
+    run_dir = trainer._get_output_dir(trial=trial)
+    target = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{trainer.state.global_step}")
+    trainer.run.saver.wait()  # the previous save is complete under its name (best-model record, rotation)
+
+    def write_files(staging: str) -> None:
+        if trainer.args.should_save:
+            with publishing(trainer):
+                save_model_files(trainer.model, staging)
+            save_publishing_files(trainer, staging)
+        if trainer.args.save_strategy in (SaveStrategy.STEPS, SaveStrategy.EPOCH, SaveStrategy.BEST) and trainer.state.best_global_step:
+            best = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{trainer.state.best_global_step}")
+            if best == target or os.path.exists(best):
+                trainer.state.best_model_checkpoint = best
+        if not trainer.args.save_only_model:
+            trainer._save_optimizer_and_scheduler(staging)
+            trainer._save_scaler(staging)
+            trainer._save_rng_state(staging)
+            save_data_position(staging, trainer.train_dataset, trainer.train_loader, trainer.args)
+        if trainer.args.should_save:
+            for callback in trainer.callback_handler.callbacks + [trainer.control]:
+                if isinstance(callback, ExportableState):
+                    name, exported = type(callback).__name__, callback.state()
+                    if isinstance(trainer.state.stateful_callbacks[name], list):
+                        trainer.state.stateful_callbacks[name].append(exported)
+                    else:
+                        trainer.state.stateful_callbacks[name] = exported
+            trainer.state.save_to_json(os.path.join(staging, TRAINER_STATE_NAME))
+
+    def rotate() -> None:
+        rotate_checkpoints(output_dir=run_dir, save_total_limit=trainer.args.save_total_limit,
+                           best_model_checkpoint=trainer.state.best_model_checkpoint, use_mtime=True)
+
+    with full_precision_parameters(trainer.model), full_parameters(trainer.model, trainer.zero_stage):  # bf16_params: the masters
+        shards = {"model": model_state(trainer.model)}
+        if not trainer.args.save_only_model and not trainer.is_deepspeed_enabled:
+            shards["optimizer"] = optimizer_state(trainer.model, trainer.optimizer)
+        trainer.run.saver.save(target, write_files=write_files, state_dict=shards, config=trainer.model.config,
+                                   asynchronous=getattr(trainer.args, "save_async", False),
+                                   after_commit=rotate if trainer.args.should_save else None)
+    if trainer.args.push_to_hub:
+        trainer.run.saver.wait()
+        trainer._push_from_checkpoint(target)
+
+
+def run_layout(trainer, optimizer_records: list[dict] | None = None) -> dict:
+    """This run's PP x TP x DP sizes, ZeRO stage, global batch, precision policy (its record: what computes,
+    stores, accumulates and reduces in which dtype) and, given, the optimizer record of each pipeline rank
+    (:func:`optimizer_records`; :mod:`boost_hf.checkpoint.resume`)."""
+    state = trainer.parallel_state
+    layout = training_layout(tp_size=state.tp_size, dp_size=state.dp_size, pp_size=state.pp_size, zero_stage=trainer.zero_stage,
+                             args=trainer.args, optimizer_records=optimizer_records)
+    return {**layout, "precision": trainer.precision.record()}
+
+
+def optimizer_records(trainer) -> list[dict] | None:
+    """:func:`~boost_hf.checkpoint.resume.optimizer_record` of every pipeline rank, in pipeline order (``None`` under
+    DeepSpeed). Collective under pipeline parallelism: one ``all_gather_object`` over the PP group."""
+    if trainer.is_deepspeed_enabled:
+        return None
+    own = optimizer_record(trainer.model, trainer.optimizer)
+    if trainer.parallel_state.pp_group is None:
+        return [own]
+    records = [None] * trainer.parallel_state.pp_size
+    dist.all_gather_object(records, own, group=trainer.parallel_state.pp_group)
+    return records
+
+
+def save_optimizer_and_scheduler(trainer, output_dir: str) -> None:
+    """The scheduler and ``training_layout.json`` with each pipeline rank's optimizer record (which lets a run at
+    another PP x TP x DP layout check and reshard the optimizer state, saved by every rank with the model's shards);
+    under DeepSpeed its own checkpoint folder (ZeRO partitions per DP and TP rank). Collective."""
+    records = optimizer_records(trainer)
+    if trainer.is_deepspeed_enabled:
+        Trainer._save_optimizer_and_scheduler(trainer, output_dir)
+    if trainer.args.should_save:
+        if not trainer.is_deepspeed_enabled:
+            torch.save(trainer.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
+        write_training_layout(output_dir, run_layout(trainer, records))
+
+
+def load_optimizer_and_scheduler(trainer, checkpoint: str | None) -> None:
+    """The optimizer state of this rank (resharded if the checkpoint has another PP x TP x DP layout) and the
+    scheduler; a missing one is an error naming it (``--init_from`` starts from the weights only)."""
+    if checkpoint is None:
+        return
+    scheduler = os.path.join(checkpoint, SCHEDULER_NAME)
+    if trainer.is_deepspeed_enabled:
+        if not os.path.isfile(scheduler) and type(trainer.lr_scheduler).__name__ != "DeepSpeedSchedulerWrapper":
+            raise missing_file_error(scheduler, checkpoint, "learning-rate scheduler state")
+        return Trainer._load_optimizer_and_scheduler(trainer, checkpoint)
+    state, elsewhere = trainer.parallel_state, trainer.engine.absent_parameters
+    with full_precision_parameters(trainer.model, loading=True):  # the state in the masters' dtype (bf16_params)
+        if is_distributed_checkpoint(checkpoint):
+            load_optimizer_state(trainer.optimizer, trainer.model, checkpoint, elsewhere)
+        else:
+            device = "cpu" if trainer.args.device.type == "cpu" else trainer.args.device  # torch cannot restore to "cpu:0"
+            load_optimizer_files(trainer.optimizer, trainer.model, checkpoint, state.tp_rank, state.tp_size, device,
+                                 state.pp_rank, state.pp_size, held_elsewhere=elsewhere)
+    if not os.path.isfile(scheduler):
+        raise missing_file_error(scheduler, checkpoint, "learning-rate scheduler state")
+    trainer.lr_scheduler.load_state_dict(torch.load(scheduler, weights_only=True))
+
+
+def load_weights(trainer, resume_from_checkpoint: str, model=None) -> None:
+    """This rank's shards of the checkpoint's weights, saved at any layout (its ``dcp/``, resharded by DCP; a
+    checkpoint of boost-hf 0.x: its canonical ``model.safetensors``); :meth:`train` verified the folder against
+    its manifest and architecture record first."""
+    model = trainer.accelerator.unwrap_model(model if model is not None else trainer.model)
+    with full_precision_parameters(model, loading=True):  # bf16_params: into the fp32 masters
+        if is_distributed_checkpoint(resume_from_checkpoint):
+            load_model_state(model, os.path.join(resume_from_checkpoint, DCP_FOLDER))
+        else:
+            load_canonical_checkpoint(model, resolve_checkpoint_files(resume_from_checkpoint))
+
+
+__all__ = ["load_optimizer_and_scheduler", "load_weights", "optimizer_records", "run_layout", "save_checkpoint",
+           "save_optimizer_and_scheduler"]
