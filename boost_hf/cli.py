@@ -9,7 +9,7 @@ Subcommands live in :data:`SUBCOMMANDS` (name -> help, argument builder, runner)
     boost-hf train RECIPE.yaml|NAME [--field value ...]      (accelerate launch ... -m boost_hf.cli train ...)
     boost-hf demo [--num-processes 4] [--tp-size 2] [--max-steps N]
     boost-hf eval CHECKPOINT --data FILE [--block-size N] [--json]
-    boost-hf export CHECKPOINT OUT [--max-shard-size 5GB]           (or under torchrun: each process writes its share)
+    boost-hf export CHECKPOINT OUT [--max-shard-size 5GB] [--overwrite]  (or under torchrun: each process writes its share)
     boost-hf convert RELEASE_CHECKPOINT OUTPUT [--dtype float32]   (the BOOST release's Nanotron checkpoints)
 """
 
@@ -286,8 +286,9 @@ def _run_plan(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from .parallel.settings import layout_values
-    from .perf.planner import Cluster, plan_inputs, plan, plan_report
+    from .perf.planner import Cluster, check_positive, plan_inputs, plan, plan_report
 
+    check_positive(gpus_per_node=args.gpus_per_node, gpu_memory_gb=args.gpu_memory_gb, top=args.top)
     inputs = plan_inputs(recipe=args.recipe, preset=args.preset, config_path=args.config, gpus=args.gpus,
                          seq_len=args.seq, global_batch=args.global_batch)
     hardware = _hardware(args, gpus_per_node=args.gpus_per_node or (args.gpus if args.gpu == "cpu" else None),
@@ -405,8 +406,11 @@ def _run_eval(args: argparse.Namespace) -> int:
 
 def _add_export_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("checkpoint", help="a training checkpoint folder (e.g. outputs/demo/checkpoint-200)")
-    parser.add_argument("output_dir", help="the Hugging Face folder to write (replaced atomically if it exists)")
+    parser.add_argument("output_dir", help="the Hugging Face folder to write: a new or empty folder (never the checkpoint "
+                                           "or a folder holding it)")
     parser.add_argument("--max-shard-size", default="5GB", help="largest safetensors file (default: 5GB)")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace an existing, non-empty output folder (atomically: the old one stays until the new one is complete)")
 
 
 def _run_export(args: argparse.Namespace) -> int:
@@ -421,7 +425,8 @@ def _run_export(args: argparse.Namespace) -> int:
     if launched and not dist.is_initialized():
         dist.init_process_group("gloo")
     try:
-        folder = export_checkpoint(args.checkpoint, args.output_dir, max_shard_size=args.max_shard_size)
+        folder = export_checkpoint(args.checkpoint, args.output_dir, max_shard_size=args.max_shard_size,
+                                   overwrite=args.overwrite)
     finally:
         if launched:
             dist.destroy_process_group()

@@ -287,6 +287,18 @@ def check_config_fields(config) -> None:
                 raise ValueError(f"{name} ({value}) must be < vocab_size ({config.vocab_size}): raise vocab_size or fix the token id.")
 
 
+class DerivedRankError(ValueError):
+    """``bottleneck="tt"`` with a ``rank`` other than the one its tensor trains give (``derived``)."""
+
+    def __init__(self, rank: int, derived: int, tt_rank: int, tt_cores: int, tt_rank_ratio: float):
+        self.rank, self.derived, self.tt_rank = rank, derived, tt_rank
+        self.derivation = f"{derived} from tt_rank={tt_rank}, tt_cores={tt_cores}, tt_rank_ratio={tt_rank_ratio}"
+        super().__init__(
+            f"rank ({rank}) is derived for bottleneck='tt' (the middle rank of the tensor trains, {self.derivation}): "
+            f"leave rank unset or set it to {derived}, or choose the tt_rank that gives {rank}."
+        )
+
+
 class BoostLlamaConfig(PretrainedConfig):
     r"""Configuration of :class:`~boost_hf.BoostLlamaForCausalLM`.
 
@@ -603,11 +615,7 @@ class BoostLlamaConfig(PretrainedConfig):
         if self.rank is None:
             self.rank = derived
         elif self.rank != derived:
-            raise ValueError(
-                f"rank ({self.rank}) is derived for bottleneck='tt' (the middle rank of the tensor trains, {derived} from "
-                f"tt_rank={self.tt_rank}, tt_cores={self.tt_cores}, tt_rank_ratio={self.tt_rank_ratio}): leave rank unset, "
-                "or set tt_rank instead."
-            )
+            raise DerivedRankError(self.rank, derived, self.tt_rank, self.tt_cores, self.tt_rank_ratio)
 
     @classmethod
     def get_config_dict(cls, pretrained_model_name_or_path, **kwargs) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -661,8 +669,8 @@ class BoostLlamaConfig(PretrainedConfig):
             # CoLA's 60M/130M reference configs keep the SwiGLU SiLU.
             only_lr_act=size not in ("60m", "130m"),
         )
-        if arch == "tt":
-            del fields["rank"]  # derived from the tensor trains
+        if arch == "tt" or (overrides.get("bottleneck") == "tt" and "rank" not in overrides):
+            del fields["rank"]  # derived from the tensor trains (a low-rank preset's r is no tensor train's)
             fields.update(tt_rank=rank, tt_cores=TT_PRESET_CORES)
             fields.update(RELEASE_TT_PRESETS.get(size, dict(tt_leading_mode_multiple=TT_PRESET_LEADING_MODE_MULTIPLE)))
         fields.update(overrides)
@@ -673,7 +681,7 @@ class BoostLlamaConfig(PretrainedConfig):
 BoostLlamaConfig.register_for_auto_class()
 
 __all__ = [
-    "BoostLlamaConfig", "BOTTLENECKS", "FACTOR_INITS", "LAX_GATES", "LAX_BASES", "LAX_VERSION", "PRESET_SIZES",
+    "BoostLlamaConfig", "DerivedRankError", "BOTTLENECKS", "FACTOR_INITS", "LAX_GATES", "LAX_BASES", "LAX_VERSION", "PRESET_SIZES",
     "RELEASE_TT_PRESETS", "AUTHORS_COLA_MODEL_TYPE", "from_authors_cola", "TensorTrainShape", "tensor_train_modes",
     "tensor_train_ranks", "tensor_train_shape",
 ]

@@ -336,6 +336,9 @@ def test_btp_local_norm_at_tp2_is_refused_with_the_reason(tmp_path):
     ("extra-parameter", r"no rule of the btp model maps.*model\.decoder\.0\.pp_block\.attn\.qkv_proj0\.bias"),
     ("no-norms", r"no parameter model\.decoder\.0\.pp_block\.input_layernorm\.weight.*COLA_DISABLE_ALL_RMSNORM"),
     ("bad-slices", r"attn\.qkv_proj0\.weight: the TP shards' slices cover"),
+    ("truncated-shard", r"decoder/1/pp_block/attn/o_proj1/model_weight_pp-rank-0-of-1_tp-rank-1-of-2\.safetensors: cannot be "
+                        r"read as a safetensors parameter file \(SafetensorError: .*copy it again"),
+    ("garbage-file", r"input_layernorm/model_weight_pp-rank-0-of-1_tp-rank-0-of-2\.safetensors: cannot be read .*\(SafetensorError: "),
 ])
 def test_what_cannot_be_mapped_is_refused_naming_it(tmp_path, damage, message):
     folder = _release(tmp_path, norms=damage != "no-norms", **({"mlp_rank": 16} if damage == "ranks" else {}))
@@ -344,6 +347,11 @@ def test_what_cannot_be_mapped_is_refused_naming_it(tmp_path, damage, message):
         (layer1 / "attn/o_proj1/model_weight_pp-rank-0-of-1_tp-rank-1-of-2.safetensors").unlink()
     elif damage == "extra-parameter":
         save_file({"data": torch.zeros(24)}, str(layer0 / "attn/qkv_proj0/model_bias.safetensors"))
+    elif damage == "truncated-shard":  # one file of many cut short (a copy interrupted)
+        path = layer1 / "attn/o_proj1/model_weight_pp-rank-0-of-1_tp-rank-1-of-2.safetensors"
+        path.write_bytes(path.read_bytes()[:-40])
+    elif damage == "garbage-file":
+        (layer0 / "input_layernorm/model_weight_pp-rank-0-of-1_tp-rank-0-of-2.safetensors").write_bytes(b"\x00" * 64)
     elif damage == "bad-slices":  # rank 1's shard claims rank 0's columns
         path = layer0 / "attn/qkv_proj0/model_weight_pp-rank-0-of-1_tp-rank-1-of-2.safetensors"
         save_file({"data": torch.zeros(24, 16)}, str(path), metadata={

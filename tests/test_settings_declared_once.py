@@ -18,9 +18,10 @@ from boost_hf.training import BoostTrainingArguments
 DECLARED = {f.name: f for f in fields(ParallelConfig)}
 TYPES = typing.get_type_hints(ParallelConfig)
 # The differences the training arguments are allowed (the Trainer owns `activation_checkpointing`; "auto" resolves
-# with the model config): everything else must be the declaration itself.
+# with the model config; an unset tp_size is told from a given 1, to check it against accelerate's parallelism_config):
+# everything else must be the declaration itself.
 TRAINING_NAME = {"activation_checkpointing": "activation_checkpointing_mode"}
-TRAINING_DEFAULT = {"tp_style": "auto"}
+TRAINING_DEFAULT = {"tp_style": "auto", "tp_size": None}
 TRAINING_EXTRA_CHOICES = {"tp_style": ("auto",)}
 
 

@@ -69,3 +69,20 @@ def test_the_minimum_leg_lacks_what_the_gpu_machine_lacks():
     assert not {"datasets", "evaluate", "deepspeed"} & set(pins("constraints-min.txt"))
     assert not {"datasets", "evaluate", "deepspeed"} & set(CORE)
     assert {"datasets", "evaluate", "deepspeed"} <= set(EXTRAS["train"])
+
+
+def test_training_refuses_the_stack_it_is_not_tested_on(monkeypatch):
+    """Training's floors (boost_hf/training/stack.py) are the [train] extra's, and an older transformers or torch is
+    refused when the training arguments are built, naming the extra that fixes it."""
+    import pytest
+
+    from boost_hf.training import stack
+
+    assert {name: Version(floor) for name, floor in stack.TRAINING_FLOORS.items()} == {
+        name: lower_bound(EXTRAS["train"][name]) for name in stack.TRAINING_FLOORS}
+    monkeypatch.setattr(stack.torch, "__version__", "2.13.0+cpu")
+    monkeypatch.setattr(stack.transformers, "__version__", "5.23.0")
+    stack.check_training_stack()
+    monkeypatch.setattr(stack.transformers, "__version__", "5.17.0")
+    with pytest.raises(RuntimeError, match=r"needs transformers>=5\.23; this environment has transformers 5\.17\.0.*boost-hf\[train\]"):
+        stack.check_training_stack()

@@ -29,8 +29,9 @@ host memory, training goes on, a thread writes ``dcp/``, hashes, gathers the dig
 renames; the next save, the final model and the end of ``train`` wait for it). If a save fails (disk full, I/O
 error) the staging folder is removed, the earlier folders are untouched, and :class:`CheckpointWriteError` says
 what happened (and how much space is left). Staging folders left by a killed run are removed when the next run
-takes the output folder's lock (:func:`remove_stale_staging`; the lock, which keeps a second run out of an
-``output_dir`` in use, is :mod:`boost_hf.checkpoint.lock`).
+takes the output folder's lock, and a folder it had moved aside to replace is moved back if the new one never got
+its name (:func:`remove_stale_staging`; the lock, which keeps a second run out of an ``output_dir`` in use, is
+:mod:`boost_hf.checkpoint.lock`).
 
 The folders must be on a file system every rank reads and writes at the same path (shared by all nodes): global
 rank 0 writes ``.metadata``, the manifest and the rename, and a resume at another layout reads other ranks' files.
@@ -189,11 +190,18 @@ def _write_manifest_spread(staging: str, *, is_writer: bool, config, group=None)
 
 
 def _replace(target: str, staging: str, run_id: str) -> None:
-    """Rename ``staging`` to ``target``; an existing ``target`` is moved aside first, then deleted."""
+    """Rename ``staging`` to ``target``; an existing ``target`` is moved aside first (``.<name>.old-<run id>``), then
+    deleted. If the second rename fails, the old folder is moved back; if the process dies between the renames,
+    :func:`remove_stale_staging` moves it back at the next run's start."""
     previous = _staging_path(target, run_id, "old")
     if os.path.exists(target):
         os.replace(target, previous)
-    os.replace(staging, target)
+    try:
+        os.replace(staging, target)
+    except BaseException:
+        if os.path.exists(previous) and not os.path.exists(target):
+            os.replace(previous, target)
+        raise
     shutil.rmtree(previous, ignore_errors=True)
 
 
@@ -334,12 +342,22 @@ _STAGING = re.compile(rf"^\.({PREFIX_CHECKPOINT_DIR}-\d+|final)\.(tmp|old)-(.+)$
 
 
 def remove_stale_staging(output_dir: str, run_id: str) -> list[str]:
-    """Delete the staging folders of earlier runs in ``output_dir`` (left by a run killed while saving); return their
-    names. Call while holding the output folder's lock (no other run writes there)."""
-    stale = [n for n in os.listdir(output_dir) if (m := _STAGING.match(n)) and m.group(3) != run_id]
-    for name in stale:
+    """Clean up after earlier runs killed while saving in ``output_dir``: a folder moved aside by :func:`_replace`
+    (``.<name>.old-<run id>``) whose ``<name>`` is missing (killed between the two renames) is moved back under its
+    name (the newest such folder, with a warning); every other staging folder of an earlier run is deleted. Return the
+    names deleted. Call while holding the output folder's lock (no other run writes there)."""
+    stale = sorted((m for n in os.listdir(output_dir) if (m := _STAGING.match(n)) and m.group(3) != run_id),
+                   key=lambda m: os.path.getmtime(os.path.join(output_dir, m.group(0))), reverse=True)
+    for match in stale:
+        name, target = match.group(0), os.path.join(output_dir, match.group(1))
+        if match.group(2) == "old" and not os.path.exists(target):
+            os.replace(os.path.join(output_dir, name), target)
+            logger.warning("restored %s from %s: an earlier run was stopped while replacing it (between moving the old "
+                           "folder aside and renaming the new one into place)", target, name)
+    removed = [m.group(0) for m in stale if os.path.exists(os.path.join(output_dir, m.group(0)))]
+    for name in removed:
         shutil.rmtree(os.path.join(output_dir, name), ignore_errors=True)
-    return stale
+    return removed
 
 
 def _previous_complete(folder: str) -> str | None:

@@ -14,7 +14,10 @@ thread of the owner rewrites every ``heartbeat_s`` seconds). A second run into t
   *and* its counter does not move while this process watches it for 1.5 heartbeats (by this process's own clock,
   so a skewed clock alone never takes a live run's lock). A beat younger than the bound is watched until it moves
   (a live run: refused within ~1.5 heartbeats) or becomes older than the bound (taken over: at most
-  ``stale_after_s`` of waiting).
+  ``stale_after_s`` of waiting);
+* the lock file is damaged (not JSON: a run killed between creating and writing it, or a file written over) and
+  stays so, unchanged, for 2 heartbeats (said at once, while it is watched): a live owner rewrites its damaged lock
+  at its next heartbeat (unless the damage is younger than half a heartbeat: another run's lock being created).
 
 The owner's heartbeat thread also checks that the lock still names its run; if another run took it over (the
 owner was frozen longer than the bound), the owner stops at once rather than write into a folder another run owns.
@@ -170,7 +173,11 @@ class OutputDirLock:
             return f"it is an earlier launch of this job (attempt {theirs['attempt']}, this one {ours['attempt']})"
         if "beats" not in owner:
             return None  # a lock without heartbeat: only its pid, on its host, can tell
-        confirm = 1.5 * self.heartbeat_s
+        confirm = (2.0 if owner.get("damaged") else 1.5) * self.heartbeat_s
+        if owner.get("damaged"):
+            print(f"boost-hf: output_dir {self.output_dir!r} holds a damaged lock file {self.path} (not the record a run "
+                  f"writes): taking it over if it stays so for {confirm:g} s (a live run rewrites its lock every "
+                  f"{self.heartbeat_s:g} s).", file=sys.stderr, flush=True)
         watched_since = time.monotonic()
         while True:
             time.sleep(min(self.heartbeat_s / 2, 1.0))
@@ -179,6 +186,8 @@ class OutputDirLock:
                 return None if now else "it released the lock"  # alive (or replaced by a live run)
             age = time.time() - float(owner.get("heartbeat", 0))
             watched = time.monotonic() - watched_since
+            if owner.get("damaged") and watched >= confirm:  # a live owner repairs its lock at its next beat
+                return f"it stayed damaged for {watched:.0f} s, unrepaired by any live run's heartbeat"
             if age > self.stale_after_s and watched >= confirm:
                 return f"its heartbeat stopped {age:.0f} s ago"
             if watched > self.stale_after_s + confirm:  # its clock runs ahead of ours: our own watch decides
@@ -190,9 +199,11 @@ class OutputDirLock:
         process (:data:`LOST_LOCK_EXIT_CODE`)."""
         while not self._stop.wait(self.heartbeat_s):
             current = self._read()
+            if current.get("damaged") and time.time() - current["heartbeat"] < self.heartbeat_s / 2:
+                continue  # maybe another run's lock between its creation and its first write: read it next beat
             if current.get("damaged"):
-                continue
-            if current and current.get("run_id") != self._owner["run_id"]:
+                print(f"boost-hf: the lock file {self.path} of this run was damaged; rewriting it.", file=sys.stderr, flush=True)
+            elif current and current.get("run_id") != self._owner["run_id"]:
                 if self._stop.is_set():
                     return
                 print(f"boost-hf: the lock of output_dir {self.output_dir!r} was taken over by another run "

@@ -35,6 +35,7 @@ from __future__ import annotations
 import bisect
 import itertools
 import json
+import logging
 import os
 
 import torch
@@ -42,6 +43,8 @@ import torch
 from ..parallel.sharding import shard_spec_of
 from .folders import optimizer_file_name
 from .deepspeed_universal import UNIVERSAL_INFO_RECORD, universal_resume_refusal
+
+logger = logging.getLogger(__name__)
 
 #: how DeepSpeed's flat buffers order the parameters (:mod:`boost_hf.training.deepspeed`), recorded in a checkpoint's
 #: training layout: each group of parameters stored together consecutively, at the place of its first member
@@ -128,12 +131,31 @@ def _describe(layout: dict) -> str:
     return f"{pp}tp_size={layout['tp_size']} x dp={layout['dp_size']}{zero}, global batch {layout['global_batch_size']}"
 
 
+def precision_change(checkpoint: str, saved: dict | None, current: dict | None) -> str | None:
+    """What a resume under another precision policy changes (``saved`` and ``current``: the policies' records,
+    :meth:`~boost_hf.training.precision.PrecisionPolicy.record`), or ``None`` when they are the same (or one is
+    unknown: a checkpoint of an earlier version)."""
+    if not saved or not current or saved == current:
+        return None
+    changed = ", ".join(f"{key} {saved.get(key)} -> {current.get(key)}" for key in sorted(saved.keys() | current.keys())
+                        if saved.get(key) != current.get(key))
+    return (f"{checkpoint} was saved under the precision policy {saved.get('policy')} and this run resumes it under "
+            f"{current.get('policy')} ({changed}): its weights and optimizer state load as this policy keeps them, and from "
+            "here the steps compute as this policy does, so the losses differ from the saved run's. Resume with the saved "
+            "policy (--bf16, --precision_policy, --grad_reduce_dtype, --fp32_residual) to continue it exactly.")
+
+
 def check_resume_layout(checkpoint: str, current: dict) -> None:
     """Raise :class:`ResumeLayoutError` if ``checkpoint`` (its ``training_layout.json``) cannot be resumed exactly
-    at the ``current`` layout (:func:`training_layout` of this run). Reads files only: same answer on every rank."""
+    at the ``current`` layout (:func:`training_layout` of this run). Reads files only: same answer on every rank. A
+    resume under another precision policy is said (a warning on global rank 0, :func:`precision_change`)."""
     saved = read_training_layout(checkpoint)
     if saved is None:
         return  # an older checkpoint: the optimizer loader checks its files
+    change = precision_change(checkpoint, saved.get("precision"), current.get("precision"))
+    launched = torch.distributed.is_available() and torch.distributed.is_initialized()
+    if change is not None and (not launched or torch.distributed.get_rank() == 0):
+        logger.warning(change)
     weights_only = f"start from its weights only with --init_from {checkpoint} (a new optimizer and learning-rate schedule)"
     if saved["global_batch_size"] != current["global_batch_size"]:
         raise ResumeLayoutError(
@@ -305,6 +327,7 @@ __all__ = [
     "write_training_layout",
     "read_training_layout",
     "check_resume_layout",
+    "precision_change",
     "reshard_optimizer_state",
     "load_optimizer_files",
     "locate_saved_parameters",

@@ -76,7 +76,7 @@ from pathlib import Path
 
 import torch
 import yaml
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from ..checkpoint.integrity import write_manifest
 from ..configuration_boost_llama import BoostLlamaConfig
@@ -191,11 +191,23 @@ def read_boost_release(folder: str | os.PathLike) -> ReleaseCheckpoint:
                              pp_size=next(iter(pp_sizes), 1), files=sum(map(len, shards.values())))
 
 
+def _read_parameter_file(path: Path) -> tuple[dict, torch.Tensor]:
+    """``(metadata, tensor "data")`` of one parameter file; :class:`ReleaseCheckpointError` naming the file and the
+    reader's error when it cannot be read (truncated, damaged, not safetensors)."""
+    try:
+        with safe_open(path, framework="pt") as f:
+            return f.metadata() or {}, f.get_tensor("data")
+    except (SafetensorError, OSError) as error:
+        raise ReleaseCheckpointError(
+            f"{path}: cannot be read as a safetensors parameter file ({type(error).__name__}: {error}); the file is damaged, "
+            "truncated or still being copied: copy it again from the release."
+        ) from error
+
+
 def _whole_tensor(name: str, files: list) -> torch.Tensor:
     """One parameter from its files: the single unsharded file, or every TP rank's shard placed by its metadata."""
     if len(files) == 1 and files[0][1] is None:
-        with safe_open(files[0][0], framework="pt") as f:
-            return f.get_tensor("data")
+        return _read_parameter_file(files[0][0])[1]
     if any(tp is None for _, tp, _, _, _ in files):
         raise ReleaseCheckpointError(f"{name}: written both whole and as TP shards ({[str(f[0].name) for f in files]}).")
     tp_size = files[0][2]
@@ -208,8 +220,7 @@ def _whole_tensor(name: str, files: list) -> torch.Tensor:
         )
     whole = covered = None
     for path, tp_rank, _, _, _ in files:
-        with safe_open(path, framework="pt") as f:
-            metadata, shard = f.metadata() or {}, f.get_tensor("data")
+        metadata, shard = _read_parameter_file(path)
         version = metadata.get("version")
         if version not in RELEASE_CHECKPOINT_VERSIONS or "unsharded_shape" not in metadata or "local_global_slices_pairs" not in metadata:
             raise ReleaseCheckpointError(

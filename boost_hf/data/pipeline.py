@@ -17,8 +17,10 @@ resumes without re-reading. The result depends only on the data, the tokenizer a
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
+import logging
 import os
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -29,10 +31,13 @@ from transformers import PreTrainedTokenizerBase
 
 from .checks import token_id_range
 from .corpus import DEFAULT_VALIDATION_PERCENT
-from .sources import PathLike, Source, load_text_splits
+from .fingerprint import attach_sources
+from .sources import PathLike, Source, load_text_splits, local_data_files, training_sources, unreadable_file_error
 from .stream import BlockStream
 from .tokenizer import load_tokenizer
 
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_BLOCK_SIZE = 256
 PACK_BATCH_SIZE = 1000
@@ -67,14 +72,17 @@ def is_pre_tokenized(columns: list[str] | None) -> bool:
     return columns is not None and "input_ids" in columns
 
 
-def document_token_ids(tokenizer: PreTrainedTokenizerBase, *, text_column: str = "text", add_bos: bool = False) -> DocumentIds:
+def document_token_ids(tokenizer: PreTrainedTokenizerBase, *, text_column: str = "text", add_bos: bool = False,
+                       skip_records_without_text: bool = False) -> DocumentIds:
     """The batched function ``{column: [value per document]} -> {"input_ids": [ids per document]}`` (and ``"labels"``
     when the documents carry them), each an ``int64`` array.
 
     A batch with an ``input_ids`` column is pre-tokenized: ids outside the tokenizer's vocabulary are an error, the
     positions where ``attention_mask`` is 0 are dropped (from ``labels`` too). Otherwise ``text_column`` is
     tokenized. Either way ``eos`` is appended unless the ids end with it and, with ``add_bos``, ``bos`` put first
-    unless they start with it (their label is the token itself). Blank texts and empty documents are dropped."""
+    unless they start with it (their label is the token itself). Blank texts and empty documents are dropped. A record
+    without ``text_column`` (or a null one) is an error, or with ``skip_records_without_text`` left out and counted
+    (``records_without_text`` of the returned function, logged at the 1st, 10th, 100th, ... one)."""
     if tokenizer.eos_token_id is None:
         raise ValueError("the tokenizer has no eos token; set tokenizer.eos_token first")
     if add_bos and tokenizer.bos_token_id is None:
@@ -118,11 +126,27 @@ def document_token_ids(tokenizer: PreTrainedTokenizerBase, *, text_column: str =
         return out
 
     def from_text(batch: dict[str, list]) -> dict[str, list[np.ndarray]]:
+        missing = sum(text is None for text in batch[text_column])
+        if missing:
+            count_missing(missing)
         texts = [text for text in batch[text_column] if text is not None and text.strip()]
         if not texts:
             return {"input_ids": []}
         encoded = tokenizer(texts, add_special_tokens=False, verbose=False)["input_ids"]
         return {"input_ids": [framed(np.asarray(ids, dtype=np.int64))[0] for ids in encoded if ids]}
+
+    def count_missing(missing: int) -> None:
+        if not skip_records_without_text:
+            raise ValueError(
+                f"{missing} record(s) read have no {text_column!r} field (or a null one): they would be left out of the "
+                f"data. Give every record its text, set text_column to the field that holds it, or pass "
+                "--skip_records_without_text true (skip_records_without_text=True) to leave them out."
+            )
+        before = to_ids.records_without_text
+        to_ids.records_without_text += missing
+        if len(str(to_ids.records_without_text)) > len(str(before)) or before == 0:
+            logger.warning("skipped %d record(s) without a %r field so far (skip_records_without_text)",
+                           to_ids.records_without_text, text_column)
 
     def to_ids(batch: dict[str, list]) -> dict[str, list[np.ndarray]]:
         if "input_ids" in batch:
@@ -131,6 +155,7 @@ def document_token_ids(tokenizer: PreTrainedTokenizerBase, *, text_column: str =
             raise ValueError(f"a document has neither the text column {text_column!r} nor input_ids (columns: {sorted(batch)})")
         return from_text(batch)
 
+    to_ids.records_without_text = 0
     return to_ids
 
 
@@ -180,10 +205,12 @@ def tokenize_documents(
     text_column: str = "text",
     add_bos: bool = False,
     num_proc: int | None = None,
+    skip_records_without_text: bool = False,
 ) -> Dataset | IterableDataset:
     """Map documents to their ids (:func:`document_token_ids`: one row per non-blank document, ``eos`` appended).
     All other columns are removed."""
-    to_ids = document_token_ids(tokenizer, text_column=text_column, add_bos=add_bos)
+    to_ids = document_token_ids(tokenizer, text_column=text_column, add_bos=add_bos,
+                                skip_records_without_text=skip_records_without_text)
     columns = _selected_columns(dataset.column_names, text_column) or [text_column]  # unknown columns: text
     dataset = dataset.select_columns(columns)
     kwargs: dict[str, Any] = {"batched": True, "remove_columns": columns}
@@ -218,11 +245,13 @@ def pack_documents(
     text_column: str = "text",
     add_bos: bool = False,
     num_proc: int | None = None,
+    skip_records_without_text: bool = False,
 ) -> Dataset:
     """Blocks of a map-style dataset of documents in one ``datasets.map`` (:func:`tokenize_documents` then
     :func:`pack_blocks`, without caching the tokenized documents), stored in :func:`block_features`."""
     _check_block_size(block_size)
-    to_ids = document_token_ids(tokenizer, text_column=text_column, add_bos=add_bos)
+    to_ids = document_token_ids(tokenizer, text_column=text_column, add_bos=add_bos,
+                                skip_records_without_text=skip_records_without_text)
     columns = _selected_columns(dataset.column_names, text_column)
     with_labels = "labels" in columns
     return dataset.select_columns(columns).map(
@@ -263,6 +292,7 @@ def build_lm_datasets(
     cache_dir: PathLike | None = None,
     datasets_cache_dir: PathLike | None = None,
     load_kwargs: Mapping[str, Any] | None = None,
+    skip_records_without_text: bool = False,
 ) -> DatasetDict | dict[str, BlockStream]:
     """Build packed causal-LM ``train`` and ``validation`` datasets.
 
@@ -288,6 +318,11 @@ def build_lm_datasets(
         cache_dir: boost_hf cache root (corpus and tokenizer caches).
         datasets_cache_dir: ``datasets`` cache folder for ``load_dataset``.
         load_kwargs: extra ``load_dataset`` keyword arguments.
+        skip_records_without_text: leave out the records without ``text_column`` (counted and logged) instead of
+            refusing them.
+
+    The training set carries its :class:`~boost_hf.data.fingerprint.DataSources` (:func:`training_sources`), which
+    a checkpoint's data position records the fingerprint of.
 
     Returns:
         A ``DatasetDict`` with ``train`` and ``validation`` blocks (``input_ids`` of ``block_size`` ids, ``labels``
@@ -308,9 +343,13 @@ def build_lm_datasets(
         cache_dir=cache_dir,
         datasets_cache_dir=datasets_cache_dir,
         load_kwargs=load_kwargs,
+        skip_records_without_text=skip_records_without_text,
     )
     if streaming:
-        to_ids = document_token_ids(tokenizer, text_column=text_column, add_bos=add_bos)
+        to_ids = document_token_ids(tokenizer, text_column=text_column, add_bos=add_bos,
+                                    skip_records_without_text=skip_records_without_text)
+        files = local_data_files(source)
+        explain = functools.partial(unreadable_file_error, files, load_kwargs) if files else None
         streams = {}
         for name, split in splits.items():
             columns = _selected_columns(split.column_names, text_column)
@@ -319,8 +358,9 @@ def build_lm_datasets(
                 split.select_columns(columns) if columns is not None else split, to_ids, block_size,
                 max_blocks=max_train_blocks if training else max_eval_blocks,
                 shuffle_buffer=shuffle_buffer if training else 0, seed=seed,
-                logical_streams=stream_shards if training else 1,
+                logical_streams=stream_shards if training else 1, explain_read_error=explain,
             )
+        attach_sources(streams["train"], training_sources(source, config=config, load_kwargs=load_kwargs))
         return streams
     caps = {"train": max_train_blocks, "validation": max_eval_blocks}
     built: dict[str, Dataset] = {}
@@ -331,11 +371,13 @@ def build_lm_datasets(
                 f"{sum(len(s) for s in splits.values())} documents): add documents or give the split its own files, "
                 "e.g. {'train': 'train.txt', 'validation': 'valid.txt'}."
             )
-        blocks = pack_documents(split, tokenizer, block_size, text_column=text_column, add_bos=add_bos, num_proc=num_proc)
+        blocks = pack_documents(split, tokenizer, block_size, text_column=text_column, add_bos=add_bos, num_proc=num_proc,
+                                skip_records_without_text=skip_records_without_text)
         token_id_range(blocks)  # scanned once per cache file and recorded beside it
         built[name] = _cap(blocks, caps[name])
         if len(built[name]) == 0 and caps[name] != 0:
             raise ValueError(
                 f"the {name} split of {source!r} has no complete block of {block_size} tokens: add text or lower block_size."
             )
+    attach_sources(built["train"], training_sources(source, config=config, load_kwargs=load_kwargs))
     return DatasetDict(built)

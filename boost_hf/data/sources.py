@@ -15,12 +15,17 @@ Supported sources:
 
 If the source has no validation split (``validation``, ``valid``, ``val``, ``dev`` or
 ``test``), one is carved from ``train`` by a stable hash of each document's text (of its ids, pre-tokenized).
+
+Records without the text field (or with a null one) are counted and refused, naming the count; with
+``skip_records_without_text`` they are left out and the count is logged (a stream, which cannot be counted ahead,
+refuses or skips them as it reads them: :func:`~boost_hf.data.pipeline.document_token_ids`).
 """
 
 from __future__ import annotations
 
 import glob
 import json
+import logging
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -38,7 +43,10 @@ from datasets.exceptions import DatasetGenerationError
 
 from .checks import check_text_file, require_existing_path
 from .corpus import DEFAULT_VALIDATION_PERCENT, load_wikipedia_sample
+from .fingerprint import DataSources, folder_files
 from .splits import split_by_key
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_SOURCE = "wikipedia-sample"
 VALIDATION_SPLIT_NAMES: tuple[str, ...] = ("validation", "valid", "val", "dev", "test")
@@ -104,17 +112,56 @@ def _load_files(
     builders = {builder_for_file(path) for files in data_files.values() for path in files}
     if len(builders) != 1:
         raise ValueError(f"all data files must share one format, got {sorted(builders)}")
-    for path in (path for files in data_files.values() for path in files):
+    paths = [path for files in data_files.values() for path in files]
+    for path in paths:
         if builder_for_file(path) != "parquet" and not path.lower().endswith(_COMPRESSION_SUFFIXES):
             check_text_file(path)
     builder = builders.pop()
+    if builder == "parquet":
+        check_parquet_footers(paths)
     try:
-        return load_dataset(builder, data_files=data_files, streaming=streaming, cache_dir=datasets_cache_dir, **load_kwargs)
-    except DatasetGenerationError:
-        if builder == "json":
-            for path in (path for files in data_files.values() for path in files):
+        loaded = load_dataset(builder, data_files=data_files, streaming=streaming, cache_dir=datasets_cache_dir, **load_kwargs)
+    except DatasetGenerationError as error:
+        raise unreadable_file_error(paths, load_kwargs) or error
+    return loaded
+
+
+def check_parquet_footers(paths: list[str]) -> None:
+    """``ValueError`` naming the first Parquet file whose footer (its schema and row groups, a few KiB at the end of
+    the file) cannot be read: a truncated, damaged or not-Parquet file (pyarrow: "Parquet magic bytes not found")."""
+    import pyarrow.parquet as pq
+
+    for path in paths:
+        try:
+            pq.read_metadata(path)
+        except Exception as error:  # noqa: BLE001 (pyarrow's ArrowInvalid, OSError: named with the file below)
+            raise ValueError(_unreadable(path, "parquet", error)) from None
+
+
+def _unreadable(path: str, builder: str, error: BaseException) -> str:
+    reason = str(error).strip().splitlines()[0][:300] if str(error).strip() else ""
+    return (f"data file {path!r} cannot be read as {builder} ({type(error).__name__}: {reason}): it is damaged, "
+            "truncated or not in that format; replace it or remove it from the dataset.")
+
+
+def unreadable_file_error(paths: list[str], load_kwargs: Mapping[str, Any] | None = None) -> ValueError | None:
+    """After reading the data failed: the ``ValueError`` naming the first of ``paths`` that its reader cannot read, with
+    the reader's error (a JSON Lines file: its first invalid line), or ``None`` if each reads on its own. Reads the
+    files, one by one: for the error path only."""
+    for path in paths:
+        builder = builder_for_file(path)
+        try:
+            if builder == "json":
                 check_json_lines(path)
-        raise
+            for _ in load_dataset(builder, data_files=[path], split="train", streaming=True, **dict(load_kwargs or {})):
+                pass
+        except ValueError as error:
+            if str(error).startswith(f"data file {path!r}"):
+                return error
+            return ValueError(_unreadable(path, builder, error))
+        except Exception as error:  # noqa: BLE001 (the reader's own error, named with its file)
+            return ValueError(_unreadable(path, builder, error))
+    return None
 
 
 def check_json_lines(path: str) -> None:
@@ -138,6 +185,46 @@ def check_json_lines(path: str) -> None:
                     f"data file {path!r}, line {number}: not valid JSON ({error.msg} at column {error.colno}): "
                     f"{line[:80]!r}. Fix or remove that line (JSON Lines: one JSON object per line)."
                 ) from None
+
+
+def local_data_files(source: Source) -> list[str] | None:
+    """The local data files ``source`` names (a file, a glob, a list of them, a ``{split: files}`` mapping), as
+    :func:`load_raw_dataset` reads them; ``None`` for the other sources (a folder, the Wikipedia sample, the Hub)."""
+    if source is None or (isinstance(source, str) and source == DEFAULT_SOURCE):
+        return None
+    if isinstance(source, Mapping):
+        found = [_as_file_list(value) for value in source.values()]
+        return None if any(files is None for files in found) else [path for files in found for path in files]
+    if isinstance(source, (str, os.PathLike)) and os.path.isdir(os.path.expanduser(os.fspath(source))):
+        return None
+    try:
+        return _as_file_list(source if isinstance(source, (str, os.PathLike)) else list(source))
+    except FileNotFoundError:
+        return None
+
+
+def training_sources(source: Source = None, *, config: str | None = None,
+                     load_kwargs: Mapping[str, Any] | None = None) -> DataSources:
+    """The :class:`~boost_hf.data.fingerprint.DataSources` of ``source``'s training split: its local files (a
+    ``{split: files}`` mapping: its ``train`` files; a folder: the files under it), or, for the Wikipedia sample and a
+    Hub dataset, what pins it (the dump's SHA-256 and the cleaning version; the name, configuration and revision)."""
+    if source is None or (isinstance(source, str) and source == DEFAULT_SOURCE):
+        from .corpus import CLEANING_VERSION, WIKI_SAMPLE_SHA256
+
+        return DataSources(f"the Wikipedia sample (sha256 {WIKI_SAMPLE_SHA256[:16]}..., cleaning version {CLEANING_VERSION})")
+    if isinstance(source, Mapping) and "train" in source:
+        return DataSources(f"the files {source['train']!r}", tuple(_as_file_list(source["train"]) or ()))
+    files = local_data_files(source)
+    if files is not None:
+        return DataSources(f"the files {source!r}", tuple(files))
+    path = os.path.expanduser(os.fspath(source)) if isinstance(source, (str, os.PathLike)) else None
+    if path is not None and os.path.isdir(path):
+        train = os.path.join(path, "train")  # a DatasetDict.save_to_disk folder: its train split
+        folder = train if os.path.isfile(os.path.join(path, "dataset_dict.json")) and os.path.isdir(train) else path
+        return DataSources(f"the folder {folder!r}", tuple(folder_files(folder)))
+    pinned = [f"configuration {config}"] if config else []
+    pinned += [f"revision {load_kwargs['revision']}"] if load_kwargs and load_kwargs.get("revision") else []
+    return DataSources(f"the Hub dataset {os.fspath(source)!r}" + (f" ({', '.join(pinned)})" if pinned else ""))
 
 
 def load_raw_dataset(
@@ -198,6 +285,25 @@ def load_raw_dataset(
     return load_dataset(os.fspath(source), config, streaming=streaming, cache_dir=hf_cache, **kwargs)
 
 
+def without_missing_text(dataset: Dataset, text_column: str, split: str, skip: bool) -> Dataset:
+    """``dataset`` (map-style, text) if every record has ``text_column`` (not null); else ``ValueError`` naming how many
+    lack it, or, with ``skip``, ``dataset`` without them (a cached filter) and a warning with the count. Counted from
+    the Arrow column's null count (no pass over the data)."""
+    missing = dataset.with_format("arrow")[text_column].null_count
+    if not missing:
+        return dataset
+    if not skip:
+        raise ValueError(
+            f"{missing} of {len(dataset)} records of the {split} data have no {text_column!r} field (or a null one): they "
+            f"would be left out of the {split} data. Give every record its text, set text_column to the field that holds "
+            "it, or pass --skip_records_without_text true (skip_records_without_text=True) to leave them out."
+        )
+    logger.warning("skipping %d of %d records of the %s data without a %r field (skip_records_without_text)",
+                   missing, len(dataset), split, text_column)
+    return dataset.filter(lambda batch: [text is not None for text in batch[text_column]], batched=True,
+                          desc=f"Leaving out the records without {text_column!r}")
+
+
 def load_text_splits(
     source: Source = None,
     *,
@@ -208,12 +314,14 @@ def load_text_splits(
     cache_dir: PathLike | None = None,
     datasets_cache_dir: PathLike | None = None,
     load_kwargs: Mapping[str, Any] | None = None,
+    skip_records_without_text: bool = False,
 ) -> AnyDatasetDict:
     """Load ``source`` as a dict with exactly ``train`` and ``validation`` splits.
 
     A source with one split (or a plain dataset) is used as ``train``; a missing validation
     split is carved from ``train`` with :func:`boost_hf.data.splits.split_by_key` on
     ``text_column`` (``input_ids`` for pre-tokenized documents), so it is deterministic and disjoint by document.
+    Records of a map-style source without ``text_column`` are refused (:func:`without_missing_text`).
     """
     loaded = load_raw_dataset(
         source,
@@ -239,6 +347,10 @@ def load_text_splits(
     pre_tokenized = columns is not None and "input_ids" in columns
     if columns is not None and text_column not in columns and not pre_tokenized:
         raise ValueError(f"text column {text_column!r} not found, and no input_ids column; columns are {columns}")
+    if not pre_tokenized and isinstance(train, Dataset):
+        train = without_missing_text(train, text_column, "train", skip_records_without_text)
+        if isinstance(validation, Dataset):
+            validation = without_missing_text(validation, text_column, "validation", skip_records_without_text)
     if validation is None:
         return split_by_key(train, "input_ids" if pre_tokenized else text_column, validation_percent)
     if isinstance(train, IterableDataset):

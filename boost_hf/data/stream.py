@@ -42,7 +42,8 @@ class BlockStream(torch.utils.data.IterableDataset):
 
     Iterating it gives one pass over logical stream 0 of 1 (every document), at most ``max_blocks`` blocks, each a
     :data:`Block`; :meth:`cursor` reads one logical stream of several, resumably. ``logical_streams`` is the split a
-    training run uses (``None``: decided by the run, see :mod:`boost_hf.training.data`)."""
+    training run uses (``None``: decided by the run, see :mod:`boost_hf.training.data`). When reading the documents
+    fails, ``explain_read_error()`` may return the error to raise instead (e.g. naming the damaged file)."""
 
     def __init__(
         self,
@@ -54,6 +55,7 @@ class BlockStream(torch.utils.data.IterableDataset):
         shuffle_buffer: int = 0,
         seed: int = 0,
         logical_streams: int | None = None,
+        explain_read_error: Callable[[], Exception | None] | None = None,
     ):
         for name, value, minimum in (("shuffle_buffer", shuffle_buffer, 0), ("logical_streams", logical_streams, 1),
                                      ("max_blocks", max_blocks, 0)):
@@ -61,6 +63,7 @@ class BlockStream(torch.utils.data.IterableDataset):
                 raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
         self.documents, self.to_ids, self.block_size = documents, to_ids, block_size
         self.max_blocks, self.shuffle_buffer, self.seed, self.logical_streams = max_blocks, shuffle_buffer, seed, logical_streams
+        self.explain_read_error = explain_read_error
 
     def cursor(self, index: int = 0, count: int = 1) -> StreamCursor:
         """A reader of logical stream ``index`` of ``count``, at the start of pass 0."""
@@ -154,7 +157,13 @@ class StreamCursor:
             self._documents = iter(self.source)
         missing = self.stream.block_size - self._pending_tokens()
         count = 1 if not self._tokens_per_document else min(math.ceil(missing / self._tokens_per_document), MAX_DOCUMENTS_PER_READ)
-        documents = list(islice(self._documents, count))
+        try:
+            documents = list(islice(self._documents, count))
+        except Exception as error:
+            explained = self.stream.explain_read_error() if self.stream.explain_read_error is not None else None
+            if explained is None:
+                raise
+            raise explained from error
         self.exhausted = len(documents) < count
         if not documents:
             return

@@ -69,21 +69,40 @@ def _backward(grad: Tensor, buffer: Tensor, hidden_size: int, eps: float, activa
     grad_buffer[..., width + 1:].zero_()  # the unused statistics columns (alignment only)
 
 
+_KERNELS = {"_forward": "boost_hf::scale_activate", "_backward": "boost_hf::scale_activate_backward"}
+"""The op whose CUDA kernel each eager function is."""
+
+
+def _compiler_unavailable(error: BaseException) -> bool:
+    """Whether ``error`` says inductor cannot generate kernels here (no working Triton, a GPU too old for it, a
+    compiler that failed), as opposed to an error of the arithmetic itself (shapes, dtypes) or out of memory."""
+    from torch._dynamo.exc import BackendCompilerFailed
+    from torch._inductor.exc import GPUTooOldForTriton, TritonMissing
+
+    if isinstance(error, (TritonMissing, GPUTooOldForTriton)):
+        return True
+    return isinstance(error, BackendCompilerFailed) and not isinstance(error.inner_exception, torch.OutOfMemoryError)
+
+
 @functools.cache
 def _compiled(function):
     """``function`` compiled by inductor (dynamic shapes: one graph per width and activation), or, where inductor
-    cannot compile for this device (no Triton), ``function`` itself with a warning."""
+    cannot compile for this device (:func:`_compiler_unavailable`), ``function`` itself (its eager ops) with a warning
+    naming the op and the fallback. Any other error (out of memory, a shape error) is raised."""
     compiled = torch.compile(function, dynamic=True, fullgraph=True)
 
     def run(*args):
         nonlocal compiled
         try:
             return compiled(*args)
-        except Exception as error:  # noqa: BLE001 (e.g. no Triton): the same arithmetic, unfused
-            if compiled is function:
+        except Exception as error:
+            if compiled is function or not _compiler_unavailable(error):
                 raise
-            warnings.warn(f"boost_hf: the fused latent-scale kernel could not be compiled ({type(error).__name__}: "
-                          f"{str(error).splitlines()[0][:200]}); running its arithmetic as separate ops.")
+            kernel = _KERNELS.get(function.__name__, function.__name__)
+            warnings.warn(f"boost_hf: the fused CUDA kernel of {kernel} could not be compiled by inductor "
+                          f"({type(error).__name__}: {str(error).splitlines()[0][:200]}); {kernel} falls back to its eager "
+                          f"arithmetic ({function.__module__}.{function.__name__}: separate PyTorch ops, several passes over "
+                          "the latents instead of one) for the rest of this process.")
             compiled = function
             return function(*args)
 

@@ -12,6 +12,9 @@ What differs from the declaration is stated here, once (a command adding the opt
   (:data:`TRAINING_NAMES`): the Trainer owns ``activation_checkpointing`` (passing it selects ``"full"``).
 * ``tp_style`` also takes ``"auto"``, the training default: btp for a low-rank model, megatron for a full-rank one,
   resolved with the model config.
+* ``tp_size`` defaults to ``None`` among the training arguments (unset: 1, or the ``tp_size`` of accelerate's
+  ``parallelism_config``), so that a value given (1 included) is told from the default and checked against
+  accelerate's (:func:`~boost_hf.training.compatibility.layout_from_parallelism_config`).
 * ``pp_layer_split`` is a comma-separated list on the command line (``3,5,5,3``) and a YAML list in a recipe
   (:func:`parse_layer_split`).
 * ``sequence_parallel`` at training time also needs ``sample_max_new_tokens=0`` (generation feeds one token per step).
@@ -44,10 +47,12 @@ SHORT_NAMES: dict[str, tuple[str, ...]] = {
 TRAINING_NAMES: dict[str, str] = {"activation_checkpointing": "activation_checkpointing_mode"}
 _TRAINING_TYPES: dict[str, object] = {
     "tp_style": Literal[("auto", *get_args(TPStyle))],
+    "tp_size": int | None,  # None: unset (1, or accelerate's parallelism_config tp_size)
     "pp_layer_split": list[str] | None,  # what HfArgumentParser reads (nargs="+"); parse_layer_split makes it ints
 }
-_TRAINING_DEFAULTS: dict[str, object] = {"tp_style": "auto"}
+_TRAINING_DEFAULTS: dict[str, object] = {"tp_style": "auto", "tp_size": None}
 _TRAINING_NOTES: dict[str, str] = {
+    "tp_size": " Unset: 1, or the tp_size of accelerate's parallelism_config; given both, they must agree (1 included).",
     "tp_style": " At training time also 'auto' (the default): btp for a low-rank model, megatron for a full-rank one.",
     "activation_checkpointing": " It replaces the Trainer's activation_checkpointing flag, which boost-hf models do not "
     "use: passing that flag selects 'full'.",

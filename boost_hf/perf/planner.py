@@ -43,6 +43,19 @@ class Cluster:
     hardware: Hardware
     memory_bytes: int
 
+    def __post_init__(self) -> None:
+        per_node = self.hardware.gpus_per_node
+        check_positive(gpus=self.gpus, gpus_per_node=per_node)
+        if self.gpus > per_node and self.gpus % per_node:
+            fewer, more = self.gpus - self.gpus % per_node, self.gpus - self.gpus % per_node + per_node
+            spread = [n for n in range(per_node - 1, 0, -1) if self.gpus % n == 0][0]
+            raise ValueError(
+                f"{self.gpus} GPUs do not fill nodes of {per_node} evenly: accelerate launch starts the same number of "
+                f"processes on every node, and {self.gpus} over {self.nodes} nodes is not a whole number per node. Plan a "
+                f"multiple of {per_node} (--gpus {fewer} or {more}), or {spread} GPU{'s' if spread > 1 else ''} on each of "
+                f"{self.gpus // spread} nodes (--gpus-per-node {spread})."
+            )
+
     @property
     def nodes(self) -> int:
         return -(-self.gpus // self.hardware.gpus_per_node)
@@ -111,6 +124,14 @@ class PlanResult:
     tried: int = 0
 
 
+def check_positive(**sizes) -> None:
+    """``ValueError`` naming the first of ``sizes`` (name -> value; ``None``: not given) that is not positive, with its
+    command-line spelling."""
+    for name, value in sizes.items():
+        if value is not None and (isinstance(value, bool) or not value > 0):
+            raise ValueError(f"--{name.replace('_', '-')} must be positive, got {value}.")
+
+
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
@@ -177,6 +198,8 @@ def plan(config, cluster: Cluster, *, seq_len: int, global_batch: int, fixed: di
     (``"bf16"``) applies to the ``bf16_params`` candidates: it changes the gradients' rounding, so it is the
     user's choice, not searched."""
     fixed = dict(fixed or {})
+    check_positive(seq_len=seq_len, global_batch=global_batch,
+                   **{name: value for name, value in fixed.items() if isinstance(value, int) and not isinstance(value, bool)})
     cache: dict = {}
     low_rank = config.bottleneck is not None
     modes = [fixed["activation_checkpointing"]] if "activation_checkpointing" in fixed else \
@@ -347,6 +370,7 @@ def plan_inputs(*, recipe: str | None = None, preset: str | None = None, config_
 
     if sum(x is not None for x in (recipe, preset, config_path)) != 1:
         raise ValueError("plan needs exactly one model: --recipe NAME|PATH, --preset NAME or --config config.json.")
+    check_positive(gpus=gpus, seq_len=seq_len, global_batch=global_batch)
     notes = []
     if recipe is not None:
         from ..shipped import VOCAB_MULTIPLE, recipe_model_config, resolve_recipe

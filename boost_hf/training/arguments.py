@@ -25,11 +25,12 @@ from ..data_parallel_config import data_parallel_training_fields
 from ..precision_config import precision_training_fields
 from ..optim.loro import EPSILON_PLACEMENTS, LOWRANK_OPTIMIZERS
 from ..optim.loro_schedule import authors_schedule_shift, check_authors_schedule
+from .stack import check_training_stack
 from .compatibility import check_settings, settings_from_accelerate
 from .health import NONFINITE_POLICIES
 from .preemption import DEFAULT_EXIT_SIGNALS, parse_exit_signals
 from .precision import resolve_precision
-from .watchdog import enter_phase, exit_with_launcher, watch_launch
+from .watchdog import enter_phase, exit_with_launcher, ranks_never_started, watch_launch
 
 logger = logging.getLogger(__name__)
 
@@ -143,6 +144,10 @@ class BoostTrainingArguments(LayoutArguments, PrecisionArguments, DataParallelAr
             with the ``NonFiniteError`` (0: never).
         hang_timeout_s: seconds after which a rank that stopped responding (frozen, SIGSTOPped, its machine hung) stops
             the run with an error naming it (default 300; 0: no watchdog). See :mod:`boost_hf.training.watchdog`.
+        startup_timeout_s: the same for a rank that never started responding (frozen before it reached the process
+            group, e.g. while importing): counted from each rank's own start (default ``max(hang_timeout_s, 300)``, as
+            ranks start at different times). A process-group set-up that times out first (``--ddp_timeout``) names
+            the ranks that never started.
         overwrite_output_dir: let a new (not resumed) run replace the checkpoints and final model of an earlier
             run in ``output_dir`` (transformers 5 dropped this Trainer flag; without it such a run is refused).
         lowrank_optimizer: ``"adamw"`` (default) or ``"loro"``: LORO (:mod:`boost_hf.optim.loro`) on the factors of a
@@ -172,6 +177,8 @@ class BoostTrainingArguments(LayoutArguments, PrecisionArguments, DataParallelAr
             run killed meanwhile leaves only a staging folder (:mod:`boost_hf.checkpoint.folders`).
         save_max_shard_size: largest safetensors file of ``final/`` and of every parallel ``save_pretrained`` (default
             ``"5GB"``): each file is written by one rank, which holds at most that much of the model.
+        resume_on_changed_data: resume at the checkpoint's data position although the training data's fingerprint
+            (:mod:`boost_hf.data.fingerprint`) differs from the one the checkpoint recorded (refused without it).
 
     Without CUDA, ``use_cpu`` is set (and ``ddp_backend="gloo"`` when launched on several processes), so
     ``accelerate launch`` runs on CPU processes with or without DeepSpeed. ``ddp_timeout`` bounds every collective
@@ -190,6 +197,11 @@ class BoostTrainingArguments(LayoutArguments, PrecisionArguments, DataParallelAr
     )
     hang_timeout_s: float = field(
         default=300.0, metadata={"help": "Stop the run when a rank has not responded for this many seconds (0: never)."}
+    )
+    startup_timeout_s: float | None = field(
+        default=None,
+        metadata={"help": "Stop the run when a rank has not started (never reached its watchdog, before the process group) "
+                          "this many seconds after the others (default: max(hang_timeout_s, 300))."},
     )
     overwrite_output_dir: bool = field(
         default=False, metadata={"help": "Let a new run replace an earlier run's checkpoints and final model in output_dir."}
@@ -232,6 +244,11 @@ class BoostTrainingArguments(LayoutArguments, PrecisionArguments, DataParallelAr
     save_max_shard_size: str = field(
         default="5GB", metadata={"help": "Largest safetensors file of final/ (each written by one rank, holding at most that)."}
     )
+    resume_on_changed_data: bool = field(
+        default=False,
+        metadata={"help": "Resume at the checkpoint's data position although the training data's fingerprint differs from "
+                          "the saved one (files added, removed or changed): the samples after it differ from the saved run's."},
+    )
 
     # CoLA recipe defaults (BOOST.md section 1)
     weight_decay: float = 0.01
@@ -243,6 +260,7 @@ class BoostTrainingArguments(LayoutArguments, PrecisionArguments, DataParallelAr
     dataloader_drop_last: bool = True
 
     def __post_init__(self) -> None:
+        check_training_stack()
         self.pp_layer_split = parse_layer_split(self.pp_layer_split)
         if not torch.cuda.is_available():
             self.use_cpu = True
@@ -265,6 +283,8 @@ class BoostTrainingArguments(LayoutArguments, PrecisionArguments, DataParallelAr
         check_settings(self)  # whatever set them: flags, recipe, accelerate config, environment
         if self.hang_timeout_s < 0:
             raise ValueError(f"hang_timeout_s must be >= 0 (0 disables the watchdog), got {self.hang_timeout_s}.")
+        if self.startup_timeout_s is not None and not self.startup_timeout_s > 0:
+            raise ValueError(f"startup_timeout_s must be > 0 (unset: max(hang_timeout_s, 300)), got {self.startup_timeout_s}.")
         super().__post_init__()
         check_authors_loro_schedule(self)
         if self.peak_tflops is None:
@@ -311,12 +331,24 @@ class BoostTrainingArguments(LayoutArguments, PrecisionArguments, DataParallelAr
         (under ``torchrun`` / ``accelerate launch``), so a rank frozen during the set-up is named within
         ``hang_timeout_s`` (:func:`~boost_hf.training.watchdog.watch_launch`)."""
         exit_with_launcher()
-        watch_launch(self.hang_timeout_s)
-        if self.use_cpu and int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
-            from accelerate import PartialState
+        watch_launch(self.hang_timeout_s, self.startup_timeout_s)
+        try:
+            if self.use_cpu and int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
+                from accelerate import PartialState
 
-            PartialState(cpu=True, backend=self.ddp_backend, timeout=self.ddp_timeout_delta)
-        device = TrainingArguments._setup_devices.func(self)
+                PartialState(cpu=True, backend=self.ddp_backend, timeout=self.ddp_timeout_delta)
+            device = TrainingArguments._setup_devices.func(self)
+        except Exception as error:
+            missing = ranks_never_started()
+            if not missing:
+                raise
+            raise RuntimeError(
+                f"the process group could not be set up ({type(error).__name__}: {str(error).splitlines()[0][:200]}): "
+                f"rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))} never started (no heartbeat in the "
+                "launcher's store: frozen or stuck before reaching the process group, e.g. while importing, or not "
+                f"launched) within --ddp_timeout {self.ddp_timeout} s. Check that rank's node and output; lower "
+                "--startup_timeout_s to stop sooner."
+            ) from error
         enter_phase("start-up")
         return device
 

@@ -36,8 +36,8 @@ so the rest of boost-hf reads one place: ``mixed_precision`` (``--bf16`` / ``--f
   size-based wrapping, other layer classes, its own mixed-precision policy, ignored modules) are refused naming the
   fix;
 * one layout, two ways of writing it: a size set by both ``parallelism_config`` and a flag or the recipe must agree
-  (else refused, naming both). A size of 1 sets nothing (accelerate's default, which ``accelerate launch`` always
-  writes), so a flag left at its default (``tp_size`` 1) takes ``parallelism_config``'s value.
+  (else refused, naming both), a flag or recipe value of 1 included: ``--tp_size`` is unset (``None``) unless given.
+  On accelerate's side a size of 1 sets nothing (accelerate's default, which ``accelerate launch`` always writes).
 
 accelerate itself then never applies ``parallelism_config`` or FSDP: the trainer creates its ``Accelerator`` without
 them (:func:`without_accelerate_parallelism`), or accelerate would build its own device mesh, TP and
@@ -189,26 +189,26 @@ def unsupported_parallelism(sizes: dict[str, int], origin: str) -> str | None:
 
 def layout_from_parallelism_config(args) -> None:
     """Honour accelerate's ``parallelism_config`` on ``args`` (no collective; every rank reads the same arguments and
-    environment): its ``tp_size`` becomes ``args.tp_size``; its ``dp_shard_size`` (FSDP2's) ``--data_parallel fsdp2``,
-    with its ``dp_replicate_size`` as HSDP's ``--dp_replicate_size``; ``dp_replicate_size x dp_shard_size`` must equal
-    ``WORLD_SIZE / (tp_size x pp_size)``; ``ValueError`` naming the fix for what does not map
-    (:func:`unsupported_parallelism`) and for a size that a flag or the recipe sets otherwise. ``args.parallelism_config``
-    is then ``None``: accelerate must not apply it."""
+    environment): its ``tp_size`` becomes ``args.tp_size`` (``None``: not given; 1 without either); its
+    ``dp_shard_size`` (FSDP2's) ``--data_parallel fsdp2``, with its ``dp_replicate_size`` as HSDP's
+    ``--dp_replicate_size``; ``dp_replicate_size x dp_shard_size`` must equal ``WORLD_SIZE / (tp_size x pp_size)``;
+    ``ValueError`` naming the fix for what does not map (:func:`unsupported_parallelism`) and for a size that a flag or
+    the recipe sets otherwise. ``args.parallelism_config`` is then ``None``: accelerate must not apply it."""
     found = accelerate_parallelism(args)
     if found is None:
+        args.tp_size = 1 if args.tp_size is None else args.tp_size
         return
     origin, sizes = found
     refusal = unsupported_parallelism(sizes, origin)
     if refusal is not None:
         raise ValueError(refusal)
-    tp = sizes.get("tp", 1)
-    if tp > 1 and args.tp_size not in (1, tp):
+    tp = sizes.get("tp")
+    if tp is not None and args.tp_size not in (None, tp):
         raise ValueError(
             f"{origin} sets tp_size={tp} but the flag or the recipe sets tp_size={args.tp_size} (--tp_size, tp_size: in "
             "the recipe): one layout, written twice, differently. Set one of them (or both to the same value)."
         )
-    if tp > 1:
-        args.tp_size = tp
+    args.tp_size = args.tp_size if args.tp_size is not None else tp or 1
     replicate, shard = sizes.get("dp_replicate", 1), sizes.get("dp_shard", 1)
     dp = replicate * shard
     world = int(os.environ.get("WORLD_SIZE", "1"))

@@ -31,7 +31,10 @@ token id) makes every rank raise its message instead of waiting.
 rank 0; a stream's ``stream-<index>.pt`` per logical stream, by its reader: the source position, remainder, shuffle
 buffer and generator), :func:`restore_data_position` continues from it: a stream reads no document again (no
 batch is skipped by the Trainer, see ``BoostTrainer.train``), at any layout whose DP size divides ``L``; a map-style
-run checks that the training set and its seed are the saved ones.
+run checks that the training set and its seed are the saved ones. ``position.json`` also records the training data's
+fingerprint (:mod:`boost_hf.data.fingerprint`: each source file's size, modification time and sampled content; a
+map-style set's sampled blocks), and a resume on data whose fingerprint differs is refused naming both
+(:func:`check_same_data`; ``--resume_on_changed_data`` continues at the saved position on the new data).
 
 **Evaluation**: :class:`EvalShard` gives DP rank ``i`` the samples ``i, i + dp, ...``, padded with fully masked
 copies so that every DP rank runs the same number of forward passes (ZeRO-3 gathers parameters in each).
@@ -50,8 +53,10 @@ from torch.utils.data import DataLoader, Dataset
 from transformers.trainer import TRAINER_STATE_NAME
 
 from ..data.collate import IGNORE_INDEX
+from ..data.fingerprint import describe_fingerprint, fingerprint_differences, sampled_rows_sha256, sources_of
 from ..data.stream import Block, BlockStream
 from ..parallel.state import ParallelState
+from .decisions import decided_on_rank_zero
 
 logger = logging.getLogger(__name__)
 
@@ -306,6 +311,9 @@ def save_data_position(folder: str, train_dataset, loader, args) -> None:
     else:
         return  # another iterable: the Trainer skips batches on resume
     if args.should_save:
+        fingerprint = data_fingerprint(train_dataset, loader)
+        if fingerprint is not None:
+            record["fingerprint"] = fingerprint
         os.makedirs(path, exist_ok=True)
         with open(os.path.join(path, POSITION_NAME), "w") as f:
             json.dump(record, f, indent=1, sort_keys=True)
@@ -320,11 +328,60 @@ def read_data_position(checkpoint: str) -> dict | None:
         return json.load(f)
 
 
+def data_fingerprint(train_dataset, loader) -> dict | None:
+    """The training data's fingerprint (:mod:`boost_hf.data.fingerprint`): its sources' (``None``: unknown, the set
+    was not built by :func:`~boost_hf.data.build_lm_datasets`) and, for a map-style set of blocks, its sampled rows."""
+    sources = sources_of(loader.stream if isinstance(loader, StreamLoader) else train_dataset)
+    fingerprint = dict(sources.fingerprint()) if sources is not None else {}
+    if not isinstance(loader, StreamLoader) and "input_ids" in (getattr(train_dataset, "column_names", None) or ()):
+        fingerprint["sampled_rows_sha256"] = sampled_rows_sha256(train_dataset)
+    return fingerprint or None
+
+
+def check_same_data(checkpoint: str, record: dict | None, train_dataset, loader, args) -> None:
+    """Collective when launched (global rank 0 compares, every rank raises): ``ValueError`` naming what differs and
+    both fingerprints when this run's training data is not the data ``checkpoint`` was saved with (a file added,
+    removed, resized, rewritten or touched; other packed blocks), unless ``args.resume_on_changed_data`` (then a
+    warning). Nothing for a checkpoint without a fingerprint (saved before boost-hf recorded it)."""
+
+    def differences() -> str | None:
+        saved = (record or {}).get("fingerprint")
+        if saved is None:
+            return None
+        now = data_fingerprint(train_dataset, loader) or {}
+        found = fingerprint_differences(saved, now)
+        if not found:
+            return None
+        return (f"the training data is not the data {checkpoint!r} was saved with: {'; '.join(found)}. Saved: "
+                f"{describe_fingerprint(saved)}; now: {describe_fingerprint(now)}. The run would continue on other "
+                "samples than the saved run's.")
+
+    found = decided_on_rank_zero(differences)
+    if found is None:
+        return
+    if getattr(args, "resume_on_changed_data", False):
+        logger.warning("%s Continuing at the saved position on this data (--resume_on_changed_data).", found)
+        return
+    raise ValueError(
+        f"{found} Resume with the data the run was saved with, or pass --resume_on_changed_data true to continue at the "
+        "saved position on this data (or --ignore_data_skip true to start it from its first batch, or start a new run "
+        "from its weights with --init_from)."
+    )
+
+
 def restore_data_position(checkpoint: str, train_dataset, loader, args) -> None:
     """Continue the training data where ``checkpoint`` left it: a :class:`StreamLoader` loads its logical streams'
     positions (split as saved); a map-style training set must be the saved one (the Trainer then skips sampler
-    indices). ``ValueError`` naming the difference otherwise, on every rank (each reads the same record)."""
+    indices), and the data's fingerprint the saved one (:func:`check_same_data`). ``ValueError`` naming the
+    difference otherwise, on every rank (each reads the same record; the fingerprint is compared on rank 0).
+    Collective when launched."""
     record = read_data_position(checkpoint)
+    _restore_position(checkpoint, record, train_dataset, loader, args)
+    check_same_data(checkpoint, record, train_dataset, loader, args)
+
+
+def _restore_position(checkpoint: str, record: dict | None, train_dataset, loader, args) -> None:
+    """:func:`restore_data_position` but the fingerprint: the position loaded, the layout and definition checked."""
     if not isinstance(loader, StreamLoader):
         if record is not None and record["kind"] == "stream":
             raise ValueError(f"{checkpoint!r} was trained on a stream, this run on a map-style training set: resume with "
@@ -399,6 +456,8 @@ class EvalShard(Dataset):
 
 __all__ = [
     "DATA_POSITION_DIR",
+    "check_same_data",
+    "data_fingerprint",
     "DataReaderError",
     "EvalShard",
     "StreamLoader",

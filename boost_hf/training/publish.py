@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import os
+import re
 import shutil
 import uuid
 
@@ -271,13 +272,49 @@ PUBLISHED_FILES = ("config.json", "generation_config.json", "README.md", "traini
 included, and the tokenizer)."""
 
 
-def export_checkpoint(checkpoint: str, output_dir: str, *, max_shard_size: int | str | None = None) -> str:
+def check_export_target(checkpoint: str, output_dir: str, *, overwrite: bool = False) -> None:
+    """``ValueError`` naming the fix unless exporting ``checkpoint`` into ``output_dir`` destroys nothing by surprise:
+    ``output_dir`` is never the checkpoint, a folder holding it or a folder inside it; an existing ``output_dir`` that is
+    not an empty folder (a training run, a checkpoint, an earlier export, anything) is replaced only with
+    ``overwrite``, and a file never."""
+    source, target = os.path.realpath(checkpoint), os.path.realpath(output_dir)
+    if target == source or source.startswith(target + os.sep) or target.startswith(source + os.sep):
+        where = ("is the checkpoint itself" if target == source else "holds the checkpoint" if source.startswith(target + os.sep)
+                 else "is inside the checkpoint")
+        raise ValueError(f"export: the output folder {output_dir!r} {where} ({checkpoint!r}); writing it would replace or "
+                         "change its own source. Choose a folder outside the checkpoint and its run, e.g. exports/"
+                         f"{os.path.basename(source)}.")
+    if not os.path.exists(target):
+        return
+    if not os.path.isdir(target):
+        raise ValueError(f"export: {output_dir!r} exists and is not a folder: choose another output path.")
+    entries = sorted(os.listdir(target))
+    if not entries or overwrite:
+        return
+    from ..checkpoint.lock import LOCK_NAME
+
+    run = [name for name in entries if re.match(r"^checkpoint-\d+$", name) or name in (LOCK_NAME, "trainer_state.json")]
+    if run:
+        what = f"holds a training run ({', '.join(run[:3])}{', ...' if len(run) > 3 else ''}): exporting there would delete it"
+    elif os.path.isdir(os.path.join(target, "dcp")):
+        what = "is a training checkpoint (it holds dcp/): exporting there would delete it"
+    else:
+        shown = ", ".join(entries[:3]) + (f", ... ({len(entries)} entries)" if len(entries) > 3 else "")
+        what = f"is not empty ({shown}): exporting there would replace it"
+    raise ValueError(f"export: the output folder {output_dir!r} {what}. Choose a new or empty folder, or pass --overwrite "
+                     "(overwrite=True) to replace it.")
+
+
+def export_checkpoint(checkpoint: str, output_dir: str, *, max_shard_size: int | str | None = None,
+                      overwrite: bool = False) -> str:
     """Write the Hugging Face folder of the training checkpoint ``checkpoint`` into ``output_dir``: its weights as
     transformers' safetensors files of at most ``max_shard_size`` (default 5GB), streamed out of ``dcp/`` file by
     file (:func:`~boost_hf.checkpoint.export.export_weights`; launched on several processes, each writes every
     ``world``-th file), its config, generation config, remote code, tokenizer and model card, and a manifest. The
     checkpoint is verified first (each rank its share of the files). Atomic like a checkpoint: a staging folder,
-    the manifest, one rename. Collective when ``torch.distributed`` is initialised. Returns ``output_dir``."""
+    the manifest, one rename. An existing ``output_dir`` must be an empty folder, or is replaced with ``overwrite``;
+    never the checkpoint or its run (:func:`check_export_target`, on every rank before any collective). Collective
+    when ``torch.distributed`` is initialised. Returns ``output_dir``."""
     import torch.distributed as dist
 
     from ..configuration_boost_llama import BoostLlamaConfig
@@ -289,6 +326,7 @@ def export_checkpoint(checkpoint: str, output_dir: str, *, max_shard_size: int |
             f"{checkpoint!r} is not a training checkpoint with its model in {DCP_FOLDER}/ (a checkpoint-<step> folder of a "
             "boost-hf run); a Hugging Face folder needs no export."
         )
+    check_export_target(checkpoint, output_dir, overwrite=overwrite)
     config = BoostLlamaConfig.from_pretrained(checkpoint)
     verify_checkpoint_once(checkpoint, config)
     launched = dist.is_available() and dist.is_initialized()
@@ -313,6 +351,7 @@ def export_checkpoint(checkpoint: str, output_dir: str, *, max_shard_size: int |
 
 
 __all__ = [
+    "check_export_target",
     "export_checkpoint",
     "inference_settings",
     "model_card",

@@ -21,13 +21,12 @@ import typing
 from dataclasses import dataclass, field, fields, make_dataclass
 from pathlib import Path
 
-import torch.distributed as dist
 import yaml
 from datasets import Dataset
 from transformers import HfArgumentParser, set_seed
 
 from ..checkpoint.integrity import MANIFEST_NAME
-from ..configuration_boost_llama import BoostLlamaConfig
+from ..configuration_boost_llama import BoostLlamaConfig, DerivedRankError
 from ..data import DEFAULT_VALIDATION_PERCENT, build_lm_datasets, load_tokenizer
 from ..modeling_boost_llama import BoostLlamaForCausalLM
 from ..parallel.config import ParallelConfig
@@ -35,6 +34,7 @@ from .arguments import BoostTrainingArguments
 from .compatibility import without_accelerate_parallelism
 from ..shipped import ACCELERATE_CONFIGS_DIR, RECIPES_DIR, VOCAB_MULTIPLE, recipe_model_config, resolve_recipe, shipped_recipes
 from ..checkpoint.folders import verify_checkpoint_once
+from .decisions import decided_on_rank_zero
 
 # BoostLlamaConfig fields that a recipe does not set: taken from the tokenizer or the training arguments.
 _NOT_RECIPE_FIELDS = {"use_cache", "pad_token_id", "bos_token_id", "eos_token_id", "rope_parameters"}
@@ -78,6 +78,9 @@ class DataArguments:
     )
     dataset_config: str | None = field(default=None, metadata={"help": "Hub dataset configuration."})
     text_column: str = field(default="text", metadata={"help": "Column holding the document text."})
+    skip_records_without_text: bool = field(
+        default=False, metadata={"help": "Leave out the records without the text column (counted and logged) instead of "
+                                         "refusing the data."})
     tokenizer: str = field(
         default="bpe",
         metadata={"help": "bpe-<vocab> (byte-level BPE trained on the Wikipedia sample, cached), a folder or a Hub name."},
@@ -129,17 +132,34 @@ def recipe_parser(*sections: type, **kwargs) -> HfArgumentParser:
 
 
 def parse_recipe(argv: list[str]) -> tuple:
-    """``[RECIPE.yaml] [--field value ...]`` -> ``(ModelArguments, DataArguments, BoostTrainingArguments)``.
+    """``[RECIPE.yaml] [--field value ...]`` -> ``(ModelArguments, DataArguments, BoostTrainingArguments)``; the model
+    arguments carry ``origins`` (:func:`setting_origins`), which the errors of :func:`build_config` name.
     In a launched worker, from here on the process dies with its launcher (:func:`~boost_hf.training.watchdog.exit_with_launcher`)."""
     from .watchdog import exit_with_launcher
 
     exit_with_launcher()
-    recipe = {}
+    recipe, path = {}, None
     if argv and argv[0].endswith((".yaml", ".yml")):
-        with open(argv[0]) as f:
+        path = argv[0]
+        with open(path) as f:
             recipe = yaml.safe_load(f)
         argv = argv[1:]
-    return recipe_parser().parse_args_into_dataclasses(args=recipe_to_argv(recipe) + list(argv))
+    parsed = recipe_parser().parse_args_into_dataclasses(args=recipe_to_argv(recipe) + list(argv))
+    parsed[0].origins = setting_origins(path, recipe, argv, "model")
+    return parsed
+
+
+def setting_origins(path: str | None, recipe: dict | None, argv: list[str], section: str) -> dict[str, str]:
+    """Where each field of a recipe ``section`` that is set comes from: ``"--rank 16 on the command line"`` (which
+    wins) or ``"rank: 32 in the recipe recipes/demo.yaml"``."""
+    origins = {key: f"{key}: {value} in the recipe {path}" for key, value in ((recipe or {}).get(section) or {}).items()
+               if value is not None}
+    for i, item in enumerate(argv):
+        if item.startswith("--"):
+            key, _, value = item[2:].partition("=")
+            value = value or (argv[i + 1] if i + 1 < len(argv) and not argv[i + 1].startswith("--") else "")
+            origins[key] = f"--{key} {value} on the command line".replace("  ", " ")
+    return origins
 
 
 def build_tokenizer(data_args: DataArguments):
@@ -167,6 +187,7 @@ def build_datasets(data_args: DataArguments, tokenizer, training_args: BoostTrai
             shuffle_buffer=data_args.shuffle_buffer,
             seed=seed,
             stream_shards=data_args.stream_shards,
+            skip_records_without_text=data_args.skip_records_without_text,
         )
     if data_args.streaming:
         validation = datasets["validation"]
@@ -177,21 +198,8 @@ def build_datasets(data_args: DataArguments, tokenizer, training_args: BoostTrai
 
 def read_on_rank_zero(read):
     """``read()`` on global rank 0, its result (or its error, raised on every rank) sent to every rank: one
-    ``broadcast_object_list`` when launched."""
-    launched = dist.is_available() and dist.is_initialized()
-    outcome = [None, None]  # [result, error]
-    if not launched or dist.get_rank() == 0:
-        try:
-            outcome[0] = read()
-        except Exception as error:  # noqa: BLE001 (raised on every rank below)
-            outcome[1] = (type(error).__name__, str(error))
-            if not launched:
-                raise
-    if launched:
-        dist.broadcast_object_list(outcome, src=0)
-    if outcome[1] is not None:
-        raise (ValueError if outcome[1][0] == "ValueError" else RuntimeError)(f"{outcome[1][1]} (read on rank 0)")
-    return outcome[0]
+    ``broadcast_object_list`` when launched (:func:`~boost_hf.training.decisions.decided_on_rank_zero`)."""
+    return decided_on_rank_zero(read)
 
 
 DEFAULT_CORPUS_HUB_NAME = "wikimedia/wikipedia"
@@ -211,11 +219,23 @@ def build_config(model_args, tokenizer) -> BoostLlamaConfig:
     overrides = {f.name: getattr(model_args, f.name) for f in fields(ModelArguments) if f.name not in ("preset", "init_from")}
     overrides = {k: v for k, v in overrides.items() if v is not None}
     tokens = dict(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-    if model_args.init_from:
-        check_checkpoint_folder(model_args.init_from)
-        return BoostLlamaConfig.from_pretrained(model_args.init_from, **overrides)
-    overrides.setdefault("vocab_size", -(-len(tokenizer) // VOCAB_MULTIPLE) * VOCAB_MULTIPLE)
-    return recipe_model_config(model_args.preset, overrides, **tokens)
+    try:
+        if model_args.init_from:
+            check_checkpoint_folder(model_args.init_from)
+            return BoostLlamaConfig.from_pretrained(model_args.init_from, **overrides)
+        overrides.setdefault("vocab_size", -(-len(tokenizer) // VOCAB_MULTIPLE) * VOCAB_MULTIPLE)
+        return recipe_model_config(model_args.preset, overrides, **tokens)
+    except DerivedRankError as error:
+        origins = getattr(model_args, "origins", {})
+        source = model_args.init_from or f"the preset {model_args.preset}"
+        rank_from = origins.get("rank", f"the saved config {model_args.init_from}" if model_args.init_from else source)
+        tt_rank_from = origins.get("tt_rank", source)
+        raise ValueError(
+            f"rank={error.rank} ({rank_from}) and tt_rank={error.tt_rank} ({tt_rank_from}) disagree: with bottleneck='tt' "
+            f"the rank is the middle rank of the tensor trains ({error.derivation}). Pass --rank {error.derived} to keep "
+            f"tt_rank={error.tt_rank}{' (or remove rank from the recipe)' if 'in the recipe' in rank_from else ''}, or "
+            f"choose the tt_rank that gives rank {error.rank}."
+        ) from None
 
 
 def check_checkpoint_folder(path: str) -> None:
@@ -257,6 +277,7 @@ __all__ = [
     "read_on_rank_zero",
     "build_config",
     "build_model",
+    "setting_origins",
     "check_checkpoint_folder",
     "RECIPES_DIR",
     "ACCELERATE_CONFIGS_DIR",

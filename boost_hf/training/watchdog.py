@@ -13,13 +13,16 @@ measured by the reader's own clock (no clock is compared across hosts), is froze
 a machine that hangs, a process stuck without releasing the interpreter. The thread keeps beating while its main
 thread waits inside a collective (collectives release the interpreter lock), so the ranks that wait are never
 blamed. A rank that never beat (frozen before its watchdog started, e.g. while importing) is judged after
-``max(timeout_s, STARTUP_GRACE_S)``: ranks start at different times. Every rank that sees it prints ::
+``startup_timeout_s`` (``--startup_timeout_s``; default ``max(timeout_s, STARTUP_GRACE_S)``: ranks start at different
+times), counted from this rank's start. Every rank that sees it prints ::
 
     boost-hf watchdog: rank 3 (pid 4242 on node-b) has not responded for 300 s during dataset building ...
 
 and exits with :data:`HANG_EXIT_CODE`, after sending SIGKILL to the frozen process if it runs on the same host
 (else the launcher stops it: SIGTERM, then SIGKILL after 30 s). A rank that finishes or fails marks itself done and is not watched any more. The
-timeout is ``--hang_timeout_s`` (default 300 s; 0 disables).
+timeout is ``--hang_timeout_s`` (default 300 s; 0 disables). If the process group's set-up fails first (its own
+timeout, ``--ddp_timeout``, shorter than the start-up timeout), :func:`ranks_never_started` names the ranks that never
+beat, for the error that replaces the store's (``BoostTrainingArguments``).
 
 A rank that is alive but never reaches the next collective (stuck in I/O, a deadlock, a loop: its heartbeat thread
 keeps beating) is caught by the collective's own timeout, ``--ddp_timeout``, which every boost-hf process group
@@ -194,9 +197,10 @@ class HangWatchdog:
     """Heartbeats of every rank through ``store``; exits this process when a peer has been silent ``timeout_s``."""
 
     def __init__(self, store, rank: int, world_size: int, timeout_s: float, interval_s: float | None = None,
-                 phase: str = TRAINING):
+                 phase: str = TRAINING, startup_timeout_s: float | None = None):
         self.store, self.rank, self.world_size, self.timeout_s = store, rank, world_size, timeout_s
-        self.interval_s = interval_s if interval_s is not None else min(5.0, max(timeout_s / 10, 0.2))
+        self.startup_timeout_s = startup_timeout_s or max(timeout_s, STARTUP_GRACE_S)
+        self.interval_s = interval_s if interval_s is not None else min(5.0, max(min(timeout_s, self.startup_timeout_s) / 10, 0.2))
         self.step = 0
         self.phase = phase
         self._stop = threading.Event()
@@ -256,16 +260,33 @@ class HangWatchdog:
 
     def a_peer_exited(self) -> bool:
         """Whether another rank has already left the run (finished, failed or stopped by this watchdog): one store
-        call. A SIGTERM then comes from the launcher stopping the rest of the run, not from a scheduler."""
+        call. A SIGTERM then comes from the launcher stopping the rest of the run, not from a scheduler. A store that
+        cannot be reached (``DistNetworkError``: the connection closed or refused, the launcher hosting it is gone)
+        counts as the run's end; any other store error (a timeout, a busy store) says nothing about the peers: this
+        returns ``False`` (the signal is taken for a scheduler's, and the run saves) and prints why."""
+        import torch.distributed as dist
+
         try:
             return self.store.add(f"{_PREFIX}exited", 0) > 0
-        except Exception:  # the launcher's store is gone: so is the run
+        except (dist.DistNetworkError, ConnectionError):  # the launcher's store is gone: so is the run
             return True
+        except Exception as error:  # noqa: BLE001 (not evidence of an exit: the stop request is honoured)
+            message = (f"boost-hf: rank {self.rank} could not read the count of exited ranks from the launcher's store "
+                       f"({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}); taking the signal "
+                       "for a stop request (the run saves a checkpoint).\n")
+            with contextlib.suppress(OSError):
+                os.write(2, message.encode())  # called from a signal handler: no buffered stream
+            return False
+
+    def ranks_never_started(self) -> list[int]:
+        """The other ranks that have not beaten once (no record in the store): frozen or stuck before their watchdog
+        started, or never launched."""
+        return [r for r in range(self.world_size) if r != self.rank and not self.store.check([f"{_PREFIX}who/{r}"])]
 
     def _run(self) -> None:
         peers = [r for r in range(self.world_size) if r != self.rank]
         last = {r: (0, time.monotonic()) for r in peers}  # a rank's counter is 0 until it starts beating
-        never_started_after = max(self.timeout_s, STARTUP_GRACE_S)
+        never_started_after = self.startup_timeout_s
         while not self._stop.wait(self.interval_s):
             try:
                 self.store.add(f"{_PREFIX}beat/{self.rank}", 1)
@@ -292,8 +313,9 @@ class HangWatchdog:
         owners = {r: json.loads(self.store.get(f"{_PREFIX}who/{r}")) for r in silent if found[r]}
         started = [f"rank {r} (pid {o['pid']} on {o['host']}) has not responded for {self.timeout_s:g} s "
                    f"{self.where(o.get('phase', TRAINING))}" for r, o in owners.items()]
-        never = [f"rank {r} has not started (no heartbeat {never_started_after:g} s after this rank's start)" for r in silent
-                 if not found[r]]
+        never = [f"rank {r} has not started (no heartbeat {never_started_after:g} s after rank {self.rank}'s start, "
+                 "--startup_timeout_s: frozen or stuck before reaching the process group, e.g. while importing, or not "
+                 "launched)" for r in silent if not found[r]]
         _kill_local(owners.values())
         self._mark_exited()
         _die(
@@ -327,11 +349,20 @@ def in_phase(phase: str):
             enter_phase(before)
 
 
-def watch_launch(timeout_s: float) -> HangWatchdog | None:
+def ranks_never_started() -> list[int]:
+    """:meth:`HangWatchdog.ranks_never_started` of the running watchdog (``[]`` without one, or without its store)."""
+    try:
+        return _running.ranks_never_started() if _running is not None else []
+    except Exception:  # noqa: BLE001 (the store is gone: nothing to name)
+        return []
+
+
+def watch_launch(timeout_s: float, startup_timeout_s: float | None = None) -> HangWatchdog | None:
     """Start this rank's watchdog before its process group exists, on a client of the store that ``torchrun``'s agent
     hosts (``TORCHELASTIC_USE_AGENT_STORE``; ``MASTER_ADDR:MASTER_PORT``), in phase "process-group set-up". Nothing
     when not launched so (``BoostTrainer.train`` then starts it on the process group's store), for one process, with
-    ``timeout_s == 0``, or when a watchdog already runs. Keys live under ``attempt_<TORCHELASTIC_RESTART_COUNT>``."""
+    ``timeout_s == 0``, or when a watchdog already runs. Keys live under ``attempt_<TORCHELASTIC_RESTART_COUNT>``.
+    ``startup_timeout_s``: how long a rank that never beat is waited for (:class:`HangWatchdog`)."""
     env = os.environ
     world = int(env.get("WORLD_SIZE", "1"))
     if _running is not None or not timeout_s or world < 2 or env.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
@@ -342,7 +373,8 @@ def watch_launch(timeout_s: float) -> HangWatchdog | None:
 
     client = TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), is_master=False, timeout=timedelta(seconds=60))
     store = PrefixStore(f"attempt_{env.get('TORCHELASTIC_RESTART_COUNT', '0')}", client)
-    watchdog = HangWatchdog(store, int(env["RANK"]), world, timeout_s, phase="process-group set-up")
+    watchdog = HangWatchdog(store, int(env["RANK"]), world, timeout_s, phase="process-group set-up",
+                            startup_timeout_s=startup_timeout_s)
     watchdog.start()
     return watchdog
 
@@ -358,4 +390,5 @@ __all__ = [
     "CollectiveTimeoutError",
     "describe_stuck_collective",
     "naming_collective_timeouts",
+    "ranks_never_started",
 ]

@@ -167,3 +167,94 @@ def test_hub_name_is_routed_to_load_dataset(small_tokenizer, monkeypatch: pytest
     assert isinstance(built["train"], BlockStream) and isinstance(built["validation"], BlockStream)
     assert len(list(built["validation"])) == 1
     assert all(len(row["input_ids"]) == BLOCK for row in built["train"])
+
+
+def test_records_without_the_text_field_are_counted_and_refused_or_skipped(small_tokenizer, tmp_path: Path, caplog) -> None:
+    """9 of 40 JSON lines without ``text`` (one of them ``null``): refused with the count, map-style and streamed;
+    skipped on request with the count logged, the blocks then those of the file without them."""
+    lines = [{"text": t} if i % 5 else ({"title": f"t{i}"} if i != 10 else {"text": None}) for i, t in enumerate(SENTENCES)]
+    lines = lines[:5 * 9]
+    missing = sum(line.get("text") is None for line in lines)
+    with_text = [line["text"] for line in lines if line.get("text") is not None]
+    source = tmp_path / "docs.jsonl"
+    source.write_text("".join(json.dumps(line) + "\n" for line in lines), encoding="utf-8")
+    clean = tmp_path / "clean.jsonl"
+    clean.write_text("".join(json.dumps({"text": text, "title": "x"}) + "\n" for text in with_text), encoding="utf-8")
+    files = {"train": str(source), "validation": str(clean)}
+    with pytest.raises(ValueError, match=rf"{missing} of {len(lines)} records of the train data have no 'text' field \(or a "
+                                         r"null one\).*--skip_records_without_text true"):
+        build_lm_datasets(files, small_tokenizer, BLOCK, datasets_cache_dir=tmp_path / "hf")
+    with caplog.at_level("WARNING"):
+        built = build_lm_datasets(files, small_tokenizer, BLOCK, datasets_cache_dir=tmp_path / "hf",
+                                  skip_records_without_text=True)
+    assert f"skipping {missing} of {len(lines)} records of the train data without a 'text' field" in caplog.text
+    assert built["train"]["input_ids"] == built["validation"]["input_ids"]  # the same documents, the same blocks
+
+    stream = build_lm_datasets(files, small_tokenizer, BLOCK, streaming=True, max_eval_blocks=1,
+                               datasets_cache_dir=tmp_path / "hf-stream")["train"]
+    with pytest.raises(ValueError, match=r"record\(s\) read have no 'text' field .*--skip_records_without_text true"):
+        list(stream)
+    stream = build_lm_datasets(files, small_tokenizer, BLOCK, streaming=True, max_eval_blocks=1,
+                               datasets_cache_dir=tmp_path / "hf-stream", skip_records_without_text=True)["train"]
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        rows = [row["input_ids"].tolist() for row in stream]
+    assert rows == built["train"]["input_ids"][: len(rows)] and len(rows) >= len(built["train"])
+    assert stream.to_ids.records_without_text == missing and "without a 'text' field so far" in caplog.text
+
+
+def _damaged(tmp_path: Path, kind: str) -> tuple[list[str], str]:
+    """Good files of one format and one damaged file among them: ``(files, the damaged file's name)``."""
+    import gzip
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    suffix = {"parquet magic": ".parquet", "parquet truncated": ".parquet", "jsonl.gz": ".jsonl.gz", "csv": ".csv",
+              "jsonl": ".jsonl"}[kind]
+    files = []
+    for i in range(2):
+        path = tmp_path / f"good{i}{suffix}"
+        texts = SENTENCES[i * 20:(i + 1) * 20]
+        if suffix == ".parquet":
+            pq.write_table(pa.table({"text": texts}), path)
+        elif suffix == ".csv":
+            path.write_text("text\n" + "".join(f'"{t}"\n' for t in texts))
+        elif suffix == ".jsonl.gz":
+            path.write_bytes(gzip.compress("".join(json.dumps({"text": t}) + "\n" for t in texts).encode()))
+        else:
+            _write_jsonl(path, texts)
+        files.append(str(path))
+    bad = tmp_path / f"bad{suffix}"
+    if kind == "parquet magic":
+        bad.write_bytes(b"not parquet at all" * 20)
+    elif kind == "parquet truncated":
+        bad.write_bytes(Path(files[0]).read_bytes()[:-30])
+    elif kind == "jsonl.gz":
+        bad.write_bytes(gzip.compress(b'{"text": "one"}\n{"text": "two"\n'))
+    elif kind == "csv":
+        bad.write_text('text\n"one"\n"two\n')
+    else:
+        _write_jsonl(bad, SENTENCES[:30])
+        with bad.open("a") as f:
+            f.write('{"text": "cut short"\n')
+    return [files[0], str(bad), files[1]], str(bad)
+
+
+@pytest.mark.parametrize("kind, reader_error", [
+    ("parquet magic", r"ArrowInvalid: .*Parquet magic bytes not found"),
+    ("parquet truncated", r"ArrowInvalid: "),
+    ("jsonl.gz", r"ArrowInvalid: JSON parse error"),
+    ("csv", r"ParserError: "),
+    ("jsonl", r"not valid JSON \(Expecting"),
+])
+@pytest.mark.parametrize("streaming", [False, True])
+def test_a_damaged_file_of_any_format_is_named_with_the_readers_error(small_tokenizer, tmp_path: Path, kind, reader_error,
+                                                                      streaming) -> None:
+    """One damaged file among good ones: the error names that file and says what its reader said (map-style: when the
+    data is loaded; streamed: when the stream reaches it, or, for Parquet's footer, when it is loaded)."""
+    files, bad = _damaged(tmp_path, kind)
+    with pytest.raises(ValueError, match=rf"data file '{bad}'(, line 31:| cannot be read as \w+ \().*{reader_error}"):
+        built = build_lm_datasets(files, small_tokenizer, BLOCK, streaming=streaming, max_eval_blocks=1,
+                                  datasets_cache_dir=tmp_path / "hf")
+        list(built["train"])

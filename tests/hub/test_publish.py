@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import pytest
 import torch
@@ -138,3 +139,44 @@ def test_a_checkpoint_exports_to_the_final_folder(trained_run, tmp_path):
     ids = torch.tensor([[1, 5, 9, 4]])
     with torch.no_grad():
         assert torch.equal(AutoModelForCausalLM.from_pretrained(exported)(ids).logits, AutoModelForCausalLM.from_pretrained(final)(ids).logits)
+
+
+def test_export_never_replaces_its_source_a_run_or_a_folder_unless_told(tmp_path, capsys):
+    """``boost-hf export CHECKPOINT OUT`` refuses an OUT that is the checkpoint, holds it (its run folder) or lies
+    inside it, even with --overwrite; another run, another checkpoint or any non-empty folder only with --overwrite;
+    a file never. Each refusal exits 2 before reading the checkpoint, and leaves every folder as it was."""
+    from boost_hf.cli import main
+    from boost_hf.training.publish import check_export_target
+
+    def folder(path, *names):
+        for name in names:
+            (path / name).parent.mkdir(parents=True, exist_ok=True)
+            (path / name).write_text("x")
+        return str(path)
+
+    run = tmp_path / "run"
+    checkpoint = folder(run / "checkpoint-4", "dcp/.metadata", "config.json")
+    other_run = folder(tmp_path / "other-run", "checkpoint-2/dcp/.metadata", ".boost_hf.lock")
+    other_checkpoint = folder(tmp_path / "checkpoint-9", "dcp/.metadata")
+    export = folder(tmp_path / "export", "model.safetensors")
+    a_file = folder(tmp_path, "notes.txt") + "/notes.txt"
+    refusals = [
+        ([str(run)], r"holds the checkpoint"), ([str(run), "--overwrite"], r"holds the checkpoint"),
+        ([checkpoint, "--overwrite"], r"is the checkpoint itself"), ([checkpoint + "/hf"], r"is inside the checkpoint"),
+        ([other_run], r"holds a training run \(\.boost_hf\.lock, checkpoint-2\): exporting there would delete it"),
+        ([other_checkpoint], r"is a training checkpoint \(it holds dcp/\)"),
+        ([export], r"is not empty \(model\.safetensors\).*pass --overwrite"),
+        ([a_file, "--overwrite"], r"exists and is not a folder"),
+    ]
+    before = sorted(str(p) for p in tmp_path.rglob("*"))
+    for arguments, message in refusals:
+        with pytest.raises(SystemExit) as stopped:
+            main(["export", checkpoint, *arguments])
+        assert stopped.value.code == 2, arguments
+        assert re.search(message, capsys.readouterr().err), arguments
+    assert sorted(str(p) for p in tmp_path.rglob("*")) == before
+    for target in (other_run, other_checkpoint, export):
+        check_export_target(checkpoint, target, overwrite=True)
+    (tmp_path / "empty").mkdir()
+    check_export_target(checkpoint, str(tmp_path / "empty"))
+    check_export_target(checkpoint, str(tmp_path / "new"))

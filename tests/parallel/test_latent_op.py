@@ -160,3 +160,43 @@ def test_btp_groups_with_the_online_norm_run_it(make_config, variant, fused):
     layers = model.config.num_hidden_layers
     expected = {"scale_activate": 2 * layers, "scale_activate_backward": 2 * layers} if fused else {}
     assert {op: n for op, n in ops.ops_by_op.items() if op.startswith("scale_activate")} == expected
+
+
+def _compiling_to(monkeypatch, error: BaseException):
+    """``torch.compile`` (as the latent op calls it) returns a function that raises ``error``."""
+    import boost_hf.parallel.latent_op as latent_op
+
+    def failing(*args):
+        raise error
+
+    monkeypatch.setattr(latent_op.torch, "compile", lambda function, **kwargs: failing)
+
+
+def test_only_a_compiler_that_cannot_run_falls_back_to_the_eager_ops_and_says_which(monkeypatch):
+    """No Triton (or a failed inductor compile): the eager arithmetic, named; out of memory or a shape error in the
+    kernel: raised, never hidden behind a change of kernel."""
+    from torch._dynamo.exc import BackendCompilerFailed
+    from torch._inductor.exc import TritonMissing
+
+    buffer = _buffer(torch.float32)
+
+    def forward(*args):  # a function of its own: _compiled caches per function
+        return _forward(*args)
+
+    _compiling_to(monkeypatch, TritonMissing(None))
+    with pytest.warns(UserWarning, match=r"kernel of forward could not be compiled by inductor \(TritonMissing: Cannot find "
+                                         r"a working triton.*forward falls back to its eager arithmetic \(.*\.forward"):
+        out = _compiled(forward)(buffer, WIDTH, HIDDEN, EPS, "silu")
+    torch.testing.assert_close(out, _forward(buffer, WIDTH, HIDDEN, EPS, "silu"))
+    with pytest.warns(UserWarning, match=r"boost_hf::scale_activate falls back to its eager arithmetic \(boost_hf\.parallel"
+                                         r"\.latent_op\._forward"):
+        _compiled.__wrapped__(_forward)(buffer, WIDTH, HIDDEN, EPS, "silu")
+    failed_compile = BackendCompilerFailed(lambda: None, RuntimeError("C++ compiler failed"), None)
+    for error in (torch.OutOfMemoryError("CUDA out of memory"), RuntimeError("The size of tensor a (8) must match"),
+                  BackendCompilerFailed(lambda: None, torch.OutOfMemoryError("CUDA out of memory"), None)):
+        _compiling_to(monkeypatch, error)
+        with pytest.raises(type(error)):
+            _compiled.__wrapped__(forward)(buffer, WIDTH, HIDDEN, EPS, "silu")
+    _compiling_to(monkeypatch, failed_compile)
+    with pytest.warns(UserWarning, match="BackendCompilerFailed"):
+        _compiled.__wrapped__(forward)(buffer, WIDTH, HIDDEN, EPS, "silu")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -99,3 +100,27 @@ def test_bf16_gradient_reduction_halves_the_dp_bytes(tmp_path, capsys):
     best = json.loads(capsys.readouterr().out)[0]
     assert best["grad_reduce_dtype"] == ("bf16" if best["dp"] > 1 else None)
     assert ("--grad_reduce_dtype bf16" in best["command"]) == (best["dp"] > 1)
+
+
+@pytest.mark.parametrize("arguments, message", [
+    (["--gpus", "3", "--gpus-per-node", "2"], r"3 GPUs do not fill nodes of 2 evenly: .* \(--gpus 2 or 4\), or 1 GPU on each "
+                                              r"of 3 nodes \(--gpus-per-node 1\)"),
+    (["--gpus", "12", "--gpus-per-node", "8"], r"\(--gpus 8 or 16\), or 6 GPUs on each of 2 nodes \(--gpus-per-node 6\)"),
+    (["--gpus", "8", "--seq", "0"], r"--seq-len must be positive, got 0"),
+    (["--gpus", "8", "--global-batch", "0"], r"--global-batch must be positive, got 0"),
+    (["--gpus", "8", "--global-batch", "-4"], r"--global-batch must be positive, got -4"),
+    (["--gpus", "0"], r"--gpus must be positive, got 0"),
+    (["--gpus", "8", "--gpus-per-node", "0"], r"--gpus-per-node must be positive, got 0"),
+    (["--gpus", "8", "--tp_size", "0"], r"--tp-size must be positive, got 0"),
+    (["--gpus", "8", "--pp_size", "-1"], r"--pp-size must be positive, got -1"),
+    (["--gpus", "8", "--pp_microbatches", "0"], r"--pp-microbatches must be positive, got 0"),
+    (["--gpus", "8", "--top", "0"], r"--top must be positive, got 0"),
+])
+def test_a_plan_that_cannot_launch_or_sizes_nothing_is_refused(tmp_path, capsys, arguments, message):
+    """No command accelerate cannot launch as printed (an uneven count of processes per node), no size of zero read as
+    the default: each refused with the fix, exit 2, no accelerate config written."""
+    with pytest.raises(SystemExit) as stopped:
+        main(["plan", "--preset", "cola-1b", "--accelerate-config", str(tmp_path / "a.yaml"), *arguments])
+    assert stopped.value.code == 2
+    assert re.search(message, capsys.readouterr().err)
+    assert not (tmp_path / "a.yaml").exists()

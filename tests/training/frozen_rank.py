@@ -1,6 +1,7 @@
 """``torchrun --nproc-per-node 2 tests/training/frozen_rank.py PHASE RECIPE.yaml [ARGS]``: ``recipes/pretrain.py`` in which
-rank 1 stops itself (SIGSTOP, as a frozen process or a hung machine) at the start of PHASE: ``process-group`` (just
-before ``init_process_group``) or ``datasets`` (entering ``build_datasets``)."""
+rank 1 stops itself (SIGSTOP, as a frozen process or a hung machine) at the start of PHASE: ``start-up`` (before its
+watchdog starts: it never beats, as a rank frozen while importing), ``process-group`` (just before
+``init_process_group``) or ``datasets`` (entering ``build_datasets``)."""
 
 from __future__ import annotations
 
@@ -25,7 +26,9 @@ def freezing(function, phase: str):
 
 if __name__ == "__main__":
     phase, argv = sys.argv[1], sys.argv[2:]
-    if phase == "process-group":
+    if phase == "start-up":
+        freezing(lambda: None, phase)()
+    elif phase == "process-group":
         dist.init_process_group = freezing(dist.init_process_group, phase)
     else:
         pretrain.build_datasets = freezing(pretrain.build_datasets, phase)

@@ -8,7 +8,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from boost_hf.checkpoint.folders import atomic_directory
+import boost_hf.checkpoint.folders as checkpoint_module
+from boost_hf.checkpoint.folders import atomic_directory, remove_stale_staging
 from boost_hf.training.data import EvalShard
 from boost_hf.training.deepspeed import configure_deepspeed
 from boost_hf.training.grad_norm import clip_grad_norm_, global_grad_norm
@@ -83,6 +84,41 @@ def test_atomic_directory_publishes_only_complete_folders(tmp_path):
         (tmp_path / staging / "b").write_text("3")
     assert sorted(p.name for p in target.iterdir()) == ["b", "manifest.json"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-1"]
+
+
+def test_a_failed_rename_into_place_moves_the_old_folder_back(tmp_path, monkeypatch):
+    target = tmp_path / "final"
+    target.mkdir()
+    (target / "a").write_text("old")
+    real_replace = checkpoint_module.os.replace
+
+    def failing_second_rename(source, destination):
+        if str(destination) == str(target) and ".tmp-" in str(source):
+            raise OSError(5, "I/O error")
+        real_replace(source, destination)
+
+    monkeypatch.setattr(checkpoint_module.os, "replace", failing_second_rename)
+    with pytest.raises(OSError):
+        with atomic_directory(str(target), is_writer=True, run_id="run-b") as staging:
+            (tmp_path / staging / "a").write_text("new")
+    monkeypatch.undo()
+    assert (target / "a").read_text() == "old"
+    assert not any(".old-" in p.name for p in tmp_path.iterdir())
+
+
+def test_a_folder_moved_aside_by_a_killed_run_is_restored_not_deleted(tmp_path, caplog):
+    """Killed between ``_replace``'s two renames: ``final`` is missing, ``.final.old-<run>`` holds it."""
+    (tmp_path / ".final.old-killed").mkdir()
+    (tmp_path / ".final.old-killed" / "a").write_text("old")
+    (tmp_path / ".final.tmp-killed").mkdir()  # the new folder, never renamed
+    (tmp_path / "checkpoint-4").mkdir()
+    (tmp_path / ".checkpoint-4.old-killed").mkdir()  # killed after the rename, before the deletion
+    with caplog.at_level("WARNING"):
+        removed = remove_stale_staging(str(tmp_path), "next-run")
+    assert sorted(removed) == [".checkpoint-4.old-killed", ".final.tmp-killed"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-4", "final"]
+    assert (tmp_path / "final" / "a").read_text() == "old"
+    assert "restored" in caplog.text and ".final.old-killed" in caplog.text
 
 
 def test_eval_shards_cover_the_set_once_and_pad_with_masked_items():

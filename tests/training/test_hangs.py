@@ -145,6 +145,30 @@ def test_a_rank_frozen_before_training_is_named_with_its_phase(training_env, tmp
         launch.cleanup()
 
 
+@pytest.mark.parametrize("bound", ["startup_timeout_s", "ddp_timeout"])
+def test_a_rank_that_never_starts_is_named_within_the_start_up_timeout(training_env, tmp_path, bound):
+    """Rank 1 frozen before its watchdog starts (as while importing): it never beats. ``--startup_timeout_s 15``: the
+    watchdog names it ~15 s after rank 0 started (it used to wait max(--hang_timeout_s, 300 s)); a shorter
+    ``--ddp_timeout`` (10 s): the process group's set-up fails first, and its error names the rank that never started
+    instead of the store's ``DistStoreError``."""
+    limit = {"startup_timeout_s": 15, "ddp_timeout": 10}[bound]
+    launch = Launch(long_run(training_env, tmp_path / "run", "tests/training/frozen_rank.py", f"--{bound}", str(limit),
+                             phase_argument="start-up"), training_env)
+    try:
+        launch.wait_for("rank 1 stops itself during start-up", STARTUP_DEADLINE_S)
+        launch.stops_within(limit + 90)  # rank 0's imports, its limit, the launcher's 30 s before SIGKILL of the stopped rank
+        if bound == "startup_timeout_s":
+            expected = (rf"boost-hf watchdog: rank 1 has not started \(no heartbeat 15 s after rank 0's start, "
+                        rf"--startup_timeout_s: .*\); rank 0 stops during process-group set-up with exit status {HANG_EXIT_CODE}")
+        else:
+            expected = (r"RuntimeError: the process group could not be set up \(.*\): rank 1 never started \(no heartbeat in "
+                        r"the launcher's store: .*\) within --ddp_timeout 10 s")
+        assert re.search(expected, launch.output), launch.output[-4000:]
+        assert not [pid for pid in launch.workers if alive(pid)], "a worker is still running"
+    finally:
+        launch.cleanup()
+
+
 STUCK_COLLECTIVES = {
     "tp2": r"\w+ in the (TP group \(ranks \[0, 1\]\)|default group \(all 2 ranks\)), called from .+",
     # pp 2 x dp 1: the first stage waits for the second stage's gradients (was: "a collective run by torch itself")
@@ -188,6 +212,8 @@ def test_killed_launcher_takes_its_workers_with_it(training_env, tmp_path):
 def test_hang_timeout_is_validated(tmp_path):
     with pytest.raises(ValueError, match=r"hang_timeout_s must be >= 0 \(0 disables the watchdog\), got -1"):
         BoostTrainingArguments(output_dir=str(tmp_path), hang_timeout_s=-1)
+    with pytest.raises(ValueError, match=r"startup_timeout_s must be > 0 \(unset: max\(hang_timeout_s, 300\)\), got 0"):
+        BoostTrainingArguments(output_dir=str(tmp_path), startup_timeout_s=0)
 
 
 def logged_losses(trainer_state) -> dict[int, float]:

@@ -142,8 +142,12 @@ def test_sequence_parallel_argument_and_its_refusals():
 
 
 def test_trainer_activation_checkpointing_flag_selects_full_recompute():
-    args = BoostTrainingArguments(output_dir="unused", activation_checkpointing=True)
-    assert args.activation_checkpointing_mode == "full" and not args.activation_checkpointing
+    """The Trainer's own switch (activation_checkpointing from transformers 5.23, gradient_checkpointing before)."""
+    from dataclasses import fields
+
+    switch = "activation_checkpointing" if "activation_checkpointing" in {f.name for f in fields(BoostTrainingArguments)} else "gradient_checkpointing"
+    args = BoostTrainingArguments(output_dir="unused", **{switch: True})
+    assert args.activation_checkpointing_mode == "full" and not getattr(args, switch)
 
 
 def test_model_config_takes_the_tokenizer_vocabulary_padded():
@@ -152,3 +156,20 @@ def test_model_config_takes_the_tokenizer_vocabulary_padded():
     config = build_config(model, tokenizer)
     assert config.vocab_size == 4160 and config.pad_token_id == 3
     assert config.num_key_value_heads == 4 and config.rank == 128  # the preset's rank is kept unless overridden
+
+
+def test_tt_rank_against_a_recipes_rank_names_where_each_comes_from_and_the_fix():
+    """``--bottleneck tt --tt_rank 16`` on the demo recipe (``rank: 32``): refused naming the recipe's rank, the
+    command line's tt_rank and ``--rank 16``, which then builds; a preset's own rank (a low-rank r, no tensor
+    train's) gives way to tt_rank."""
+    tokenizer = type("Tokenizer", (), {"__len__": lambda self: 512, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 3})()
+    demo = str(REPO / "recipes" / "demo.yaml")
+    model, _, _ = parse_recipe([demo, "--bottleneck", "tt", "--tt_rank", "16"])
+    with pytest.raises(ValueError, match=rf"rank=32 \(rank: 32 in the recipe {demo}\) and tt_rank=16 \(--tt_rank 16 on the "
+                                         r"command line\) disagree: .*Pass --rank 16 to keep tt_rank=16 \(or remove rank "
+                                         r"from the recipe\)"):
+        build_config(model, tokenizer)
+    model, _, _ = parse_recipe([demo, "--bottleneck", "tt", "--tt_rank=16", "--rank", "16"])
+    assert build_config(model, tokenizer).rank == 16
+    model, _, _ = parse_recipe(["--preset", "cola-60m", "--bottleneck", "tt", "--tt_rank", "16"])
+    assert build_config(model, tokenizer).rank == 16

@@ -114,6 +114,8 @@ REFUSALS = [
             r"\(DeepSpeed's ALST/Ulysses.* The nearest is --sequence_parallel", "parallelism sp 2", routes=PARALLELISM_ROUTES),
     Refusal("parallelism_config tp_size x tp_size", {"tp_size": 4}, r"parallelism_config .*sets tp_size=2 but the flag or the "
             r"recipe sets tp_size=4 \(--tp_size, tp_size: in the recipe\)", "parallelism tp 2", routes=PARALLELISM_ROUTES),
+    Refusal("parallelism_config tp_size x tp_size 1", {"tp_size": 1}, r"parallelism_config .*sets tp_size=2 but the flag or "
+            r"the recipe sets tp_size=1 \(--tp_size, tp_size: in the recipe\)", "parallelism tp 2", routes=PARALLELISM_ROUTES),
     Refusal("parallelism_config dp_replicate_size x world", {}, r"parallelism_config .*sets dp_replicate_size=2, which with "
             r"tp_size=1 x pp_size=1 needs 2 processes, but 1 are launched \(WORLD_SIZE\)", "parallelism dp_replicate 2",
             routes=PARALLELISM_ROUTES),
@@ -295,7 +297,7 @@ def test_parallelism_config_dp_replicate_size_is_what_is_left_of_the_world(tmp_p
     clean_environment.setenv("PARALLELISM_CONFIG_TP_SIZE", "2")
     for name, value in ENVIRONMENT["parallelism dp_replicate 2"].items():
         clean_environment.setenv(name, value)
-    args = SimpleNamespace(tp_size=1, pp_size=1, parallelism_config=None)
+    args = SimpleNamespace(tp_size=None, pp_size=1, parallelism_config=None)  # --tp_size not given
     layout_from_parallelism_config(args)
     assert (args.tp_size, args.pp_size) == (2, 1)  # dp 2 = 4 / (2 x 1)
     with pytest.raises(ValueError, match=r"sets dp_replicate_size=2, which with tp_size=2 x pp_size=2 needs 8 processes, "

@@ -7,6 +7,7 @@ import errno
 import json
 import math
 import os
+import random
 import re
 import shutil
 import subprocess
@@ -614,3 +615,79 @@ def test_an_exit_signal_finishes_the_step_saves_and_restores_the_handlers(tmp_pa
     with pytest.raises(ValueError, match="exit_signals: 'SIGNOPE' is not a signal"):
         arguments(tmp_path, exit_signals="nope")
 
+
+
+def word_tokenizer():
+    """A word-level tokenizer of the words ``w0`` .. ``w61`` (and ``<eos>``, ``[UNK]``): 64 ids, the tiny model's."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<eos>": 0, "[UNK]": 1, **{f"w{i}": i + 2 for i in range(VOCAB - 2)}}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<eos>", unk_token="[UNK]")
+
+
+@pytest.mark.parametrize("streaming", [False, True], ids=["map-style", "stream"])
+def test_resuming_on_changed_data_is_refused_naming_both_fingerprints(tmp_path, caplog, streaming):
+    """The same JSON Lines file with its lines shuffled (same size, same block count) between the save and the resume:
+    refused, naming the file, what differs and both fingerprints; the unchanged file resumes; --resume_on_changed_data
+    continues at the saved position on the new data, with a warning."""
+    from boost_hf.data import build_lm_datasets
+
+    rng = random.Random(0)
+    lines = [json.dumps({"text": " ".join(f"w{rng.randrange(VOCAB - 2)}" for _ in range(rng.randint(5, 40)))}) + "\n"
+             for _ in range(120)]
+    data, valid = tmp_path / "docs.jsonl", tmp_path / "valid.jsonl"
+    data.write_text("".join(lines))
+    valid.write_text("".join(lines[:20]))
+    tokenizer = word_tokenizer()
+
+    def train(resume_from_checkpoint=None, **overrides) -> None:
+        built = build_lm_datasets({"train": str(data), "validation": str(valid)}, tokenizer, BLOCK, streaming=streaming,
+                                  max_eval_blocks=4 if streaming else None, datasets_cache_dir=tmp_path / "hf")
+        t = trainer(tmp_path / "run", train=built["train"], **overrides)
+        try:
+            t.train(resume_from_checkpoint=resume_from_checkpoint)
+        finally:
+            t._output_dir_lock.release()
+
+    train()
+    checkpoint = str(tmp_path / "run" / "checkpoint-2")
+    assert "fingerprint" in json.loads((tmp_path / "run" / "checkpoint-2" / "data_position" / "position.json").read_text())
+    train(checkpoint)  # the same data: resumes
+    rng.shuffle(lines)
+    data.write_text("".join(lines))
+    message = (rf"the training data is not the data '{checkpoint}' was saved with: docs\.jsonl: sampled content (\w+) -> "
+               r"(\w+), modified .* Saved: digest \w+ \(1 file, [\d,]+ bytes, .*\); now: digest \w+ \(1 file, .* pass "
+               r"--resume_on_changed_data true")
+    with pytest.raises(ValueError, match=message):
+        train(checkpoint)
+    with caplog.at_level("WARNING"):
+        train(checkpoint, resume_on_changed_data=True)
+    assert "Continuing at the saved position on this data (--resume_on_changed_data)" in caplog.text
+
+
+def test_a_damaged_lock_is_said_at_once_and_taken_over_after_two_heartbeats_unless_its_owner_repairs_it(tmp_path, capfd):
+    """A garbage lock file written just now (an old heartbeat bound of 60 s would wait a minute, silently): the run says
+    it found it and takes it over after 2 heartbeats; a live owner whose lock was written over rewrites it at its next
+    beat, so a second run is refused."""
+    import time
+
+    (tmp_path / ".boost_hf.lock").write_text("garbage {")
+    started = time.monotonic()
+    lock = OutputDirLock(str(tmp_path), heartbeat_s=0.5, stale_after_s=60)
+    lock.acquire("new-run")
+    assert time.monotonic() - started < 5
+    err = capfd.readouterr().err
+    assert re.search(r"holds a damaged lock file .*\.boost_hf\.lock \(not the record a run writes\): taking it over if it "
+                     r"stays so for 1 s", err), err
+    assert "took over the lock" in err and "a damaged lock file, owner unknown: it stayed damaged for 1 s" in err
+    assert json.loads((tmp_path / ".boost_hf.lock").read_text())["run_id"] == "new-run"
+
+    (tmp_path / ".boost_hf.lock").write_text("written over")  # the live owner's lock damaged
+    with pytest.raises(OutputDirInUseError, match="is in use by another run"):
+        OutputDirLock(str(tmp_path), heartbeat_s=0.5, stale_after_s=60).acquire("second-run")
+    assert "was damaged; rewriting it" in capfd.readouterr().err
+    assert json.loads((tmp_path / ".boost_hf.lock").read_text())["run_id"] == "new-run"
+    lock.release()

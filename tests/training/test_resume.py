@@ -6,6 +6,7 @@ checked. (The same, end to end at tp 2 x dp 2 -> tp 4 / dp 4 / tp 1, with the sa
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import numpy as np
@@ -24,7 +25,7 @@ from boost_hf.checkpoint.resume import (
     write_training_layout,
 )
 
-from boost_hf.training import BoostTrainer
+from boost_hf.training import BoostTrainer, BoostTrainingArguments
 
 from .checkpoint_files import write_legacy_checkpoint
 from .test_reliability import trainer
@@ -154,6 +155,23 @@ def test_deepspeed_layouts(tmp_path):
     write_training_layout(str(tmp_path), layout(2, 2, None))
     check_resume_layout(str(tmp_path), layout(1, 4, None))  # without DeepSpeed any TP x DP resumes
     assert json.loads((tmp_path / LAYOUT_NAME).read_text())["tp_size"] == 2
+
+
+def test_a_resume_under_another_precision_policy_says_what_changes(tmp_path, caplog):
+    """The checkpoint's precision record against this run's: the same says nothing; another policy (or another
+    gradient reduction dtype) is a warning naming both and each difference, and the resume goes on."""
+    from boost_hf.training.precision import FP32, resolve_precision
+
+    bf16 = resolve_precision(BoostTrainingArguments(output_dir=str(tmp_path), bf16=True, precision_policy="bf16_params")).record()
+    write_training_layout(str(tmp_path), {**layout(2, 2, None), "precision": FP32.record()})
+    with caplog.at_level("WARNING"):
+        check_resume_layout(str(tmp_path), {**layout(2, 2, None), "precision": FP32.record()})
+    assert "precision policy" not in caplog.text
+    with caplog.at_level("WARNING"):
+        check_resume_layout(str(tmp_path), {**layout(1, 4, None), "precision": bf16})
+    assert re.search(rf"{tmp_path} was saved under the precision policy fp32 and this run resumes it under bf16_params "
+                     r"\(compute fp32 -> bf16, parameters fp32 -> bf16, policy fp32 -> bf16_params.*\).* losses differ from the saved "
+                     r"run's", caplog.text), caplog.text
 
 
 # ---------------------------------------------------------------------------- a stream resumed without re-reading

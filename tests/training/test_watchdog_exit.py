@@ -93,3 +93,37 @@ def test_exit_while_the_watchdog_is_inside_a_store_call_is_clean(result):
     assert "main returns" in result.stdout, result.stderr[-2000:]
     assert result.returncode == 0, result.stderr[-2000:]
     assert "terminate called" not in result.stderr
+
+
+class _FailingStore:
+    """A store whose every call raises ``error``."""
+
+    def __init__(self, error: Exception):
+        self.error = error
+
+    def add(self, key, amount):
+        raise self.error
+
+
+def test_only_an_unreachable_store_counts_as_a_peers_exit(capfd):
+    """A SIGTERM while the store times out is a scheduler's stop request (the run saves), not the launcher stopping
+    the survivors of a failed run; a store whose server is gone (the launcher died) is the run's end."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from boost_hf.training.watchdog import HangWatchdog
+
+    def watchdog(store):
+        return HangWatchdog(store, rank=1, world_size=2, timeout_s=300)
+
+    assert not watchdog(_FailingStore(dist.DistStoreError("wait timeout after 60000ms"))).a_peer_exited()
+    assert "rank 1 could not read the count of exited ranks" in capfd.readouterr().err
+    assert not watchdog(_FailingStore(RuntimeError("busy"))).a_peer_exited()
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=datetime.timedelta(seconds=5))
+    client = dist.TCPStore("127.0.0.1", server.port, is_master=False, timeout=datetime.timedelta(seconds=5))
+    assert not watchdog(client).a_peer_exited()
+    client.add("boost_hf/watchdog/exited", 1)
+    assert watchdog(client).a_peer_exited()
+    del server  # the launcher hosting the store is gone
+    assert watchdog(client).a_peer_exited()
