@@ -195,6 +195,23 @@ def data_parallel_mesh(state: ParallelState, replicate_size: int = 1):
     return mesh
 
 
+def tp_and_data_parallel_mesh(state: ParallelState, dp_mesh):
+    """``("tp", *dp_mesh's dims)`` over this pipeline rank's TP x DP ranks (no new group: the TP group and ``dp_mesh``'s,
+    :func:`data_parallel_mesh`): the mesh on which an FSDP2-sharded parameter is the canonical tensor, split along its
+    TP dimension over ``"tp"`` (outermost) and each TP shard's dim 0 over ``"dp_shard"`` (what a checkpoint saves);
+    cached."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    key = ("tp x dp", state.tp_size, state.pp_size, tuple(dp_mesh.mesh.shape))
+    if key not in _DATA_PARALLEL_MESHES:
+        layout = torch.arange(state.pp_size * state.dp_size * state.tp_size, device="cpu").view(state.pp_size, state.dp_size, state.tp_size)
+        ranks = layout[state.pp_rank].t().reshape(state.tp_size, *dp_mesh.mesh.shape)
+        groups = [state.tp_group, *(dp_mesh.get_group(dim) for dim in range(dp_mesh.ndim))]
+        _DATA_PARALLEL_MESHES[key] = DeviceMesh.from_group(groups, mesh_device_type(), ranks,
+                                                           mesh_dim_names=("tp", *dp_mesh.mesh_dim_names))
+    return _DATA_PARALLEL_MESHES[key]
+
+
 def reset_parallel_states() -> None:
     """Forget cached groups (after ``destroy_process_group``)."""
     _STATES.clear()
@@ -211,4 +228,5 @@ __all__ = [
     "describe_group",
     "get_parallel_state",
     "reset_parallel_states",
+    "tp_and_data_parallel_mesh",
 ]

@@ -83,6 +83,10 @@ class StepEngine:
         own wrapping). ``boundary_dtype``: what a pipeline sends between its stages."""
         raise NotImplementedError
 
+    def parts_as_run(self) -> list[nn.Module]:
+        """The parts as the steps run them, after :meth:`wrap` (the FSDP2 roots under ``--data_parallel fsdp2``)."""
+        return self.parts()
+
     def backward_passes_per_step(self, gradient_accumulation_steps: int) -> int:
         """Backward passes reaching each parameter in one optimizer step."""
         return gradient_accumulation_steps
@@ -211,6 +215,9 @@ class PipelineEngine(StepEngine):
         if data_parallel == "fsdp2":
             self.pipeline.stage_modules()
         self.wrapped = PipelineReplica(self.model)
+
+    def parts_as_run(self) -> list[nn.Module]:
+        return self.pipeline.stage_modules()
 
     def backward_passes_per_step(self, gradient_accumulation_steps: int) -> int:
         return self.pipeline.parallel.microbatches

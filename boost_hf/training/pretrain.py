@@ -50,6 +50,12 @@ def main(argv: list[str]) -> None:
     training_args = trainer.args
     if trainer.is_world_process_zero():
         print(trainer.precision.describe())
+        how = trainer.fully_shard()
+        if how is not None:
+            print(f"data parallelism FSDP2 (fully_shard) over {how.shard_size} ranks"
+                  + (f" in each of {how.replicate_size} replicas (HSDP)" if how.replicate_size > 1 else "")
+                  + f", reshard after forward {how.reshard_after_forward}, units "
+                  + ("each decoder layer, then the rest" if how.layers_apart else "the whole model"))
     resume = training_args.resume_from_checkpoint
     if resume == "auto":  # a job script's first launch and its requeues alike
         resume = "last" if completed_checkpoints(training_args.output_dir) else None

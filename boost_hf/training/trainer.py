@@ -28,6 +28,7 @@ Launch with ``accelerate launch`` (``world = pp x dp x tp`` processes; see :mod:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import os
 
@@ -47,7 +48,8 @@ from ..evaluation import metrics_from_sums
 from ..optim.loro import check_loro_training, optimizer_of_arguments, restart_schedule_at_exact_steps
 from ..optim.loro_schedule import schedule_of_arguments
 from ..data_parallel_config import DataParallelConfig
-from ..parallel.fully_shard import FullyShard
+from ..parallel.fully_shard import FullyShard, units_of
+from ..perf.comm_formula import fully_shard_communication
 from ..parallel.parts import PartParallelism
 from ..parallel.state import ParallelState, data_parallel_mesh
 from ..perf.flops import training_flops_per_token
@@ -124,11 +126,11 @@ class BoostTrainer(Trainer):
         self.engine = engine_for(model, state, self.args.device)
         self.engine.wrap(self.part_parallelism(), masters=self.master_parameters is not None,
                          deepspeed=self.is_deepspeed_enabled, boundary_dtype=self.precision.boundary_dtype)
-        trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        dp_grad_bytes, dp_param_bytes = self.data_parallel_bytes()
         self.metrics = TrainingMetrics(
             model.config, world_size=state.tp_size * state.dp_size * state.pp_size, dp_size=state.dp_size,
             peak_tflops=getattr(self.args, "peak_tflops", None) or default_peak_tflops(),
-            dp_grad_bytes=0 if state.dp_size == 1 else trained * self.precision.grad_reduce_dtype.itemsize,
+            dp_grad_bytes=dp_grad_bytes, dp_param_bytes=dp_param_bytes, tp_group=state.tp_group,
         )
         self.add_callback(self.metrics)
 
@@ -167,6 +169,26 @@ class BoostTrainer(Trainer):
             ddp_kwargs=ddp, place=functools.partial(self.accelerator.prepare_model, evaluation_mode=True),
             fully_shard=self.fully_shard(),
         )
+
+    def data_parallel_bytes(self) -> tuple[int, int | None]:
+        """``(gradient bytes, parameter bytes)`` this rank moves over DP per optimizer step: its trainable gradients in
+        the reduce dtype (0 at dp 1); under FSDP2 the reduce-scatters (and HSDP's all-reduces) and the all-gathers of
+        :func:`~boost_hf.perf.comm_formula.fully_shard_communication` over the units of every part (parameter bytes
+        ``None`` without FSDP2, or where the formula does not model it)."""
+        state, how = self.parallel_state, self.fully_shard()
+        if how is None:
+            trained = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
+            return (0 if state.dp_size == 1 else trained * self.precision.grad_reduce_dtype.itemsize), None
+        pipeline = state.pp_size > 1
+        units = [unit for part in self.engine.parts_as_run() for unit in units_of(part, dataclasses.replace(how, pipeline=pipeline))]
+        modelled = not (pipeline and any(unit.reshards_after_forward for unit in units))  # else: as the schedule interleaves
+        if not modelled:  # (the reductions, once per step, do not depend on when the parameters are gathered)
+            units = [dataclasses.replace(unit, reshards_after_forward=False) for unit in units]
+        traffic = fully_shard_communication(
+            units, how.shard_size, how.replicate_size, pipeline=pipeline, micro_batches=self.args.gradient_accumulation_steps,
+            param_bytes=(how.param_dtype or torch.float32).itemsize, reduce_bytes=self.precision.grad_reduce_dtype.itemsize)
+        gathered = traffic.bytes.get("all_gather", 0)
+        return sum(traffic.bytes.values()) - gathered, gathered if modelled else None
 
     def fully_shard(self) -> FullyShard | None:
         """FSDP2's settings under ``--data_parallel fsdp2`` with more than one DP rank (else ``None``): the DP mesh
