@@ -650,7 +650,7 @@ def test_resuming_on_changed_data_is_refused_naming_both_fingerprints(tmp_path, 
         try:
             t.train(resume_from_checkpoint=resume_from_checkpoint)
         finally:
-            t._output_dir_lock.release()
+            t.run.release()
 
     train()
     checkpoint = str(tmp_path / "run" / "checkpoint-2")
