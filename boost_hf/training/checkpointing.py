@@ -91,7 +91,10 @@ def run_layout(trainer, optimizer_records: list[dict] | None = None) -> dict:
     state = trainer.parallel_state
     layout = training_layout(tp_size=state.tp_size, dp_size=state.dp_size, pp_size=state.pp_size, zero_stage=trainer.zero_stage,
                              args=trainer.args, optimizer_records=optimizer_records)
-    return {**layout, "precision": trainer.precision.record()}
+    # what the published final/ takes from training (the trained context, whether BOS was in the batches): restored by
+    # a resume, so a resumed run publishes what the uninterrupted one would
+    trained = {"context": trainer.trained_context, "bos_seen": trainer.trained_with_bos}
+    return {**layout, "precision": trainer.precision.record(), "trained": trained}
 
 
 def optimizer_records(trainer) -> list[dict] | None:

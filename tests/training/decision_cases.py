@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 
 def stale_listings(run_dir: str) -> dict:
-    from boost_hf.training import decisions
+    from boost_hf.checkpoint import decisions
     from boost_hf.checkpoint import folders as checkpoint
 
     rank = dist.get_rank()
