@@ -31,8 +31,9 @@ class PrecisionConfig:
 
     precision_policy: PrecisionPolicyName | None = _setting(
         None,
-        "fp32 (no half precision), autocast (fp32 parameters under bf16 autocast; the default with bf16) or "
-        "bf16_params (bf16 parameters, fp32 masters and gradient accumulation/reduction). DeepSpeed bf16 is bf16_params.",
+        "fp32 (no half precision), autocast (fp32 parameters under bf16 autocast; the default with fp16) or "
+        "bf16_params (bf16 parameters, fp32 masters and gradient accumulation/reduction; the default with bf16). "
+        "DeepSpeed bf16 is bf16_params.",
     )
     grad_reduce_dtype: GradReduceDtype | None = _setting(
         None, "bf16_params: dtype of the data-parallel gradient all-reduce, fp32 (default) or bf16."

@@ -16,11 +16,11 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from .folders import (
     CheckpointSaver,
     check_fresh_output_dir,
-    newest_complete_checkpoint,
     remove_earlier_run,
     remove_stale_staging,
     verify_checkpoint_once,
 )
+from .decisions import final_is_published, resume_checkpoint, steps_trained
 from .lock import OutputDirInUseError, OutputDirLock
 from .resume import check_resume_layout
 
@@ -62,15 +62,13 @@ class RunFolder:
             self._lock.release()
 
     def resume_point(self, resume_from_checkpoint: str | bool | None, config, layout: dict) -> str | None:
-        """The checkpoint a run continues from (``True``: the last *complete* one; ``None``: a new run, which refuses an
-        ``output_dir`` holding an earlier run unless ``overwrite_output_dir``), verified against its manifest and
-        architecture and resumable at this run's ``layout``."""
+        """The checkpoint a run continues from (``True`` or ``"last"``: the last *complete* one; ``"auto"``: that, or a new
+        run if there is none; ``None``: a new run, which refuses an ``output_dir`` holding an earlier run unless
+        ``overwrite_output_dir``), decided on global rank 0 (:func:`~boost_hf.checkpoint.decisions.resume_checkpoint`),
+        verified against its manifest and architecture and resumable at this run's ``layout``. Collective."""
         run_dir = self.args.output_dir
-        if resume_from_checkpoint is True:
-            resume_from_checkpoint = newest_complete_checkpoint(run_dir)
-        elif isinstance(resume_from_checkpoint, str) and not os.path.isdir(resume_from_checkpoint):
-            raise FileNotFoundError(f"resume_from_checkpoint: no such file or folder: {resume_from_checkpoint!r}")
-        elif not resume_from_checkpoint:
+        resume_from_checkpoint = resume_checkpoint(run_dir, resume_from_checkpoint)  # rank 0's view, on every rank
+        if resume_from_checkpoint is None:
             check_fresh_output_dir(run_dir, getattr(self.args, "overwrite_output_dir", False))
             return None
         if not os.path.isfile(os.path.join(resume_from_checkpoint, TRAINER_STATE_NAME)):
@@ -90,6 +88,16 @@ class RunFolder:
         self.claim()
         if not resumed and self.args.should_save and os.path.isdir(self.args.output_dir):
             remove_earlier_run(self.args.output_dir)
+
+    def training_is_complete(self, checkpoint: str | None) -> bool:
+        """Whether ``checkpoint`` was saved at (or past) ``args.max_steps`` (> 0): resumed, the run trains no step more.
+        Collective."""
+        max_steps = getattr(self.args, "max_steps", -1)
+        return checkpoint is not None and max_steps > 0 and steps_trained(checkpoint) >= max_steps
+
+    def final_is_published(self) -> bool:
+        """Whether ``output_dir/final`` is complete. Collective."""
+        return final_is_published(self.args.output_dir)
 
     def checkpoint_path(self, step: int) -> str:
         return os.path.join(self.args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{step}")

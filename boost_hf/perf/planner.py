@@ -296,8 +296,8 @@ def training_arguments(candidate: Candidate, *, seq_len: int) -> list[str]:
     args += ["--per_device_train_batch_size", str(per_device), "--gradient_accumulation_steps", str(accumulation),
              "--block_size", str(seq_len), "--zero1_optimizer", str(candidate.zero1).lower(),
              "--bf16", str(candidate.precision != "fp32").lower()]
-    if candidate.precision == "bf16_params":
-        args += ["--precision_policy", "bf16_params"]
+    if candidate.precision != "fp32":  # named, whichever policy is the trainer's default with bf16
+        args += ["--precision_policy", candidate.precision]
     if candidate.grad_reduce_dtype == "bf16":
         args += ["--grad_reduce_dtype", "bf16"]
     if p.sequence_parallel:

@@ -96,7 +96,10 @@ def run_layout(trainer, optimizer_records: list[dict] | None = None) -> dict:
     data_parallel = {"backend": "ddp"} if how is None else {
         "backend": "fsdp2", "shard_size": how.shard_size, "replicate_size": how.replicate_size,
         "reshard_after_forward": how.reshard_after_forward, "units": "decoder_layers" if how.layers_apart else "model"}
-    return {**layout, "precision": trainer.precision.record(), "data_parallel": data_parallel}
+    # what the published final/ takes from training (the trained context, whether BOS was in the batches): restored by
+    # a resume, so a resumed run publishes what the uninterrupted one would
+    trained = {"context": trainer.trained_context, "bos_seen": trainer.trained_with_bos}
+    return {**layout, "precision": trainer.precision.record(), "data_parallel": data_parallel, "trained": trained}
 
 
 def optimizer_records(trainer) -> list[dict] | None:

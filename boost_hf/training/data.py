@@ -56,7 +56,7 @@ from ..data.collate import IGNORE_INDEX
 from ..data.fingerprint import describe_fingerprint, fingerprint_differences, sampled_rows_sha256, sources_of
 from ..data.stream import Block, BlockStream
 from ..parallel.state import ParallelState
-from .decisions import decided_on_rank_zero
+from ..checkpoint.decisions import decided_on_rank_zero
 
 logger = logging.getLogger(__name__)
 

@@ -195,6 +195,9 @@ def resolve_precision(args) -> PrecisionPolicy:
         return FP32
     if asked == "fp32":
         raise ValueError(_fp32_with_half(half))
+    # the default with bf16 is bf16_params (benchmarks/results/precision_evidence.md: as close to fp32 as autocast over
+    # 600 steps, fewer bytes per step); fp16 parameters would need loss scaling, so fp16 runs under autocast
+    asked = asked or ("bf16_params" if half == torch.bfloat16 else "autocast")
     if asked != "bf16_params":
         if reduce is not None or fp32_residual:
             raise ValueError(

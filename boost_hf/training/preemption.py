@@ -136,14 +136,15 @@ class StopRequests:
 
 
 class StopAtStepEnd(TrainerCallback):
-    """At the end of each optimizer step, the ranks agree (:meth:`StopRequests.agreed_reason`); on a stop the Trainer
-    saves a checkpoint at that step (skipping an evaluation due there) and leaves its loop. ``stopped``: the reason
-    and the step, once stopped."""
+    """At the end of each optimizer step, and after an evaluation during training, the ranks agree
+    (:meth:`StopRequests.agreed_reason`); on a stop the Trainer saves a checkpoint at that step (skipping an evaluation
+    due there) and leaves its loop. ``stopped``: the reason and the step, once stopped."""
 
     def __init__(self, requests: StopRequests, device):
         self.requests, self.device = requests, device
         self.stopped: tuple[str, int] | None = None
         self._saved_step: int | None = None
+        self._training = False  # inside Trainer.train (an evaluation there is followed by the step's save)
 
     def on_step_end(self, args, state, control, **kwargs):
         if self.stopped is None:
@@ -151,6 +152,24 @@ class StopAtStepEnd(TrainerCallback):
             if reason is not None:
                 self.stopped = (reason, state.global_step)
                 control.should_save, control.should_training_stop, control.should_evaluate = True, True, False
+        return control
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self._training = True
+        return control
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self._training = False
+        return control
+
+    def on_evaluate(self, args, state, control, **kwargs):
+        """A stop asked for during an evaluation inside training: the checkpoint is saved at the step the evaluation
+        followed (the Trainer saves right after it), not at the end of the next step."""
+        if self._training and self.stopped is None and state.global_step > 0:
+            reason = self.requests.agreed_reason(self.device)
+            if reason is not None:
+                self.stopped = (reason, state.global_step)
+                control.should_save, control.should_training_stop = True, True
         return control
 
     def on_save(self, args, state, control, **kwargs):

@@ -5,7 +5,8 @@
     python recipes/pretrain.py recipes/demo.yaml              # the same, from a source checkout
 
 Logs validation perplexity before training and every ``eval_steps``, trains (``--resume_from_checkpoint
-PATH|last`` continues a run; ``auto``: from the last complete checkpoint if there is one, else a new run), evaluates again, prints a greedy sample and saves the model with its
+PATH|last`` continues a run; ``auto``: from the last complete checkpoint if there is one, else a new run; a run
+resumed at its ``max_steps`` trains no step more, and one whose ``final/`` is published ends at once), evaluates again, prints a greedy sample and saves the model with its
 tokenizer, its remote code and model card (``README.md``) to ``<output_dir>/final``. A signal of ``--exit_signals``
 (SIGTERM, SIGUSR1) or the end of ``--exit_after_minutes`` saves a checkpoint and exits with status 76 instead
 (:mod:`boost_hf.training.preemption`).
@@ -13,7 +14,7 @@ tokenizer, its remote code and model card (``README.md``) to ``<output_dir>/fina
 
 from __future__ import annotations
 
-from ..checkpoint.folders import completed_checkpoints
+from ..checkpoint.decisions import resume_checkpoint
 from .preflight import check_model_and_data
 from .recipe import build_config, build_datasets, build_model, build_tokenizer, card_datasets, parse_recipe
 from .trainer import BoostTrainer
@@ -56,12 +57,16 @@ def main(argv: list[str]) -> None:
                   + (f" in each of {how.replicate_size} replicas (HSDP)" if how.replicate_size > 1 else "")
                   + f", reshard after forward {how.reshard_after_forward}, units "
                   + ("each decoder layer, then the rest" if how.layers_apart else "the whole model"))
-    resume = training_args.resume_from_checkpoint
-    if resume == "auto":  # a job script's first launch and its requeues alike
-        resume = "last" if completed_checkpoints(training_args.output_dir) else None
+    # "auto": a job script's first launch and its requeues alike; decided on rank 0 for every rank
+    resume = resume_checkpoint(training_args.output_dir, training_args.resume_from_checkpoint)
+    if trainer.run.training_is_complete(resume) and trainer.run.final_is_published():
+        if trainer.is_world_process_zero():
+            print(f"boost-hf: the run in {training_args.output_dir} is complete: {resume} is at max_steps "
+                  f"{training_args.max_steps} and final/ is published; nothing to do.", flush=True)
+        return
     training_args.eval_on_start = training_args.eval_on_start or not resume  # logged at step 0
     with trainer.run.stop_requests.handling():  # a signal after the last step still saves a checkpoint
-        trainer.train(resume_from_checkpoint=True if resume == "last" else resume)
+        trainer.train(resume_from_checkpoint=resume)
         trainer.stop_if_requested()
         end = trainer.evaluate()
         trainer.save_state()  # <output_dir>/trainer_state.json: every logged loss, lr, grad norm, throughput

@@ -34,7 +34,7 @@ from .arguments import BoostTrainingArguments
 from .compatibility import without_accelerate_parallelism
 from ..shipped import ACCELERATE_CONFIGS_DIR, RECIPES_DIR, VOCAB_MULTIPLE, recipe_model_config, resolve_recipe, shipped_recipes
 from ..checkpoint.folders import verify_checkpoint_once
-from .decisions import decided_on_rank_zero
+from ..checkpoint.decisions import decided_on_rank_zero
 
 # BoostLlamaConfig fields that a recipe does not set: taken from the tokenizer or the training arguments.
 _NOT_RECIPE_FIELDS = {"use_cache", "pad_token_id", "bos_token_id", "eos_token_id", "rope_parameters"}
@@ -198,7 +198,7 @@ def build_datasets(data_args: DataArguments, tokenizer, training_args: BoostTrai
 
 def read_on_rank_zero(read):
     """``read()`` on global rank 0, its result (or its error, raised on every rank) sent to every rank: one
-    ``broadcast_object_list`` when launched (:func:`~boost_hf.training.decisions.decided_on_rank_zero`)."""
+    ``broadcast_object_list`` when launched (:func:`~boost_hf.checkpoint.decisions.decided_on_rank_zero`)."""
     return decided_on_rank_zero(read)
 
 

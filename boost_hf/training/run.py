@@ -15,7 +15,7 @@ import sys
 
 import torch.distributed as dist
 
-from ..checkpoint.folders import completed_checkpoints
+from ..checkpoint.decisions import checkpoint_is_complete
 from ..checkpoint.run_folder import RunFolder
 from .preemption import StopAtStepEnd, StopRequests, TrainingStopped, parse_exit_signals
 from .watchdog import TRAINING, HangWatchdog, enter_phase, naming_collective_timeouts, running_watchdog
@@ -61,7 +61,8 @@ class TrainingRun(RunFolder):
             return
         from torch.distributed.distributed_c10d import _get_default_store
 
-        self.hang_watchdog = HangWatchdog(_get_default_store(), dist.get_rank(), dist.get_world_size(), timeout)
+        self.hang_watchdog = HangWatchdog(_get_default_store(), dist.get_rank(), dist.get_world_size(), timeout,
+                                          startup_timeout_s=getattr(self.args, "startup_timeout_s", None))
         self.hang_watchdog.start()
 
     def a_peer_exited(self) -> bool:
@@ -74,8 +75,7 @@ class TrainingRun(RunFolder):
         reason = self.stop_requests.agreed_reason(self.args.device)
         if reason is None:
             return
-        checkpoint = self.checkpoint_path(step)
-        if checkpoint not in completed_checkpoints(self.args.output_dir):
+        if not checkpoint_is_complete(self.checkpoint_path(step)):  # rank 0's view: every rank saves, or none
             save_checkpoint()
         self.stop(reason, step)
 

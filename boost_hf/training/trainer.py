@@ -31,13 +31,16 @@ import contextlib
 import dataclasses
 import functools
 import os
+import sys
 
 import datasets
 import torch
 from accelerate.utils import DynamoBackend
 from torch.utils.data import DataLoader
 from transformers import Trainer
-from transformers.trainer_utils import EvalLoopOutput
+from transformers.trainer import TRAINER_STATE_NAME
+from transformers.trainer_callback import TrainerState
+from transformers.trainer_utils import EvalLoopOutput, TrainOutput
 
 from ..checkpoint.deepspeed_universal import universal_resume
 from ..checkpoint.folders import atomic_directory, completed_checkpoints, full_parameters
@@ -381,12 +384,34 @@ class BoostTrainer(Trainer):
         holding an earlier run unless ``overwrite_output_dir``; the folder is locked."""
         resume = self.run.resume_point(resume_from_checkpoint, self.model.config, self.training_layout())
         self.run.start(resumed=resume is not None)
+        if resume is not None:
+            self.restore_trained_record(resume)
+        if self.run.training_is_complete(resume):  # saved at max_steps: a requeue trains no step more
+            return self.continue_complete_run(resume)
         self.data_resume_from = None if self.args.ignore_data_skip else resume  # (the user's choice: from the first batch)
         with self.run.running(lambda: self.state.global_step + 1), self.data_continues_itself():
             output = super().train(resume_from_checkpoint=resume, **kwargs)
             self.run.saver.wait()  # the last asynchronous checkpoint is complete when train() returns
         self.run.stop_after_training()
         return output
+
+    def restore_trained_record(self, checkpoint: str) -> None:
+        """What the published ``final/`` takes from training, as ``checkpoint`` recorded it (the trained context, whether
+        BOS was in the batches): a resumed run publishes what the uninterrupted one would."""
+        trained = (read_training_layout(checkpoint) or {}).get("trained") or {}
+        self.trained_context = trained.get("context") or self.trained_context
+        self._bos_seen = bool(trained.get("bos_seen")) or self._bos_seen
+
+    def continue_complete_run(self, checkpoint: str) -> TrainOutput:
+        """``checkpoint`` was saved at ``max_steps``: its weights (the fp32 masters under ``bf16_params``) and trainer
+        state are loaded, and no step is trained, so the run goes on (evaluation, ``final/``) exactly as the
+        uninterrupted run did after its last step, and no checkpoint is saved or rotated."""
+        self.state = TrainerState.load_from_json(os.path.join(checkpoint, TRAINER_STATE_NAME))
+        self._load_from_checkpoint(checkpoint)
+        if self.is_world_process_zero():
+            print(f"boost-hf: {checkpoint} was saved at step {self.state.global_step}, the run's max_steps "
+                  f"({self.args.max_steps}): its training is complete; no step is trained.", file=sys.stderr, flush=True)
+        return TrainOutput(self.state.global_step, 0.0, {})
 
     def stop_if_requested(self) -> None:
         """Collective: after training (before the final evaluation, sample and save), a signal of ``--exit_signals`` or

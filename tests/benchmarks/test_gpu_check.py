@@ -5,6 +5,7 @@ GPU (``make gpu-check`` there)."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -73,3 +74,44 @@ def test_every_training_step_case_passes_on_the_cpu(tmp_path):
     rows = [line for line in report.splitlines() if line.startswith("| ") and not line.startswith("| case")]
     assert len(rows) == 2 * len(gpu_check.cases())
     assert all(row.rstrip(" |").endswith("ok") for row in rows), report
+
+
+def test_a_budget_stops_a_part_between_its_cases_and_keeps_what_it_measured(tmp_path):
+    """``--budget-s`` shorter than the part: the part stops (at the latest ``GRACE_S`` after its share) with the cases it
+    checked written, the summary calls it incomplete, and the run exits non-zero (not every check ran)."""
+    import time
+
+    started = time.monotonic()
+    budget = gpu_check.MIN_PART_S + 10
+    completed = _run("--device", "cpu", "--only", "steps", "--budget-s", str(budget), tmp_path=tmp_path)
+    assert time.monotonic() - started < budget + gpu_check.GRACE_S + 60  # the share, the grace, start-up
+    assert completed.returncode == 1, completed.stdout[-3000:] + completed.stderr[-3000:]
+    assert "steps: starting with" in completed.stdout
+    summary = (tmp_path / "gpu" / "gpu_check.md").read_text()
+    assert "| steps | `gpu_steps.md` |" in summary and "incomplete" in summary
+    report = (tmp_path / "gpu" / "gpu_steps.md").read_text()
+    rows = [line for line in report.splitlines() if line.startswith("| ") and not line.startswith("| case")]
+    assert 1 <= len(rows) < 2 * len(gpu_check.cases()) and all(row.rstrip(" |").endswith("ok") for row in rows), report
+
+
+def test_two_runs_gather_into_one_summary(tmp_path):
+    """A lent machine's two commands (two --out folders) become one summary and one set of part files."""
+    runs = []
+    for i, parts in enumerate((("layer", "throughput"), ("steps", "norms"))):
+        folder = tmp_path / f"run{i}"
+        folder.mkdir()
+        (folder / "gpu_check.log").write_text(f"log {i}\n")
+        for part in parts:
+            (folder / f"gpu_{part}.md").write_text(f"# {part}\n")
+        rows = {part: {"status": "ok", "seconds": 10 + i} for part in parts}
+        (folder / "gpu_check.json").write_text(json.dumps({"device": "**NVIDIA H200**", "parts": rows}))
+        runs.append(str(folder))
+    completed = _run("--gather", *runs, tmp_path=tmp_path)
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    out = tmp_path / "gpu"
+    assert sorted(p.name for p in out.iterdir()) == sorted(["gpu_check.json", "gpu_check.log", "gpu_check.md",
+                                                           *(f"gpu_{p}.md" for p in gpu_check.PARTS)])
+    summary = (out / "gpu_check.md").read_text()
+    assert "**NVIDIA H200**" in summary and "gathered from 2 runs" in summary
+    assert [line.split("|")[1].strip() for line in summary.splitlines() if line.startswith("| ") and "file" not in line] == list(gpu_check.PARTS)
+    assert (out / "gpu_check.log").read_text() == "log 0\nlog 1\n"

@@ -9,8 +9,8 @@ import torch.distributed as dist
 
 
 def stale_listings(run_dir: str) -> dict:
-    from boost_hf.training import decisions
-    from boost_hf.training import checkpoint
+    from boost_hf.checkpoint import decisions
+    from boost_hf.checkpoint import folders as checkpoint
 
     rank = dist.get_rank()
     if rank == 1:  # a stale listing: the newest checkpoint is not there yet

@@ -147,6 +147,19 @@ def train(out: Path, run: str, common: list[str], *layout: str, save: bool = Fal
             (out / run / "documents_read.json").write_text(json.dumps(read))
 
 
+def requeue_finished(out: Path, run: str, common: list[str], *layout: str) -> None:
+    """A copy of ``run``'s folder without its ``final/`` (a run stopped after its last step, before publishing) is
+    requeued with ``--resume_from_checkpoint auto``: it trains no step and publishes ``final/``."""
+    import shutil
+
+    copy = out / f"{run}-requeued"
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        shutil.copytree(out / run, copy, ignore=shutil.ignore_patterns("final", ".boost_hf.lock"))
+    if dist.is_initialized():
+        dist.barrier()
+    pretrain.main([*common, *layout, "--output_dir", str(copy), "--resume_from_checkpoint", "auto"])
+
+
 def main(mode: str, out: str, *common: str) -> None:
     out, common = Path(out), list(common)
     single = ["--tp_size", "1", "--per_device_train_batch_size", "8"]
@@ -164,6 +177,7 @@ def main(mode: str, out: str, *common: str) -> None:
         pp2_dp2 = ["--pp_size", "2", "--tp_size", "1", "--pp_microbatches", "2", "--per_device_train_batch_size", "4"]
         tp2_dp2 = ["--tp_size", "2", "--per_device_train_batch_size", "4"]
         train(out, "pp2-tp2", common, *pp2_tp2, "--save_async", "true", save=True)
+        requeue_finished(out, "pp2-tp2", common, *pp2_tp2)
         train(out, "pp2-tp2-from-single", common, *pp2_tp2, resume="single")
         train(out, "pp2-tp2-from-legacy", common, *pp2_tp2, resume="single-legacy")
         train(out, "tp2-dp2-from-pp2", common, *tp2_dp2, resume="pp2-tp2")

@@ -278,7 +278,8 @@ def train(out: Path, run: str, *argv: str, masters_fp32: bool = False, deepspeed
 
 
 BF16 = ["--bf16", "true"]
-BF16_PARAMS = [*BF16, "--precision_policy", "bf16_params"]
+BF16_PARAMS = [*BF16, "--precision_policy", "bf16_params"]  # the default with bf16, named
+AUTOCAST = [*BF16, "--precision_policy", "autocast"]
 ONE_STEP = ["--max_steps", "1", "--max_eval_blocks", "8"]  # GEMM dtypes only
 TP2_DP2 = ["--tp_size", "2", "--per_device_train_batch_size", "4"]
 PP2_TP2 = ["--pp_size", "2", "--tp_size", "2", "--pp_microbatches", "2", "--per_device_train_batch_size", "8"]
@@ -287,7 +288,7 @@ INTERLEAVED = ["--pp_schedule", "interleaved-1f1b", "--pp_microbatches", "4"]
 #: every run: (mode, name, arguments, options of train())
 RUNS = [
     ("one", "single-fp32", [], {}),
-    ("one", "single-autocast", BF16, {"evaluate": True, "sample": True}),
+    ("one", "single-autocast", AUTOCAST, {"evaluate": True, "sample": True}),
     ("one", "single-bf16", BF16_PARAMS, {"evaluate": True, "sample": True}),
     # bf16_params: losses against fp32 and one process, checkpoints, resume at the same and another layout
     ("four", "pp2-tp2-bf16", [*PP2_TP2, *BF16_PARAMS, "--save_strategy", "steps", "--save_steps", "3"], {"brief": False}),
@@ -299,9 +300,9 @@ RUNS = [
     ("four", "tp2-dp2-masters32", TP2_DP2, {"masters_fp32": True}),
     ("four", "pp2-dp2-masters32", PP2_DP2, {"masters_fp32": True}),
     # every other mode, GEMM dtypes only
-    ("four", "tp2-dp2-autocast", [*TP2_DP2, *BF16, *ONE_STEP], {"evaluate": True, "sample": True}),
-    ("four", "pp2-tp2-lax-autocast", [*PP2_TP2, *BF16, *ONE_STEP, "--preset", "lax-60m"], {"evaluate": True, "sample": True}),
-    ("four", "pp2-dp2-gpipe-autocast", [*PP2_DP2, *BF16, *ONE_STEP, "--pp_schedule", "gpipe"], {"evaluate": True, "sample": True}),
+    ("four", "tp2-dp2-autocast", [*TP2_DP2, *AUTOCAST, *ONE_STEP], {"evaluate": True, "sample": True}),
+    ("four", "pp2-tp2-lax-autocast", [*PP2_TP2, *AUTOCAST, *ONE_STEP, "--preset", "lax-60m"], {"evaluate": True, "sample": True}),
+    ("four", "pp2-dp2-gpipe-autocast", [*PP2_DP2, *AUTOCAST, *ONE_STEP, "--pp_schedule", "gpipe"], {"evaluate": True, "sample": True}),
     ("four", "pp2-dp2-looped-fp32-residual", [*PP2_DP2, *BF16_PARAMS, *ONE_STEP, "--pp_schedule", "looped-bfs", "--pp_microbatches", "4",
                                               "--fp32_residual", "true", "--grad_reduce_dtype", "bf16"], {"evaluate": True, "sample": True}),
     ("four", "tp2-dp2-loro", [*TP2_DP2, *BF16_PARAMS, "--max_steps", "2", "--max_eval_blocks", "8", "--bottleneck", "svd",

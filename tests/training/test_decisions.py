@@ -1,4 +1,4 @@
-"""One decision, broadcast (:mod:`boost_hf.training.decisions`): the checkpoint ``last`` / ``auto`` means and whether a
+"""One decision, broadcast (:mod:`boost_hf.checkpoint.decisions`): the checkpoint ``last`` / ``auto`` means and whether a
 checkpoint exists are rank 0's on every rank, its errors raised on every rank with their type."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import os
 import pytest
 
 from boost_hf.checkpoint.integrity import write_manifest
-from boost_hf.training.decisions import checkpoint_is_complete, decided_on_rank_zero, resume_checkpoint
+from boost_hf.checkpoint.decisions import checkpoint_is_complete, decided_on_rank_zero, resume_checkpoint
 
 from ..distributed import launch
 from .decision_cases import stale_listings

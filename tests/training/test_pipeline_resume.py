@@ -183,6 +183,22 @@ def test_loaded_optimizer_state_is_the_saved_one(runs, run):
             assert all(shares) and sum(map(len, shares)) == len(set().union(*shares)) == len(saved), (tp_rank, list(map(len, shares)))
 
 
+def test_a_requeue_after_the_last_step_publishes_the_uninterrupted_weights_at_pp2(runs):
+    """pp 2 x tp 2 saved checkpoint-6 at max_steps 6; its requeue (without final/, ``--resume_from_checkpoint auto``)
+    trains no step 7, saves no checkpoint, and publishes the uninterrupted run's weights exactly."""
+    from safetensors.torch import load_file
+
+    def weights(folder: Path) -> dict:
+        return {name: t for file in sorted(folder.glob("*.safetensors")) for name, t in load_file(file).items()}
+
+    requeued, whole = runs / "pp2-tp2-requeued", runs / "pp2-tp2"
+    assert sorted(p.name for p in requeued.glob("checkpoint-*")) == sorted(p.name for p in whole.glob("checkpoint-*"))
+    assert json.loads((requeued / "trainer_state.json").read_text())["global_step"] == 6
+    published, uninterrupted = weights(requeued / "final"), weights(whole / "final")
+    assert published.keys() == uninterrupted.keys() and published
+    assert all(torch.equal(published[name], uninterrupted[name]) for name in published)
+
+
 def test_checkpoints_record_every_pipeline_rank(runs):
     """pp 2 x tp 2 (saved asynchronously): each rank wrote its own shards, the record names each pipeline rank's
     parameters, and the checkpoint holds every parameter's state once."""

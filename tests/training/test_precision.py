@@ -63,7 +63,10 @@ class Args:
 
 @pytest.mark.parametrize("args, expected", [
     (Args(), FP32),
-    (Args("bf16"), AUTOCAST),
+    (Args("bf16"), BF16_PARAMS),  # the default with bf16 (benchmarks/results/precision_evidence.md)
+    (Args("bf16", grad_reduce_dtype="bf16"), PrecisionPolicy("bf16_params", torch.bfloat16, torch.bfloat16, grad_reduce_dtype=torch.bfloat16,
+                                                            residual_dtype=torch.bfloat16)),
+    (Args("fp16"), PrecisionPolicy("autocast", compute_dtype=torch.float16)),
     (Args("bf16", "autocast"), AUTOCAST),
     (Args("bf16", "bf16_params"), BF16_PARAMS),
     (Args("bf16", "bf16_params", "bf16", True), PrecisionPolicy("bf16_params", torch.bfloat16, torch.bfloat16, grad_reduce_dtype=torch.bfloat16)),
@@ -91,8 +94,8 @@ def test_policies_compute_store_and_reduce_in_what_they_say():
 @pytest.mark.parametrize("args, words", [
     (Args(precision_policy="bf16_params"), "no half precision was asked for"),
     (Args(grad_reduce_dtype="bf16"), "add --bf16 true"),
-    (Args("bf16", grad_reduce_dtype="bf16"), "belong to --precision_policy bf16_params"),
-    (Args("bf16", fp32_residual=True), "belong to --precision_policy bf16_params"),
+    (Args("bf16", "autocast", grad_reduce_dtype="bf16"), "belong to --precision_policy bf16_params"),
+    (Args("bf16", "autocast", fp32_residual=True), "belong to --precision_policy bf16_params"),
     (Args("fp16", "bf16_params"), "use --bf16 true instead of --fp16"),
     (Args("fp16", pp_size=2), "use --bf16 true"),
     (Args("bf16", "fp8"), "precision_policy must be one of fp32, autocast, bf16_params"),
@@ -116,7 +119,8 @@ def test_training_arguments_resolve_every_entry_point(tmp_path, monkeypatch):
 
     assert resolve_precision(arguments(bf16=True, precision_policy="bf16_params")) == BF16_PARAMS
     monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")
-    assert resolve_precision(arguments()) == AUTOCAST
+    assert resolve_precision(arguments()) == BF16_PARAMS
+    assert resolve_precision(arguments(precision_policy="autocast")) == AUTOCAST
     assert resolve_precision(arguments(precision_policy="bf16_params", fp32_residual=True)).residual_dtype == torch.float32
     monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "no")
     with pytest.raises(ValueError, match="no half precision was asked for"):

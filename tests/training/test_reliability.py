@@ -650,7 +650,7 @@ def test_resuming_on_changed_data_is_refused_naming_both_fingerprints(tmp_path, 
         try:
             t.train(resume_from_checkpoint=resume_from_checkpoint)
         finally:
-            t._output_dir_lock.release()
+            t.run.release()
 
     train()
     checkpoint = str(tmp_path / "run" / "checkpoint-2")
@@ -691,3 +691,69 @@ def test_a_damaged_lock_is_said_at_once_and_taken_over_after_two_heartbeats_unle
     assert "was damaged; rewriting it" in capfd.readouterr().err
     assert json.loads((tmp_path / ".boost_hf.lock").read_text())["run_id"] == "new-run"
     lock.release()
+
+
+def test_a_stop_during_an_evaluation_saves_at_the_step_the_evaluation_followed(tmp_path, monkeypatch):
+    """A signal that arrives while the step-2 evaluation runs: the checkpoint is saved at step 2 (right after that
+    evaluation), not after training step 3."""
+    import signal
+
+    t = trainer(tmp_path, save_strategy="no", max_steps=6, eval_strategy="steps", eval_steps=2)
+    evaluate = t.engine.evaluate
+
+    def evaluate_then_signal(*args, **kwargs):
+        totals = evaluate(*args, **kwargs)
+        if t.state.global_step == 2:
+            os.kill(os.getpid(), signal.SIGUSR1)  # handled at once (main thread): the evaluation was under way
+        return totals
+
+    monkeypatch.setattr(t.engine, "evaluate", evaluate_then_signal)
+    with pytest.raises(TrainingStopped, match=r"SIGUSR1 received: every rank finished step 2 and the run saved .*checkpoint-2'"):
+        t.train()
+    assert t.state.global_step == 2 and sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-2"]
+
+
+def test_a_requeued_run_ends_once(tmp_path, monkeypatch):
+    """The job script's requeue (``--resume_from_checkpoint auto``) of a run stopped after its last step trains no step
+    more and publishes the uninterrupted run's weights; a requeue of the finished run does nothing (no step, no new or
+    rotated checkpoint, ``final/`` untouched) and says the run is complete."""
+    import signal
+
+    from safetensors.torch import load_file
+    from transformers import TrainerCallback
+
+    from boost_hf.training import pretrain
+
+    class SignalDuringLastStep(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            if state.global_step + 1 == args.max_steps:
+                os.kill(os.getpid(), signal.SIGUSR1)
+
+    def run(folder, *callbacks, **overrides) -> BoostTrainer:
+        t = trainer(folder, max_steps=4, save_steps=2, save_total_limit=1, resume_from_checkpoint="auto", **overrides)
+        for callback in callbacks:
+            t.add_callback(callback)
+        monkeypatch.setattr(pretrain, "build_trainer", lambda argv: t)
+        try:
+            pretrain.main([])
+        finally:
+            t.run.release()
+        return t
+
+    whole = run(tmp_path / "whole")
+    assert whole.state.global_step == 4
+    with pytest.raises(TrainingStopped, match=r"finished step 4 and the run saved .*checkpoint-4'"):
+        run(tmp_path / "run", SignalDuringLastStep())
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["checkpoint-4"]  # no final yet
+    requeued = run(tmp_path / "run")
+    assert requeued.state.global_step == 4 and max(logged_losses(requeued)) == 4  # no step 5
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["checkpoint-4", "final", "trainer_state.json"]
+    published, uninterrupted = (load_file(folder / "final" / "model.safetensors") for folder in (tmp_path / "run", tmp_path / "whole"))
+    assert published.keys() == uninterrupted.keys()
+    assert all(torch.equal(published[name], uninterrupted[name]) for name in published)
+    assert (tmp_path / "run" / "final" / "config.json").read_text() == (tmp_path / "whole" / "final" / "config.json").read_text()
+    manifest = (tmp_path / "run" / "final" / "manifest.json").read_bytes()
+    again = run(tmp_path / "run")
+    assert again.state.global_step == 0  # nothing loaded, nothing trained: the run was complete
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["checkpoint-4", "final", "trainer_state.json"]
+    assert (tmp_path / "run" / "final" / "manifest.json").read_bytes() == manifest

@@ -10,7 +10,9 @@ tracker file on rank 0 and broadcasts it, these are decided once:
 * :func:`resume_checkpoint`: the checkpoint ``--resume_from_checkpoint`` means (``last``/``True``: the newest complete
   one, ``auto``: that or none, a path: itself);
 * :func:`checkpoint_is_complete`: whether a checkpoint folder exists complete (a stop request saves one unless it
-  does).
+  does);
+* :func:`steps_trained`: the optimizer steps a checkpoint holds (a run resumed at its ``max_steps`` trains no more);
+* :func:`final_is_published`: whether a run's ``final/`` is complete (a finished run requeued publishes nothing).
 
 Each is collective when ``torch.distributed`` is initialised with more than one rank (every rank calls it at the
 same point), and a plain function call in one process.
@@ -56,7 +58,7 @@ def resume_checkpoint(run_dir: str, resume_from_checkpoint: str | bool | None) -
     the newest complete checkpoint of ``run_dir`` (``FileNotFoundError`` when there is none,
     :func:`~boost_hf.checkpoint.folders.newest_complete_checkpoint`); ``"auto"``: that, or ``None`` (a new run) when
     there is none; a path: itself (``FileNotFoundError`` if it is no folder); ``None`` / ``False``: ``None``."""
-    from ..checkpoint.folders import completed_checkpoints, newest_complete_checkpoint
+    from .folders import completed_checkpoints, newest_complete_checkpoint
 
     def decide() -> str | None:
         if resume_from_checkpoint in (None, False, ""):
@@ -74,10 +76,33 @@ def resume_checkpoint(run_dir: str, resume_from_checkpoint: str | bool | None) -
 
 def checkpoint_is_complete(folder: str) -> bool:
     """Whether ``folder`` (a ``checkpoint-<step>``) is a complete checkpoint of its run, decided on global rank 0."""
-    from ..checkpoint.folders import completed_checkpoints
+    from .folders import completed_checkpoints
 
     return decided_on_rank_zero(
         lambda: os.path.abspath(folder) in map(os.path.abspath, completed_checkpoints(os.path.dirname(os.path.abspath(folder)))))
 
 
-__all__ = ["checkpoint_is_complete", "decided_on_rank_zero", "resume_checkpoint"]
+def steps_trained(checkpoint: str) -> int:
+    """The optimizer steps ``checkpoint`` was saved after (its ``trainer_state.json``'s ``global_step``), decided on
+    global rank 0."""
+    import json
+
+    from transformers.trainer import TRAINER_STATE_NAME
+
+    def decide() -> int:
+        with open(os.path.join(checkpoint, TRAINER_STATE_NAME)) as f:
+            return int(json.load(f)["global_step"])
+
+    return decided_on_rank_zero(decide)
+
+
+def final_is_published(run_dir: str) -> bool:
+    """Whether ``run_dir/final`` is a complete published model (its manifest and every file in it), decided on global
+    rank 0."""
+    from .folders import incomplete_reason
+
+    final = os.path.join(run_dir, "final")
+    return decided_on_rank_zero(lambda: os.path.isdir(final) and incomplete_reason(final) is None)
+
+
+__all__ = ["checkpoint_is_complete", "decided_on_rank_zero", "final_is_published", "resume_checkpoint", "steps_trained"]
