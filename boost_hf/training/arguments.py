@@ -29,7 +29,7 @@ from .stack import check_training_stack
 from .compatibility import check_settings, settings_from_accelerate
 from .health import NONFINITE_POLICIES
 from .preemption import DEFAULT_EXIT_SIGNALS, parse_exit_signals
-from .precision import resolve_precision
+from .precision import PrecisionPolicy, resolve_precision
 from .watchdog import enter_phase, exit_with_launcher, ranks_never_started, watch_launch
 
 logger = logging.getLogger(__name__)
@@ -308,7 +308,7 @@ class BoostTrainingArguments(LayoutArguments, PrecisionArguments, DataParallelAr
         if not self.exit_after_minutes >= 0:
             raise ValueError(f"exit_after_minutes must be >= 0 (0: no time budget), got {self.exit_after_minutes}.")
         self.to_parallel_config()  # validate the layout fields now, not after the model is built
-        resolve_precision(self)  # validate the precision fields (--bf16, accelerate's mixed precision, DeepSpeed's bf16)
+        self.precision  # resolved once, here: the precision fields (--bf16, accelerate's mixed precision, DeepSpeed's bf16)
         if self.sequence_parallel and self.tp_size > 1 and self.sample_max_new_tokens > 0:
             raise ValueError(
                 f"sequence_parallel=True cannot generate the end-of-training sample (sample_max_new_tokens="
@@ -322,6 +322,13 @@ class BoostTrainingArguments(LayoutArguments, PrecisionArguments, DataParallelAr
                 "step already accumulates the gradients of its micro-batches. Use gradient_accumulation_steps=1 and raise "
                 "per_device_train_batch_size (split into pp_microbatches micro-batches) instead."
             )
+
+    @cached_property
+    def precision(self) -> PrecisionPolicy:
+        """The precision policy these arguments ask for (:func:`~boost_hf.training.precision.resolve_precision`),
+        resolved once, when the arguments are built: every reader (the trainer, its checkpoints' layout record) takes
+        this one."""
+        return resolve_precision(self)
 
     @cached_property
     def _setup_devices(self) -> torch.device:

@@ -67,6 +67,7 @@ from .engine import engine_for
 from .grad_norm import clip_grad_norm_, global_grad_norm
 from .health import NonfiniteSteps, poison_nonfinite_loss
 from .metrics import TrainingMetrics
+from .arguments import BoostTrainingArguments
 from .precision import DEFAULT_BUCKET_MB, CastAfterOptimizerStep, full_precision_parameters, keep_master_parameters, resolve_precision
 from .preflight import TokenIdCheckingCollator, check_dataset
 from .publish import publishing, save_publishing_files, write_model_card
@@ -116,7 +117,8 @@ class BoostTrainer(Trainer):
         self.card_metadata = {"license": "apache-2.0", "datasets": []}  # Hub metadata of the model card
         self._nonfinite_loss_logged: torch.Tensor | bool = False  # a non-finite micro-batch loss since the last log
         super().__init__(model=model, args=args, **kwargs)
-        self.precision = resolve_precision(self.args)
+        # boost-hf's arguments resolved their policy once, when built; transformers' own are resolved here
+        self.precision = self.args.precision if isinstance(self.args, BoostTrainingArguments) else resolve_precision(self.args)
         self.nonfinite = NonfiniteSteps(self.args)
         self.run = TrainingRun(self.args)
         self.add_callback(self.run.stop_at_step_end)
