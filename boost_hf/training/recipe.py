@@ -19,7 +19,6 @@ import json
 import os
 import typing
 from dataclasses import dataclass, field, fields, make_dataclass
-from pathlib import Path
 
 import yaml
 from datasets import Dataset
