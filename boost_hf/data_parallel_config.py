@@ -1,6 +1,6 @@
 """``DataParallelConfig``: how the data-parallel ranks hold the model, declared once.
 
-Plain data (it imports no other boost-hf module), as :class:`~boost_hf.parallel.config.ParallelConfig` is for the
+Plain data (it imports no boost-hf module but :mod:`boost_hf.option_fields`, which generates the options), as :class:`~boost_hf.parallel.config.ParallelConfig` is for the
 tensor-parallel and pipeline layout and :class:`~boost_hf.precision_config.PrecisionConfig` for the precision: each
 setting is one field with its ``Literal`` choices, its default and its help. The training arguments
 (``--data_parallel``, ``--dp_replicate_size``, ``--fsdp_reshard_after_forward``) and the options of ``boost-hf plan``
@@ -22,9 +22,10 @@ pipeline rank's shards of the model (:mod:`boost_hf.parallel.state`), and:
 
 from __future__ import annotations
 
-import typing
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass
 from typing import Literal, get_args
+
+from .option_fields import add_field_options, setting, settings_of, training_fields
 
 DataParallelName = Literal["ddp", "fsdp2"]
 ReshardAfterForward = Literal["default", "always", "never"]
@@ -33,35 +34,31 @@ FullyShardUnits = Literal["decoder_layers", "model"]
 DATA_PARALLEL_BACKENDS: tuple[str, ...] = get_args(DataParallelName)
 
 
-def _setting(default, help_text: str):
-    return field(default=default, metadata={"help": help_text})
-
-
 @dataclass(frozen=True)
 class DataParallelConfig:
     """How the data-parallel ranks hold the model (see the module docstring)."""
 
-    data_parallel: DataParallelName = _setting(
+    data_parallel: DataParallelName = setting(
         "ddp",
         "ddp: every data-parallel rank holds its TP/pipeline rank's whole shards and the gradients are all-reduced over "
         "the DP group (--zero1_optimizer shards the optimizer state); fsdp2: torch's fully_shard over the DP group, "
         "each decoder layer's parameters all-gathered before it runs and its gradients reduce-scattered (parameters, "
         "gradients and optimizer state sharded over DP; composes with tp_size and pp_size).",
     )
-    dp_replicate_size: int = _setting(
+    dp_replicate_size: int = setting(
         1,
         "fsdp2 only: HSDP, the data-parallel ranks as dp_replicate_size replicas each sharding the model over "
         "dp / dp_replicate_size ranks (the gradients reduce-scattered inside a replica, then all-reduced across them); "
         "1 shards over the whole DP group.",
     )
-    fsdp_reshard_after_forward: ReshardAfterForward = _setting(
+    fsdp_reshard_after_forward: ReshardAfterForward = setting(
         "default",
         "fsdp2 only: whether a decoder layer frees its gathered parameters after its forward (and gathers them again for "
         "its backward). default: torchtitan's, every layer but the last without pipeline parallelism, none under it "
         "(each micro-batch would gather again); always; never (the gathered parameters kept from forward to backward).",
     )
 
-    fsdp_units: FullyShardUnits = _setting(
+    fsdp_units: FullyShardUnits = setting(
         "decoder_layers",
         "fsdp2 only: what is gathered at once. decoder_layers: each decoder layer, then the rest of the model (the "
         "embedding, final norm and LM head; torchtitan's, accelerate's TRANSFORMER_BASED_WRAP); model: the whole model "
@@ -103,7 +100,7 @@ class DataParallelConfig:
     @classmethod
     def of(cls, args) -> DataParallelConfig:
         """The data-parallel settings that ``args`` (training arguments, an ``argparse`` namespace) holds."""
-        return cls(**{f.name: getattr(args, f.name, f.default) for f in fields(cls)})
+        return settings_of(cls, args)
 
     @staticmethod
     def help(name: str) -> str:
@@ -112,8 +109,7 @@ class DataParallelConfig:
 
 def data_parallel_training_fields() -> list[tuple[str, object, object]]:
     """``BoostTrainingArguments``' data-parallel fields, for ``dataclasses.make_dataclass``: ``(name, type, field)``."""
-    hints = typing.get_type_hints(DataParallelConfig)
-    return [(f.name, hints[f.name], field(default=f.default, metadata=dict(f.metadata))) for f in fields(DataParallelConfig)]
+    return training_fields(DataParallelConfig)
 
 
 def add_data_parallel_options(parser, *, exclude: tuple[str, ...] = (), several: bool = False,
@@ -121,19 +117,8 @@ def add_data_parallel_options(parser, *, exclude: tuple[str, ...] = (), several:
     """Add the data-parallel fields but ``exclude`` to ``parser`` (or an argument group) under their names
     (``--data_parallel`` and ``--data-parallel``, ...); ``several``: ``--data_parallel`` takes several backends (a
     search, default all of them); ``notes`` are appended to the help."""
-    notes = notes or {}
-    hints = typing.get_type_hints(DataParallelConfig)
-    for f in fields(DataParallelConfig):
-        if f.name in exclude:
-            continue
-        spellings = [f"--{f.name}", f"--{f.name.replace('_', '-')}"]
-        options = dict(dest=f.name, help=(f.metadata["help"] + notes.get(f.name, "")).replace("%", "%%"))
-        if f.name == "data_parallel" and several:
-            parser.add_argument(*spellings, nargs="+", choices=get_args(hints[f.name]), default=None, **options)
-        elif typing.get_origin(hints[f.name]) is Literal:
-            parser.add_argument(*spellings, choices=get_args(hints[f.name]), default=f.default, **options)
-        else:
-            parser.add_argument(*spellings, type=int, default=f.default, **options)
+    add_field_options(DataParallelConfig, parser, exclude=exclude, notes=notes,
+                      several=("data_parallel",) if several else (), defaults={"data_parallel": None} if several else None)
 
 
 __all__ = [
