@@ -31,6 +31,7 @@ from boost_hf.parallel.state import data_parallel_mesh
 from boost_hf.perf.comm_formula import fully_shard_communication
 from boost_hf.training.engine import HeldSharded
 from boost_hf.training.grad_norm import clip_grad_norm_
+from tests.parallel.pp_cases import batches as pipeline_batches
 from tests.parallel.pp_cases import optimizer_of
 from tests.parallel.tp_cases import SEED, rel, tiny_config
 
@@ -42,15 +43,7 @@ MAX_NORM = 0.5
 
 def batches():
     """The global batch of each step: ``(input_ids, labels)`` ``[BATCH, SEQ]``, some targets ignored."""
-    gen = torch.Generator().manual_seed(11)
-    out = []
-    for _ in range(STEPS):
-        ids = torch.randint(0, 128, (BATCH, SEQ), generator=gen)
-        labels = ids.clone()
-        labels[0, :3] = -100
-        labels[-1, 5:] = -100
-        out.append((ids, labels))
-    return out
+    return pipeline_batches(SEQ, steps=STEPS, batch=BATCH)
 
 
 def reference_run(config, pieces: int) -> dict:
