@@ -117,23 +117,25 @@ def data_parallel_training_fields() -> list[tuple[str, object, object]]:
 
 
 def add_data_parallel_options(parser, *, exclude: tuple[str, ...] = (), several: bool = False,
-                              notes: dict | None = None) -> None:
+                              defaults: dict | None = None, notes: dict | None = None) -> None:
     """Add the data-parallel fields but ``exclude`` to ``parser`` (or an argument group) under their names
     (``--data_parallel`` and ``--data-parallel``, ...); ``several``: ``--data_parallel`` takes several backends (a
-    search, default all of them); ``notes`` are appended to the help."""
-    notes = notes or {}
+    search, default all of them); ``defaults`` (e.g. ``None``: searched) and ``notes`` (appended to the help) are the
+    command's own."""
+    defaults, notes = defaults or {}, notes or {}
     hints = typing.get_type_hints(DataParallelConfig)
     for f in fields(DataParallelConfig):
         if f.name in exclude:
             continue
         spellings = [f"--{f.name}", f"--{f.name.replace('_', '-')}"]
-        options = dict(dest=f.name, help=(f.metadata["help"] + notes.get(f.name, "")).replace("%", "%%"))
+        options = dict(dest=f.name, help=(f.metadata["help"] + notes.get(f.name, "")).replace("%", "%%"),
+                       default=defaults.get(f.name, None if f.name == "data_parallel" and several else f.default))
         if f.name == "data_parallel" and several:
-            parser.add_argument(*spellings, nargs="+", choices=get_args(hints[f.name]), default=None, **options)
+            parser.add_argument(*spellings, nargs="+", choices=get_args(hints[f.name]), **options)
         elif typing.get_origin(hints[f.name]) is Literal:
-            parser.add_argument(*spellings, choices=get_args(hints[f.name]), default=f.default, **options)
+            parser.add_argument(*spellings, choices=get_args(hints[f.name]), **options)
         else:
-            parser.add_argument(*spellings, type=int, default=f.default, **options)
+            parser.add_argument(*spellings, type=int, **options)
 
 
 __all__ = [
