@@ -525,9 +525,10 @@ def fully_shard_working_set(parts: list[PartUnits], shard: int, policy: Precisio
     if not units:
         return FullyShardWorkingSet(0, 0)
     padded = [u.padded_elements(shard) for u in units]
-    kept = [n for u, n in zip(units, padded) if pipeline or not u.reshards_after_forward]
-    resharding = sorted((n for u, n in zip(units, padded) if not (pipeline or not u.reshards_after_forward)), reverse=True)
-    gathered = (sum(kept) + sum(resharding[:2]) + max(padded)) * policy.parameter
+    stays = [pipeline or not u.reshards_after_forward for u in units]  # gathered from its forward to its backward
+    kept = sum(n for n, stay in zip(padded, stays) if stay)
+    resharding = sorted((n for n, stay in zip(padded, stays) if not stay), reverse=True)
+    gathered = (kept + sum(resharding[:2]) + max(padded)) * policy.parameter  # + the running and prefetched, a flat buffer
     c, r = policy.parameter, policy.reduce  # a gradient as autograd makes it (the gathered dtype), as it is reduced
     if accumulating:  # every unit's, in the reduce dtype; the running unit's new gradient; two reduce-scatter inputs
         elements = [unit_elements(u) for u in units]
