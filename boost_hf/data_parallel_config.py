@@ -113,12 +113,14 @@ def data_parallel_training_fields() -> list[tuple[str, object, object]]:
 
 
 def add_data_parallel_options(parser, *, exclude: tuple[str, ...] = (), several: bool = False,
-                              notes: dict | None = None) -> None:
+                              defaults: dict | None = None, notes: dict | None = None) -> None:
     """Add the data-parallel fields but ``exclude`` to ``parser`` (or an argument group) under their names
     (``--data_parallel`` and ``--data-parallel``, ...); ``several``: ``--data_parallel`` takes several backends (a
-    search, default all of them); ``notes`` are appended to the help."""
-    add_field_options(DataParallelConfig, parser, exclude=exclude, notes=notes,
-                      several=("data_parallel",) if several else (), defaults={"data_parallel": None} if several else None)
+    search, default all of them); ``defaults`` (e.g. ``None``: searched) and ``notes`` (appended to the help) are the
+    command's own."""
+    defaults = {"data_parallel": None, **(defaults or {})} if several else defaults
+    add_field_options(DataParallelConfig, parser, exclude=exclude, defaults=defaults, notes=notes,
+                      several=("data_parallel",) if several else ())
 
 
 __all__ = [
