@@ -119,7 +119,7 @@ def main() -> None:
         "",
         "## At the 13b and 30b recipes (formula)",
         "",
-        f"`P` parameters, `12 P` bytes per checkpoint (fp32 weights and AdamW's two moments; `boost_hf.perf.parameters.parameter_count`),",
+        "`P` parameters, `12 P` bytes per checkpoint (fp32 weights and AdamW's two moments; `boost_hf.perf.parameters.parameter_count`),",
         "a rank of a `tp x pp x dp` layout holds `12 P / (tp pp)` (ZeRO-1: the moments `/ dp`) and writes `12 P / (tp pp dp)`",
         "(DCP writes each chunk once, spread over the DP replicas); the synchronous save holds one tensor at a time beyond that,",
         "`--save_async` a host copy of the rank's own shards; the manifest's hashing reads `12 P / world` per rank when",

@@ -25,7 +25,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
 
 from common import base_parser, parse, table, write_result
 

@@ -164,7 +164,7 @@ def precision_section(counted: dict) -> list[str]:
     return [
         "## Precision, side by side",
         "",
-        f"Per layer and rank, the same counts as above: non-GEMM GB / non-GEMM ops / predicted H100 eager ms (the GEMM "
+        "Per layer and rank, the same counts as above: non-GEMM GB / non-GEMM ops / predicted H100 eager ms (the GEMM "
         "and attention FLOPs are the same in both).",
         "",
         *table(["layout", first, second], rows),

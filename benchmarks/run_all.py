@@ -1,6 +1,6 @@
 """Run every benchmark in turn (``make bench``): each writes its Markdown (and PNG) under the results folder.
 
-    python benchmarks/run_all.py            # the CPU suite, ~9 min on an idle 2-core machine
+    python benchmarks/run_all.py            # the CPU suite, ~10 min on an idle 2-core machine
     python benchmarks/run_all.py --quick    # smoke test, tiny shapes
     python benchmarks/run_all.py --only step_time memory
 
@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-SCRIPTS = ("comm_per_layer", "step_time", "memory", "rank_cost", "pipeline", "gpu_throughput")
+SCRIPTS = ("comm_per_layer", "step_time", "memory", "data_parallel_memory", "rank_cost", "pipeline", "gpu_throughput")
 
 
 def main() -> int:

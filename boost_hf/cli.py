@@ -247,6 +247,7 @@ def _run_estimate(args: argparse.Namespace) -> int:
 
 
 def _add_plan_arguments(parser: argparse.ArgumentParser) -> None:
+    from .data_parallel_config import add_data_parallel_options
     from .parallel.settings import add_options
     from .precision_config import add_precision_options
 
@@ -270,7 +271,13 @@ def _add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     add_options(search, exclude=("pp_layer_split",), defaults={f: None for f in (
         "tp_size", "tp_style", "rmsnorm", "group_linears", "activation_checkpointing", "sequence_parallel", "pp_size",
         "pp_schedule", "pp_microbatches", "pp_stages_per_rank")})
-    search.add_argument("--zero1", choices=("true", "false"), help="keep --zero1_optimizer true or false (default: both)")
+    search.add_argument("--zero1", choices=("true", "false"), help="keep --zero1_optimizer true or false (default: both; "
+                        "ddp only)")
+    add_data_parallel_options(search, several=True, defaults={"dp_replicate_size": None}, notes={
+        "data_parallel": " Here: the backends to consider (default: both; fsdp2 at dp > 1, never with ZeRO-1).",
+        "dp_replicate_size": " Here: kept when given; default: 1 and, when the DP group spans several nodes, one replica "
+                             "per node.",
+    })
     add_precision_options(search, exclude=("fp32_residual",), several=True, notes={
         "precision_policy": " Here: the policies to consider (default: autocast and bf16_params on GPUs, fp32 on cpu).",
         "grad_reduce_dtype": " bf16 halves its bytes and rounds the gradients' sum: your choice, not searched.",
@@ -280,11 +287,16 @@ def _add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     out.add_argument("--accelerate-config", default="boost-hf-plan.yaml",
                      help="where to write the winner's accelerate configuration (default: ./boost-hf-plan.yaml)")
     out.add_argument("--json", action="store_true", help="print the layouts as JSON, best first")
+    out.add_argument("--all", dest="every", action="store_true",
+                     help="with --json: every evaluated layout (the fitting ones with their time), not only the best")
 
 
 def _run_plan(args: argparse.Namespace) -> int:
     from pathlib import Path
 
+    from dataclasses import fields
+
+    from .data_parallel_config import DATA_PARALLEL_BACKENDS, DataParallelConfig
     from .parallel.settings import layout_values
     from .perf.planner import Cluster, check_positive, plan_inputs, plan, plan_report
 
@@ -298,9 +310,13 @@ def _run_plan(args: argparse.Namespace) -> int:
     cpu = args.gpu == "cpu"
     precisions = tuple(args.precision_policy or (("fp32",) if cpu else ("autocast", "bf16_params")))
     zero1 = None if args.zero1 is None else (args.zero1 == "true",)
+    sharding = {f.name: getattr(args, f.name) for f in fields(DataParallelConfig)}
+    sharding["data_parallel"] = tuple(sharding["data_parallel"] or DATA_PARALLEL_BACKENDS)
     result = plan(inputs.config, cluster, seq_len=inputs.seq_len, global_batch=inputs.global_batch, fixed=fixed,
-                  precisions=precisions, zero1_options=zero1, grad_reduce_dtype=args.grad_reduce_dtype)
-    report = plan_report(result, inputs, cluster, accelerate_config_path=args.accelerate_config, top=args.top)
+                  precisions=precisions, zero1_options=zero1, data_parallel=sharding,
+                  grad_reduce_dtype=args.grad_reduce_dtype)
+    report = plan_report(result, inputs, cluster, accelerate_config_path=args.accelerate_config, top=args.top,
+                         every=args.every)
     if report.accelerate_config is not None:
         Path(args.accelerate_config).write_text(report.accelerate_config)
     print(json.dumps(report.layouts, indent=2) if args.json else report.text)
@@ -463,8 +479,8 @@ SUBCOMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Cal
         _run_estimate,
     ),
     "plan": (
-        "the fastest layout that fits a cluster (tp, pp, dp, schedule, micro-batches, SP, checkpointing, ZeRO-1, "
-        "precision), its memory per GPU, and the accelerate config and command that run it",
+        "the fastest layout that fits a cluster (tp, pp, dp, schedule, micro-batches, SP, checkpointing, ZeRO-1 or "
+        "FSDP2 / HSDP, precision), its memory per GPU, and the accelerate config and command that run it",
         _add_plan_arguments,
         _run_plan,
     ),

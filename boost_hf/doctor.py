@@ -9,8 +9,9 @@
   filesystem (NFS, Lustre, GPFS, ...): a local one is reported as a problem;
 * the accelerate configuration in effect (``--config_file``, else ``ACCELERATE_CONFIG_FILE``, else accelerate's
   default file): machines, processes, mixed precision, and what boost-hf refuses in it (in accelerate's own
-  ``parallelism_config``: ``dp_shard_size``, ``cp_size``, ``sp_size``; FSDP). Its ``tp_size`` is honoured as
-  ``--tp_size``; the checks that need the run's flags are made at training start.
+  ``parallelism_config``: ``cp_size``, ``sp_size``; FSDP version 1). Its ``tp_size`` is honoured as ``--tp_size``, its
+  ``dp_shard_size`` and FSDP version 2 as ``--data_parallel fsdp2``; the checks that need the run's flags are made at
+  training start.
 
 Nothing here starts a process group. The exit status is 1 when a problem was found.
 """
@@ -103,6 +104,7 @@ def accelerate_config(path: str | None) -> dict:
         "file": path, "distributed_type": getattr(config.distributed_type, "value", str(config.distributed_type)), "num_machines": config.num_machines,
         "num_processes": config.num_processes, "mixed_precision": getattr(config.mixed_precision, "value", str(config.mixed_precision)),
         "use_cpu": bool(getattr(config, "use_cpu", False)), "parallelism_config": dict(parallelism) or None,
+        "fsdp_config": dict(getattr(config, "fsdp_config", None) or {}) or None,
     }
 
 
@@ -130,8 +132,11 @@ def problems(report: dict) -> list[str]:
     refusal = unsupported_parallelism(sizes, "the accelerate config's parallelism_config")
     if refusal is not None:
         out.append(refusal)
-    if "FSDP" in str(accel.get("distributed_type")):
-        out.append("the accelerate config uses FSDP, which boost-hf refuses: use MULTI_GPU (or DeepSpeed) with --tp_size / --pp_size.")
+    version = int((accel.get("fsdp_config") or {}).get("fsdp_version", 1))  # (accelerate's default: 1)
+    if "FSDP" in str(accel.get("distributed_type")) and version != 2:
+        out.append(f"the accelerate config uses FSDP version {version}, which boost-hf refuses (FSDP1 flattens the "
+                   "parameters): set fsdp_version: 2 in its fsdp_config (boost-hf applies FSDP2 over each TP x PP rank's "
+                   "data-parallel group), or use MULTI_GPU.")
     wants_bf16 = accel.get("mixed_precision") == "bf16"
     if wants_bf16 and report["gpus"] and not all(g["bf16"] for g in report["gpus"]):
         out.append("the accelerate config asks for bf16 and a GPU here has no bf16 (compute capability < 8.0): use fp16 or fp32.")

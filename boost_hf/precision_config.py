@@ -1,6 +1,6 @@
 """``PrecisionConfig``: the precision a run trains in, declared once.
 
-Plain data (it imports no other boost-hf module), as :class:`~boost_hf.parallel.config.ParallelConfig` is for the
+Plain data (it imports no boost-hf module but :mod:`boost_hf.option_fields`, which generates the options), as :class:`~boost_hf.parallel.config.ParallelConfig` is for the
 layout: each setting is one field with its ``Literal`` choices, its default and its help. The training arguments
 (``--precision_policy``, ``--grad_reduce_dtype``, ``--fp32_residual``) and the options of ``boost-hf plan`` and
 ``boost-hf estimate`` are generated from these fields (:func:`add_precision_options`, :func:`precision_training_fields`);
@@ -11,9 +11,10 @@ same policy names (:data:`PRECISION_POLICIES`).
 
 from __future__ import annotations
 
-import typing
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass
 from typing import Literal, get_args
+
+from .option_fields import add_field_options, setting, settings_of, training_fields
 
 PrecisionPolicyName = Literal["fp32", "autocast", "bf16_params"]
 GradReduceDtype = Literal["fp32", "bf16"]
@@ -21,24 +22,20 @@ GradReduceDtype = Literal["fp32", "bf16"]
 PRECISION_POLICIES: tuple[str, ...] = get_args(PrecisionPolicyName)
 
 
-def _setting(default, help_text: str):
-    return field(default=default, metadata={"help": help_text})
-
-
 @dataclass(frozen=True)
 class PrecisionConfig:
     """How a run computes, stores, accumulates and reduces (see :mod:`boost_hf.training.precision`)."""
 
-    precision_policy: PrecisionPolicyName | None = _setting(
+    precision_policy: PrecisionPolicyName | None = setting(
         None,
         "fp32 (no half precision), autocast (fp32 parameters under bf16 autocast; the default with fp16) or "
         "bf16_params (bf16 parameters, fp32 masters and gradient accumulation/reduction; the default with bf16). "
         "DeepSpeed bf16 is bf16_params.",
     )
-    grad_reduce_dtype: GradReduceDtype | None = _setting(
+    grad_reduce_dtype: GradReduceDtype | None = setting(
         None, "bf16_params: dtype of the data-parallel gradient all-reduce, fp32 (default) or bf16."
     )
-    fp32_residual: bool = _setting(
+    fp32_residual: bool = setting(
         False, "bf16_params: keep the residual stream in fp32 (Megatron's fp32_residual_connection)."
     )
 
@@ -53,23 +50,16 @@ class PrecisionConfig:
     @classmethod
     def of(cls, args) -> PrecisionConfig:
         """The precision settings that ``args`` (training arguments, an ``argparse`` namespace) holds."""
-        return cls(**{f.name: getattr(args, f.name, f.default) for f in fields(cls)})
+        return settings_of(cls, args)
 
     @staticmethod
     def help(name: str) -> str:
         return PrecisionConfig.__dataclass_fields__[name].metadata["help"]
 
 
-def _choices(name: str) -> tuple[str, ...] | None:
-    kind = typing.get_type_hints(PrecisionConfig)[name]
-    literal = next((arg for arg in get_args(kind) if typing.get_origin(arg) is Literal), None)
-    return get_args(literal) if literal is not None else None
-
-
 def precision_training_fields() -> list[tuple[str, object, object]]:
     """``BoostTrainingArguments``' precision fields, for ``dataclasses.make_dataclass``: ``(name, type, field)``."""
-    hints = typing.get_type_hints(PrecisionConfig)
-    return [(f.name, hints[f.name], field(default=f.default, metadata=dict(f.metadata))) for f in fields(PrecisionConfig)]
+    return training_fields(PrecisionConfig)
 
 
 def add_precision_options(parser, *, exclude: tuple[str, ...] = (), several: bool = False, defaults: dict | None = None,
@@ -77,19 +67,8 @@ def add_precision_options(parser, *, exclude: tuple[str, ...] = (), several: boo
     """Add the precision fields but ``exclude`` to ``parser`` (or an argument group) under their names
     (``--precision_policy`` and ``--precision-policy``, ...); ``several``: ``--precision_policy`` takes several
     policies (a search); ``defaults`` and ``notes`` (appended to the help) are the command's own."""
-    defaults, notes = defaults or {}, notes or {}
-    for f in fields(PrecisionConfig):
-        if f.name in exclude:
-            continue
-        spellings = [f"--{f.name}"] + [f"--{f.name.replace('_', '-')}"]
-        options = dict(dest=f.name, default=defaults.get(f.name, f.default),
-                       help=(f.metadata["help"] + notes.get(f.name, "")).replace("%", "%%"))
-        if f.name == "fp32_residual":
-            parser.add_argument(*spellings, type=lambda text: text.lower() in ("true", "yes", "1"), nargs="?", const=True, **options)
-        elif f.name == "precision_policy" and several:
-            parser.add_argument(*spellings, nargs="+", choices=_choices(f.name), **options)
-        else:
-            parser.add_argument(*spellings, choices=_choices(f.name), **options)
+    add_field_options(PrecisionConfig, parser, exclude=exclude, defaults=defaults, notes=notes,
+                      several=("precision_policy",) if several else ())
 
 
 __all__ = [

@@ -49,8 +49,15 @@ def test_a_multi_node_run_needs_a_shared_output_folder(tmp_path):
                       config_file=_config(tmp_path, parallelism_config={"parallelism_config_tp_size": 2}))
     assert honoured["problems"] == []  # boost-hf's --tp_size 2
     refused = doctor(output_dir=str(tmp_path / "out"), mounts_path=str(mounts),
-                     config_file=_config(tmp_path, parallelism_config={"parallelism_config_dp_shard_size": 2}))
-    assert any("dp_shard_size=2" in p and "--zero1_optimizer" in p for p in refused["problems"])
+                     config_file=_config(tmp_path, parallelism_config={"parallelism_config_cp_size": 2}))
+    assert any("cp_size=2" in p and "--sequence_parallel" in p for p in refused["problems"])
+    fsdp2 = doctor(output_dir=str(tmp_path / "out"), mounts_path=str(mounts),
+                   config_file=_config(tmp_path, distributed_type="FSDP", fsdp_config={"fsdp_version": 2},
+                                       parallelism_config={"parallelism_config_dp_shard_size": 4}))
+    assert fsdp2["problems"] == []  # boost-hf's --data_parallel fsdp2
+    fsdp1 = doctor(output_dir=str(tmp_path / "out"), mounts_path=str(mounts),
+                   config_file=_config(tmp_path, distributed_type="FSDP", fsdp_config={"fsdp_sharding_strategy": "FULL_SHARD"}))
+    assert any("FSDP version 1" in p and "fsdp_version: 2" in p for p in fsdp1["problems"])
 
 
 def test_cli_reports_this_machine(tmp_path, capsys):

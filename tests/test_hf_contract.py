@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import ast
 import sys
-import warnings
 
 import pytest
 import torch

@@ -141,9 +141,18 @@ def test_estimate_keeps_its_earlier_spellings():
 def test_workload_carries_a_parallel_config():
     from boost_hf.perf.workload import Workload
 
-    # the layout, then the workload's own fields (none repeats a ParallelConfig field)
+    from boost_hf.data_parallel_config import DataParallelConfig
+
+    # the layout, then the workload's own fields (none repeats a ParallelConfig field), then the data parallelism as
+    # declared once (DataParallelConfig: none of its fields repeated either)
     assert [f.name for f in fields(Workload)] == ["parallel_config", "micro_batch", "seq_len", "num_micro_batches", "dtype_bytes",
-                                                  "dp_size", "zero1_optimizer", "precision", "grad_reduce_dtype"]
+                                                  "dp_size", "zero1_optimizer", "precision", "grad_reduce_dtype",
+                                                  "data_parallel"]
+    assert Workload().data_parallel == DataParallelConfig()
+    with pytest.raises(ValueError, match="zero1_optimizer is refused"):
+        Workload(dp_size=4, zero1_optimizer=True, data_parallel=DataParallelConfig("fsdp2"))
+    with pytest.raises(ValueError, match="does not divide"):
+        Workload(dp_size=4, data_parallel=DataParallelConfig("fsdp2", dp_replicate_size=3))
     parallel = ParallelConfig(tp_size=4, pp_size=2, pp_schedule="interleaved-1f1b", activation_checkpointing="lowrank",
                               sequence_parallel=True, pp_layer_split=(8, 8, 8, 8))
     workload = Workload(parallel, micro_batch=2)

@@ -55,7 +55,6 @@ from transformers.trainer import OPTIMIZER_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from .integrity import (
-    MANIFEST_NAME,
     CheckpointIntegrityError,
     check_architecture,
     check_files,

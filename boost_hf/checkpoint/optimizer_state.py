@@ -5,8 +5,9 @@ Entries of the DCP state dict (``optimizer.`` + ...):
 
 * ``state.<canonical name>.<key>``: a tensor of the parameter's shape (AdamW's and LORO's ``exp_avg``,
   ``exp_avg_sq``) as a DTensor with the parameter's placements (:func:`~boost_hf.checkpoint.sharded_state.as_dtensor`:
-  split over TP like the parameter, replicated over DP, so DCP writes it once); any other tensor (``step``) as it is,
-  written once; other values pickled.
+  split over TP like the parameter, replicated over DP, so DCP writes it once; under FSDP2 also split over DP like
+  the parameter, each DP rank writing its own shard); any other tensor (``step``) as it is, written once; other
+  values pickled.
 * ``param_groups.pp<q>``: the hyper-parameters of each parameter group (without ``params``) of pipeline rank ``q``.
 
 With ``--zero1_optimizer`` each DP rank holds the state of its share of the parameters only, and writes exactly
@@ -145,7 +146,7 @@ def load_optimizer_state(optimizer, model, checkpoint: str, held_elsewhere: froz
         for param in group["params"]:
             entry = targets.get(by_id[id(param)])
             if entry is not None:
-                loaded["state"][index] = {k: v.to_local() if isinstance(v, DTensor) else v for k, v in entry.items()}
+                loaded["state"][index] = {k: _as_held(v, param) if isinstance(v, DTensor) else v for k, v in entry.items()}
             ids.append(index)
             index += 1
         loaded["param_groups"].append({**saved_group, "params": ids})
@@ -154,6 +155,17 @@ def load_optimizer_state(optimizer, model, checkpoint: str, held_elsewhere: froz
         for group, saved_group in zip(whole.param_groups, saved_groups):
             group.update(saved_group)
         whole.holds_state = True
+
+
+def _as_held(loaded, param: torch.Tensor) -> torch.Tensor:
+    """A loaded per-element state tensor (a DTensor over the checkpoint's mesh) as the optimizer holds it for
+    ``param``: this rank's local tensor, or under FSDP2 a DTensor with the parameter's own mesh and placements."""
+    from torch.distributed.tensor import DTensor
+
+    local = loaded.to_local()
+    if not isinstance(param, DTensor):
+        return local
+    return DTensor.from_local(local, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride())
 
 
 def sharded_over_data_parallel(optimizer) -> ZeroRedundancyOptimizer | None:

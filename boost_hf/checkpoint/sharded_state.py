@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..parallel.sharding import ShardSpec, shard_spec_of
-from ..parallel.state import ParallelState
+from ..parallel.state import ParallelState, tp_and_data_parallel_mesh
 
 MODEL_KEY = "model"
 """Top-level key of the model's parameters in a DCP state dict (entries ``model.<canonical name>``)."""
@@ -58,14 +58,27 @@ def parameter_mesh(state: ParallelState):
 def as_dtensor(local: torch.Tensor, spec: ShardSpec, state: ParallelState) -> torch.Tensor:
     """``local`` (this rank's shard, as ``spec`` describes it) as a DTensor over :func:`parameter_mesh`: replicated
     over DP, split along ``spec.partition_dim`` over TP when sharded. Shares ``local``'s storage. Without a mesh
-    (one process) ``local`` itself."""
+    (one process) ``local`` itself.
+
+    Under FSDP2 (``--data_parallel fsdp2``) ``local`` is a DTensor over the DP mesh holding this rank's dim-0 shard of
+    its TP shard: it becomes the canonical tensor over ``("tp", "dp_shard")`` (HSDP: ``("tp", "dp_replicate",
+    "dp_shard")``, :func:`~boost_hf.parallel.state.tp_and_data_parallel_mesh`), split over TP as above, then each TP
+    shard's dim 0 over the DP shards (replicated over HSDP's replicas); at tp 1 the DP mesh's DTensor is that already.
+    DCP then writes each DP shard once and reads, at any other layout (with or without FSDP2, ZeRO-1), the byte ranges
+    a rank needs."""
     mesh = parameter_mesh(state)
     if mesh is None:
         return local
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
     over_tp = Shard(spec.partition_dim) if spec.is_sharded else Replicate()
-    return DTensor.from_local(local, mesh, [Replicate(), over_tp], run_check=False,
+    if isinstance(local, DTensor):  # FSDP2's shard
+        if state.tp_size == 1:
+            return local
+        mesh, placements, local = tp_and_data_parallel_mesh(state, local.device_mesh), [over_tp, *local.placements], local.to_local()
+    else:
+        placements = [Replicate(), over_tp]
+    return DTensor.from_local(local, mesh, placements, run_check=False,
                               shape=torch.Size(spec.full_shape), stride=_contiguous_stride(spec.full_shape))
 
 

@@ -1,8 +1,11 @@
 """Counting collectives: how many calls and how many elements each kind moves, per region.
 
-Every primitive in :mod:`boost_hf.parallel.primitives` reports here before it communicates, so a
-``CommCounter`` around one forward (or one backward) gives the measured volume that the tests,
-benchmarks and metrics compare with :mod:`boost_hf.perf.comm_formula`.
+Every primitive in :mod:`boost_hf.parallel.primitives` reports here before it communicates, and so does FSDP2 over
+the data-parallel group (its all-gathers, reduce-scatters and HSDP's all-reduces, through the communication hooks
+:mod:`boost_hf.parallel.fully_shard` installs), so a ``CommCounter`` around one forward (or one backward, or one
+training step) gives the measured volume that the tests, benchmarks and metrics compare with
+:mod:`boost_hf.perf.comm_formula`. ``CommCounter(groups=...)`` counts only the collectives over those process groups
+(e.g. FSDP2's over the DP group apart from TP's).
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ class CommCounter:
     """
 
     by_kind: dict[str, CollectiveRecord] = field(default_factory=lambda: defaultdict(CollectiveRecord))
+    groups: tuple = ()  # count only the collectives over these process groups (empty: every collective)
 
     def __enter__(self) -> "CommCounter":
         _ACTIVE.append(self)
@@ -90,13 +94,16 @@ def count_training_step(model, input_ids) -> tuple[dict[str, dict[str, int]], di
     return forward.counts(), backward.counts()
 
 
-def record_collective(kind: str, tensor: torch.Tensor) -> None:
-    """Report one collective of ``kind`` over ``tensor`` (the full output for all-gathers) to active counters."""
+def record_collective(kind: str, tensor: torch.Tensor, group=None) -> None:
+    """Report one collective of ``kind`` over ``tensor`` (the full output for all-gathers, the full input for
+    reduce-scatters) in process group ``group`` to active counters."""
     if not _ACTIVE:
         return
     numel = tensor.numel()
     nbytes = numel * tensor.element_size()
     for counter in _ACTIVE:
+        if counter.groups and not any(group is g for g in counter.groups):
+            continue
         record = counter.by_kind[kind]
         record.calls += 1
         record.elements += numel

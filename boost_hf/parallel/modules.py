@@ -76,13 +76,15 @@ def shard_repr(param: torch.Tensor) -> str:
 
 class VocabParallelEmbedding:
     """``nn.Embedding`` split along the vocabulary (local ``[V/p, d]``): masked local lookup, then an
-    all-reduce of ``[B, S, d]`` (forward only). The ``padding_idx`` row gets no gradient, as on one device."""
+    all-reduce of ``[B, S, d]`` (forward only). The ``padding_idx`` row gets no gradient, as on one device. The rows
+    held are the ``tp_rank``-th block (a module attribute: under FSDP2 the weight the forward reads is the gathered
+    tensor, which carries no shard spec)."""
 
     group = None
+    tp_rank = 0
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        spec = shard_spec_of(self.weight)
-        rows, start = self.weight.shape[0], spec.tp_rank * self.weight.shape[0]
+        rows, start = self.weight.shape[0], self.tp_rank * self.weight.shape[0]
         local_ids = input_ids - start
         outside = (local_ids < 0) | (local_ids >= rows)
         padding = None if self.padding_idx is None or not 0 <= self.padding_idx - start < rows else self.padding_idx - start

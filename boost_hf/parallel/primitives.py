@@ -64,7 +64,7 @@ def _all_reduce_(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     functional collective, which dynamo traces and inductor re-inplaces."""
     if torch.compiler.is_compiling():
         return funcol.all_reduce(x, "sum", group)
-    record_collective("all_reduce", x)
+    record_collective("all_reduce", x, group)
     dist.all_reduce(x, group=group)
     return x
 
@@ -80,7 +80,7 @@ def start_all_gather_rows(x: torch.Tensor, group: ProcessGroup) -> Callable[[], 
         out = funcol.all_gather_tensor(x, 0, group)
         return lambda: out
     out = torch.empty((p * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
-    record_collective("all_gather", out)
+    record_collective("all_gather", out, group)
     work = _all_gather_into(out, x, group=group, async_op=True)
 
     def wait() -> torch.Tensor:
@@ -100,7 +100,7 @@ def start_reduce_scatter_rows(x: torch.Tensor, group: ProcessGroup) -> Callable[
         out = funcol.reduce_scatter_tensor(x, "sum", 0, group)
         return lambda: out
     out = torch.empty((x.shape[0] // p, *x.shape[1:]), dtype=x.dtype, device=x.device)
-    record_collective("reduce_scatter", x)
+    record_collective("reduce_scatter", x, group)
     work = _reduce_scatter_into(out, x, group=group, async_op=True)
 
     def wait() -> torch.Tensor:
@@ -284,7 +284,7 @@ def all_reduce_max_(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor
         return x
     if torch.compiler.is_compiling():
         return funcol.all_reduce(x, "max", group)
-    record_collective("all_reduce", x)
+    record_collective("all_reduce", x, group)
     dist.all_reduce(x, op=dist.ReduceOp.MAX, group=group)
     return x
 

@@ -23,15 +23,15 @@ What differs from the declaration is stated here, once (a command adding the opt
 from __future__ import annotations
 
 import argparse
-import types
-import typing
-from dataclasses import Field, field, fields
-from typing import Literal, get_args, get_origin
+from dataclasses import Field, fields
+from typing import Literal, get_args
 
+from ..option_fields import add_field_options, field_types
+from ..option_fields import training_fields as fields_for_training
 from .config import ParallelConfig, TPStyle
 
 #: every field's type, resolved (``config.py`` writes its annotations as strings)
-FIELD_TYPES: dict[str, object] = typing.get_type_hints(ParallelConfig)
+FIELD_TYPES: dict[str, object] = field_types(ParallelConfig)
 
 #: command-line spellings besides the field's own name (kept from earlier releases of ``boost-hf estimate``), also
 #: accepted as keywords by :class:`~boost_hf.perf.workload.Workload`
@@ -81,14 +81,6 @@ def parse_layer_split(value) -> tuple[int, ...] | None:
         raise ValueError(f"pp_layer_split must list whole numbers of layers per stage, e.g. 3,5,5,3; got {value!r}.") from None
 
 
-def _bool(text: str) -> bool:
-    if text.lower() in ("true", "yes", "1"):
-        return True
-    if text.lower() in ("false", "no", "0"):
-        return False
-    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
-
-
 def _layer_split(text: str) -> tuple[int, ...]:
     try:
         return parse_layer_split(text)
@@ -96,37 +88,12 @@ def _layer_split(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(str(error)) from None
 
 
-def _dashed(name: str) -> list[str]:
-    return [f"--{name}"] + ([f"--{name.replace('_', '-')}"] if "_" in name else [])
-
-
-def _optional_inner(kind):
-    """``X`` for ``X | None``, else ``kind``."""
-    if get_origin(kind) in (typing.Union, types.UnionType):
-        return next(arg for arg in get_args(kind) if arg is not type(None))
-    return kind
-
-
 def add_options(parser, *, exclude: tuple[str, ...] = (), defaults: dict | None = None, notes: dict | None = None) -> None:
     """Add every ``ParallelConfig`` field but ``exclude`` to ``parser`` (or an argument group) as an option whose
-    ``dest`` is the field's name; ``defaults`` and ``notes`` (appended to the help) are the command's own."""
-    defaults, notes = defaults or {}, notes or {}
-    for f in fields(ParallelConfig):
-        if f.name in exclude:
-            continue
-        spellings = [option for name in (f.name, *SHORT_NAMES.get(f.name, ())) for option in _dashed(name)]
-        options = dict(dest=f.name, default=defaults.get(f.name, f.default), help=option_help(f, notes.get(f.name, "")))
-        kind = _optional_inner(FIELD_TYPES[f.name])
-        if kind is bool:
-            parser.add_argument(*spellings, type=_bool, nargs="?", const=True, **options)
-            if f.default is True:
-                parser.add_argument(*_dashed(f"no_{f.name}"), dest=f.name, action="store_false", help=f"--{f.name} false.")
-        elif get_origin(kind) is Literal:
-            parser.add_argument(*spellings, choices=get_args(kind), **options)
-        elif get_origin(kind) is tuple:
-            parser.add_argument(*spellings, type=_layer_split, metavar="N,N,...", **options)
-        else:
-            parser.add_argument(*spellings, type=kind, **options)
+    ``dest`` is the field's name, with the short spellings of :data:`SHORT_NAMES`; ``defaults`` and ``notes`` (appended
+    to the help) are the command's own."""
+    add_field_options(ParallelConfig, parser, exclude=exclude, defaults=defaults, notes=notes, short_names=SHORT_NAMES,
+                      parsers={"pp_layer_split": _layer_split}, metavars={"pp_layer_split": "N,N,..."})
 
 
 def layout_values(namespace) -> dict:
@@ -134,20 +101,10 @@ def layout_values(namespace) -> dict:
     return {f.name: getattr(namespace, f.name) for f in fields(ParallelConfig) if hasattr(namespace, f.name)}
 
 
-def option_help(f: Field, note: str = "") -> str:
-    """The help of field ``f`` (plus ``note``), escaped for ``argparse``'s %-formatting."""
-    return (f.metadata["help"] + note).replace("%", "%%")
-
-
 def training_fields() -> list[tuple[str, object, Field]]:
     """``BoostTrainingArguments``' layout fields, for ``dataclasses.make_dataclass``: ``(name, type, field)``."""
-    out = []
-    for f in fields(ParallelConfig):
-        default = _TRAINING_DEFAULTS.get(f.name, f.default)
-        metadata = {"help": option_help(f, _TRAINING_NOTES.get(f.name, ""))}
-        kind = _TRAINING_TYPES.get(f.name, FIELD_TYPES[f.name])
-        out.append((TRAINING_NAMES.get(f.name, f.name), kind, field(default=default, metadata=metadata)))
-    return out
+    return fields_for_training(ParallelConfig, names=TRAINING_NAMES, kinds=_TRAINING_TYPES, defaults=_TRAINING_DEFAULTS,
+                               notes=_TRAINING_NOTES)
 
 
 def config_of_training_arguments(args, model_config=None) -> ParallelConfig:
@@ -168,7 +125,6 @@ __all__ = [
     "config_of_training_arguments",
     "field_of",
     "layout_values",
-    "option_help",
     "parse_layer_split",
     "training_fields",
 ]

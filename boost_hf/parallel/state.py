@@ -157,9 +157,65 @@ def get_parallel_state(tp_size: int = 1, pp_size: int = 1) -> ParallelState:
     return state
 
 
+_DATA_PARALLEL_MESHES: dict[tuple[int, int, int], object] = {}
+
+
+def data_parallel_mesh(state: ParallelState, replicate_size: int = 1):
+    """The ``DeviceMesh`` over this rank's data-parallel group (the ranks of its pipeline and TP coordinates), what
+    FSDP2 shards over: 1-D (``("dp_shard",)``, the DP group itself) or, with ``replicate_size`` R > 1, 2-D HSDP
+    ``("dp_replicate", "dp_shard")``: DP rank ``d`` in replica ``d // S`` at shard index ``d % S``, ``S = dp / R`` (the
+    ranks sharing a shard group are adjacent DP ranks). Collective the first time (the replica and shard groups are
+    made by :func:`new_group_with_timeout` on every rank, in the same order); cached."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    key = (state.tp_size, state.pp_size, replicate_size)
+    if key in _DATA_PARALLEL_MESHES:
+        return _DATA_PARALLEL_MESHES[key]
+    dp, tp, pp = state.dp_size, state.tp_size, state.pp_size
+    if dp % replicate_size:
+        raise ValueError(f"dp_replicate_size={replicate_size} does not divide the data-parallel size {dp}.")
+    world = pp * dp * tp
+    layout = torch.arange(world, device="cpu").view(pp, dp, tp)
+    ours = layout[state.pp_rank, :, state.tp_rank]
+    if state.dp_group is None:
+        raise ValueError("there is no data-parallel group to shard over (dp_size 1).")
+    if replicate_size == 1:
+        mesh = DeviceMesh.from_group(state.dp_group, mesh_device_type(), ours, mesh_dim_names=("dp_shard",))
+    else:
+        shard = dp // replicate_size
+        shard_groups = {(p, t, r): new_group_with_timeout(layout[p, r * shard:(r + 1) * shard, t].tolist(), "the DP shard group")
+                        for p in range(pp) for t in range(tp) for r in range(replicate_size)}
+        replicate_groups = {(p, t, s): new_group_with_timeout(layout[p, s::shard, t].tolist(), "the DP replicate group")
+                            for p in range(pp) for t in range(tp) for s in range(shard)}
+        replica, index = state.dp_rank // shard, state.dp_rank % shard
+        groups = [replicate_groups[state.pp_rank, state.tp_rank, index], shard_groups[state.pp_rank, state.tp_rank, replica]]
+        mesh = DeviceMesh.from_group(groups, mesh_device_type(), ours.view(replicate_size, shard),
+                                     mesh_dim_names=("dp_replicate", "dp_shard"))
+    _DATA_PARALLEL_MESHES[key] = mesh
+    return mesh
+
+
+def tp_and_data_parallel_mesh(state: ParallelState, dp_mesh):
+    """``("tp", *dp_mesh's dims)`` over this pipeline rank's TP x DP ranks (no new group: the TP group and ``dp_mesh``'s,
+    :func:`data_parallel_mesh`): the mesh on which an FSDP2-sharded parameter is the canonical tensor, split along its
+    TP dimension over ``"tp"`` (outermost) and each TP shard's dim 0 over ``"dp_shard"`` (what a checkpoint saves);
+    cached."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    key = ("tp x dp", state.tp_size, state.pp_size, tuple(dp_mesh.mesh.shape))
+    if key not in _DATA_PARALLEL_MESHES:
+        layout = torch.arange(state.pp_size * state.dp_size * state.tp_size, device="cpu").view(state.pp_size, state.dp_size, state.tp_size)
+        ranks = layout[state.pp_rank].t().reshape(state.tp_size, *dp_mesh.mesh.shape)
+        groups = [state.tp_group, *(dp_mesh.get_group(dim) for dim in range(dp_mesh.ndim))]
+        _DATA_PARALLEL_MESHES[key] = DeviceMesh.from_group(groups, mesh_device_type(), ranks,
+                                                           mesh_dim_names=("tp", *dp_mesh.mesh_dim_names))
+    return _DATA_PARALLEL_MESHES[key]
+
+
 def reset_parallel_states() -> None:
     """Forget cached groups (after ``destroy_process_group``)."""
     _STATES.clear()
+    _DATA_PARALLEL_MESHES.clear()
     _GROUP_DESCRIPTIONS.clear()
 
 
@@ -167,8 +223,10 @@ __all__ = [
     "ParallelState",
     "check_world",
     "collective_timeout",
+    "data_parallel_mesh",
     "new_group_with_timeout",
     "describe_group",
     "get_parallel_state",
     "reset_parallel_states",
+    "tp_and_data_parallel_mesh",
 ]

@@ -33,7 +33,6 @@ from .communication import Communication, all_reduce
 from .layouts.base import Gemm
 from .modules import adopt, shard_parameter, shard_repr
 from .primitives import copy_to_tp
-from .sharding import shard_spec_of
 
 
 def is_tensor_train(projection) -> bool:
@@ -45,13 +44,15 @@ class ShardedTensorTrainCores:
     """The cores of a tensor-train projection under TP (an adopted mixin of ``BoostLlamaTensorTrainCores``): some
     cores are this rank's slices, the others whole. Module call ``cores(start, stop)``: this rank's slice of the
     contraction of cores ``start .. stop - 1`` (one factor), the whole cores among them copied into the TP region
-    together (backward: one all-reduce of their gradients, ``sum`` of their sizes)."""
+    together (backward: one all-reduce of their gradients, ``sum`` of their sizes). ``whole_cores``: the indices of the
+    whole cores (a module attribute: under FSDP2 the cores the forward reads are gathered tensors without shard specs)."""
 
     group = None
+    whole_cores: frozenset[int] = frozenset()
 
     def forward(self, start: int, stop: int) -> torch.Tensor:
         cores = [self[i] for i in range(start, stop)]
-        whole = [i for i, core in enumerate(cores) if not shard_spec_of(core).is_sharded]
+        whole = [i - start for i in range(start, stop) if i in self.whole_cores]
         if whole:
             flat = copy_to_tp(torch.cat([cores[i].reshape(-1) for i in whole]), self.group)
             for i, part in zip(whole, flat.split([cores[i].numel() for i in whole])):
@@ -69,7 +70,8 @@ def shard_tensor_train(projection, splits: dict[int, int], plan) -> None:
     for i in range(len(cores)):
         shard_parameter(cores, str(i), splits.get(i), plan)
     if plan.tp_size > 1:
-        adopt(cores, ShardedTensorTrainCores, group=plan.group)
+        adopt(cores, ShardedTensorTrainCores, group=plan.group,
+              whole_cores=frozenset(i for i in range(len(cores)) if splits.get(i) is None))
 
 
 def check_btp_modes(config, tp_size: int) -> None:

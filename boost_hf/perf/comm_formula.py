@@ -105,13 +105,61 @@ def stage_boundary_communication(config, parallel: ParallelConfig, tokens: int) 
     return PointToPoint(len(boundary.shapes), boundary.elements, gathers)
 
 
+class DataParallelTraffic(NamedTuple):
+    """What FSDP2 communicates over the data-parallel group in one optimizer step on one rank: ``collectives``
+    (calls and elements by kind) and ``bytes`` by kind (all-gathers in the parameters' gathered dtype, reduce-scatters
+    and all-reduces in the reduce dtype)."""
+
+    collectives: Communication
+    bytes: dict[str, int]
+
+
+def fully_shard_communication(units, shard: int, replicate: int = 1, *, micro_batches: int = 1, pipeline: bool = False,
+                              param_bytes: int = 4, reduce_bytes: int = 4) -> DataParallelTraffic:
+    """FSDP2's collectives in one optimizer step of ``micro_batches`` micro-batches on one rank whose parts are
+    ``units`` (:class:`~boost_hf.parallel.fully_shard.FullyShardUnit`, e.g. :func:`~boost_hf.parallel.fully_shard.units_of`),
+    sharded over ``shard`` ranks in each of ``replicate`` replicas (HSDP). ``P_u``: a unit's elements, each tensor's dim 0
+    padded to a multiple of ``shard``.
+
+    * all-gather (``P_u`` elements, ``param_bytes`` each): every unit before each micro-batch's forward, and a unit
+      that reshards after forward again before its backward; under pipeline parallelism (``pipeline``) once per step
+      (torch's schedule keeps the parameters gathered from the first forward to the step's last backward; a unit that
+      reshards after forward gathers a schedule-dependent number of times, not modelled: ``ValueError``);
+    * reduce-scatter (``P_u``, ``reduce_bytes``): once per step (the micro-batches before the last accumulate
+      unsharded: accelerate's ``no_sync``, the pipeline schedule's);
+    * HSDP's all-reduce across the replicas (``P_u / shard``, ``reduce_bytes``): once per step.
+
+    Nothing with ``shard`` 1 but HSDP's all-reduce."""
+    from ..parallel.communication import Collective
+
+    units = list(units)
+    if pipeline and any(u.reshards_after_forward for u in units):
+        raise ValueError("under pipeline parallelism a unit that reshards after forward gathers as often as the schedule "
+                         "interleaves its micro-batches: not modelled (use fsdp_reshard_after_forward default or never).")
+    sizes = [u.padded_elements(shard) for u in units]
+    gathered = [(1 + (u.reshards_after_forward and not pipeline)) * n for u, n in zip(units, sizes)]
+    gathers = sum(1 + (u.reshards_after_forward and not pipeline) for u in units)
+    rounds = 1 if pipeline else micro_batches
+    by_kind = {}
+    if shard > 1:
+        by_kind["all_gather"] = Collective(rounds * gathers, rounds * sum(gathered))
+        by_kind["reduce_scatter"] = Collective(len(units), sum(sizes))
+    if replicate > 1:
+        by_kind["all_reduce"] = Collective(len(units), sum(sizes) // shard)
+    collectives = Communication(by_kind)
+    dtype_bytes = {"all_gather": param_bytes, "reduce_scatter": reduce_bytes, "all_reduce": reduce_bytes}
+    return DataParallelTraffic(collectives, {kind: c.elements * dtype_bytes[kind] for kind, c in collectives.by_kind.items()})
+
+
 __all__ = [
     "COLLECTIVE_KINDS",
+    "DataParallelTraffic",
     "CollectiveKind",
     "Collective",
     "Communication",
     "PassCommunication",
     "PointToPoint",
+    "fully_shard_communication",
     "layer_communication",
     "model_communication",
     "outside_layers_communication",

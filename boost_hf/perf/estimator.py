@@ -76,6 +76,23 @@ Time of one decoder layer, forward (backward in parentheses)::
   ``max(t_allreduce - t_backward, t_one_bucket)`` on the rank where that is largest. ``zero1_optimizer``
   (torch's ``ZeroRedundancyOptimizer``) then broadcasts every parameter from the DP rank that stepped it:
   ``(dp-1)/dp`` of the rank's parameters received, one broadcast per parameter tensor, not overlapped.
+* **FSDP2** (``data_parallel`` of the workload, :class:`~boost_hf.data_parallel_config.DataParallelConfig`; dp > 1):
+  the collectives of :func:`~boost_hf.perf.comm_formula.fully_shard_communication` over the units the memory model
+  finds (:func:`~boost_hf.perf.memory.fully_shard_units`; the formula the trainer logs and the tests count), over
+  the ``S = dp / dp_replicate_size`` ranks of a shard group: all-gathers of each unit in the gathered dtype (bf16
+  under ``bf16_params``, else fp32) before every micro-batch's forward and again before the backward of the units
+  that reshard after it (under PP once per step), reduce-scatters in the reduce dtype once per step, and under HSDP
+  an all-reduce of ``1/S`` of them across the replicas; each timed as a ring, ``latency * calls + (S-1)/S * bytes /
+  bandwidth`` (``2 (R-1)/R`` for HSDP's). The shard group is adjacent DP ranks, ``tp * S`` GPUs: NVLink when they
+  fit in a node, else the network; HSDP's replica group spans the whole DP group (``tp * dp`` GPUs). The overlap is
+  DDP's, per pass: FSDP2 prefetches the next unit's all-gather while one computes, so the all-gathers cost
+  ``max(t_gather - m t_compute, m t_first)`` (``t_first``: the first unit of each forward, the root, which nothing
+  precedes; under PP ``max(t_gather - t_forward, t_first)`` with one forward); the reductions run beside the last
+  micro-batch's backward: ``max(t_reduce - t_backward, t_root)`` (the root is reduced last), and in full under PP
+  (torch's schedule reduces after the stage's last backward). The optimizer steps ``1/S`` of the parameters; under
+  ``bf16_params`` each all-gather casts the fp32 shard (6 bytes per element gathered, ``1/S`` of them) instead of
+  the masters' cast once per step. Not modelled: contention of the all-gathers with TP's collectives on NVLink, the
+  two reduce passes sharing the last backward's time.
 * **Precision** (``precision``, :mod:`boost_hf.perf.memory`'s policies; ``None``: not modelled, as calibrated):
   ``autocast`` reads each fp32 weight and writes its bf16 copy in every forward and recomputation
   (6 bytes per parameter) and casts the bf16 weight gradient back in backward (6); ``bf16_params`` adds each
@@ -125,7 +142,7 @@ from .comm_formula import layer_communication, outside_layers_communication, sta
 from .flops import attention_flops_per_token, training_flops_per_token
 from .hardware import Hardware, get_hardware
 from .kernels import CALIBRATED_EFFICIENCY, KernelEfficiency, elementwise_elements_per_token, layer_gemms
-from .memory import rank_parameters
+from .memory import fully_shard_units, fully_sharded, rank_parameters
 from .parameters import parameter_count
 from .pipeline import (
     critical_path_weights,
@@ -133,7 +150,7 @@ from .pipeline import (
     micro_batches_in_flight,
     stage_layer_counts,
 )
-from .traffic import data_parallel_time, tp_collective_time
+from .traffic import data_parallel_time, fully_shard_time, fully_shard_traffic, tp_collective_time
 from .workload import Workload, full_rank_counterpart, low_rank_counterpart
 
 LAYOUTS: tuple[str, ...] = ("megatron", "vanilla", "btp")
@@ -327,12 +344,21 @@ def estimate_layout(
         optimized -= layers * (_with_layers(config, 2) - _with_layers(config, 1))
     if config.bottleneck == "tt" and measured_layer_s is None:  # every TP rank holds some cores whole
         optimized += layers * whole_core_parameters(config, layout_for(config, parallel).tensor_train_splits) * (p - 1)
-    shards = workload.dp_size if workload.zero1_optimizer else 1
+    sharded = fully_sharded(workload.data_parallel, workload.dp_size)
+    rank_units = fully_shard_units(config, parallel, workload.data_parallel) if sharded else None
+    if sharded:
+        shards = workload.data_parallel.shard_size(workload.dp_size)
+    else:
+        shards = workload.dp_size if workload.zero1_optimizer else 1
     optimizer = {"optimizer": optimized / (p * pp * shards) * ADAMW_BYTES_PER_PARAM / hbm}
-    if workload.precision is not None:  # the masters' cast, once per step
-        optimizer["optimizer"] += max(r.elements for r in rank_params) * PRECISION_TRAFFIC[workload.precision][2] / hbm
+    if workload.precision is not None:  # the masters' cast to the compute dtype: once per step, or of each gathered shard
+        casts = (max(t.collectives["all_gather"].elements // shards for t in fully_shard_traffic(parallel, workload, rank_units))
+                 if sharded and shards > 1 else max(r.elements for r in rank_params))
+        optimizer["optimizer"] += casts * PRECISION_TRAFFIC[workload.precision][2] / hbm
     weights = critical_path_weights(totals, m, v)
-    dp_comm = {"dp_comm": data_parallel_time(parallel, workload, hardware, rank_params, ranks)}
+    dp_time = (fully_shard_time(parallel, workload, hardware, rank_units, ranks) if sharded
+               else data_parallel_time(parallel, workload, hardware, rank_params, ranks))
+    dp_comm = {"dp_comm": dp_time}
     breakdown = _add(*(_add(rank, scale=w) for rank, w in zip(ranks, weights)), optimizer, dp_comm)
     step = sum(breakdown.values())
     bubble = (sum(totals) - max(totals)) / v

@@ -3,7 +3,8 @@
 Everything is bytes on one GPU (one pipeline rank, one TP rank, one DP rank), for AdamW.
 
 **Static part** (exact: ``tests/training/test_pipeline_resume.py`` compares it with the bytes every rank of a
-launched run holds, and ``tests/perf/test_memory.py`` the parameter counts with what ``parallelize`` builds):
+launched run holds, ``tests/perf/test_memory_measured.py`` under FSDP2, and ``tests/perf/test_memory.py`` the
+parameter counts with what ``parallelize`` builds):
 
 * *parameters*: the rank's decoder layers (the layers of its pipeline stages), the embedding on the first stage, the
   final norm and the LM head on the last; each sharded over TP as its :class:`~boost_hf.parallel.layouts.Layout`
@@ -34,6 +35,45 @@ launched run holds, and ``tests/perf/test_memory.py`` the parameter counts with 
   shards the ``K`` bytes over DP, stage 2 also the gradients, stage 3 also the parameters; plus its two buckets
   (``reduce_bucket_size`` and ``allgather_bucket_size``, 5e8 elements each by default, in the gradient dtype). Not
   measured here (DeepSpeed's own buffers); ``boost-hf plan`` does not propose DeepSpeed.
+* *FSDP2* (``--data_parallel fsdp2``, :mod:`boost_hf.parallel.fully_shard`; HSDP, ``--dp_replicate_size R``, the same
+  with ``S = dp / R`` shard ranks, each replica holding the same bytes): every tensor's dim 0 is padded to a multiple
+  of ``S`` (torch chunks it in ``ceil(rows / S)`` rows) and each rank holds ``1/S`` of the padded tensor; AdamW's
+  moments are made for the rows the rank really holds (the last ranks of a short dim 0 hold fewer, or none):
+
+  ==============  ===========================  ====================  =========================  ==================
+  policy          sharded parameter            sharded gradient      AdamW moments              gathered / reduced
+  ==============  ===========================  ====================  =========================  ==================
+  ``fp32``        4/S                          4/S                   8/S (the rows held)        4 / 4
+  ``autocast``    4/S                          4/S                   8/S                        4 / 4
+  ``bf16_params`` 4/S (it is the fp32 master)  4/S (reduced in fp32)  8/S                        2 / 4
+  ==============  ===========================  ====================  =========================  ==================
+
+  No other master, no DDP buckets (:func:`static_memory` with ``data_parallel``; ``tests/perf/test_memory_measured.py``
+  compares it with what ``fully_shard``'ed models hold on gloo ranks, exactly). Its **working set** (per pipeline
+  rank, over the units of its parts, :func:`fully_shard_units`: each decoder layer, then the root with the embedding,
+  final norm and LM head; ``P_u`` a unit's padded elements, ``E_u`` its elements;
+  :func:`fully_shard_working_set`), held with the activations:
+
+  - *gathered parameters*, ``P_u`` in the gathered dtype each: the units that stay gathered from forward to backward
+    (torchtitan's ``default``: the root and the last layer at ``pp_size`` 1; under pipeline parallelism every unit of
+    the rank's stages, as torch's schedule reshards neither after forward nor after backward before the step's last
+    micro-batch: the rank's whole unsharded parameters), the two largest units that reshard (the one running and the
+    one FSDP2 prefetches: it issues the next unit's all-gather while one computes, forward and backward), and one flat
+    all-gather buffer of the largest unit (torch copies each all-gather's flat output into per-parameter tensors and
+    keeps the flat one until the next unit's copy-out);
+  - *unsharded gradients*: when gradients accumulate (``pp_size`` > 1, or several micro-batches at ``pp_size`` 1:
+    accelerate's ``no_sync``, the schedule's) every unit's ``E_u`` in the reduce dtype (FSDP2 upcasts a bf16 gradient
+    to fp32 to accumulate it), held from the first micro-batch's backward to the last one's reduce-scatters (the
+    rank's whole gradient, unsharded), plus the running unit's new gradient (``E_u``, gathered dtype) and two
+    reduce-scatter inputs (``P_u``, reduce dtype: the unit being reduced and the one before, which torch keeps until
+    the next); with one micro-batch at ``pp_size`` 1, the larger of: while a layer is reduced, the root's gradients
+    (``E_u``, gathered dtype: the LM head's is made first in backward and the root reduced last), the layer's
+    gradients (``E_u`` in the gathered dtype and their cast to the reduce dtype where it differs) and two
+    reduce-scatter inputs of a layer; while the root is reduced, its gradients with their cast, its reduce-scatter
+    input and the one of the layer before.
+
+  Counted at once (a bound: the sharded gradients are made only by the last backward's reduce-scatters).
+  ``benchmarks/data_parallel_memory.py`` measures the peak of a step beside DDP and ZeRO-1.
 
 **Activations** (per micro-batch, times the micro-batches the rank keeps in flight,
 :func:`~boost_hf.perf.pipeline.micro_batches_in_flight`): under ``"full"`` and ``"lowrank"`` checkpointing what
@@ -66,7 +106,9 @@ import weakref
 from dataclasses import asdict, dataclass, replace
 from functools import cache
 
+from ..data_parallel_config import DataParallelConfig
 from ..parallel.config import ParallelConfig
+from ..parallel.fully_shard import FullyShardUnit, reshards_after_forward
 from ..parallel.layouts import layout_for
 from ..parallel.layouts.base import GROUPS
 from ..parallel.layouts.base import whole_norm_saved_bytes
@@ -201,14 +243,12 @@ def decay_parameter_names(model) -> list[str]:
     return get_parameter_names(model, [nn.LayerNorm], list(NO_DECAY_PATTERNS))
 
 
-def _local_elements(layout, config, name: str, shape: tuple[int, ...], p: int) -> int:
-    """Elements of parameter ``name`` (canonical) on one of ``p`` TP ranks under ``layout`` (a tensor train's core
-    ``i`` split as :meth:`~boost_hf.parallel.layouts.Layout.tensor_train_splits` states)."""
-    elements = 1
-    for n in shape:
-        elements *= n
+def _local_shape(layout, config, name: str, shape: tuple[int, ...], p: int) -> tuple[int, ...]:
+    """Shape of parameter ``name`` (canonical ``shape``) on one of ``p`` TP ranks under ``layout``: the dimension the
+    layout splits divided by ``p`` (a tensor train's core ``i`` split as
+    :meth:`~boost_hf.parallel.layouts.Layout.tensor_train_splits` states)."""
     if p == 1:
-        return elements
+        return shape
     parts = name.split(".")
     if parts[0] == "lm_head":
         dim = 0
@@ -227,46 +267,125 @@ def _local_elements(layout, config, name: str, shape: tuple[int, ...], p: int) -
             dim = None
     else:
         dim = None  # the final norm
-    return elements if dim is None else elements // p
+    if dim is None:
+        return shape
+    dim %= len(shape)
+    return tuple(n // p if i == dim else n for i, n in enumerate(shape))
 
 
-_RANK_PARAMETERS: dict[tuple, list[RankParameters]] = {}
+def _elements(shape: tuple[int, ...]) -> int:
+    elements = 1
+    for n in shape:
+        elements *= n
+    return elements
+
+
+@dataclass(frozen=True)
+class _Tensor:
+    """One parameter tensor of a TP rank: its local ``shape``, whether AdamW decays it, whether it is a decoder
+    layer's GEMM weight (what autocast copies)."""
+
+    shape: tuple[int, ...]
+    decays: bool
+    matrix: bool
+
+    @property
+    def elements(self) -> int:
+        return _elements(self.shape)
+
+
+@dataclass(frozen=True)
+class _Part:
+    """What one pipeline stage (a part, :mod:`boost_hf.parallel.parts`) holds on one TP rank: its decoder layers'
+    tensors, layer by layer, and the rest (the embedding on the first stage, the final norm and LM head on the last)."""
+
+    layers: tuple[tuple[_Tensor, ...], ...]
+    rest: tuple[_Tensor, ...]
+
+
+_RANK_PARTS: dict[tuple, list[list[_Part]]] = {}
+
+
+def _rank_parts(config, parallel: ParallelConfig) -> list[list[_Part]]:
+    """Per pipeline rank, the parts (stages) it holds, first to last, with their TP-local tensors."""
+    key = (_config_key(config), type(config), parallel.tp_style, parallel.tp_size, parallel.pp_size,
+           parallel.stages_per_rank, parallel.pp_layer_split)
+    if key not in _RANK_PARTS:
+        layout = layout_for(config, parallel)
+        layer_template: dict[int, list[_Tensor]] = {0: [], 1: []}
+        outside: dict[str, _Tensor] = {}
+        for name, shape, decays in _skeleton(key[0], type(config)):
+            tensor = _Tensor(_local_shape(layout, config, name, shape, parallel.tp_size), decays,
+                             len(shape) == 2 or ".cores." in name)
+            if name.startswith("model.layers."):
+                layer_template[int(name.split(".")[2])].append(tensor)
+            else:
+                outside[name] = tensor
+        if config.num_hidden_layers == 1:
+            layer_template[1] = layer_template[0]
+        stages = parallel.stage_layers(config.num_hidden_layers)
+        last = parallel.num_stages - 1
+        embedding = outside.pop("model.embed_tokens.weight")
+        parts = [_Part(tuple(tuple(layer_template[min(i, 1)]) for i in stages[s]),
+                       ((embedding,) if s == 0 else ()) + (tuple(outside.values()) if s == last else ()))
+                 for s in range(parallel.num_stages)]
+        _RANK_PARTS[key] = [[parts[s] for s in range(parallel.num_stages) if s % parallel.pp_size == rank]
+                            for rank in range(parallel.pp_size)]
+    return _RANK_PARTS[key]
+
+
+@dataclass(frozen=True)
+class PartUnits:
+    """FSDP2's units of one part (a pipeline stage, or the whole model) on one TP rank, as
+    :func:`~boost_hf.parallel.fully_shard.units_of` makes them: ``layers``, one per decoder layer (``fsdp_units``
+    ``decoder_layers``), and the ``root``: the rest of the part (its embedding, final norm and LM head), or the whole
+    part under ``fsdp_units`` ``model``; ``None`` where nothing is left (a middle pipeline stage)."""
+
+    layers: tuple[FullyShardUnit, ...]
+    root: FullyShardUnit | None
+
+    @property
+    def units(self) -> tuple[FullyShardUnit, ...]:
+        return self.layers + ((self.root,) if self.root is not None else ())
+
+
+def unit_elements(unit: FullyShardUnit) -> int:
+    """Elements of ``unit``'s parameters as they are (no padding): its unsharded gradients'."""
+    return sum(_elements(shape) for shape in unit.shapes)
+
+
+def fully_shard_units(config, parallel: ParallelConfig, data_parallel: DataParallelConfig) -> list[list[PartUnits]]:
+    """Per pipeline rank, the FSDP2 units of each part it holds (TP-local shapes; each decoder layer resharding after
+    forward as :func:`~boost_hf.parallel.fully_shard.reshards_after_forward` says for ``data_parallel``'s policy, the
+    root only under ``always``), what the trainer's :func:`~boost_hf.parallel.fully_shard.units_of` finds on the
+    built model (``tests/perf/test_memory_measured.py``)."""
+    pipeline, policy = parallel.pp_size > 1, data_parallel.fsdp_reshard_after_forward
+    apart = data_parallel.fsdp_units == "decoder_layers"
+    out = []
+    for parts in _rank_parts(config, parallel):
+        rank = []
+        for part in parts:
+            layers = part.layers if apart else ()
+            rest = part.rest if apart else (*(t for layer in part.layers for t in layer), *part.rest)
+            rank.append(PartUnits(
+                tuple(FullyShardUnit(tuple(t.shape for t in layer), reshards_after_forward(policy, i, len(layers), pipeline))
+                      for i, layer in enumerate(layers)),
+                FullyShardUnit(tuple(t.shape for t in rest), policy == "always") if rest else None,
+            ))
+        out.append(rank)
+    return out
 
 
 def rank_parameters(config, parallel: ParallelConfig) -> list[RankParameters]:
-    """Per pipeline rank, the parameter tensors one of its TP ranks holds (local element counts)."""
-    key = (_config_key(config), type(config), parallel.tp_style, parallel.tp_size, parallel.pp_size,
-           parallel.stages_per_rank, parallel.pp_layer_split)
-    if key not in _RANK_PARAMETERS:
-        _RANK_PARAMETERS[key] = _rank_parameters(config, parallel, key[0])
-    return _RANK_PARAMETERS[key]
-
-
-def _rank_parameters(config, parallel: ParallelConfig, config_json: str) -> list[RankParameters]:
-    layout = layout_for(config, parallel)
-    p = parallel.tp_size
-    skeleton = _skeleton(config_json, type(config))
-    layer_template: dict[int, list[tuple[int, bool, bool]]] = {0: [], 1: []}
-    outside: dict[str, tuple[int, bool, bool]] = {}
-    for name, shape, decays in skeleton:
-        local = (_local_elements(layout, config, name, shape, p), decays, len(shape) == 2 or ".cores." in name)
-        if name.startswith("model.layers."):
-            layer_template[int(name.split(".")[2])].append(local)
-        else:
-            outside[name] = local
-    if config.num_hidden_layers == 1:
-        layer_template[1] = layer_template[0]
-    stages = parallel.stage_layers(config.num_hidden_layers)
+    """Per pipeline rank, the parameter tensors one of its TP ranks holds (local element counts): its stages' decoder
+    layers, then the embedding (first stage) and the final norm and LM head (last stage)."""
     ranks = []
-    for rank in range(parallel.pp_size):
-        held = [s for s in range(parallel.num_stages) if s % parallel.pp_size == rank]
-        tensors = [t for s in held for i in stages[s] for t in layer_template[min(i, 1)]]
-        cast = sum(n for n, _, matrix in tensors if matrix)
-        if 0 in held:
-            tensors.append(outside["model.embed_tokens.weight"])
-        if parallel.num_stages - 1 in held:
-            tensors += [outside[name] for name in outside if name != "model.embed_tokens.weight"]
-        ranks.append(RankParameters(tuple(n for n, d, _ in tensors if d), tuple(n for n, d, _ in tensors if not d), cast))
+    for parts in _rank_parts(config, parallel):
+        layers = [t for part in parts for layer in part.layers for t in layer]
+        tensors = layers + [t for part in parts for t in part.rest]
+        ranks.append(RankParameters(tuple(t.elements for t in tensors if t.decays),
+                                    tuple(t.elements for t in tensors if not t.decays),
+                                    sum(t.elements for t in layers if t.matrix)))
     return ranks
 
 
@@ -310,24 +429,33 @@ def wrapped_in_ddp(parallel: ParallelConfig, dp_size: int) -> bool:
 
 
 _STATIC: dict[tuple, list[list[StaticMemory]]] = {}
+DDP = DataParallelConfig()
 
 
 def static_memory(config, parallel: ParallelConfig, *, dp_size: int = 1, precision: str = "autocast",
-                  zero1: bool = False, deepspeed_stage: int | None = None) -> list[list[StaticMemory]]:
-    """Per pipeline rank, per DP rank: the static bytes of one GPU (module docstring)."""
+                  zero1: bool = False, deepspeed_stage: int | None = None,
+                  data_parallel: DataParallelConfig = DDP) -> list[list[StaticMemory]]:
+    """Per pipeline rank, per DP rank: the static bytes of one GPU (module docstring); ``data_parallel``: DDP (the
+    default) or FSDP2 / HSDP (``data_parallel="fsdp2"``, sharded over ``dp_size / dp_replicate_size`` ranks)."""
     key = (_config_key(config), parallel.tp_style, parallel.tp_size, parallel.pp_size, parallel.stages_per_rank,
-           parallel.pp_layer_split, dp_size, precision, zero1, deepspeed_stage)
+           parallel.pp_layer_split, dp_size, precision, zero1, deepspeed_stage, data_parallel)
     if key not in _STATIC:
-        _STATIC[key] = _static_memory(config, parallel, dp_size, precision, zero1, deepspeed_stage)
+        _STATIC[key] = _static_memory(config, parallel, dp_size, precision, zero1, deepspeed_stage, data_parallel)
     return _STATIC[key]
 
 
 def _static_memory(config, parallel: ParallelConfig, dp_size: int, precision: str, zero1: bool,
-                   deepspeed_stage: int | None) -> list[list[StaticMemory]]:
+                   deepspeed_stage: int | None, data_parallel: DataParallelConfig) -> list[list[StaticMemory]]:
     policy = precision_bytes(precision)
+    if data_parallel.fully_sharded and (zero1 or deepspeed_stage is not None):
+        raise ValueError("FSDP2 shards the optimizer state itself: it runs without --zero1_optimizer and DeepSpeed.")
     if deepspeed_stage is not None:
         return [[_deepspeed_static(params, policy, dp_size, deepspeed_stage)] * dp_size
                 for params in rank_parameters(config, parallel)]
+    if fully_sharded(data_parallel, dp_size):
+        shard = data_parallel.shard_size(dp_size)
+        return [[_fully_sharded_static(parts, policy, shard, dp_rank % shard) for dp_rank in range(dp_size)]
+                for parts in _rank_parts(config, parallel)]
     out = []
     for params in rank_parameters(config, parallel):
         n = params.elements
@@ -343,6 +471,30 @@ def _static_memory(config, parallel: ParallelConfig, dp_size: int, precision: st
     return out
 
 
+def fully_sharded(data_parallel: DataParallelConfig, dp_size: int) -> bool:
+    """Whether FSDP2 shards anything: asked for, over more than one DP rank (at dp 1 the trainer runs as without
+    it)."""
+    return data_parallel.fully_sharded and dp_size > 1
+
+
+def _shard_rows(rows: int, shard: int, index: int) -> int:
+    """Rows of a dim 0 of ``rows`` that shard ``index`` of ``shard`` holds: torch's ``chunk`` (``ceil(rows / shard)``
+    each, the last ones fewer or none)."""
+    chunk = -(-rows // shard)
+    return max(0, min(chunk, rows - index * chunk))
+
+
+def _fully_sharded_static(parts: list[_Part], policy: PrecisionBytes, shard: int, index: int) -> StaticMemory:
+    """FSDP2's static bytes on shard ``index`` of ``shard`` (module docstring): every tensor's dim 0 padded to a
+    multiple of ``shard``, ``1/shard`` of it held as the parameter (the fp32 master under ``bf16_params``) and its
+    gradient; AdamW's moments of the rows this shard holds (unpadded) and one ``step`` per tensor."""
+    tensors = [t for part in parts for t in (*(t for layer in part.layers for t in layer), *part.rest)]
+    padded = sum(FullyShardUnit((t.shape,), False).padded_elements(shard) for t in tensors) // shard
+    held = sum(_shard_rows(t.shape[0] if t.shape else 1, shard, index) * _elements(t.shape[1:]) for t in tensors)
+    return StaticMemory(padded * (policy.master or policy.parameter), 0, padded * policy.gradient, 0,
+                        held * policy.moments + len(tensors) * ADAMW_STEP_BYTES)
+
+
 def _deepspeed_static(params: RankParameters, policy: PrecisionBytes, dp: int, stage: int) -> StaticMemory:
     """DeepSpeed ZeRO ``stage``'s bytes per GPU (the ZeRO paper's accounting, module docstring)."""
     n = params.elements
@@ -351,6 +503,45 @@ def _deepspeed_static(params: RankParameters, policy: PrecisionBytes, dp: int, s
     gradients = n * half // (dp if stage >= 2 else 1)
     parameters = n * half // (dp if stage >= 3 else 1)
     return StaticMemory(parameters, 0, gradients, 2 * DEEPSPEED_BUCKET_ELEMENTS * half, optimizer)
+
+
+@dataclass(frozen=True)
+class FullyShardWorkingSet:
+    """FSDP2's bytes beyond its shards on one GPU during a step (module docstring): ``gathered_parameters``, the
+    unsharded parameters held at once, and ``unsharded_gradients``, the gradients before their reduce-scatter."""
+
+    gathered_parameters: int
+    unsharded_gradients: int
+
+
+def fully_shard_working_set(parts: list[PartUnits], shard: int, policy: PrecisionBytes, *, pipeline: bool,
+                            accumulating: bool) -> FullyShardWorkingSet:
+    """The working set of one pipeline rank whose parts have ``parts``' units, sharded over ``shard`` ranks, under
+    ``policy`` (gathered in its ``parameter`` dtype, reduced in its ``reduce`` dtype); ``pipeline``: torch's schedule
+    keeps every unit gathered for the whole step; ``accumulating``: the unsharded gradients of every unit are kept from
+    the first micro-batch's backward to the last's (accelerate's ``no_sync``, the pipeline schedule's) (module
+    docstring)."""
+    units = [u for part in parts for u in part.units]
+    if not units:
+        return FullyShardWorkingSet(0, 0)
+    padded = [u.padded_elements(shard) for u in units]
+    stays = [pipeline or not u.reshards_after_forward for u in units]  # gathered from its forward to its backward
+    kept = sum(n for n, stay in zip(padded, stays) if stay)
+    resharding = sorted((n for n, stay in zip(padded, stays) if not stay), reverse=True)
+    gathered = (kept + sum(resharding[:2]) + max(padded)) * policy.parameter  # + the running and prefetched, a flat buffer
+    c, r = policy.parameter, policy.reduce  # a gradient as autograd makes it (the gathered dtype), as it is reduced
+    if accumulating:  # every unit's, in the reduce dtype; the running unit's new gradient; two reduce-scatter inputs
+        elements = [unit_elements(u) for u in units]
+        return FullyShardWorkingSet(gathered, sum(elements) * r + max(elements) * c + 2 * max(padded) * r)
+    cast = r if r != c else 0  # FSDP2 casts a unit's gradients to the reduce dtype before its reduce-scatter
+    roots = [part.root for part in parts if part.root is not None]
+    root = sum(unit_elements(u) for u in roots)
+    layers = [u for part in parts for u in part.layers]
+    layer = max((unit_elements(u) for u in layers), default=0)
+    layer_padded = max((u.padded_elements(shard) for u in layers), default=0)
+    while_a_layer_reduces = (root * c + layer * (c + cast) + 2 * layer_padded * r) if layers else 0
+    while_the_root_reduces = root * (c + cast) + sum(u.padded_elements(shard) for u in roots) * r + layer_padded * r
+    return FullyShardWorkingSet(gathered, max(while_a_layer_reduces, while_the_root_reduces))
 
 
 # ---------------------------------------------------------------------------------------------- activations
@@ -385,7 +576,7 @@ def embedding_saved_bytes(config, parallel: ParallelConfig, tokens: int) -> int:
 @dataclass(frozen=True)
 class MemoryBreakdown:
     """Bytes on one GPU of one pipeline rank (its fullest DP rank), by what holds them (module docstring).
-    ``activations`` is ``None`` where the layout's activations without checkpointing are not modelled. ``save_host``:
+    ``gathered_parameters`` and ``unsharded_gradients``: FSDP2's working set (0 without it). ``activations`` is ``None`` where the layout's activations without checkpointing are not modelled. ``save_host``:
     the host memory an asynchronous save (``--save_async``) holds on this rank, its shards (fp32 parameters and the
     optimizer state); a synchronous save holds one tensor at a time, and neither adds GPU memory."""
 
@@ -395,6 +586,8 @@ class MemoryBreakdown:
     gradients: int
     gradient_buckets: int
     optimizer_states: int
+    gathered_parameters: int
+    unsharded_gradients: int
     activations: int | None
     weight_copies: int
     transient: int
@@ -410,7 +603,8 @@ class MemoryBreakdown:
         """Peak bytes (``None`` when the activations are not modelled)."""
         if self.activations is None:
             return None
-        return self.static + self.activations + self.weight_copies + self.transient + self.framework
+        return (self.static + self.gathered_parameters + self.unsharded_gradients + self.activations
+                + self.weight_copies + self.transient + self.framework)
 
     def parts(self) -> dict[str, int | None]:
         """GPU bytes by part, for a report."""
@@ -460,17 +654,28 @@ def _micro_batch_bytes(config, parallel: ParallelConfig, tokens: int, seq_len: i
 
 def memory_per_gpu(config, parallel: ParallelConfig, *, micro_batch: int, seq_len: int, num_micro_batches: int,
                    dp_size: int = 1, precision: str = "autocast", zero1: bool = False,
-                   deepspeed_stage: int | None = None, framework: Framework = FRAMEWORK) -> list[MemoryBreakdown]:
+                   deepspeed_stage: int | None = None, data_parallel: DataParallelConfig = DDP,
+                   framework: Framework = FRAMEWORK) -> list[MemoryBreakdown]:
     """Per pipeline rank, the peak bytes of its fullest GPU while training (module docstring). ``num_micro_batches``:
-    the pipeline's ``m`` (the micro-batches of a step at ``pp_size`` 1, which run one after the other)."""
+    the pipeline's ``m`` (the micro-batches of a step at ``pp_size`` 1, which run one after the other);
+    ``data_parallel``: DDP (with ``zero1``) or FSDP2 / HSDP."""
     policy = precision_bytes(precision)
     parallel = replace(parallel, pp_microbatches=None)
     pp, v, m, tokens = parallel.pp_size, parallel.stages_per_rank, num_micro_batches, micro_batch * seq_len
     stages = parallel.stage_layers(config.num_hidden_layers)
-    statics = static_memory(config, parallel, dp_size=dp_size, precision=precision, zero1=zero1, deepspeed_stage=deepspeed_stage)
+    statics = static_memory(config, parallel, dp_size=dp_size, precision=precision, zero1=zero1,
+                            deepspeed_stage=deepspeed_stage, data_parallel=data_parallel)
     params = rank_parameters(config, parallel)
     kept = _micro_batch_bytes(config, parallel, tokens, seq_len, precision)
     communicators = 1 + sum(size > 1 for size in (parallel.tp_size, pp, dp_size))
+    sharded = fully_sharded(data_parallel, dp_size)
+    if sharded:
+        shard = data_parallel.shard_size(dp_size)
+        communicators += shard > 1 and data_parallel.dp_replicate_size > 1  # HSDP: a shard and a replica group
+        working_sets = [fully_shard_working_set(parts, shard, policy, pipeline=pp > 1, accumulating=pp > 1 or m > 1)
+                        for parts in fully_shard_units(config, parallel, data_parallel)]
+    else:
+        working_sets = [FullyShardWorkingSet(0, 0)] * pp
     checkpointed = parallel.activation_checkpointing != "none"
     out = []
     for rank in range(pp):
@@ -495,15 +700,18 @@ def memory_per_gpu(config, parallel: ParallelConfig, *, micro_batch: int, seq_le
             transient = max(kept.working_set * (2 if checkpointed else 1) if layers else 0,
                             weight_copies if checkpointed else 0)
         static = max(statics[rank], key=lambda b: b.total)
-        dynamic = None if activations is None or transient is None else activations + copies + transient
+        working = working_sets[rank]
+        dynamic = None if activations is None or transient is None else (
+            activations + copies + transient + working.gathered_parameters + working.unsharded_gradients)
         out.append(MemoryBreakdown(
             pp_rank=rank, parameters=static.parameters, masters=static.masters, gradients=static.gradients,
             gradient_buckets=static.gradient_buckets, optimizer_states=static.optimizer_states,
+            gathered_parameters=working.gathered_parameters, unsharded_gradients=working.unsharded_gradients,
             activations=None if dynamic is None else activations, weight_copies=copies,
             transient=transient or 0,
             framework=framework.cuda_context + communicators * framework.nccl_per_communicator
             + round(framework.fragmentation * (dynamic or 0)),
-            save_host=params[rank].elements * 4 + static.optimizer_states,
+            save_host=(static.parameters if sharded else params[rank].elements * 4) + static.optimizer_states,
         ))
     return out
 
@@ -528,14 +736,20 @@ __all__ = [
     "ADAMW_STEP_BYTES",
     "NO_DECAY_PATTERNS",
     "decay_parameter_names",
+    "DDP",
     "FRAMEWORK",
     "Framework",
+    "FullyShardWorkingSet",
     "MemoryBreakdown",
+    "PartUnits",
     "PRECISION_BYTES",
     "PrecisionBytes",
     "RankParameters",
     "StaticMemory",
     "fits",
+    "fully_shard_units",
+    "fully_shard_working_set",
+    "fully_sharded",
     "embedding_saved_bytes",
     "head_saved_bytes",
     "kept_without_checkpointing",
@@ -543,6 +757,7 @@ __all__ = [
     "precision_bytes",
     "rank_parameters",
     "static_memory",
+    "unit_elements",
     "wrapped_in_ddp",
     "zero1_shares",
 ]

@@ -10,24 +10,34 @@ The search space is :class:`~boost_hf.parallel.config.ParallelConfig`'s fields (
   every micro-batch in flight, so it never wins); ``pp_microbatches`` (at ``pp_size`` 1, the gradient accumulation
   steps): every split of the replica's batch into equal micro-batches that torch's schedule runs;
 * ``sequence_parallel`` (tp > 1, not vanilla), ``activation_checkpointing`` (``none``, ``lowrank`` for a low-rank
-  model, ``full``: tried fastest first, the first that fits is kept for each layout), ``--zero1_optimizer`` (dp > 1)
-  and the precision policy (:data:`~boost_hf.perf.memory.PRECISION_BYTES`: ``autocast`` and ``bf16_params`` on GPUs,
-  ``fp32`` on CPU); ``--grad_reduce_dtype bf16`` is the user's to give (it rounds the gradients' sum), not searched.
+  model, ``full``: tried fastest first, for each layout and data-parallel option the first that fits is kept) and the
+  precision policy (:data:`~boost_hf.perf.memory.PRECISION_BYTES`: ``autocast`` and ``bf16_params`` on GPUs, ``fp32``
+  on CPU); ``--grad_reduce_dtype bf16`` is the user's to give (it rounds the gradients' sum), not searched;
+* how the DP ranks hold the model (:class:`~boost_hf.data_parallel_config.DataParallelConfig`'s fields, any given
+  fixes it; :func:`data_parallel_options`): DDP, DDP with ``--zero1_optimizer`` (dp > 1), FSDP2 over the whole DP
+  group and, when the DP group (``tp * dp`` adjacent GPUs) spans several nodes, HSDP with one replica per node it
+  spans (``dp_replicate_size`` = those nodes, each shard group inside a node, only HSDP's all-reduce of ``1/S`` of
+  the gradients across nodes; :func:`replica_sizes`); FSDP2 only at dp > 1, never with ZeRO-1 (training refuses it),
+  with torchtitan's reshard policy and one unit per decoder layer unless given.
 
-Each candidate's step time is :func:`~boost_hf.perf.estimator.estimate_layout`'s (DP all-reduce and ZeRO-1 included)
-and its memory :func:`~boost_hf.perf.memory.memory_per_gpu`'s; a candidate fits when its fullest GPU's peak is at
-most the GPU memory. Nothing is built or run (the model's parameter shapes come from a meta-device skeleton).
+Each candidate's step time is :func:`~boost_hf.perf.estimator.estimate_layout`'s (DP all-reduce and ZeRO-1, or FSDP2's
+all-gathers and reduce-scatters, included) and its memory :func:`~boost_hf.perf.memory.memory_per_gpu`'s (FSDP2's
+shards and working set included); a candidate fits when its fullest GPU's peak is at most the GPU memory. Nothing is
+built or run (the model's parameter shapes come from a meta-device skeleton). The report says by how much the best
+FSDP2 and HSDP layouts win or lose against the best DDP / ZeRO-1 one (:func:`data_parallel_comparison`); the command
+passes ``--data_parallel fsdp2`` and ``--dp_replicate_size`` as training takes them.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 
+from ..data_parallel_config import DATA_PARALLEL_BACKENDS, DataParallelConfig
 from ..parallel.config import ParallelConfig
 from .estimator import LayoutEstimate, estimate_layout
 from .hardware import Hardware
 from .kernels import CALIBRATED_EFFICIENCY, KernelEfficiency
-from .memory import GIB, MemoryBreakdown, fits, memory_per_gpu
+from .memory import DDP, GIB, MemoryBreakdown, fits, memory_per_gpu
 from .pipeline import engine_refusal
 from .workload import Workload
 
@@ -63,9 +73,10 @@ class Cluster:
 
 @dataclass(frozen=True)
 class Candidate:
-    """One layout of the search: the ``parallel`` config (``pp_microbatches`` set under PP), ``dp`` replicas, each
-    step ``num_micro_batches`` micro-batches of ``micro_batch`` sequences per replica (at ``pp_size`` 1 they are
-    gradient accumulation steps), ``zero1`` and the ``precision`` policy."""
+    """One layout of the search: the ``parallel`` config (``pp_microbatches`` set under PP), ``dp`` data-parallel
+    ranks, each step ``num_micro_batches`` micro-batches of ``micro_batch`` sequences per DP rank (at ``pp_size`` 1
+    they are gradient accumulation steps), ``zero1``, the ``precision`` policy and how the DP ranks hold the model
+    (``data_parallel``: DDP, or FSDP2 / HSDP)."""
 
     parallel: ParallelConfig
     dp: int
@@ -74,10 +85,27 @@ class Candidate:
     zero1: bool
     precision: str
     grad_reduce_dtype: str | None = None  # "bf16": bf16_params' DP all-reduce in bf16
+    data_parallel: DataParallelConfig = DDP
 
     @property
     def replica_batch(self) -> int:
         return self.micro_batch * self.num_micro_batches
+
+    @property
+    def family(self) -> str:
+        """How the DP ranks hold the model: ``ddp``, ``zero1`` (DDP with ZeRO-1), ``fsdp2`` (sharded over every DP
+        rank) or ``hsdp`` (replicas of FSDP2)."""
+        if self.data_parallel.fully_sharded:
+            return "hsdp" if self.data_parallel.dp_replicate_size > 1 else "fsdp2"
+        return "zero1" if self.zero1 else "ddp"
+
+    def describe_data_parallel(self) -> str:
+        dp = self.data_parallel
+        if self.family == "fsdp2":
+            return "FSDP2"
+        if self.family == "hsdp":
+            return f"HSDP {dp.dp_replicate_size}x{dp.shard_size(self.dp)}"
+        return "ZeRO-1" if self.zero1 else ""
 
     def describe(self) -> str:
         p = self.parallel
@@ -88,8 +116,8 @@ class Candidate:
         if p.sequence_parallel:
             parts.append("SP")
         parts.append(f"ckpt {p.activation_checkpointing}")
-        if self.zero1:
-            parts.append("ZeRO-1")
+        if self.describe_data_parallel():
+            parts.append(self.describe_data_parallel())
         parts.append(self.precision + (" (bf16 grad reduce)" if self.grad_reduce_dtype == "bf16" else ""))
         return ", ".join(parts)
 
@@ -116,12 +144,20 @@ class Evaluated:
 @dataclass
 class PlanResult:
     """The fitting candidates fastest first; the best candidate of each (tp, pp) and what each needs; how many
-    candidates were tried."""
+    candidates were tried; ``evaluated``: every candidate whose memory was modelled, in the order tried."""
 
     ranked: list[Evaluated]
     smallest: list[Evaluated]  # the least memory of each (tp, pp) that fits nowhere, least first
     unmodelled: list[Candidate] = field(default_factory=list)
     tried: int = 0
+    evaluated: list[Evaluated] = field(default_factory=list)
+
+    def best_of_each_family(self) -> dict[str, Evaluated]:
+        """The fastest fitting candidate of each data-parallel family (:attr:`Candidate.family`) that has one."""
+        best: dict[str, Evaluated] = {}
+        for e in self.ranked:
+            best.setdefault(e.candidate.family, e)
+        return best
 
 
 def check_positive(**sizes) -> None:
@@ -190,55 +226,92 @@ def candidates(config, cluster: Cluster, seq_len: int, global_batch: int, fixed:
                         yield parallel, dp, replica // m, m
 
 
+def replica_sizes(parallel: ParallelConfig, dp: int, cluster: Cluster, given: int | None = None) -> list[int]:
+    """The ``dp_replicate_size`` values FSDP2 is tried with: ``given`` (where it divides ``dp``), else 1 (FSDP2 over
+    the whole DP group) and, when the DP group spans several nodes, one replica per node it spans (HSDP: each shard
+    group inside a node, only the replicas' all-reduce across nodes; the DP group is ``tp * dp`` adjacent GPUs)."""
+    if given is not None:
+        return [given] if dp % given == 0 else []
+    spanned = -(-parallel.tp_size * dp // cluster.hardware.gpus_per_node)
+    return [1] + ([spanned] if 1 < spanned < dp and dp % spanned == 0 else [])
+
+
+def data_parallel_options(parallel: ParallelConfig, dp: int, cluster: Cluster, fixed: dict,
+                          zero1_options: tuple[bool, ...] | None) -> list[tuple[DataParallelConfig, bool]]:
+    """How the ``dp`` ranks of a layout may hold the model, as ``(DataParallelConfig, zero1)``: DDP without and with
+    ZeRO-1 (``zero1_options``), FSDP2 and HSDP (:func:`replica_sizes`; dp > 1; never with ZeRO-1, which training
+    refuses). ``fixed``: the :class:`~boost_hf.data_parallel_config.DataParallelConfig` fields the user gave
+    (``data_parallel`` a tuple of backends)."""
+    backends = fixed.get("data_parallel") or DATA_PARALLEL_BACKENDS
+    out: list[tuple[DataParallelConfig, bool]] = []
+    if "ddp" in backends:
+        zero1s = zero1_options if zero1_options is not None else ((False, True) if dp > 1 else (False,))
+        out += [(DDP, zero1) for zero1 in dict.fromkeys(z and dp > 1 for z in zero1s)]
+    settings = {name: fixed[name] for name in ("fsdp_reshard_after_forward", "fsdp_units") if fixed.get(name) is not None}
+    if "fsdp2" in backends and dp > 1 and not (parallel.pp_size > 1 and settings.get("fsdp_reshard_after_forward") == "always"):
+        out += [(DataParallelConfig("fsdp2", replicas, **settings), False)
+                for replicas in replica_sizes(parallel, dp, cluster, fixed.get("dp_replicate_size"))]
+    return out
+
+
 def plan(config, cluster: Cluster, *, seq_len: int, global_batch: int, fixed: dict | None = None,
          precisions: tuple[str, ...] = ("autocast",), zero1_options: tuple[bool, ...] | None = None,
-         grad_reduce_dtype: str | None = None, efficiency: KernelEfficiency = CALIBRATED_EFFICIENCY) -> PlanResult:
+         data_parallel: dict | None = None, grad_reduce_dtype: str | None = None,
+         efficiency: KernelEfficiency = CALIBRATED_EFFICIENCY) -> PlanResult:
     """Search every layout of ``config`` on ``cluster`` for steps of ``global_batch`` sequences of ``seq_len`` tokens
-    (module docstring); ``fixed``: ``ParallelConfig`` field -> value the search keeps. ``grad_reduce_dtype``
-    (``"bf16"``) applies to the ``bf16_params`` candidates: it changes the gradients' rounding, so it is the
-    user's choice, not searched."""
-    fixed = dict(fixed or {})
+    (module docstring); ``fixed``: ``ParallelConfig`` field -> value the search keeps; ``data_parallel``:
+    ``DataParallelConfig`` field -> value it keeps (``data_parallel``: the backends to try, a tuple). For each
+    structural layout and data-parallel option (:func:`data_parallel_options`) the checkpointing modes are tried
+    fastest first and the first that fits is kept. ``grad_reduce_dtype`` (``"bf16"``) applies to the ``bf16_params``
+    candidates: it changes the gradients' rounding, so it is the user's choice, not searched."""
+    fixed, data_parallel = dict(fixed or {}), dict(data_parallel or {})
     check_positive(seq_len=seq_len, global_batch=global_batch,
-                   **{name: value for name, value in fixed.items() if isinstance(value, int) and not isinstance(value, bool)})
+                   **{name: value for name, value in {**fixed, **data_parallel}.items()
+                      if isinstance(value, int) and not isinstance(value, bool)})
     cache: dict = {}
     low_rank = config.bottleneck is not None
     modes = [fixed["activation_checkpointing"]] if "activation_checkpointing" in fixed else \
         [m for m in CHECKPOINTING_ORDER if low_rank or m != "lowrank"]
-    ranked, unmodelled, tried = [], [], 0
+    ranked, unmodelled, evaluated, tried = [], [], [], 0
     smallest: dict[tuple[int, int], Evaluated] = {}
     for parallel, dp, micro_batch, m in candidates(config, cluster, seq_len, global_batch, fixed):
-        zero1s = zero1_options if zero1_options is not None else ((False, True) if dp > 1 else (False,))
+        layouts = []
         for mode in modes:
             layout = replace(parallel, activation_checkpointing=mode)
             try:
                 layout.check_model(config)
             except ValueError:
                 continue
-            fitting = []
-            for precision in precisions:
-                for zero1 in zero1s:
+            layouts.append(layout)
+        for sharding, zero1 in data_parallel_options(parallel, dp, cluster, data_parallel, zero1_options):
+            for layout in layouts:
+                fitting = []
+                for precision in precisions:
                     tried += 1
                     reduce = grad_reduce_dtype if precision == "bf16_params" and dp > 1 else None
-                    candidate = Candidate(layout, dp, micro_batch, m, zero1 and dp > 1, precision, reduce)
+                    candidate = Candidate(layout, dp, micro_batch, m, zero1, precision, reduce, sharding)
                     memory = memory_per_gpu(config, layout, micro_batch=micro_batch, seq_len=seq_len, num_micro_batches=m,
-                                            dp_size=dp, precision=precision, zero1=candidate.zero1)
+                                            dp_size=dp, precision=precision, zero1=zero1, data_parallel=sharding)
                     ok, peak = fits(memory, cluster.memory_bytes)
-                    evaluated = Evaluated(candidate, memory, peak, ok)
+                    result = Evaluated(candidate, memory, peak, ok)
                     if ok is None:
                         unmodelled.append(candidate)
                     elif ok:
-                        fitting.append(evaluated)
+                        fitting.append(result)
                     else:
+                        evaluated.append(result)
                         key = (layout.tp_size, layout.pp_size)
                         if key not in smallest or peak < smallest[key].peak_bytes:
-                            smallest[key] = evaluated
-            if fitting:
-                ranked += [replace(e, estimate=_estimate(config, e.candidate, seq_len, cluster, efficiency, cache)) for e in fitting]
-                break  # a slower checkpointing mode of the same layout only loses
+                            smallest[key] = result
+                if fitting:
+                    timed = [replace(e, estimate=_estimate(config, e.candidate, seq_len, cluster, efficiency, cache)) for e in fitting]
+                    ranked += timed
+                    evaluated += timed
+                    break  # a slower checkpointing mode of the same layout only loses
     ranked.sort(key=lambda e: (e.step_s, e.peak_bytes))
     fitting_keys = {(e.candidate.parallel.tp_size, e.candidate.parallel.pp_size) for e in ranked}
     never = sorted((e for key, e in smallest.items() if key not in fitting_keys), key=lambda e: e.peak_bytes)
-    return PlanResult(ranked, never, unmodelled, tried)
+    return PlanResult(ranked, never, unmodelled, tried, evaluated)
 
 
 def _estimate(config, candidate: Candidate, seq_len: int, cluster: Cluster, efficiency: KernelEfficiency,
@@ -247,7 +320,7 @@ def _estimate(config, candidate: Candidate, seq_len: int, cluster: Cluster, effi
     workload = Workload(replace(parallel, pp_microbatches=None), micro_batch=candidate.micro_batch, seq_len=seq_len,
                         num_micro_batches=candidate.num_micro_batches, dp_size=candidate.dp,
                         zero1_optimizer=candidate.zero1, precision=candidate.precision,
-                        grad_reduce_dtype=candidate.grad_reduce_dtype,
+                        grad_reduce_dtype=candidate.grad_reduce_dtype, data_parallel=candidate.data_parallel,
                         dtype_bytes=4 if candidate.precision == "fp32" else 2)
     return estimate_layout(config, parallel.tp_style, workload, cluster.hardware, efficiency, cache=cache)
 
@@ -259,7 +332,7 @@ def why_slower(winner: Evaluated, other: Evaluated) -> str:
     deltas = {c: b.breakdown_s[c] - a.breakdown_s[c] for c in a.breakdown_s}
     deltas["pipeline bubble"] = b.bubble_s - a.bubble_s
     grown = sorted(((d, c) for c, d in deltas.items() if d > 0.0005 * a.step_time_s), reverse=True)[:2]
-    names = {"tp_comm": "TP communication", "pp_comm": "stage transfers", "dp_comm": "DP all-reduce", "gemm": "GEMMs",
+    names = {"tp_comm": "TP communication", "pp_comm": "stage transfers", "dp_comm": "DP communication", "gemm": "GEMMs",
              "memory": "element-wise traffic", "attention": "attention", "optimizer": "optimizer step"}
     detail = ", ".join(f"{names.get(c, c)} +{d * 1e3:.0f} ms" for d, c in grown)
     return f"{b.step_time_s / a.step_time_s - 1:+.1%}" + (f" ({detail})" if detail else "")
@@ -267,8 +340,9 @@ def why_slower(winner: Evaluated, other: Evaluated) -> str:
 
 def training_arguments(candidate: Candidate, *, seq_len: int) -> list[str]:
     """The ``boost-hf train`` overrides that run ``candidate`` (the training arguments' names of
-    :mod:`boost_hf.parallel.settings`): every layout field the search decided, the batch split, the sequence length,
-    ZeRO-1 and the precision (``--bf16``; ``--precision_policy`` where the trainer has it)."""
+    :mod:`boost_hf.parallel.settings` and :mod:`boost_hf.data_parallel_config`): every layout field the search
+    decided, the batch split, the sequence length, ZeRO-1, the precision (``--bf16``; ``--precision_policy`` where the
+    trainer has it) and FSDP2's settings (``--data_parallel fsdp2``, ``--dp_replicate_size`` for HSDP)."""
     from ..parallel.settings import TRAINING_NAMES
 
     p = candidate.parallel
@@ -298,6 +372,10 @@ def training_arguments(candidate: Candidate, *, seq_len: int) -> list[str]:
              "--bf16", str(candidate.precision != "fp32").lower()]
     if candidate.precision != "fp32":  # named, whichever policy is the trainer's default with bf16
         args += ["--precision_policy", candidate.precision]
+    sharding = candidate.data_parallel
+    if sharding.fully_sharded:  # the DataParallelConfig fields that are not the default, under their own names
+        args += [arg for f in fields(sharding) if getattr(sharding, f.name) != f.default
+                 for arg in (f"--{f.name}", str(getattr(sharding, f.name)))]
     if candidate.grad_reduce_dtype == "bf16":
         args += ["--grad_reduce_dtype", "bf16"]
     if p.sequence_parallel:
@@ -419,11 +497,14 @@ def _gib(nbytes: int | None) -> float | None:
     return None if nbytes is None else round(nbytes / GIB, 2)
 
 
-def _record(evaluated: Evaluated, inputs: PlanInputs, cluster: Cluster, command: str | None, best: Evaluated | None) -> dict:
+def _record(evaluated: Evaluated, inputs: PlanInputs, cluster: Cluster, command: str | None, best: Evaluated | None,
+            listed: str) -> dict:
     c, p = evaluated.candidate, evaluated.candidate.parallel
     e = evaluated.estimate
     fullest = evaluated.fullest
+    sharding = c.data_parallel
     record = {
+        "listed": listed,
         "tp": p.tp_size, "pp": p.pp_size, "dp": c.dp, "tp_style": p.tp_style,
         "pp_schedule": p.pp_schedule if p.pp_size > 1 else None,
         "pp_stages_per_rank": p.stages_per_rank if p.pp_size > 1 else None,
@@ -432,6 +513,9 @@ def _record(evaluated: Evaluated, inputs: PlanInputs, cluster: Cluster, command:
         "gradient_accumulation_steps": 1 if p.pp_size > 1 else c.num_micro_batches,
         "sequence_parallel": p.sequence_parallel, "activation_checkpointing": p.activation_checkpointing,
         "zero1": c.zero1, "precision": c.precision, "grad_reduce_dtype": c.grad_reduce_dtype,
+        "data_parallel": sharding.data_parallel, "data_parallel_family": c.family,
+        "dp_replicate_size": sharding.dp_replicate_size if sharding.fully_sharded else None,
+        "dp_shard_size": sharding.shard_size(c.dp) if sharding.fully_sharded else None,
         "memory_gb_per_gpu": _gib(evaluated.peak_bytes),
         "memory_gb_by_pipeline_rank": [_gib(b.total) for b in evaluated.memory],
         "memory_breakdown_gb": {k: _gib(v) for k, v in fullest.parts().items()},
@@ -455,13 +539,62 @@ def _record(evaluated: Evaluated, inputs: PlanInputs, cluster: Cluster, command:
 PART_LABELS = {
     "parameters": "parameters", "masters": "fp32 master weights", "gradients": "gradients",
     "gradient_buckets": "DDP gradient buckets", "optimizer_states": "AdamW state", "activations": "activations kept",
+    "gathered_parameters": "FSDP2 gathered parameters", "unsharded_gradients": "FSDP2 unsharded gradients",
     "weight_copies": "autocast weight copies", "transient": "backward working set", "framework": "CUDA/NCCL/allocator",
 }
+FAMILY_NAMES = {"ddp": "DDP", "zero1": "DDP + ZeRO-1", "fsdp2": "FSDP2", "hsdp": "HSDP"}
+
+
+def data_parallel_comparison(result: PlanResult) -> list[str]:
+    """Lines saying by how much the best FSDP2 and HSDP layouts win or lose against the best DDP / ZeRO-1 one (step
+    time and memory per GPU), and what FSDP2 changes at that very layout; ``[]`` when either side has no fitting
+    layout."""
+    best = result.best_of_each_family()
+    unsharded = [best[f] for f in ("ddp", "zero1") if f in best]
+    sharded = [best[f] for f in ("fsdp2", "hsdp") if f in best]
+    if not unsharded or not sharded:
+        return []
+    reference = min(unsharded, key=lambda e: (e.step_s, e.peak_bytes))
+
+    def versus(e: Evaluated) -> str:
+        return (f"{e.step_s:.3f} s ({e.step_s / reference.step_s - 1:+.1%}), {e.peak_bytes / GIB:.1f} GiB per GPU "
+                f"({(e.peak_bytes - reference.peak_bytes) / GIB:+.1f} GiB)")
+
+    name = FAMILY_NAMES[reference.candidate.family]
+    lines = ["", f"FSDP2 / HSDP against the best {name} layout ({reference.candidate.describe()}: {reference.step_s:.3f} s, "
+                 f"{reference.peak_bytes / GIB:.1f} GiB per GPU):"]
+    lines += [f"  best {FAMILY_NAMES[e.candidate.family]}: {e.candidate.describe()}: {versus(e)}" for e in sharded]
+
+    def structure(c: Candidate) -> tuple:  # the layout but its data parallelism and checkpointing
+        return (replace(c.parallel, activation_checkpointing="none"), c.dp, c.micro_batch, c.num_micro_batches, c.precision)
+
+    def preference(e: Evaluated) -> tuple:  # the fastest that fits, else the smallest
+        return (0, e.step_s) if e.fits else (1, e.peak_bytes)
+
+    at_reference: dict[str, Evaluated] = {}
+    for e in result.evaluated:  # FSDP2 / HSDP at the reference's layout
+        family = e.candidate.family
+        if family in ("fsdp2", "hsdp") and structure(e.candidate) == structure(reference.candidate):
+            if family not in at_reference or preference(e) < preference(at_reference[family]):
+                at_reference[family] = e
+    for family, e in sorted(at_reference.items()):
+        label = f"{e.candidate.describe_data_parallel()} at that layout" + (
+            f" (ckpt {e.candidate.parallel.activation_checkpointing})"
+            if e.candidate.parallel.activation_checkpointing != reference.candidate.parallel.activation_checkpointing else "")
+        if e.fits:
+            lines.append(f"  {label}: {versus(e)}")
+        else:
+            lines.append(f"  {label}: does not fit, {e.peak_bytes / GIB:.1f} GiB per GPU "
+                         f"({(e.peak_bytes - reference.peak_bytes) / GIB:+.1f} GiB)")
+    return lines
 
 
 def plan_report(result: PlanResult, inputs: PlanInputs, cluster: Cluster, *, accelerate_config_path: str,
-                top: int = 5) -> PlanReport:
-    """The text and JSON of a plan, the winner's accelerate config and the command that runs each layout."""
+                top: int = 5, every: bool = False) -> PlanReport:
+    """The text and JSON of a plan, the winner's accelerate config and the command that runs each layout. The JSON
+    lists the ``top`` fitting layouts, the best of each data-parallel family (DDP, ZeRO-1, FSDP2, HSDP) not among
+    them and the least memory of each tp x pp that fits nowhere; ``every``: every evaluated candidate instead (the
+    fitting ones fastest first, each with its time, then the others, least memory first)."""
     cpu = cluster.hardware.name == "cpu"
     config, hw = inputs.config, cluster.hardware
     best = result.ranked[0] if result.ranked else None
@@ -471,8 +604,15 @@ def plan_report(result: PlanResult, inputs: PlanInputs, cluster: Cluster, *, acc
         return launch_command(cluster, accelerate_config_path, inputs.recipe, args)
 
     shown = result.ranked[:top]
-    layouts = [_record(e, inputs, cluster, command(e), best) for e in shown]
-    layouts += [_record(e, inputs, cluster, None, None) for e in result.smallest[:top]]
+    layouts = [_record(e, inputs, cluster, command(e), best, "top") for e in shown]
+    if every:
+        layouts += [_record(e, inputs, cluster, command(e), best, "fits") for e in result.ranked[top:]]
+        layouts += [_record(e, inputs, cluster, None, None, "does not fit")
+                    for e in sorted((e for e in result.evaluated if not e.fits), key=lambda e: e.peak_bytes)]
+    else:
+        layouts += [_record(e, inputs, cluster, command(e), best, f"best {family}")
+                    for family, e in result.best_of_each_family().items() if all(e is not s for s in shown)]
+        layouts += [_record(e, inputs, cluster, None, None, "smallest of its tp x pp") for e in result.smallest[:top]]
     kind = "CPU processes" if cpu else f"{hw.name} ({hw.memory_gb:g} GiB, {hw.gpus_per_node} per node, {cluster.nodes} node(s))"
     model = (f"{inputs.name} ({config.num_hidden_layers} layers, d {config.hidden_size}, "
              + (f"r {config.rank}" if config.bottleneck else "full rank") + ")")
@@ -514,6 +654,7 @@ def plan_report(result: PlanResult, inputs: PlanInputs, cluster: Cluster, *, acc
         lines += ["", "the best of each other tp x pp, and why it loses:"]
         lines += [f"  {e.candidate.describe()}: {e.step_s:.3f} s, {why_slower(best, e)}" for e in others]
         lines += [f"  {e.candidate.describe()}: does not fit, needs {e.peak_bytes / GIB:.1f} GiB" for e in result.smallest[:top]]
+    lines += data_parallel_comparison(result)
     mixed = "no" if best.candidate.precision == "fp32" else "bf16"
     text_config = accelerate_config(cluster, cpu=cpu, mixed_precision=mixed)
     lines += ["", f"accelerate config written to {accelerate_config_path}; run #1"
@@ -522,4 +663,4 @@ def plan_report(result: PlanResult, inputs: PlanInputs, cluster: Cluster, *, acc
     return PlanReport("\n".join(lines), layouts, text_config)
 
 
-__all__ = ["CHECKPOINTING_ORDER", "PlanInputs", "PlanReport", "plan_inputs", "plan_report", "accelerate_config", "launch_command", "training_arguments", "Candidate", "Cluster", "Evaluated", "PlanResult", "candidates", "plan", "why_slower"]
+__all__ = ["CHECKPOINTING_ORDER", "PlanInputs", "PlanReport", "plan_inputs", "plan_report", "accelerate_config", "launch_command", "training_arguments", "Candidate", "Cluster", "Evaluated", "PlanResult", "candidates", "data_parallel_comparison", "data_parallel_options", "plan", "replica_sizes", "why_slower"]

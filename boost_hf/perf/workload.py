@@ -3,8 +3,9 @@ layout runs for a size (megatron the full-rank one, vanilla and btp the low-rank
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 
+from ..data_parallel_config import DataParallelConfig
 from ..parallel.config import SEQUENCE_PARALLEL_STYLES, ParallelConfig
 from ..parallel.sequence_parallel import check_sequence_length
 from ..parallel.settings import field_of
@@ -42,8 +43,12 @@ class Workload:
             ``ParallelConfig`` does not hold (noted in :attr:`~boost_hf.perf.estimator.Estimate.notes`).
         dtype_bytes: bytes per activation element (2: bf16); the saved residual stream is counted in fp32, as
             mixed precision (fp32 weights, bf16 autocast) keeps it.
-        dp_size: data-parallel replicas (1: no gradient all-reduce). zero1_optimizer: the optimizer state sharded
+        dp_size: data-parallel ranks (1: no gradient reduction). zero1_optimizer: the optimizer state sharded
             over them (torch's ``ZeroRedundancyOptimizer``: ``1/dp`` of the step, then a broadcast of the parameters).
+        data_parallel: how the DP ranks hold the model (:class:`~boost_hf.data_parallel_config.DataParallelConfig`,
+            the training arguments' ``--data_parallel``, ``--dp_replicate_size``, ...): DDP's all-reduce (the default),
+            or FSDP2's all-gathers and reduce-scatters (HSDP's all-reduce across replicas); FSDP2 runs without
+            ``zero1_optimizer``, as training refuses it.
         precision: the precision policy whose casts are timed (``"autocast"``, ``"bf16_params"``, ``"fp32"``; ``None``:
             not modelled, as the calibration ran). grad_reduce_dtype: ``"bf16"`` halves the DP all-reduce's bytes
             (``bf16_params`` only, ``--grad_reduce_dtype``); ``None``/``"fp32"``: the policy's.
@@ -63,11 +68,12 @@ class Workload:
     zero1_optimizer: bool
     precision: str | None
     grad_reduce_dtype: str | None
+    data_parallel: DataParallelConfig
 
     def __init__(self, parallel_config: ParallelConfig | None = None, *, micro_batch: int = 4, seq_len: int = 4096,
                  num_micro_batches: int | None = None, dtype_bytes: int = 2, dp_size: int = 1,
                  zero1_optimizer: bool = False, precision: str | None = None, grad_reduce_dtype: str | None = None,
-                 **layout) -> None:
+                 data_parallel: DataParallelConfig | None = None, **layout) -> None:
         parallel = parallel_config or ParallelConfig()
         layout = {field_of(name): value for name, value in layout.items()}
         given = {m for m in (num_micro_batches, layout.pop("pp_microbatches", None), parallel.pp_microbatches) if m is not None}
@@ -83,9 +89,16 @@ class Workload:
             object.__setattr__(self, name, value)
         if precision is not None or grad_reduce_dtype is not None:
             precision_bytes(precision or "autocast", grad_reduce_dtype)  # a known policy (and reduction)
+        data_parallel = data_parallel or DataParallelConfig()
+        if data_parallel.fully_sharded:
+            if zero1_optimizer:
+                raise ValueError("Workload: FSDP2 shards the optimizer state itself; zero1_optimizer is refused with it "
+                                 "(as training refuses --zero1_optimizer with --data_parallel fsdp2).")
+            data_parallel.shard_size(dp_size)  # dp_replicate_size divides dp_size
         object.__setattr__(self, "zero1_optimizer", bool(zero1_optimizer))
         object.__setattr__(self, "precision", precision)
         object.__setattr__(self, "grad_reduce_dtype", grad_reduce_dtype)
+        object.__setattr__(self, "data_parallel", data_parallel)
         check_schedule(parallel.pp_schedule, parallel.pp_stages_per_rank)
         if parallel.sequence_parallel:  # (at tp_size 1 every length splits)
             check_sequence_length(seq_len, parallel.tp_size)
@@ -121,7 +134,7 @@ class Workload:
                 "num_micro_batches": self.num_micro_batches, "stages_per_rank": self.stages_per_rank,
                 "dtype_bytes": self.dtype_bytes, "tokens_per_micro_batch": self.tokens, "dp_size": self.dp_size,
                 "zero1_optimizer": self.zero1_optimizer, "precision": self.precision,
-                "grad_reduce_dtype": self.grad_reduce_dtype}
+                "grad_reduce_dtype": self.grad_reduce_dtype, **asdict(self.data_parallel)}
 
 
 __all__ = ["Workload", "full_rank_counterpart", "low_rank_counterpart"]

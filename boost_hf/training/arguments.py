@@ -21,6 +21,7 @@ from transformers import TrainingArguments
 
 from ..parallel.config import ParallelConfig
 from ..parallel.settings import config_of_training_arguments, parse_layer_split, training_fields
+from ..data_parallel_config import data_parallel_training_fields
 from ..precision_config import precision_training_fields
 from ..optim.loro import EPSILON_PLACEMENTS, LOWRANK_OPTIMIZERS
 from ..optim.loro_schedule import authors_schedule_shift, check_authors_schedule
@@ -28,7 +29,7 @@ from .stack import check_training_stack
 from .compatibility import check_settings, settings_from_accelerate
 from .health import NONFINITE_POLICIES
 from .preemption import DEFAULT_EXIT_SIGNALS, parse_exit_signals
-from .precision import resolve_precision
+from .precision import PrecisionPolicy, resolve_precision
 from .watchdog import enter_phase, exit_with_launcher, ranks_never_started, watch_launch
 
 logger = logging.getLogger(__name__)
@@ -114,16 +115,24 @@ PrecisionArguments = make_dataclass("PrecisionArguments", precision_training_fie
 PrecisionArguments.__doc__ = """The precision fields of :class:`BoostTrainingArguments`: :class:`~boost_hf.precision_config.PrecisionConfig`'s,
 generated from its declaration (names, ``Literal`` choices, defaults, help)."""
 PrecisionArguments.__module__ = __name__
+DataParallelArguments = make_dataclass("DataParallelArguments", data_parallel_training_fields(), kw_only=True)
+DataParallelArguments.__doc__ = """The data-parallel fields of :class:`BoostTrainingArguments`:
+:class:`~boost_hf.data_parallel_config.DataParallelConfig`'s, generated from its declaration (names, ``Literal`` choices,
+defaults, help)."""
+DataParallelArguments.__module__ = __name__
 
 
 @dataclass(kw_only=True)
-class BoostTrainingArguments(LayoutArguments, PrecisionArguments, TrainingArguments):
+class BoostTrainingArguments(LayoutArguments, PrecisionArguments, DataParallelArguments, TrainingArguments):
     """Training arguments of boost-hf: ``TrainingArguments``, the layout fields of :class:`LayoutArguments` (those of
     :class:`~boost_hf.parallel.config.ParallelConfig`, whose help says what each does: ``tp_size``, ``tp_style``,
     ``rmsnorm``, ``group_linears``, ``activation_checkpointing_mode``, ``sequence_parallel``, ``pp_size``,
     ``pp_schedule``, ``pp_microbatches``, ``pp_stages_per_rank``, ``pp_layer_split``), the precision fields of
     :class:`PrecisionArguments` (those of :class:`~boost_hf.precision_config.PrecisionConfig`: ``precision_policy``,
-    ``grad_reduce_dtype``, ``fp32_residual``), and:
+    ``grad_reduce_dtype``, ``fp32_residual``), the data-parallel fields of :class:`DataParallelArguments` (those of
+    :class:`~boost_hf.data_parallel_config.DataParallelConfig`: ``data_parallel``, ``dp_replicate_size``,
+    ``fsdp_reshard_after_forward``, ``fsdp_units``; FSDP2 asked for through transformers' ``--fsdp``, an accelerate
+    config or ``parallelism_config`` is written onto them, :mod:`boost_hf.training.compatibility`), and:
 
     Args:
         peak_tflops: dense peak TFLOP/s of one device, the denominator of MFU (default: the GPU preset of
@@ -299,7 +308,7 @@ class BoostTrainingArguments(LayoutArguments, PrecisionArguments, TrainingArgume
         if not self.exit_after_minutes >= 0:
             raise ValueError(f"exit_after_minutes must be >= 0 (0: no time budget), got {self.exit_after_minutes}.")
         self.to_parallel_config()  # validate the layout fields now, not after the model is built
-        resolve_precision(self)  # validate the precision fields (--bf16, accelerate's mixed precision, DeepSpeed's bf16)
+        self.precision  # resolved once, here: the precision fields (--bf16, accelerate's mixed precision, DeepSpeed's bf16)
         if self.sequence_parallel and self.tp_size > 1 and self.sample_max_new_tokens > 0:
             raise ValueError(
                 f"sequence_parallel=True cannot generate the end-of-training sample (sample_max_new_tokens="
@@ -313,6 +322,13 @@ class BoostTrainingArguments(LayoutArguments, PrecisionArguments, TrainingArgume
                 "step already accumulates the gradients of its micro-batches. Use gradient_accumulation_steps=1 and raise "
                 "per_device_train_batch_size (split into pp_microbatches micro-batches) instead."
             )
+
+    @cached_property
+    def precision(self) -> PrecisionPolicy:
+        """The precision policy these arguments ask for (:func:`~boost_hf.training.precision.resolve_precision`),
+        resolved once, when the arguments are built: every reader (the trainer, its checkpoints' layout record) takes
+        this one."""
+        return resolve_precision(self)
 
     @cached_property
     def _setup_devices(self) -> torch.device:
@@ -349,4 +365,4 @@ class BoostTrainingArguments(LayoutArguments, PrecisionArguments, TrainingArgume
         return config_of_training_arguments(self, model_config)
 
 
-__all__ = ["BoostTrainingArguments", "LayoutArguments", "default_peak_tflops", "CPU_PEAK_TFLOPS"]
+__all__ = ["BoostTrainingArguments", "DataParallelArguments", "LayoutArguments", "default_peak_tflops", "CPU_PEAK_TFLOPS"]

@@ -86,15 +86,20 @@ def save_checkpoint(trainer, trial) -> None:
 
 def run_layout(trainer, optimizer_records: list[dict] | None = None) -> dict:
     """This run's PP x TP x DP sizes, ZeRO stage, global batch, precision policy (its record: what computes,
-    stores, accumulates and reduces in which dtype) and, given, the optimizer record of each pipeline rank
+    stores, accumulates and reduces in which dtype), data parallelism (DDP, or FSDP2's shard and replica sizes) and,
+    given, the optimizer record of each pipeline rank
     (:func:`optimizer_records`; :mod:`boost_hf.checkpoint.resume`)."""
     state = trainer.parallel_state
     layout = training_layout(tp_size=state.tp_size, dp_size=state.dp_size, pp_size=state.pp_size, zero_stage=trainer.zero_stage,
                              args=trainer.args, optimizer_records=optimizer_records)
+    how = trainer.fully_shard()
+    data_parallel = {"backend": "ddp"} if how is None else {
+        "backend": "fsdp2", "shard_size": how.shard_size, "replicate_size": how.replicate_size,
+        "reshard_after_forward": how.reshard_after_forward, "units": "decoder_layers" if how.layers_apart else "model"}
     # what the published final/ takes from training (the trained context, whether BOS was in the batches): restored by
     # a resume, so a resumed run publishes what the uninterrupted one would
     trained = {"context": trainer.trained_context, "bos_seen": trainer.trained_with_bos}
-    return {**layout, "precision": trainer.precision.record(), "trained": trained}
+    return {**layout, "precision": trainer.precision.record(), "data_parallel": data_parallel, "trained": trained}
 
 
 def optimizer_records(trainer) -> list[dict] | None:

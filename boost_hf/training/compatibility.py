@@ -8,24 +8,40 @@ plugin without ``--deepspeed``), ``ACCELERATE_USE_FSDP``, ``ACCELERATE_USE_PARAL
 exists) reads each setting as it will take effect, so each refusal holds for every way of making it:
 
 * DeepSpeed (:func:`deepspeed_origin`) with ``pp_size > 1``, ``--zero1_optimizer``, ``--lowrank_optimizer loro``,
-  ``--nonfinite skip_step``, or ``ACCELERATE_USE_CPU`` (with which accelerate silently drops DeepSpeed);
-* FSDP (``--fsdp`` or ``ACCELERATE_USE_FSDP``): boost-hf lays out TP x PP x DP itself;
+  ``--nonfinite skip_step``, ``--data_parallel fsdp2``, or ``ACCELERATE_USE_CPU`` (with which accelerate silently
+  drops DeepSpeed);
+* FSDP2 (``--data_parallel fsdp2``, however asked for) with ``--zero1_optimizer`` or ``--lowrank_optimizer loro``; FSDP
+  version 1; the FSDP settings boost-hf does not apply (:func:`fully_shard_from_fsdp_settings`);
 * ``--zero1_optimizer`` with LORO.
 
 What accelerate's config sets and boost-hf can honour is copied onto the arguments (:func:`settings_from_accelerate`),
 so the rest of boost-hf reads one place: ``mixed_precision`` (``--bf16`` / ``--fp16``), ``dynamo_backend``
-(``--torch_compile``: per decoder layer) and ``parallelism_config`` (:func:`layout_from_parallelism_config`):
+(``--torch_compile``: per decoder layer), ``parallelism_config`` (:func:`layout_from_parallelism_config`) and FSDP
+(:func:`fully_shard_from_fsdp_settings`):
 
 * ``tp_size`` -> ``--tp_size`` (boost-hf's own TP layouts, not accelerate's); ``dp_replicate_size`` -> the data
   parallelism, checked to be ``world / (tp_size x pp_size)`` (boost-hf's DP is what is left of the world);
-* ``dp_shard_size`` (FSDP), ``cp_size`` (context parallelism), ``sp_size`` (DeepSpeed's Ulysses) are refused, each
-  naming boost-hf's nearest setting;
+  ``dp_shard_size`` -> ``--data_parallel fsdp2`` over that many ranks (with ``dp_replicate_size``: HSDP,
+  ``--dp_replicate_size``), ``dp_replicate_size x dp_shard_size`` checked to be the data parallelism;
+* ``cp_size`` (context parallelism), ``sp_size`` (DeepSpeed's Ulysses) are refused, each naming boost-hf's nearest
+  setting;
+* FSDP, from an accelerate config (``distributed_type: FSDP``: ``ACCELERATE_USE_FSDP`` and ``FSDP_*``) or from
+  transformers' ``--fsdp`` / ``--fsdp_config``, parsed by accelerate's own ``FullyShardedDataParallelPlugin``: version 2
+  -> ``--data_parallel fsdp2``, its ``reshard_after_forward`` -> ``--fsdp_reshard_after_forward always|never``, its
+  auto-wrap policy -> ``--fsdp_units`` (``TRANSFORMER_BASED_WRAP``: each decoder layer; ``NO_WRAP``: the whole model),
+  its ``activation_checkpointing`` -> ``--activation_checkpointing_mode full``; ``cpu_ram_efficient_loading`` holds
+  always (each rank reads only its own slices of ``--init_from``: :func:`without_accelerate_parallelism` hides the
+  variables from transformers' loading as well); ``state_dict_type`` either way (boost-hf's checkpoints are
+  per-rank shards, its ``final/`` the whole model); version 1 and the settings boost-hf does not apply (CPU offload,
+  size-based wrapping, other layer classes, its own mixed-precision policy, ignored modules) are refused naming the
+  fix;
 * one layout, two ways of writing it: a size set by both ``parallelism_config`` and a flag or the recipe must agree
   (else refused, naming both), a flag or recipe value of 1 included: ``--tp_size`` is unset (``None``) unless given.
   On accelerate's side a size of 1 sets nothing (accelerate's default, which ``accelerate launch`` always writes).
 
-accelerate itself then never sees ``parallelism_config``: the trainer creates its ``Accelerator`` without it
-(:func:`accelerator_without_parallelism_config`), or accelerate would build its own device mesh and TP on top.
+accelerate itself then never applies ``parallelism_config`` or FSDP: the trainer creates its ``Accelerator`` without
+them (:func:`without_accelerate_parallelism`), or accelerate would build its own device mesh, TP and
+``fully_shard`` over the whole world on top; boost-hf applies FSDP2 over each TP x PP rank's DP group.
 
 To refuse a new combination, add a check here and a row to ``tests/training/test_refusals.py``.
 """
@@ -33,9 +49,11 @@ To refuse a new combination, add a check here and a row to ``tests/training/test
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 
+from ..data_parallel_config import DataParallelConfig
 from ..optim.loro import LORO_WITHOUT_DEEPSPEED
 from .zero1 import ZERO1_WITH_DEEPSPEED, ZERO1_WITH_LORO
 
@@ -45,10 +63,6 @@ ACCELERATE_DEEPSPEED = (
     "(e.g. accelerate_configs/cpu-4proc.yaml, gpu-8.yaml) or unset it."
 )
 PARALLELISM_SIZES = ("dp_replicate", "dp_shard", "tp", "cp", "sp")
-SHARD_OPTIMIZER_STATE = (
-    "To shard the optimizer state over the data-parallel group use --zero1_optimizer (any layout) or DeepSpeed "
-    "ZeRO-1/2/3 (pp_size 1; accelerate_configs/*-zero*.yaml)"
-)
 
 logger = logging.getLogger(__name__)
 
@@ -66,9 +80,74 @@ def deepspeed_origin(args) -> str | None:
 
 
 def fsdp_origin(args) -> str | None:
+    """What asks for FSDP, as transformers and accelerate decide it: transformers' ``--fsdp`` (``fsdp:`` in a recipe),
+    ``ACCELERATE_USE_FSDP`` (an accelerate config with ``distributed_type: FSDP``), or ``None``."""
     if args.fsdp:
         return f"--fsdp {args.fsdp}"
     return "ACCELERATE_USE_FSDP=true (an accelerate config with distributed_type: FSDP)" if _env_flag("ACCELERATE_USE_FSDP") else None
+
+
+#: the decoder layer class names an FSDP ``transformer_cls_names_to_wrap`` may name (boost-hf's units)
+DECODER_LAYER_CLASSES = ("BoostLlamaDecoderLayer",)
+
+
+def _set_agreeing(args, name: str, value, default, origin: str) -> None:
+    """``args.<name> = value`` unless a flag or the recipe set it otherwise (not ``default``): then refused."""
+    given = getattr(args, name)
+    if given not in (default, value):
+        raise ValueError(f"{origin} sets {name}={value!r} but the flag or the recipe sets {name}={given!r}: one setting, "
+                         "written twice, differently. Set one of them (or both to the same value).")
+    setattr(args, name, value)
+
+
+def fully_shard_from_fsdp_settings(args) -> None:
+    """Honour FSDP asked for through transformers' ``--fsdp`` / ``--fsdp_config`` or an accelerate config (see the
+    module docstring): parsed by accelerate's ``FullyShardedDataParallelPlugin`` (from the arguments as transformers
+    builds it, or from the ``FSDP_*`` variables), written onto boost-hf's ``--data_parallel fsdp2`` settings;
+    ``ValueError`` naming the fix for FSDP version 1 and for what boost-hf does not apply. No collective. transformers
+    and accelerate then never see FSDP (``args.fsdp`` is cleared; the trainer hides ``ACCELERATE_USE_FSDP`` while it
+    creates its ``Accelerator``)."""
+    origin = fsdp_origin(args)
+    if origin is None:
+        return
+    from accelerate.utils import FullyShardedDataParallelPlugin
+    from torch.distributed.fsdp import CPUOffloadPolicy
+    from transformers import TrainingArguments
+
+    if isinstance(args.fsdp_config, str) and args.fsdp_config.lstrip().startswith("{"):  # a recipe's mapping, as JSON
+        args.fsdp_config = json.loads(args.fsdp_config)
+    settings = TrainingArguments._process_fsdp_args(args) if args.fsdp else {}  # as the Trainer builds its plugin
+    version = int(settings.get("fsdp_version", os.environ.get("FSDP_VERSION", "1")))  # (accelerate's default: 1)
+    if version != 2:
+        raise ValueError(
+            f"FSDP version {version} ({origin}) is not supported: FSDP1 (FullyShardedDataParallel) flattens "
+            "the parameters, which breaks boost-hf's tensor-parallel shards and their checkpoints. Use FSDP2: "
+            "fsdp_version: 2 in the accelerate config (or fsdp_config {\"version\": 2}, or --data_parallel fsdp2)."
+        )
+    plugin = FullyShardedDataParallelPlugin(**settings)  # the rest from the accelerate config's FSDP_* variables
+    unsupported = {
+        "CPU offload (fsdp_offload_params / cpu_offload)": isinstance(plugin.cpu_offload, CPUOffloadPolicy),
+        "activation_checkpointing_offload": plugin.activation_checkpointing_offload,
+        "ignored_modules": plugin.ignored_modules is not None,
+        "a mixed_precision_policy of FSDP's own (boost-hf's comes from --bf16 and --precision_policy)": plugin.mixed_precision_policy is not None,
+        "SIZE_BASED_WRAP (boost-hf's units are the decoder layers: TRANSFORMER_BASED_WRAP, or NO_WRAP for one unit)":
+            getattr(plugin.auto_wrap_policy, "__name__", "") == "size_based_auto_wrap_policy",
+    }
+    names = plugin.transformer_cls_names_to_wrap
+    if names and not set(names) <= set(DECODER_LAYER_CLASSES):
+        unsupported[f"transformer_cls_names_to_wrap {names} (boost-hf's units are {', '.join(DECODER_LAYER_CLASSES)})"] = True
+    refused = [name for name, given in unsupported.items() if given]
+    if refused:
+        raise ValueError(f"FSDP ({origin}) asks for {'; '.join(refused)}, which boost-hf's FSDP2 does not apply: remove "
+                         f"{'it' if len(refused) == 1 else 'them'} from the FSDP settings.")
+    _set_agreeing(args, "data_parallel", "fsdp2", "ddp", origin)
+    _set_agreeing(args, "fsdp_reshard_after_forward", "always" if plugin.reshard_after_forward else "never", "default", origin)
+    _set_agreeing(args, "fsdp_units", "decoder_layers" if plugin.auto_wrap_policy is not None else "model", "decoder_layers", origin)
+    if plugin.activation_checkpointing and args.activation_checkpointing_mode == "none":
+        args.activation_checkpointing_mode = "full"
+    args.fsdp, args.fsdp_config = None, None  # boost-hf applies it; transformers must not build its own plugin
+    logger.info("%s honoured: --data_parallel fsdp2, reshard after forward %s, units %s", origin,
+                args.fsdp_reshard_after_forward, args.fsdp_units)
 
 
 def accelerate_parallelism(args) -> tuple[str, dict[str, int]] | None:
@@ -91,13 +170,6 @@ def accelerate_parallelism(args) -> tuple[str, dict[str, int]] | None:
 def unsupported_parallelism(sizes: dict[str, int], origin: str) -> str | None:
     """The refusal of the first size of accelerate's ``ParallelismConfig`` that boost-hf has no equivalent of (``sizes``
     as :func:`accelerate_parallelism` gives them), naming the boost-hf setting to use; ``None`` when all map."""
-    if sizes.get("dp_shard", 1) > 1:
-        return (
-            f"{origin} sets dp_shard_size={sizes['dp_shard']}: accelerate would shard the model over those ranks with FSDP, "
-            "which boost-hf does not support: boost-hf shards the model itself (tp_size, pp_size) and its checkpoints "
-            f"gather those shards. {SHARD_OPTIMIZER_STATE}; for plain data parallelism leave dp_shard_size out (the data "
-            "parallelism is what is left of the world, or dp_replicate_size)."
-        )
     if sizes.get("cp", 1) > 1:
         return (
             f"{origin} sets cp_size={sizes['cp']}: context parallelism (each rank attends over its part of the sequence) "
@@ -117,10 +189,11 @@ def unsupported_parallelism(sizes: dict[str, int], origin: str) -> str | None:
 
 def layout_from_parallelism_config(args) -> None:
     """Honour accelerate's ``parallelism_config`` on ``args`` (no collective; every rank reads the same arguments and
-    environment): its ``tp_size`` becomes ``args.tp_size`` (``None``: not given; 1 without either), its
-    ``dp_replicate_size`` must equal ``WORLD_SIZE / (tp_size
-    x pp_size)``; ``ValueError`` naming the fix for what does not map (:func:`unsupported_parallelism`) and for a size
-    that a flag or the recipe sets otherwise. ``args.parallelism_config`` is then ``None``: accelerate must not apply it."""
+    environment): its ``tp_size`` becomes ``args.tp_size`` (``None``: not given; 1 without either); its
+    ``dp_shard_size`` (FSDP2's) ``--data_parallel fsdp2``, with its ``dp_replicate_size`` as HSDP's
+    ``--dp_replicate_size``; ``dp_replicate_size x dp_shard_size`` must equal ``WORLD_SIZE / (tp_size x pp_size)``;
+    ``ValueError`` naming the fix for what does not map (:func:`unsupported_parallelism`) and for a size that a flag or
+    the recipe sets otherwise. ``args.parallelism_config`` is then ``None``: accelerate must not apply it."""
     found = accelerate_parallelism(args)
     if found is None:
         args.tp_size = 1 if args.tp_size is None else args.tp_size
@@ -136,31 +209,40 @@ def layout_from_parallelism_config(args) -> None:
             "the recipe): one layout, written twice, differently. Set one of them (or both to the same value)."
         )
     args.tp_size = args.tp_size if args.tp_size is not None else tp or 1
-    dp = sizes.get("dp_replicate", 1)
+    replicate, shard = sizes.get("dp_replicate", 1), sizes.get("dp_shard", 1)
+    dp = replicate * shard
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if dp > 1 and dp * args.tp_size * args.pp_size != world:
+        given = " x ".join(f"{name}_size={sizes[name]}" for name in ("dp_replicate", "dp_shard") if name in sizes)
         raise ValueError(
-            f"{origin} sets dp_replicate_size={dp}, which with tp_size={args.tp_size} x pp_size={args.pp_size} needs "
+            f"{origin} sets {given}, which with tp_size={args.tp_size} x pp_size={args.pp_size} needs "
             f"{dp * args.tp_size * args.pp_size} processes, but {world} are launched (WORLD_SIZE): boost-hf's data "
             "parallelism is what is left of the world, world / (tp_size x pp_size). Launch that many processes, or "
-            "remove dp_replicate_size from parallelism_config."
+            "remove them from parallelism_config."
         )
+    if shard > 1:  # FSDP2 over dp_shard_size ranks, HSDP over dp_replicate_size replicas of them
+        _set_agreeing(args, "data_parallel", "fsdp2", "ddp", origin)
+        _set_agreeing(args, "dp_replicate_size", replicate, 1, origin)
     if sizes:
-        logger.info("%s honoured: tp_size=%d%s", origin, args.tp_size, f", dp={dp}" if dp > 1 else "")
+        logger.info("%s honoured: tp_size=%d%s%s", origin, args.tp_size, f", dp={dp}" if dp > 1 else "",
+                    f", FSDP2 over {shard} ranks x {replicate} replicas" if shard > 1 else "")
     args.parallelism_config = None
 
 
 @contextlib.contextmanager
-def accelerator_without_parallelism_config():
-    """While the ``Accelerator`` is created: without ``ACCELERATE_USE_PARALLELISM_CONFIG``, from which accelerate would
-    build its own ``ParallelismConfig`` (a device mesh, its own TP) after :func:`layout_from_parallelism_config` has
-    put what it honours onto the arguments."""
-    saved = os.environ.pop("ACCELERATE_USE_PARALLELISM_CONFIG", None)
+def without_accelerate_parallelism():
+    """While the ``Accelerator`` is created (and the model built or loaded): without
+    ``ACCELERATE_USE_PARALLELISM_CONFIG`` and ``ACCELERATE_USE_FSDP``, from which accelerate would build its own
+    ``ParallelismConfig`` (a device mesh, its own TP) and FSDP plugin (``fully_shard`` over the whole world), and
+    transformers' ``from_pretrained`` would load the weights on rank 0 only (``cpu_ram_efficient_loading``), after
+    :func:`layout_from_parallelism_config` and :func:`fully_shard_from_fsdp_settings` have put what they honour onto
+    the arguments."""
+    saved = {name: os.environ.pop(name) for name in ("ACCELERATE_USE_PARALLELISM_CONFIG", "ACCELERATE_USE_FSDP")
+             if name in os.environ}
     try:
         yield
     finally:
-        if saved is not None:
-            os.environ["ACCELERATE_USE_PARALLELISM_CONFIG"] = saved
+        os.environ.update(saved)
 
 
 def _refuse_with_deepspeed(message: str, origin: str) -> None:
@@ -194,13 +276,28 @@ def check_settings(args) -> None:
                 "environment), with which accelerate drops DeepSpeed silently. Remove it: boost-hf selects the CPU itself "
                 "when there is no GPU."
             )
-    fsdp = fsdp_origin(args)
-    if fsdp is not None:
-        raise ValueError(
-            f"FSDP ({fsdp}) is not supported: boost-hf shards the model itself (tp_size, pp_size) and its checkpoints "
-            f"gather those shards, which FSDP's flat parameters would break. {SHARD_OPTIMIZER_STATE}, and launch with an "
-            "accelerate config without FSDP."
-        )
+    data_parallel = DataParallelConfig.of(args)
+    if data_parallel.fully_sharded:
+        if deepspeed is not None:
+            _refuse_with_deepspeed(
+                "--data_parallel fsdp2 (FSDP2, however asked for) cannot run with DeepSpeed: both shard the data-parallel "
+                "state and own the gradients. Choose one: FSDP2 (any pp_size) without --deepspeed, or DeepSpeed ZeRO "
+                "(pp_size 1) without FSDP.", deepspeed)
+        if args.zero1_optimizer:
+            raise ValueError(
+                "--zero1_optimizer with --data_parallel fsdp2: FSDP2 shards the optimizer state over the data-parallel "
+                "group already (with the parameters and the gradients), so there is nothing left for ZeRO-1 to shard. "
+                "Drop --zero1_optimizer (or use it with --data_parallel ddp)."
+            )
+        if args.lowrank_optimizer == "loro":
+            raise ValueError(
+                "--lowrank_optimizer loro with --data_parallel fsdp2 is not supported: LORO's exact step needs both "
+                "factors (B and A) of a projection whole on one rank, and FSDP2 shards each over the data-parallel "
+                "group. Use --data_parallel ddp with LORO."
+            )
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        if world % (args.tp_size * args.pp_size) == 0:
+            data_parallel.shard_size(world // (args.tp_size * args.pp_size))
     if args.zero1_optimizer and args.lowrank_optimizer == "loro":
         raise ValueError(ZERO1_WITH_LORO)
 
@@ -209,8 +306,10 @@ def settings_from_accelerate(args) -> None:
     """Copy onto ``args`` what the accelerate config sets and boost-hf honours (flags given explicitly win):
     ``ACCELERATE_MIXED_PRECISION`` -> ``bf16`` / ``fp16``; ``ACCELERATE_DYNAMO_BACKEND`` (and ``_MODE``) ->
     ``torch_compile`` / ``torch_compile_backend`` / ``torch_compile_mode`` (boost-hf compiles each decoder layer);
-    ``parallelism_config`` -> ``tp_size`` (:func:`layout_from_parallelism_config`: a conflict is refused)."""
+    ``parallelism_config`` -> ``tp_size`` and FSDP2 (:func:`layout_from_parallelism_config`: a conflict is refused);
+    FSDP -> ``--data_parallel fsdp2`` (:func:`fully_shard_from_fsdp_settings`)."""
     layout_from_parallelism_config(args)
+    fully_shard_from_fsdp_settings(args)
     precision = os.environ.get("ACCELERATE_MIXED_PRECISION", "no").strip().lower()
     if not (args.bf16 or args.fp16) and precision in ("bf16", "fp16"):
         setattr(args, precision, True)
@@ -224,10 +323,11 @@ def settings_from_accelerate(args) -> None:
 
 __all__ = [
     "accelerate_parallelism",
-    "accelerator_without_parallelism_config",
+    "without_accelerate_parallelism",
     "check_settings",
     "deepspeed_origin",
     "fsdp_origin",
+    "fully_shard_from_fsdp_settings",
     "layout_from_parallelism_config",
     "settings_from_accelerate",
     "unsupported_parallelism",

@@ -28,6 +28,7 @@ from torch import nn
 from transformers.trainer_utils import EvalPrediction
 
 from ..evaluation import batch_sums, sums_of_batch
+from ..parallel.fully_shard import gradients_unsynchronised, reshard
 from ..parallel.parts import PartParallelism, data_parallelism, prepare_part
 from ..parallel.state import ParallelState
 from .health import poison_nonfinite_loss
@@ -54,6 +55,15 @@ class HeldAsIs(nn.Module):
         return self.module(*args, **kwargs)
 
 
+class HeldSharded(HeldAsIs):
+    """What the Trainer holds as its wrapped model under FSDP2 (the model, sharded in place by ``fully_shard``): the
+    model called as it is, with the ``no_sync`` the Trainer enters for every micro-batch of a step but the last (as
+    accelerate's for FSDP2: the gradients accumulate unsharded and are reduced once, with the last micro-batch)."""
+
+    def no_sync(self):
+        return gradients_unsynchronised(self.module)
+
+
 class StepEngine:
     """The steps of a run on this rank's part of the model (see the module docstring)."""
 
@@ -72,6 +82,10 @@ class StepEngine:
         engine owns them); :attr:`wrapped` becomes what the Trainer holds as its wrapped model (``None``: accelerate's
         own wrapping). ``boundary_dtype``: what a pipeline sends between its stages."""
         raise NotImplementedError
+
+    def parts_as_run(self) -> list[nn.Module]:
+        """The parts as the steps run them, after :meth:`wrap` (the FSDP2 roots under ``--data_parallel fsdp2``)."""
+        return self.parts()
 
     def backward_passes_per_step(self, gradient_accumulation_steps: int) -> int:
         """Backward passes reaching each parameter in one optimizer step."""
@@ -137,11 +151,13 @@ class ModelEngine(StepEngine):
              boundary_dtype: torch.dtype | None = None) -> None:
         if self.wrapped is not None:
             return
-        data_parallel = data_parallelism(self.state, masters=masters, deepspeed=deepspeed)
+        data_parallel = data_parallelism(self.state, masters=masters, deepspeed=deepspeed, fully_shard=how.fully_shard is not None)
         how = dataclasses.replace(how, context=None, data_parallel=data_parallel)  # (the Trainer's autocast surrounds it)
         part = prepare_part(self.model, how)
         if how.data_parallel == "none":
             part = HeldAsIs(part)
+        elif how.data_parallel == "fsdp2":  # sharded in place
+            part = HeldSharded(part)
         self.wrapped = part if part is not self.model else None
 
     def train_step(self, model: nn.Module, inputs: dict, trainer_step) -> torch.Tensor:
@@ -158,6 +174,7 @@ class ModelEngine(StepEngine):
             outputs = model(**batch, num_items_in_batch=1, **full_logits)
             totals += batch_sums(outputs.loss, batch["labels"], tokenizer)
             keep_logits(outputs.logits, batch["labels"])
+        reshard(self.model)  # FSDP2: the units kept gathered after forward hold their shards again
         if self.state.dp_group is not None:
             dist.all_reduce(totals, group=self.state.dp_group)
         return totals
@@ -165,8 +182,10 @@ class ModelEngine(StepEngine):
     @torch.no_grad()
     def generate(self, model: nn.Module, input_ids: torch.Tensor, max_new_tokens: int, tokenizer) -> torch.Tensor:
         model.eval()
-        return model.generate(input_ids, max_new_tokens=max_new_tokens, do_sample=False, use_cache=True,
-                              pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+        output = model.generate(input_ids, max_new_tokens=max_new_tokens, do_sample=False, use_cache=True,
+                                pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+        reshard(self.model)
+        return output
 
 
 class PipelineEngine(StepEngine):
@@ -183,13 +202,22 @@ class PipelineEngine(StepEngine):
              boundary_dtype: torch.dtype | None = None) -> None:
         """Each stage prepared by :func:`~boost_hf.parallel.parts.prepare_part` as the pipeline builds it (under
         ``how.context``: the schedule calls the stages), its boundary tensors sent in ``boundary_dtype``; the Trainer
-        holds a :class:`PipelineReplica`."""
+        holds a :class:`PipelineReplica`. Under FSDP2 the stages are prepared at once (``fully_shard`` replaces the
+        parameters, which the optimizer created next must hold)."""
         if self.wrapped is not None:
             return
-        how = dataclasses.replace(how, data_parallel=data_parallelism(self.state, masters=masters, deepspeed=deepspeed, pipeline=True),
-                                  ddp_kwargs={"broadcast_buffers": False, **how.ddp_kwargs}, place=None)
+        data_parallel = data_parallelism(self.state, masters=masters, deepspeed=deepspeed, pipeline=True,
+                                         fully_shard=how.fully_shard is not None)
+        sharded = dataclasses.replace(how.fully_shard, pipeline=True) if how.fully_shard is not None else None
+        how = dataclasses.replace(how, data_parallel=data_parallel, ddp_kwargs={"broadcast_buffers": False, **how.ddp_kwargs},
+                                  place=None, fully_shard=sharded)
         self.pipeline.configure(boundary_dtype=boundary_dtype, wrap=functools.partial(prepare_part, how=how))
+        if data_parallel == "fsdp2":
+            self.pipeline.stage_modules()
         self.wrapped = PipelineReplica(self.model)
+
+    def parts_as_run(self) -> list[nn.Module]:
+        return self.pipeline.stage_modules()
 
     def backward_passes_per_step(self, gradient_accumulation_steps: int) -> int:
         return self.pipeline.parallel.microbatches
@@ -217,7 +245,12 @@ class PipelineEngine(StepEngine):
                 logits = self.model.lm_head.gather_logits(torch.cat(outputs)[:rows])
                 outputs.clear()
                 keep_logits(logits, batch["labels"])
+        self._reshard()
         return totals
+
+    def _reshard(self) -> None:
+        for stage in self.pipeline.stage_modules():
+            reshard(stage)
 
     @property
     def holds_logits(self) -> bool:
@@ -228,7 +261,9 @@ class PipelineEngine(StepEngine):
 
     def generate(self, model: nn.Module, input_ids: torch.Tensor, max_new_tokens: int, tokenizer) -> torch.Tensor:
         self.model.eval()
-        return pipeline_greedy_generate(self.pipeline, input_ids, max_new_tokens, tokenizer.eos_token_id)
+        output = pipeline_greedy_generate(self.pipeline, input_ids, max_new_tokens, tokenizer.eos_token_id)
+        self._reshard()
+        return output
 
     @property
     def absent_parameters(self) -> frozenset[str]:
@@ -241,4 +276,4 @@ def engine_for(model: nn.Module, state: ParallelState, device: torch.device) -> 
     return engine(model, state, device)
 
 
-__all__ = ["HeldAsIs", "ModelEngine", "PipelineEngine", "StepEngine", "engine_for"]
+__all__ = ["HeldAsIs", "HeldSharded", "ModelEngine", "PipelineEngine", "StepEngine", "engine_for"]

@@ -16,14 +16,20 @@ key                            meaning (averaged over the optimizer steps since 
                                (processes x peak_tflops)``, analytic FLOPs of the (low-rank) model
                                (:func:`boost_hf.perf.flops.training_flops_per_token`)
 ``comm_tp_bytes_per_step``     bytes of tensor-parallel collectives issued by this rank (measured,
-                               :class:`~boost_hf.parallel.comm_counter.CommCounter`; activations, forward +
-                               backward)
+                               :class:`~boost_hf.parallel.comm_counter.CommCounter` over the TP group;
+                               activations, forward + backward)
 ``comm_tp_calls_per_step``     number of those collectives
 ``comm_dp_grad_bytes_per_step``  payload of the data-parallel gradient reduction of this rank (its local
                                gradients once per step, in the dtype the precision policy reduces them in: 4
                                bytes per element in fp32, 2 with ``--grad_reduce_dtype bf16`` and DeepSpeed's
                                bf16; 0 without data parallelism). Ring all-reduce moves about twice this over
-                               the wire; ZeRO-3's parameter all-gathers come on top.
+                               the wire; ZeRO-3's parameter all-gathers come on top. Under FSDP2 its
+                               reduce-scatters' inputs (and HSDP's all-reduces), by
+                               :func:`~boost_hf.perf.comm_formula.fully_shard_communication`
+``comm_dp_param_bytes_per_step``  FSDP2 only: the bytes its parameter all-gathers return to this rank in one
+                               step (each unit before its forward, again before its backward when it reshards
+                               after forward), by the same formula (absent where it is not modelled: a pipeline
+                               whose units reshard after forward)
 ``comm_p2p_bytes_per_step``     bytes this rank sends to its pipeline neighbours (each micro-batch's stage
                                output forward, its input gradient backward; it receives as much), counted
                                from :func:`~boost_hf.perf.comm_formula.stage_boundary_communication` for the
@@ -52,14 +58,17 @@ class TrainingMetrics(TrainerCallback):
         dp_size: data-parallel ranks (distinct micro-batches per micro-step).
         peak_tflops: dense peak of one device.
         dp_grad_bytes: bytes of this rank's trainable gradients, reduced over DP each step (0 if dp == 1).
+        dp_param_bytes: FSDP2's parameter all-gather bytes per step (``None``: none, or not modelled).
+        tp_group: the TP group, whose collectives are counted (``None``: none, at tp 1).
     """
 
-    def __init__(self, model_config, *, world_size: int, dp_size: int, peak_tflops: float, dp_grad_bytes: int):
+    def __init__(self, model_config, *, world_size: int, dp_size: int, peak_tflops: float, dp_grad_bytes: int,
+                 dp_param_bytes: int | None = None, tp_group=None):
         self.model_config = model_config
         self.world_size, self.dp_size = world_size, dp_size
         self.peak_flops = peak_tflops * 1e12
-        self.dp_grad_bytes = dp_grad_bytes
-        self.comm = CommCounter()
+        self.dp_grad_bytes, self.dp_param_bytes = dp_grad_bytes, dp_param_bytes
+        self.comm = CommCounter(groups=(tp_group,))  # (FSDP2's collectives over the DP group are not TP's)
         self._clock: float | None = None
         self._reset()
 
@@ -94,6 +103,8 @@ class TrainingMetrics(TrainerCallback):
             "comm_dp_grad_bytes_per_step": float(self.dp_grad_bytes),
             "comm_p2p_bytes_per_step": self.p2p_bytes / self.steps,
         }
+        if self.dp_param_bytes is not None:
+            logs["comm_dp_param_bytes_per_step"] = float(self.dp_param_bytes)
         self._reset()
         return logs
 

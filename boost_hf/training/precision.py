@@ -23,7 +23,11 @@ policy             what runs
                    stream in fp32 (Megatron's ``fp32_residual_connection``, off by default as there), the layers
                    under autocast to bf16 over the bf16 weights (autocast does not cast a bf16 weight).
                    With DeepSpeed's bf16 mode DeepSpeed owns the same scheme: the policy says so and records
-                   the accumulation and reduction dtypes DeepSpeed's configuration gives.
+                   the accumulation and reduction dtypes DeepSpeed's configuration gives. Under FSDP2
+                   (``--data_parallel fsdp2``) FSDP2 owns it: the sharded parameters are the fp32 masters,
+                   gathered in bf16 for each layer's forward and backward, their gradients reduce-scattered in
+                   fp32 (``--grad_reduce_dtype``) and kept in fp32 (``MixedPrecisionPolicy(param_dtype=bf16,
+                   reduce_dtype=fp32)``, :mod:`boost_hf.parallel.fully_shard`); no masters of boost-hf's.
 =================  ===============================================================================================
 
 Bytes per parameter, AdamW (fp32 moments), without ZeRO: fp32 16 (4 parameter + 4 gradient + 8 moments);
@@ -68,6 +72,7 @@ import torch.distributed as dist
 from torch import nn
 from transformers import TrainerCallback
 
+from ..data_parallel_config import DataParallelConfig
 from ..precision_config import PRECISION_POLICIES, PrecisionConfig
 
 GRAD_REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # GradReduceDtype's
@@ -86,7 +91,8 @@ class PrecisionPolicy:
     ``compute_dtype``: the GEMMs' inputs; ``param_dtype``: the parameters the forward and backward read;
     ``master_dtype``: what the optimizer steps and checkpoints hold; ``grad_accumulation_dtype`` /
     ``grad_reduce_dtype``: the gradients across micro-batches and over DP; ``residual_dtype``: the residual stream
-    between decoder layers; ``owner``: who applies it (``"boost-hf"`` or ``"deepspeed"``).
+    between decoder layers; ``owner``: who applies it (``"boost-hf"``, ``"deepspeed"`` or ``"fsdp2"``: FSDP2's
+    ``MixedPrecisionPolicy`` keeps the masters and casts the parameters, boost-hf the autocast and the residual).
     """
 
     name: str
@@ -103,7 +109,7 @@ class PrecisionPolicy:
         """The autocast dtype of the forward, ``None`` for none: autocast runs where the residual or the
         parameters are wider than the compute dtype."""
         wider = self.compute_dtype != self.param_dtype or self.compute_dtype != self.residual_dtype
-        return self.compute_dtype if wider and self.owner == "boost-hf" else None
+        return self.compute_dtype if wider and self.owner != "deepspeed" else None
 
     @property
     def boundary_dtype(self) -> torch.dtype:
@@ -131,7 +137,7 @@ class PrecisionPolicy:
         dtype, is cast back to it; elsewhere the embedding's output is cast only under ``--fp32_residual``). Another
         model is left as it is, unless the policy keeps a wider residual (then it raises: only boost-hf models can)."""
         base = getattr(model, "base_model", model)
-        if self.owner == "boost-hf" and hasattr(type(base), "residual_dtype"):
+        if self.owner != "deepspeed" and hasattr(type(base), "residual_dtype"):
             base.residual_dtype = self.residual_dtype
         elif self.keeps_fp32_residual:
             set_residual_dtype(model, self.residual_dtype)
@@ -199,6 +205,11 @@ def resolve_precision(args) -> PrecisionPolicy:
                 "parameters, so its gradients and residual are fp32 already): pass --precision_policy bf16_params, or "
                 "drop them."
             )
+        if half == torch.float16 and DataParallelConfig.of(args).fully_sharded:
+            raise ValueError(
+                "fp16 autocast needs a gradient scaler that unscales FSDP2's sharded gradients, which boost-hf does not "
+                "run: use --bf16 true (bf16 needs no loss scaling) with --data_parallel fsdp2."
+            )
         if half == torch.float16 and getattr(args, "pp_size", 1) > 1:
             raise ValueError(
                 "fp16 autocast needs a gradient scaler, which the pipeline schedule does not run: use --bf16 true "
@@ -214,6 +225,7 @@ def resolve_precision(args) -> PrecisionPolicy:
         "bf16_params", compute_dtype=torch.bfloat16, param_dtype=torch.bfloat16,
         grad_reduce_dtype=GRAD_REDUCE_DTYPES[reduce or "fp32"],
         residual_dtype=torch.float32 if fp32_residual else torch.bfloat16,
+        owner="fsdp2" if DataParallelConfig.of(args).fully_sharded else "boost-hf",
     )
 
 

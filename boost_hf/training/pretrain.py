@@ -51,6 +51,12 @@ def main(argv: list[str]) -> None:
     training_args = trainer.args
     if trainer.is_world_process_zero():
         print(trainer.precision.describe())
+        how = trainer.fully_shard()
+        if how is not None:
+            print(f"data parallelism FSDP2 (fully_shard) over {how.shard_size} ranks"
+                  + (f" in each of {how.replicate_size} replicas (HSDP)" if how.replicate_size > 1 else "")
+                  + f", reshard after forward {how.reshard_after_forward}, units "
+                  + ("each decoder layer, then the rest" if how.layers_apart else "the whole model"))
     # "auto": a job script's first launch and its requeues alike; decided on rank 0 for every rank
     resume = resume_checkpoint(training_args.output_dir, training_args.resume_from_checkpoint)
     if trainer.run.training_is_complete(resume) and trainer.run.final_is_published():

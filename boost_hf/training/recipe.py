@@ -19,7 +19,6 @@ import json
 import os
 import typing
 from dataclasses import dataclass, field, fields, make_dataclass
-from pathlib import Path
 
 import yaml
 from datasets import Dataset
@@ -31,6 +30,7 @@ from ..data import DEFAULT_VALIDATION_PERCENT, build_lm_datasets, load_tokenizer
 from ..modeling_boost_llama import BoostLlamaForCausalLM
 from ..parallel.config import ParallelConfig
 from .arguments import BoostTrainingArguments
+from .compatibility import without_accelerate_parallelism
 from ..shipped import ACCELERATE_CONFIGS_DIR, RECIPES_DIR, VOCAB_MULTIPLE, recipe_model_config, resolve_recipe, shipped_recipes
 from ..checkpoint.folders import verify_checkpoint_once
 from ..checkpoint.decisions import decided_on_rank_zero
@@ -260,7 +260,8 @@ def build_model(model_args, training_args: BoostTrainingArguments, tokenizer, *,
     if model_args.init_from:
         if os.path.isfile(os.path.join(model_args.init_from, MANIFEST_NAME)):
             verify_checkpoint_once(model_args.init_from, config)
-        return BoostLlamaForCausalLM.from_pretrained(model_args.init_from, config=config, parallel_config=parallel_config)
+        with without_accelerate_parallelism():  # each rank reads its own slices, whatever an FSDP config says
+            return BoostLlamaForCausalLM.from_pretrained(model_args.init_from, config=config, parallel_config=parallel_config)
     set_seed(training_args.seed)
     return BoostLlamaForCausalLM(config, parallel_config)
 

@@ -28,6 +28,7 @@ Launch with ``accelerate launch`` (``world = pp x dp x tp`` processes; see :mod:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import os
 import sys
@@ -49,20 +50,24 @@ from ..data.stream import BlockStream
 from ..evaluation import metrics_from_sums
 from ..optim.loro import check_loro_training, optimizer_of_arguments, restart_schedule_at_exact_steps
 from ..optim.loro_schedule import schedule_of_arguments
+from ..data_parallel_config import DataParallelConfig
+from ..parallel.fully_shard import FullyShard, units_of
+from ..perf.comm_formula import fully_shard_communication
 from ..parallel.parts import PartParallelism
-from ..parallel.state import ParallelState
+from ..parallel.state import ParallelState, data_parallel_mesh
 from ..perf.flops import training_flops_per_token
 from .arguments import default_peak_tflops
 from .checkpointing import (
     load_optimizer_and_scheduler, load_weights, run_layout, save_checkpoint, save_optimizer_and_scheduler,
 )
-from .compatibility import accelerator_without_parallelism_config
+from .compatibility import without_accelerate_parallelism
 from .data import EvalShard, StreamLoader, restore_data_position, shard_by_data_parallel_rank
 from .deepspeed import ModelParallelUnit, configure_deepspeed, deepspeed_initialize_hooks, skip_shm_comm_if_requested
 from .engine import engine_for
 from .grad_norm import clip_grad_norm_, global_grad_norm
 from .health import NonfiniteSteps, poison_nonfinite_loss
 from .metrics import TrainingMetrics
+from .arguments import BoostTrainingArguments
 from .precision import DEFAULT_BUCKET_MB, CastAfterOptimizerStep, full_precision_parameters, keep_master_parameters, resolve_precision
 from .preflight import TokenIdCheckingCollator, check_dataset
 from .publish import publishing, save_publishing_files, write_model_card
@@ -112,7 +117,8 @@ class BoostTrainer(Trainer):
         self.card_metadata = {"license": "apache-2.0", "datasets": []}  # Hub metadata of the model card
         self._nonfinite_loss_logged: torch.Tensor | bool = False  # a non-finite micro-batch loss since the last log
         super().__init__(model=model, args=args, **kwargs)
-        self.precision = resolve_precision(self.args)
+        # boost-hf's arguments resolved their policy once, when built; transformers' own are resolved here
+        self.precision = self.args.precision if isinstance(self.args, BoostTrainingArguments) else resolve_precision(self.args)
         self.nonfinite = NonfiniteSteps(self.args)
         self.run = TrainingRun(self.args)
         self.add_callback(self.run.stop_at_step_end)
@@ -125,17 +131,17 @@ class BoostTrainer(Trainer):
         self.engine = engine_for(model, state, self.args.device)
         self.engine.wrap(self.part_parallelism(), masters=self.master_parameters is not None,
                          deepspeed=self.is_deepspeed_enabled, boundary_dtype=self.precision.boundary_dtype)
-        trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        dp_grad_bytes, dp_param_bytes = self.data_parallel_bytes()
         self.metrics = TrainingMetrics(
             model.config, world_size=state.tp_size * state.dp_size * state.pp_size, dp_size=state.dp_size,
             peak_tflops=getattr(self.args, "peak_tflops", None) or default_peak_tflops(),
-            dp_grad_bytes=0 if state.dp_size == 1 else trained * self.precision.grad_reduce_dtype.itemsize,
+            dp_grad_bytes=dp_grad_bytes, dp_param_bytes=dp_param_bytes, tp_group=state.tp_group,
         )
         self.add_callback(self.metrics)
 
     # ------------------------------------------------------------------ set-up
     def create_accelerator_and_postprocess(self) -> None:
-        with accelerator_without_parallelism_config():  # honoured by the arguments, not to be applied again
+        with without_accelerate_parallelism():  # honoured by the arguments, not to be applied again
             super().create_accelerator_and_postprocess()
         if self.args.deepspeed_plugin is not None and not self.is_deepspeed_enabled:
             raise ValueError(
@@ -156,7 +162,8 @@ class BoostTrainer(Trainer):
 
     def part_parallelism(self) -> PartParallelism:
         """What the engine applies to each part of the model after TP and activation checkpointing: compile, the
-        policy's autocast (around the stages the pipeline schedule calls), DDP's settings over the DP group."""
+        policy's autocast (around the stages the pipeline schedule calls), DDP's settings over the DP group, or FSDP2's
+        (:meth:`fully_shard`)."""
         args = self.args
         ddp = self.accelerator.ddp_handler.to_kwargs() if self.accelerator.ddp_handler is not None else {}
         ddp.update(find_unused_parameters=bool(args.ddp_find_unused_parameters),
@@ -165,7 +172,43 @@ class BoostTrainer(Trainer):
             compile=dict(backend=args.torch_compile_backend, mode=args.torch_compile_mode) if args.torch_compile else None,
             context=functools.partial(self.precision.autocast, args.device.type), dp_group=self.parallel_state.dp_group,
             ddp_kwargs=ddp, place=functools.partial(self.accelerator.prepare_model, evaluation_mode=True),
+            fully_shard=self.fully_shard(),
         )
+
+    def data_parallel_bytes(self) -> tuple[int, int | None]:
+        """``(gradient bytes, parameter bytes)`` this rank moves over DP per optimizer step: its trainable gradients in
+        the reduce dtype (0 at dp 1); under FSDP2 the reduce-scatters (and HSDP's all-reduces) and the all-gathers of
+        :func:`~boost_hf.perf.comm_formula.fully_shard_communication` over the units of every part (parameter bytes
+        ``None`` without FSDP2, or where the formula does not model it)."""
+        state, how = self.parallel_state, self.fully_shard()
+        if how is None:
+            trained = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
+            return (0 if state.dp_size == 1 else trained * self.precision.grad_reduce_dtype.itemsize), None
+        pipeline = state.pp_size > 1
+        units = [unit for part in self.engine.parts_as_run() for unit in units_of(part, dataclasses.replace(how, pipeline=pipeline))]
+        modelled = not (pipeline and any(unit.reshards_after_forward for unit in units))  # else: as the schedule interleaves
+        if not modelled:  # (the reductions, once per step, do not depend on when the parameters are gathered)
+            units = [dataclasses.replace(unit, reshards_after_forward=False) for unit in units]
+        traffic = fully_shard_communication(
+            units, how.shard_size, how.replicate_size, pipeline=pipeline, micro_batches=self.args.gradient_accumulation_steps,
+            param_bytes=(how.param_dtype or torch.float32).itemsize, reduce_bytes=self.precision.grad_reduce_dtype.itemsize)
+        gathered = traffic.bytes.get("all_gather", 0)
+        return sum(traffic.bytes.values()) - gathered, gathered if modelled else None
+
+    def fully_shard(self) -> FullyShard | None:
+        """FSDP2's settings under ``--data_parallel fsdp2`` with more than one DP rank (else ``None``): the DP mesh
+        (HSDP's with ``--dp_replicate_size``; collective the first time), the reshard policy and units, and the
+        precision policy's dtypes (``bf16_params``: gathered in bf16, reduced in its reduce dtype; the sharded
+        parameters are the fp32 masters)."""
+        settings, state = DataParallelConfig.of(self.args), self.parallel_state
+        if not settings.fully_sharded or state.dp_group is None:
+            return None
+        casts = self.precision.owner == "fsdp2"
+        return FullyShard(mesh=data_parallel_mesh(state, settings.dp_replicate_size),
+                          reshard_after_forward=settings.fsdp_reshard_after_forward,
+                          layers_apart=settings.fsdp_units == "decoder_layers",
+                          param_dtype=self.precision.param_dtype if casts else None,
+                          reduce_dtype=self.precision.grad_reduce_dtype if casts else None)
 
     def autocast_smart_context_manager(self, cache_enabled: bool | None = True) -> contextlib.AbstractContextManager:
         """The precision policy's autocast (``torch.autocast`` to the compute dtype, or nothing) for a forward."""

@@ -23,13 +23,14 @@ def test_run_all_quick(tmp_path):
         text=True,
     )
     assert completed.returncode == 0, completed.stdout[-4000:] + completed.stderr[-4000:]
-    for stem in ("comm_per_layer", "step_time", "memory", "rank_cost", "pipeline"):
+    for stem in ("comm_per_layer", "step_time", "memory", "data_parallel_memory", "rank_cost", "pipeline"):
         text = (tmp_path / f"{stem}.md").read_text()
         assert "QUICK MODE" in text and "machine:" in text
         assert (tmp_path / f"{stem}.png").exists()
     assert "All measured counts equal the formula: **yes**" in (tmp_path / "comm_per_layer.md").read_text()
     assert "**NO**" not in (tmp_path / "memory.md").read_text()
     assert "**NO**" not in (tmp_path / "rank_cost.md").read_text()
+    assert "**NO**" not in (tmp_path / "data_parallel_memory.md").read_text()  # static bytes = the memory model's
     run_all = (tmp_path / "run_all.md").read_text()
     assert "FAILED" not in run_all
     if "CUDA is not available" in completed.stdout:

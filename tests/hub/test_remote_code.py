@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import sys
 
-import pytest
 import torch
 
 from boost_hf import BoostLlamaConfig, BoostLlamaForCausalLM

@@ -43,12 +43,12 @@ def config_of(case: dict):
     return tiny_config(num_hidden_layers=LAYERS, **case.get("model", {}))
 
 
-def batches(seq: int = SEQ):
-    """The global batch of each step: ``(input_ids, labels)`` ``[BATCH, seq]``, some targets ignored."""
+def batches(seq: int = SEQ, *, steps: int = STEPS, batch: int = BATCH):
+    """The global batch of each of ``steps`` steps: ``(input_ids, labels)`` ``[batch, seq]``, some targets ignored."""
     gen = torch.Generator().manual_seed(11)
     out = []
-    for _ in range(STEPS):
-        ids = torch.randint(0, 128, (BATCH, seq), generator=gen)
+    for _ in range(steps):
+        ids = torch.randint(0, 128, (batch, seq), generator=gen)
         labels = ids.clone()
         labels[0, :3] = -100
         labels[-1, 5:] = -100

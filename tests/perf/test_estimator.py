@@ -380,3 +380,71 @@ def test_megatron_sequence_parallel_regather_runs_beside_the_input_gradient_gemm
     n, d = 2 * cases["llama-60m"], BoostLlamaConfig.from_preset("llama-60m").hidden_size
     gather_s = hardware.latency_us * 1e-6 + ring_traffic_bytes("all_gather", 2 * n * d, 4) / (hardware.collective_gbps(4) * 1e9)
     assert without["llama-60m"] < with_regather["llama-60m"] < without["llama-60m"] + 2 * gather_s
+
+
+# ------------------------------------------------------------------------------------------------ FSDP2
+def _fsdp2_estimate(data_parallel, *, tp=2, pp=1, dp=4, micro_batches=1, precision="bf16_params", hardware="h100"):
+    from boost_hf.perf.estimator import estimate_layout
+
+    workload = Workload(tp=tp, pp=pp, micro_batch=1, num_micro_batches=micro_batches, dp_size=dp, precision=precision,
+                        data_parallel=data_parallel, pp_microbatches=None)
+    return workload, estimate_layout(BoostLlamaConfig.from_preset("cola-7b"), "btp", workload, get_hardware(hardware))
+
+
+def _collective_seconds(kind, calls, nbytes, group, gbps, hardware):
+    from boost_hf.parallel.communication import ring_traffic_bytes
+
+    return calls * hardware.latency_us * 1e-6 + ring_traffic_bytes(kind, nbytes, group) / (gbps * 1e9)
+
+
+def test_fsdp2_times_the_formulas_collectives_with_ddps_overlap():
+    """FSDP2 at pp 2 x tp 2 x dp 4 (a node of 8 H100: NVLink): the DP time is the exposed part of
+    ``fully_shard_communication``'s collectives, timed as rings over the shard group of 4; under PP the all-gathers run
+    once per step beside the first forward (here hidden but for the first unit's, which nothing precedes) and the
+    reduce-scatters after the stage's last backward, in full."""
+    from boost_hf.data_parallel_config import DataParallelConfig
+    from boost_hf.perf.comm_formula import fully_shard_communication
+    from boost_hf.perf.memory import fully_shard_units
+
+    h100 = get_hardware("h100")
+    fsdp2 = DataParallelConfig("fsdp2")
+    workload, est = _fsdp2_estimate(fsdp2, pp=2, micro_batches=4)
+    exposed = []
+    for parts, stage_seconds in zip(fully_shard_units(BoostLlamaConfig.from_preset("cola-7b"), workload.parallel("btp"), fsdp2),
+                                    est.stage_times_s):
+        units = [u for part in parts for u in part.units]
+        traffic = fully_shard_communication(units, 4, pipeline=True, param_bytes=2, reduce_bytes=4).collectives.by_kind
+        gathers = _collective_seconds("all_gather", traffic["all_gather"].calls, 2 * traffic["all_gather"].elements, 4,
+                                      h100.link_gbps, h100)
+        reductions = _collective_seconds("reduce_scatter", traffic["reduce_scatter"].calls,
+                                         4 * traffic["reduce_scatter"].elements, 4, h100.link_gbps, h100)
+        first = parts[0].root if parts[0].root is not None else parts[0].units[0]
+        assert gathers < stage_seconds / 6  # well inside one micro-batch's forward
+        exposed.append(_collective_seconds("all_gather", 1, 2 * first.padded_elements(4), 4, h100.link_gbps, h100)
+                       + reductions)
+    assert est.breakdown_s["dp_comm"] == pytest.approx(max(exposed), rel=1e-9)
+    # the optimizer steps a quarter of the parameters: less time than DDP's whole step
+    _, ddp = _fsdp2_estimate(DataParallelConfig(), pp=2, micro_batches=4)
+    assert est.breakdown_s["optimizer"] < ddp.breakdown_s["optimizer"]
+
+
+def test_hsdp_keeps_the_gathers_in_a_node_when_fsdp2s_cross_nodes():
+    """tp 2 x dp 8 spans 2 nodes of 8: FSDP2's all-gathers and reduce-scatters cross the network; HSDP 2 x 4 keeps
+    them on NVLink and sends only a quarter of the gradients across nodes, once per step."""
+    from boost_hf.data_parallel_config import DataParallelConfig
+
+    _, fsdp2 = _fsdp2_estimate(DataParallelConfig("fsdp2"), pp=2, dp=8, micro_batches=4)
+    _, hsdp = _fsdp2_estimate(DataParallelConfig("fsdp2", dp_replicate_size=2), pp=2, dp=8, micro_batches=4)
+    assert 0 < hsdp.breakdown_s["dp_comm"] < fsdp2.breakdown_s["dp_comm"] / 2
+    with pytest.raises(ValueError, match="zero1_optimizer is refused"):
+        Workload(dp_size=8, zero1_optimizer=True, data_parallel=DataParallelConfig("fsdp2"))
+
+
+def test_fsdp2_gathers_every_micro_batch_and_hides_them_behind_compute():
+    """At pp 1 each micro-batch gathers every unit (twice the units that reshard): with more micro-batches the gathers
+    grow with the compute that hides them, and what shows is at least the root's gather of each forward."""
+    from boost_hf.data_parallel_config import DataParallelConfig
+
+    one = _fsdp2_estimate(DataParallelConfig("fsdp2"), micro_batches=1)[1].breakdown_s["dp_comm"]
+    eight = _fsdp2_estimate(DataParallelConfig("fsdp2"), micro_batches=8)[1].breakdown_s["dp_comm"]
+    assert 0 < one <= eight <= 8 * one

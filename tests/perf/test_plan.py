@@ -9,28 +9,34 @@ import pytest
 
 from boost_hf import BoostLlamaConfig
 from boost_hf.cli import main
+from boost_hf.data_parallel_config import DataParallelConfig
 from boost_hf.perf.hardware import get_hardware
 from boost_hf.perf.memory import GIB
 from boost_hf.perf.planner import Cluster, plan
 
-JSON_KEYS = {"tp", "pp", "dp", "pp_schedule", "pp_microbatches", "sequence_parallel", "activation_checkpointing", "zero1",
-             "precision", "memory_gb_per_gpu", "fits", "step_s", "command"}
+JSON_KEYS = {"listed", "tp", "pp", "dp", "pp_schedule", "pp_microbatches", "sequence_parallel", "activation_checkpointing",
+             "zero1", "precision", "data_parallel", "data_parallel_family", "dp_replicate_size", "dp_shard_size",
+             "memory_gb_per_gpu", "fits", "step_s", "command"}
 
 
 def test_json_for_30b_on_32_h100(tmp_path, capsys):
-    """cola-30b on 4 nodes of 8 H100: layouts that fit, best first, each with its memory and the multi-node command;
-    the search evaluates a bounded number of layouts (3084 when written; ``plan --json`` takes seconds)."""
+    """cola-30b on 4 nodes of 8 H100: layouts that fit, best first, each with its memory and the multi-node command,
+    then the best of each data-parallel family (DDP, ZeRO-1, FSDP2, HSDP) not among them, then the least memory of each
+    tp x pp that fits nowhere; the search evaluates a bounded number of layouts (4888 when written, FSDP2 and HSDP
+    included; ``plan --json`` takes seconds)."""
     config_path = tmp_path / "accelerate.yaml"
     assert main(["plan", "--preset", "cola-30b", "--gpus", "32", "--gpu", "h100", "--accelerate-config", str(config_path),
                  "--json", "--top", "4"]) == 0
     listed = json.loads(capsys.readouterr().out)
     assert all(JSON_KEYS <= set(layout) for layout in listed)
     layouts = [layout for layout in listed if layout["fits"]]
-    assert len(layouts) == 4 and listed[:4] == layouts  # the fitting ones first
+    assert [layout["listed"] for layout in listed[:4]] == ["top"] * 4 and listed[:len(layouts)] == layouts  # fitting first
     assert all(layout["memory_gb_per_gpu"] <= 80 for layout in layouts)
-    for never in listed[4:]:  # the best of a tp x pp that fits nowhere: what it needs
+    assert {layout["data_parallel_family"] for layout in layouts} == {"ddp", "zero1", "fsdp2", "hsdp"}
+    assert all(layout["listed"] == f"best {layout['data_parallel_family']}" for layout in layouts[4:])
+    for never in listed[len(layouts):]:  # the best of a tp x pp that fits nowhere: what it needs
         assert never["memory_gb_per_gpu"] > 80 and never["step_s"] is None and never["command"] is None and never["reason"]
-    assert [layout["step_s"] for layout in layouts] == sorted(layout["step_s"] for layout in layouts)
+    assert [layout["step_s"] for layout in layouts[:4]] == sorted(layout["step_s"] for layout in layouts)[:4]
     for layout in layouts:
         assert layout["tp"] * layout["pp"] * layout["dp"] == 32 and layout["tp"] <= 8
         assert sum(v for k, v in layout["memory_breakdown_gb"].items() if k != "total") == pytest.approx(layout["memory_gb_per_gpu"], abs=0.05)
@@ -42,7 +48,86 @@ def test_json_for_30b_on_32_h100(tmp_path, capsys):
     cluster = Cluster(32, get_hardware("h100"), 80 * GIB)
     result = plan(BoostLlamaConfig.from_preset("cola-30b"), cluster, seq_len=4096, global_batch=512,
                   precisions=("autocast", "bf16_params"))
-    assert result.tried == 3084 and round(result.ranked[0].step_s, 4) == layouts[0]["step_s"]
+    assert result.tried == 4888 and round(result.ranked[0].step_s, 4) == layouts[0]["step_s"]
+
+
+def test_fsdp2_and_hsdp_are_searched_each_with_its_memory_and_a_command_training_accepts(tmp_path, capsys, monkeypatch):
+    """cola-30b on 32 H100, ``--json --all``: every evaluated layout (FSDP2 and HSDP among them, fitting or not) with
+    its memory by part; the best FSDP2 and HSDP layouts' commands parse with the training arguments into the same
+    data-parallel settings and pass training's checks at 32 processes; the text says how they compare with the best
+    DDP / ZeRO-1 layout."""
+    from boost_hf.shipped import resolve_recipe
+    from boost_hf.training.compatibility import check_settings
+    from boost_hf.training.recipe import parse_recipe
+
+    argv = ["plan", "--preset", "cola-30b", "--gpus", "32", "--gpu", "h100", "--accelerate-config", str(tmp_path / "a.yaml")]
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    assert main([*argv, "--json", "--all"]) == 0
+    listed = json.loads(capsys.readouterr().out)
+    evaluated = int(re.search(r"(\d+) layouts evaluated", text).group(1))
+    assert len(listed) == evaluated and all(JSON_KEYS <= set(layout) for layout in listed)
+    for family in ("fsdp2", "hsdp"):
+        ours = [layout for layout in listed if layout["data_parallel_family"] == family]
+        assert any(layout["fits"] for layout in ours) and not all(layout["fits"] for layout in ours)
+        for layout in ours:
+            parts = layout["memory_breakdown_gb"]
+            assert layout["memory_gb_per_gpu"] > 0 and parts["gathered_parameters"] > 0 and parts["masters"] == 0
+            assert parts["gradient_buckets"] == 0 and layout["zero1"] is False and layout["data_parallel"] == "fsdp2"
+            assert layout["dp_shard_size"] * layout["dp_replicate_size"] == layout["dp"]
+            assert (layout["dp_replicate_size"] > 1) == (family == "hsdp")
+            assert (layout["step_s"] is not None) == layout["fits"] == (layout["command"] is not None)
+        best = min((layout for layout in ours if layout["fits"]), key=lambda layout: layout["step_s"])
+        command = best["command"].split()
+        train = command[command.index("train") + 1:]
+        *_, args = parse_recipe([str(resolve_recipe(train[0])), *train[1:]])
+        with monkeypatch.context() as launched:  # what check_settings reads of the launch (set after the parsing,
+            launched.setenv("WORLD_SIZE", "32")  # which would start accelerate's process group from it)
+            check_settings(args)
+        assert DataParallelConfig.of(args) == DataParallelConfig("fsdp2", best["dp_replicate_size"])
+        assert (args.tp_size, args.pp_size, args.zero1_optimizer) == (best["tp"], best["pp"], False)
+    comparison = text[text.index("FSDP2 / HSDP against the best"):]
+    assert re.search(r"best FSDP2: .*: \d+\.\d+ s \([+-]\d+\.\d%\), \d+\.\d GiB per GPU \([+-]\d+\.\d GiB\)", comparison)
+    assert re.search(r"best HSDP: .*HSDP \dx\d.*GiB\)", comparison)
+
+
+def test_hsdp_is_tried_with_one_replica_per_node_the_dp_group_spans():
+    from boost_hf.parallel.config import ParallelConfig
+    from boost_hf.perf.planner import data_parallel_options, replica_sizes
+
+    cluster = Cluster(32, get_hardware("h100"), 80 * GIB)
+    assert replica_sizes(ParallelConfig(tp_size=2), 8, cluster) == [1, 2]  # 16 GPUs: 2 nodes, 4 shard ranks in each
+    assert replica_sizes(ParallelConfig(tp_size=1), 8, cluster) == [1]  # one node
+    assert replica_sizes(ParallelConfig(tp_size=8), 4, cluster) == [1]  # one DP rank per node: nothing to shard in it
+    assert replica_sizes(ParallelConfig(tp_size=1), 32, cluster) == [1, 4]
+    assert replica_sizes(ParallelConfig(tp_size=1), 32, cluster, given=8) == [8]
+    assert replica_sizes(ParallelConfig(tp_size=1), 12, cluster, given=8) == []
+    options = data_parallel_options(ParallelConfig(tp_size=2), 8, cluster, {}, None)
+    assert [(o.data_parallel, o.dp_replicate_size, zero1) for o, zero1 in options] == [
+        ("ddp", 1, False), ("ddp", 1, True), ("fsdp2", 1, False), ("fsdp2", 2, False)]
+    assert [o.data_parallel for o, _ in data_parallel_options(ParallelConfig(), 1, cluster, {}, None)] == ["ddp"]
+    assert data_parallel_options(ParallelConfig(tp_size=2), 8, cluster, {"data_parallel": ("fsdp2",)}, None)[0][0] == \
+        DataParallelConfig("fsdp2")
+    # under PP a unit that reshards after forward gathers as the schedule interleaves: not modelled, not proposed
+    assert not data_parallel_options(ParallelConfig(pp_size=2), 8, cluster,
+                                     {"data_parallel": ("fsdp2",), "fsdp_reshard_after_forward": "always"}, None)
+
+
+def test_plans_data_parallel_options_are_the_declared_fields():
+    """``boost-hf plan``'s ``--data_parallel`` (several), ``--dp_replicate_size`` (searched unless given) and FSDP2's
+    settings are :class:`DataParallelConfig`'s fields, with their help and choices."""
+    import argparse
+    from dataclasses import fields
+
+    from boost_hf.cli import SUBCOMMANDS
+
+    parser = argparse.ArgumentParser()
+    SUBCOMMANDS["plan"][1](parser)
+    actions = {action.dest: action for action in parser._actions}
+    for f in fields(DataParallelConfig):
+        assert actions[f.name].help.startswith(f.metadata["help"].replace("%", "%%")), f.name
+    assert actions["data_parallel"].nargs == "+" and tuple(actions["data_parallel"].choices) == ("ddp", "fsdp2")
+    assert actions["data_parallel"].default is None and actions["dp_replicate_size"].default is None
 
 
 def test_13b_on_8_a100_shows_the_papers_layout(tmp_path, capsys):

@@ -38,7 +38,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "recipes"))
 import pretrain  # noqa: E402
 
-import boost_hf.training.trainer as trainer_module  # noqa: E402
+import boost_hf.training.arguments as arguments_module  # noqa: E402
 from boost_hf.parallel.sharding import shard_spec_of  # noqa: E402
 from boost_hf.training import BoostTrainer  # noqa: E402
 from boost_hf.training.pretrain import build_trainer  # noqa: E402
@@ -227,7 +227,7 @@ _PipelineStageBase.get_fwd_send_ops = _counting_sends(_PipelineStageBase.get_fwd
 _PipelineStageBase.get_bwd_send_ops = _counting_sends(_PipelineStageBase.get_bwd_send_ops)
 
 MASTERS_FP32 = PrecisionPolicy("bf16_params")  # the bf16_params machinery with fp32 parameters
-_resolve_precision = trainer_module.resolve_precision
+_resolve_precision = arguments_module.resolve_precision  # the arguments resolve the policy, once
 
 
 def deepspeed_config(out: Path, stage: int) -> str:
@@ -253,7 +253,7 @@ def train(out: Path, run: str, *argv: str, masters_fp32: bool = False, deepspeed
     compiled = "--torch_compile" in argv
     reset_run(compiled)
     inductor_config.post_grad_custom_pre_pass = compiled_gemms if compiled else None
-    trainer_module.resolve_precision = (lambda args: MASTERS_FP32) if masters_fp32 else _resolve_precision
+    arguments_module.resolve_precision = (lambda args: MASTERS_FP32) if masters_fp32 else _resolve_precision
     try:
         if brief:
             trainer = build_trainer(argv)
@@ -267,7 +267,7 @@ def train(out: Path, run: str, *argv: str, masters_fp32: bool = False, deepspeed
         else:
             pretrain.main(argv)
     finally:
-        trainer_module.resolve_precision = _resolve_precision
+        arguments_module.resolve_precision = _resolve_precision
         inductor_config.post_grad_custom_pre_pass = None
     gemms = every_rank(dict(RUN["gemms"]))
     reduces = every_rank({"reduces": RUN["reduces"], "trainable": RUN["trainable"], "logged": RUN["logged_dp"]})

@@ -13,7 +13,6 @@ gathering every stage; see the table of save and resume costs in docs/checkpoint
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 

@@ -3,7 +3,6 @@ checkpoint exists are rank 0's on every rank, its errors raised on every rank wi
 
 from __future__ import annotations
 
-import os
 
 import pytest
 

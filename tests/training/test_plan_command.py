@@ -1,6 +1,7 @@
 """``boost-hf plan``'s command runs as printed: the plan of a demo-shaped recipe on 4 CPU processes, its accelerate
 config and ``accelerate launch ... boost-hf train RECIPE --field value ...`` line, launched unchanged (the port
-excepted: a free one instead of accelerate's default, which other runs on this machine may hold)."""
+excepted: a free one instead of accelerate's default, which other runs on this machine may hold). When written the
+plan picks FSDP2 over the 4 processes (``--data_parallel fsdp2``), which the run then trains with."""
 
 from __future__ import annotations
 
@@ -35,6 +36,7 @@ def test_plans_command_trains_the_demo_model_on_4_cpu_processes(training_env, tm
     assert best["fits"] and best["tp"] * best["pp"] * best["dp"] == 4 and best["precision"] == "fp32"
     assert yaml.safe_load(config_path.read_text())["num_processes"] == 4
     command = shlex.split(best["command"])
+    assert ("--data_parallel" in command) == (best["data_parallel"] == "fsdp2")
     assert command[:4] == ["accelerate", "launch", "--config_file", str(config_path)]
     assert command[4:8] == ["-m", "boost_hf.cli", "train", str(path)]
     argv = [sys.executable, "-m", "accelerate.commands.launch", "--main_process_port", str(free_port()), *command[2:]]

@@ -127,6 +127,34 @@ def test_training_arguments_resolve_every_entry_point(tmp_path, monkeypatch):
         arguments(precision_policy="bf16_params")
 
 
+def test_the_policy_is_resolved_once_when_the_arguments_are_built(tmp_path, monkeypatch):
+    """``resolve_precision`` runs once per run, when the arguments are built; the trainer takes their policy (a
+    second resolution could read an environment changed since, and answer otherwise)."""
+    from datasets import Dataset
+
+    from boost_hf import BoostLlamaConfig, BoostLlamaForCausalLM
+    from boost_hf.training import BoostTrainer, BoostTrainingArguments
+
+    calls = []
+
+    def counted(args):
+        calls.append(args)
+        return resolve_precision(args)
+
+    monkeypatch.setattr("boost_hf.training.arguments.resolve_precision", counted)
+    monkeypatch.setattr("boost_hf.training.trainer.resolve_precision", counted)
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")
+    args = BoostTrainingArguments(output_dir=str(tmp_path), report_to="none", max_steps=1, sample_max_new_tokens=0)
+    assert len(calls) == 1 and args.precision == BF16_PARAMS
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "no")  # read once: the trainer keeps what the arguments resolved
+    config = BoostLlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                              num_attention_heads=2, bottleneck="cola", rank=8, max_position_embeddings=16)
+    ids = torch.randint(0, 64, (8, 16), generator=torch.Generator().manual_seed(0)).tolist()
+    trainer = BoostTrainer(model=BoostLlamaForCausalLM(config), args=args,
+                           train_dataset=Dataset.from_dict({"input_ids": ids, "labels": ids}))
+    assert len(calls) == 1 and trainer.precision is args.precision
+
+
 # ------------------------------------------------------------------------------------- bf16_params in one process
 #: the model of ``launcher.TINY`` with 4 layers
 TINY_MODEL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4,

@@ -20,7 +20,7 @@ import pytest
 import yaml
 
 from boost_hf.training import BoostTrainingArguments, parse_recipe
-from boost_hf.training.compatibility import accelerator_without_parallelism_config, layout_from_parallelism_config
+from boost_hf.training.compatibility import without_accelerate_parallelism, layout_from_parallelism_config
 
 from .launcher import DEMO_RECIPE, REPO, TINY, accelerate_command, run_command, start_command
 
@@ -30,13 +30,19 @@ PARALLELISM = {  # accelerate's ParallelismConfig sizes: its tp_size honoured, t
     "parallelism cp 2": {"cp_size": 2},
     "parallelism sp 2": {"sp_size": 2},
     "parallelism dp_replicate 2": {"dp_replicate_size": 2},
+    "parallelism dp_shard 2 x dp_replicate 2": {"dp_shard_size": 2, "dp_replicate_size": 2},
 }
 ZERO2 = {"zero_optimization": {"stage": 2}, "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto"}
 ACCELERATE_CONFIGS = {
     "deepspeed": REPO / "accelerate_configs" / "cpu-4proc-zero2.yaml",
     "cpu": ({"compute_environment": "LOCAL_MACHINE", "distributed_type": "MULTI_GPU", "num_processes": 2}, "--cpu"),
-    "fsdp": {"compute_environment": "LOCAL_MACHINE", "distributed_type": "FSDP", "num_processes": 2,
-             "fsdp_config": {"fsdp_sharding_strategy": "FULL_SHARD"}},
+    "fsdp1": {"compute_environment": "LOCAL_MACHINE", "distributed_type": "FSDP", "num_processes": 2,
+              "fsdp_config": {"fsdp_sharding_strategy": "FULL_SHARD"}},
+    "fsdp2": {"compute_environment": "LOCAL_MACHINE", "distributed_type": "FSDP", "num_processes": 2,
+              "fsdp_config": {"fsdp_version": 2, "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+                              "fsdp_reshard_after_forward": False}},
+    "fsdp2 offload": {"compute_environment": "LOCAL_MACHINE", "distributed_type": "FSDP", "num_processes": 2,
+                      "fsdp_config": {"fsdp_version": 2, "fsdp_offload_params": True}},
     **{name: {"compute_environment": "LOCAL_MACHINE", "distributed_type": "MULTI_GPU", "num_processes": 4,
               "parallelism_config": {f"parallelism_config_{size}": value for size, value in sizes.items()}}
        for name, sizes in PARALLELISM.items()},
@@ -46,14 +52,19 @@ ACCELERATE_CONFIGS = {
 ENVIRONMENT = {
     "deepspeed": {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_ZERO_STAGE": "2"},
     "cpu": {"ACCELERATE_USE_CPU": "true"},
-    "fsdp": {"ACCELERATE_USE_FSDP": "true"},
+    "fsdp1": {"ACCELERATE_USE_FSDP": "true"},  # accelerate's default version: 1
+    "fsdp2": {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2", "FSDP_AUTO_WRAP_POLICY": "TRANSFORMER_BASED_WRAP",
+              "FSDP_RESHARD_AFTER_FORWARD": "false"},
+    "fsdp2 offload": {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2", "FSDP_OFFLOAD_PARAMS": "true"},
     **{name: {"ACCELERATE_USE_PARALLELISM_CONFIG": "true", **{f"PARALLELISM_CONFIG_{size.upper()}": str(value)
                                                              for size, value in sizes.items()}}
        for name, sizes in PARALLELISM.items()},
 }
 FLAGS = {  # the feature as training arguments (a recipe holds the same, but parallelism_config, a Python object)
     "deepspeed": {"deepspeed": "ZERO2_JSON"},
-    "fsdp": {"fsdp": "full_shard"},
+    "fsdp1": {"fsdp": "full_shard", "fsdp_config": {"version": 1}},
+    "fsdp2": {"fsdp": "shard_grad_op", "fsdp_config": {"version": 2}},  # transformers' names; shard_grad_op: no reshard
+    "fsdp2 offload": {"fsdp": "full_shard offload"},  # (transformers' default version: 2)
     **{name: {"parallelism_config": sizes} for name, sizes in PARALLELISM.items()},  # ParallelismConfig(**sizes)
 }
 
@@ -79,10 +90,23 @@ REFUSALS = [
             "deepspeed"),
     Refusal("DeepSpeed x use_cpu", {"deepspeed": "ZERO2_JSON"}, r"DeepSpeed is requested \(--deepspeed\) but ACCELERATE_USE_CPU is "
             r"set .* accelerate drops DeepSpeed silently", "cpu", routes=("accelerate config", "environment")),
-    Refusal("FSDP", {}, r"FSDP \(.*\) is not supported: boost-hf shards the model itself", "fsdp"),
-    Refusal("parallelism_config dp_shard_size", {}, r"parallelism_config .*sets dp_shard_size=2: accelerate would shard "
-            r"the model over those ranks with FSDP, which boost-hf does not support.* use --zero1_optimizer .* or DeepSpeed "
-            r"ZeRO-1/2/3", "parallelism dp_shard 2", routes=PARALLELISM_ROUTES),
+    Refusal("FSDP version 1", {}, r"FSDP version 1 \(.*\) is not supported: FSDP1 .* flattens the parameters.* Use FSDP2",
+            "fsdp1"),
+    Refusal("FSDP2 x DeepSpeed", {"data_parallel": "fsdp2"}, r"--data_parallel fsdp2 \(FSDP2, however asked for\) cannot "
+            r"run with DeepSpeed", "deepspeed"),
+    Refusal("FSDP2 x zero1_optimizer", {"zero1_optimizer": True}, r"--zero1_optimizer with --data_parallel fsdp2: FSDP2 "
+            r"shards the optimizer state .* Drop --zero1_optimizer", "fsdp2"),
+    Refusal("FSDP2 x LORO", {"lowrank_optimizer": "loro"}, r"--lowrank_optimizer loro with --data_parallel fsdp2 is not "
+            r"supported", "fsdp2"),
+    Refusal("FSDP2 x CPU offload", {}, r"FSDP \(.*\) asks for CPU offload .* which boost-hf's FSDP2 does not apply",
+            "fsdp2 offload"),
+    Refusal("FSDP2 reshard x the flag", {"fsdp_reshard_after_forward": "always"}, r"sets fsdp_reshard_after_forward='never' "
+            r"but the flag or the recipe sets fsdp_reshard_after_forward='always'", "fsdp2",
+            routes=("accelerate config", "environment")),
+    Refusal("FSDP2 x fp16", {"fp16": True}, r"fp16 autocast needs a gradient scaler that unscales FSDP2's sharded "
+            r"gradients.* use --bf16 true", "fsdp2"),
+    Refusal("dp_replicate_size x ddp", {"dp_replicate_size": 2}, r"dp_replicate_size=2 is HSDP's .* add --data_parallel fsdp2",
+            routes=("flag", "recipe")),
     Refusal("parallelism_config cp_size", {}, r"parallelism_config .*sets cp_size=2: context parallelism .* is not supported "
             r"by boost-hf. The nearest is --sequence_parallel with --tp_size > 1, which is not the same", "parallelism cp 2",
             routes=PARALLELISM_ROUTES),
@@ -214,9 +238,56 @@ def test_parallelism_config_tp_size_becomes_the_layout(route, tmp_path, clean_en
     assert build_arguments("recipe", {"tp_size": 2}, tmp_path).tp_size == 2  # the environment's tp_size 2 and the recipe's
     with pytest.raises(ValueError, match=r"sets tp_size=2 but the flag or the recipe sets tp_size=4"):
         build_arguments("recipe", {"tp_size": 4}, tmp_path)
-    with accelerator_without_parallelism_config():
+    with without_accelerate_parallelism():
         assert "ACCELERATE_USE_PARALLELISM_CONFIG" not in os.environ
     assert os.environ["ACCELERATE_USE_PARALLELISM_CONFIG"] == "true"
+
+
+@pytest.mark.parametrize("route", ["flag", "recipe", "accelerate config", "environment"])
+def test_fsdp2_however_asked_for_becomes_data_parallel_fsdp2(route, tmp_path, clean_environment):
+    """The control of the FSDP2 rows: transformers' --fsdp shard_grad_op with fsdp_config version 2, an accelerate config
+    with fsdp_version 2 and fsdp_reshard_after_forward false, its variables: each becomes --data_parallel fsdp2 without
+    resharding after forward, per decoder layer (TRANSFORMER_BASED_WRAP); transformers builds no FSDP plugin of its own
+    and the trainer hides accelerate's variable while it creates its Accelerator (else accelerate would fully_shard the
+    model over the whole world)."""
+    arguments, environment = entry("fsdp2", route, tmp_path)
+    for name, value in environment.items():
+        clean_environment.setenv(name, value)
+    args = build_arguments(route, arguments, tmp_path)
+    assert (args.data_parallel, args.fsdp_reshard_after_forward, args.fsdp_units) == ("fsdp2", "never", "decoder_layers")
+    assert not args.fsdp and args.fsdp_plugin_args is None
+    if route in ("accelerate config", "environment"):
+        with without_accelerate_parallelism():
+            assert "ACCELERATE_USE_FSDP" not in os.environ
+        assert os.environ["ACCELERATE_USE_FSDP"] == "true"
+    one_unit = dict(environment, FSDP_AUTO_WRAP_POLICY="NO_WRAP", FSDP_RESHARD_AFTER_FORWARD="true")
+    if route == "environment":  # accelerate's NO_WRAP: the whole model one unit
+        for name, value in one_unit.items():
+            clean_environment.setenv(name, value)
+        args = build_arguments(route, {}, tmp_path)
+        assert (args.data_parallel, args.fsdp_reshard_after_forward, args.fsdp_units) == ("fsdp2", "always", "model")
+
+
+@pytest.mark.parametrize("route", PARALLELISM_ROUTES)
+def test_parallelism_config_dp_shard_size_becomes_fsdp2_and_with_dp_replicate_size_hsdp(route, tmp_path, clean_environment):
+    """dp_shard_size 2 x dp_replicate_size 2 on 4 processes: --data_parallel fsdp2 with --dp_replicate_size 2 (HSDP), the
+    replicas x shards checked to be the data parallelism. Accepted, the arguments would set up the 4-process group:
+    the check alone is run on them, as above."""
+    clean_environment.setenv("WORLD_SIZE", "4")
+    arguments, environment = entry("parallelism dp_shard 2 x dp_replicate 2", route, tmp_path)
+    for name, value in environment.items():
+        clean_environment.setenv(name, value)
+    given = arguments.get("parallelism_config")
+    if given is not None:
+        from accelerate import ParallelismConfig
+
+        given = ParallelismConfig(**given)
+    args = SimpleNamespace(tp_size=1, pp_size=1, parallelism_config=given, data_parallel="ddp", dp_replicate_size=1)
+    layout_from_parallelism_config(args)
+    assert (args.data_parallel, args.dp_replicate_size, args.tp_size, args.parallelism_config) == ("fsdp2", 2, 1, None)
+    with pytest.raises(ValueError, match=r"sets dp_replicate_size=2 x dp_shard_size=2, which with tp_size=2 x pp_size=1 "
+                                         r"needs 8 processes, but 4 are launched"):
+        parallelism_arguments("parallelism dp_shard 2 x dp_replicate 2", route, {"tp_size": 2}, tmp_path, clean_environment)
 
 
 def test_parallelism_config_dp_replicate_size_is_what_is_left_of_the_world(tmp_path, clean_environment):

@@ -238,7 +238,7 @@ class Layout:
         split = self.embedding_split() if plan.tp_size > 1 else None
         shard_parameter(embedding, "weight", split, plan)
         if plan.tp_size > 1:
-            adopt(embedding, self.embedding_class, group=plan.group)
+            adopt(embedding, self.embedding_class, group=plan.group, tp_rank=plan.tp_rank)
 
     def place_head(self, head: nn.Module, plan, model: nn.Module) -> None:
         """The vocab-parallel LM head ``[V/p, d]`` (the embedding's weight when tied), fed the gathered residual."""

@@ -1,0 +1,199 @@
+"""FSDP2 (``fully_shard`` over the data-parallel group) cases run inside one launched process group of 4
+(tests/parallel/test_fully_shard.py).
+
+Every rank builds the single-process reference from the same seed and compares what it holds after FSDP2 over its DP
+group of the TP x PP rank's shards (:mod:`boost_hf.parallel.fully_shard`, applied by
+:func:`~boost_hf.parallel.parts.prepare_part` as the trainer's engines apply it): the loss of each of 3 steps, the
+global gradient norm (clipped at ``MAX_NORM``, below it), every gradient of the first step after the reduction (each
+rank's DP shard gathered over DP, then over TP) and every parameter after 3 AdamW steps, each tensor by the TP suite's
+metric (:func:`~tests.parallel.tp_cases.rel`). The reference accumulates each step's gradient over the same
+micro-batches in DP-rank order (the single-process step in the parallel run's summation order), AdamW with
+``eps=1e-3`` (:func:`~tests.parallel.pp_cases.optimizer_of`).
+
+The second step also counts FSDP2's collectives over the DP mesh (:class:`~boost_hf.parallel.comm_counter.CommCounter`
+over the shard and replicate groups) against :func:`~boost_hf.perf.comm_formula.fully_shard_communication`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import torch
+import torch.distributed as dist
+
+from boost_hf import BoostLlamaForCausalLM, ParallelConfig
+from boost_hf.parallel.comm_counter import CommCounter
+from boost_hf.parallel.fully_shard import FullyShard, units_of
+from boost_hf.parallel.parts import PartParallelism, prepare_part
+from boost_hf.parallel.sharding import gather_full_many, shard_spec_of
+from boost_hf.parallel.state import data_parallel_mesh
+from boost_hf.perf.comm_formula import fully_shard_communication
+from boost_hf.training.engine import HeldSharded
+from boost_hf.training.grad_norm import clip_grad_norm_
+from tests.parallel.pp_cases import batches as pipeline_batches
+from tests.parallel.pp_cases import optimizer_of
+from tests.parallel.tp_cases import SEED, rel, tiny_config
+
+LAYERS = 4
+BATCH, SEQ = 8, 8
+STEPS = 3
+MAX_NORM = 0.5
+
+
+def batches():
+    """The global batch of each step: ``(input_ids, labels)`` ``[BATCH, SEQ]``, some targets ignored."""
+    return pipeline_batches(SEQ, steps=STEPS, batch=BATCH)
+
+
+def reference_run(config, pieces: int) -> dict:
+    """One process; each step's batch in ``pieces`` micro-batches of consecutive rows, gradients accumulated."""
+    torch.manual_seed(SEED)
+    model = BoostLlamaForCausalLM(config)
+    model.train()
+    initial = {n: p.detach().clone() for n, p in model.named_parameters()}
+    optimizer = optimizer_of(model)
+    losses, norms, grads = [], [], None
+    for step, (ids, labels) in enumerate(batches()):
+        tokens = int((labels[:, 1:] != -100).sum())
+        loss = 0.0
+        for part_ids, part_labels in zip(ids.chunk(pieces), labels.chunk(pieces)):
+            part = model(part_ids, labels=part_labels, num_items_in_batch=tokens).loss
+            part.backward()
+            loss += part.detach()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)))
+        if step == 0:
+            grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+        losses.append(float(loss))
+        optimizer.step()
+        optimizer.zero_grad()
+    return {"losses": losses, "norms": norms, "grads": grads, "initial": initial,
+            "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+
+
+def canonical(model, tensor_of, tp_group) -> dict[str, torch.Tensor]:
+    """``{name: the canonical tensor_of(parameter)}``: each FSDP2 shard gathered over DP (``full_tensor``), then the TP
+    shards over TP."""
+    names, params = zip(*model.named_parameters())
+    local = [tensor_of(p) for p in params]
+    local = [t.full_tensor() if hasattr(t, "full_tensor") else t for t in local]
+    return dict(zip(names, gather_full_many(local, [shard_spec_of(p) for p in params], tp_group)))
+
+
+def fsdp_run(config, parallel: ParallelConfig, sharding: dict, micro_batches: int, initial: dict) -> dict:
+    """The parallel run: the model split by ``parallel`` from the reference's ``initial`` weights (this rank's slices:
+    a tied model built at TP does not draw the single-process model's), FSDP2 over its DP group as ``sharding`` says
+    (FullyShard's fields but the mesh; ``dp_replicate_size``), ``micro_batches`` per DP rank and step (a pipeline's:
+    its own)."""
+    torch.manual_seed(SEED)
+    model = BoostLlamaForCausalLM(config, parallel_config=parallel)
+    model.train()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.copy_(shard_spec_of(param).local_slice(initial[name]))
+    state = model.plan.state
+    sharding = dict(sharding)
+    mesh = data_parallel_mesh(state, sharding.pop("dp_replicate_size", 1))
+    pipeline = getattr(model, "pipeline", None)
+    how = FullyShard(mesh=mesh, pipeline=pipeline is not None, **sharding)
+    prepare = functools.partial(prepare_part, how=PartParallelism(data_parallel="fsdp2", fully_shard=how))
+    if pipeline is not None:
+        pipeline.configure(wrap=prepare)
+        parts = pipeline.stage_modules()
+    else:
+        parts = [prepare(model)]
+        held = HeldSharded(model)
+    units = [u for part in parts for u in units_of(part, how)]
+    optimizer = optimizer_of(model)
+    groups = tuple(mesh.get_group(d) for d in range(mesh.ndim))
+    rows = BATCH // state.dp_size
+    losses, norms, grads, counted = [], [], None, None
+    for step, (ids, labels) in enumerate(batches()):
+        mine = slice(state.dp_rank * rows, (state.dp_rank + 1) * rows)
+        with CommCounter(groups=groups) as counter:
+            if pipeline is not None:
+                loss = float(pipeline.train_step(ids[mine], labels[mine]))
+            else:
+                tokens = int((labels[:, 1:] != -100).sum())
+                loss = torch.zeros(())
+                pieces = list(zip(ids[mine].chunk(micro_batches), labels[mine].chunk(micro_batches)))
+                for i, (part_ids, part_labels) in enumerate(pieces):
+                    with held.no_sync() if i < len(pieces) - 1 else contextlib.nullcontext():
+                        # the mean over DP of (sum / all tokens) x dp: the sum over every DP rank's tokens / all tokens
+                        part = held(part_ids, labels=part_labels, num_items_in_batch=tokens).loss * state.dp_size
+                        part.backward()
+                    loss += part.detach() / state.dp_size
+                dist.all_reduce(loss, group=state.dp_group)
+                loss = float(loss)
+        if step == 1:
+            counted = counter.counts()
+        norms.append(float(clip_grad_norm_(model.parameters(), MAX_NORM, state.tp_group, state.pp_group)))
+        if step == 0:
+            grads = canonical(model, lambda p: p.grad, state.tp_group)
+        losses.append(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+    params = canonical(model, lambda p: p.detach(), state.tp_group)
+    dtensors = all(type(p).__name__ == "DTensor" for p in model.parameters())
+    attributes_kept = all(hasattr(p, "shard_spec") for p in model.parameters())
+    expected = fully_shard_communication(units, how.shard_size, how.replicate_size,
+                                         micro_batches=1 if pipeline is not None else micro_batches,
+                                         pipeline=pipeline is not None).collectives.to_dict()
+    return {"losses": losses, "norms": norms, "grads": grads, "params": params, "dtensors": dtensors,
+            "attributes_kept": attributes_kept, "counted": counted, "expected": expected}
+
+
+def parity_case(case: dict) -> dict:
+    config = tiny_config(num_hidden_layers=LAYERS, **case.get("model", {}))
+    parallel = ParallelConfig(**case.get("parallel", {}))
+    dp = dist.get_world_size() // (parallel.tp_size * parallel.pp_size)
+    micro_batches = case.get("micro_batches", 1)
+    pieces = dp * (parallel.microbatches if parallel.pp_size > 1 else micro_batches)
+    reference = reference_run(config, pieces)
+    ours = fsdp_run(config, parallel, case.get("sharding", {}), micro_batches, reference["initial"])
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, {"losses": ours["losses"], "norms": ours["norms"], "names": sorted(ours["params"])})
+    held = set().union(*(set(r["names"]) for r in everyone))
+    grads = {n: rel(g, reference["grads"][n]) for n, g in ours["grads"].items()}
+    params = {n: rel(p, reference["params"][n]) for n, p in ours["params"].items()}
+    return {
+        "case": case,
+        "every_parameter_held": held == set(reference["params"]),
+        "loss_rel": max(abs(a - b) / abs(b) for a, b in zip(ours["losses"], reference["losses"])),
+        "norm_rel": max(abs(a - b) / abs(b) for a, b in zip(ours["norms"], reference["norms"])),
+        "clipped": min(reference["norms"]) > MAX_NORM,
+        "same_on_ranks": all(r["losses"] == ours["losses"] and r["norms"] == ours["norms"] for r in everyone),
+        "grad_rel": max(grads.values()),
+        "worst_grad": max(grads, key=grads.get),
+        "param_rel": max(params.values()),
+        "worst_param": max(params, key=params.get),
+        "dtensors": ours["dtensors"],
+        "attributes_kept": ours["attributes_kept"],
+        "counted": ours["counted"],
+        "expected": ours["expected"],
+    }
+
+
+def cases() -> list[dict]:
+    """4 processes: FSDP2 at dp 4, and at dp 2 x tp 2 under each layout (btp and megatron with sequence
+    parallelism), HSDP 2 x 2, tied embeddings, the tensor train, gradient accumulation, one unit for the whole model;
+    pp 2 x dp 2 under 1F1B and interleaved 1F1B."""
+    tp2 = {"tp_size": 2}
+    return [
+        {"model": {"bottleneck": "cola"}, "micro_batches": 2},  # dp 4, accumulating without reducing
+        {"model": {"bottleneck": "cola"}, "parallel": {**tp2, "tp_style": "btp", "sequence_parallel": True}},
+        {"model": {"bottleneck": "lax"}, "parallel": {**tp2, "tp_style": "btp", "activation_checkpointing": "lowrank"}},
+        {"model": {"bottleneck": "svd"}, "parallel": {**tp2, "tp_style": "vanilla"}},
+        {"model": {"bottleneck": None}, "parallel": {**tp2, "tp_style": "megatron", "sequence_parallel": True}},
+        {"model": {"bottleneck": "tt"}, "parallel": {**tp2, "tp_style": "btp"}},
+        {"model": {"bottleneck": None, "tie_word_embeddings": True}, "parallel": {**tp2, "tp_style": "megatron"}},
+        {"model": {"bottleneck": "cola"}, "sharding": {"dp_replicate_size": 2, "reshard_after_forward": "always"}},  # HSDP
+        {"model": {"bottleneck": "cola"}, "sharding": {"layers_apart": False}},  # one unit (accelerate's NO_WRAP)
+        {"model": {"bottleneck": "lax"}, "parallel": {"pp_size": 2, "pp_microbatches": 2}},  # pp 2 x dp 2, 1F1B
+        {"model": {"bottleneck": "cola"}, "parallel": {"pp_size": 2, "pp_schedule": "interleaved-1f1b", "pp_microbatches": 4,
+                                                       "activation_checkpointing": "full"}},
+    ]
+
+
+def everything() -> list[dict]:
+    return [parity_case(case) for case in cases()]
