@@ -9,18 +9,21 @@ masters of ``bf16_params``).
 from __future__ import annotations
 
 import os
+import sys
 
 import torch
 import torch.distributed as dist
 from transformers import Trainer
 from transformers.trainer import SCHEDULER_NAME, TRAINER_STATE_NAME
-from transformers.trainer_callback import ExportableState
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, SaveStrategy, rotate_checkpoints
+from transformers.trainer_callback import ExportableState, TrainerState
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, SaveStrategy, TrainOutput, rotate_checkpoints
 
 from ..checkpoint.export import save_model_files
 from ..checkpoint.folders import full_parameters
 from ..checkpoint.optimizer_state import load_optimizer_state, optimizer_state
-from ..checkpoint.resume import load_optimizer_files, missing_file_error, optimizer_record, training_layout, write_training_layout
+from ..checkpoint.resume import (
+    load_optimizer_files, missing_file_error, optimizer_record, read_training_layout, training_layout, write_training_layout,
+)
 from ..checkpoint.sharded_state import DCP_FOLDER, is_distributed_checkpoint, load_model_state, model_state
 from ..checkpoint.weights_io import load_canonical_checkpoint, resolve_checkpoint_files
 from .data import save_data_position
@@ -100,6 +103,26 @@ def run_layout(trainer, optimizer_records: list[dict] | None = None) -> dict:
     # a resume, so a resumed run publishes what the uninterrupted one would
     trained = {"context": trainer.trained_context, "bos_seen": trainer.trained_with_bos}
     return {**layout, "precision": trainer.precision.record(), "data_parallel": data_parallel, "trained": trained}
+
+
+def restore_trained_record(trainer, checkpoint: str) -> None:
+    """What the published ``final/`` takes from training, as ``checkpoint`` recorded it (:func:`run_layout`: the
+    trained context, whether BOS was in the batches): a resumed run publishes what the uninterrupted one would."""
+    trained = (read_training_layout(checkpoint) or {}).get("trained") or {}
+    trainer.trained_context = trained.get("context") or trainer.trained_context
+    trainer._bos_seen = bool(trained.get("bos_seen")) or trainer._bos_seen
+
+
+def continue_complete_run(trainer, checkpoint: str) -> TrainOutput:
+    """``checkpoint`` was saved at ``max_steps``: its weights (the fp32 masters under ``bf16_params``) and trainer
+    state are loaded, and no step is trained, so the run goes on (evaluation, ``final/``) exactly as the
+    uninterrupted run did after its last step, and no checkpoint is saved or rotated."""
+    trainer.state = TrainerState.load_from_json(os.path.join(checkpoint, TRAINER_STATE_NAME))
+    trainer._load_from_checkpoint(checkpoint)
+    if trainer.is_world_process_zero():
+        print(f"boost-hf: {checkpoint} was saved at step {trainer.state.global_step}, the run's max_steps "
+              f"({trainer.args.max_steps}): its training is complete; no step is trained.", file=sys.stderr, flush=True)
+    return TrainOutput(trainer.state.global_step, 0.0, {})
 
 
 def optimizer_records(trainer) -> list[dict] | None:

@@ -5,12 +5,11 @@ group). The trainer keeps every Trainer feature (logging, evaluation, checkpoint
 hands what depends on how the model is split to its step engine (:mod:`boost_hf.training.engine`: the model called
 as it is, or the pipeline schedule over this rank's stages), which it never asks about. What each hook adds:
 
-* set-up: the precision policy (:mod:`.precision`, ``--bf16``, ``--precision_policy``), its autocast around every
+* set-up: the precision policy (:mod:`.precision`, resolved once by the arguments), its autocast around every
   forward; the engine prepares each part of the model once (:func:`~boost_hf.parallel.parts.prepare_part`: compile
-  per decoder layer, then DDP over the DP group, or none under ``bf16_params``' fp32 masters, or accelerate's own:
-  DeepSpeed, whose ``deepspeed.initialize`` gets our groups as ``mpu``, :mod:`.deepspeed`, and resumes a ZeRO-1/2
-  checkpoint of another tp x dp through its universal checkpoint, :mod:`.deepspeed_universal`); LORO and ZeRO-1
-  optimizers (``create_optimizer`` / ``create_scheduler``); ``get_tp_size``: global batch and loss count DP ranks only;
+  per decoder layer, then data parallelism over the DP group: DDP, the fp32 masters' own reduction under
+  ``bf16_params``, FSDP2 (:mod:`.data_parallel`), or DeepSpeed, whose ``deepspeed.initialize`` gets our groups as
+  ``mpu``, :mod:`.deepspeed`); LORO and ZeRO-1 optimizers; ``get_tp_size``: global batch and loss count DP ranks only;
 * data: TP peers get the same micro-batch, a stream is read once per DP replica and resumes from its saved position
   (:mod:`.data`); DP-sharded evaluation with exact token-weighted sums (``eval_perplexity``, ``eval_bits_per_byte``)
   and ``compute_metrics`` on the full-vocabulary logits of every DP rank;
@@ -18,9 +17,8 @@ as it is, or the pipeline schedule over this rank's stages), which it never asks
   TP, stages over PP), non-finite losses and norms stopped or skipped (:mod:`.health`);
 * the run (:mod:`.run`, :mod:`boost_hf.checkpoint.run_folder`): resume from the last *complete* checkpoint (refused at a layout it cannot resume
   exactly), the output folder locked, the hang watchdog, preemption by signal or time budget (:mod:`.preemption`);
-* saving: checkpoints of every rank's shards (DCP, optionally asynchronous: :mod:`.checkpoint`,
-  :mod:`.optimizer_state`, :mod:`.resume`) loadable at any PP x TP x DP layout; the publishable ``final/``
-  (:mod:`.publish`).
+* saving: checkpoints of every rank's shards (DCP, optionally asynchronous; :mod:`.checkpointing` over the
+  :mod:`boost_hf.checkpoint` package) loadable at any PP x TP x DP layout; the publishable ``final/`` (:mod:`.publish`).
 
 Launch with ``accelerate launch`` (``world = pp x dp x tp`` processes; see :mod:`boost_hf.parallel.state`).
 """
@@ -28,19 +26,15 @@ Launch with ``accelerate launch`` (``world = pp x dp x tp`` processes; see :mod:
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import os
-import sys
 
 import datasets
 import torch
 from accelerate.utils import DynamoBackend
 from torch.utils.data import DataLoader
 from transformers import Trainer
-from transformers.trainer import TRAINER_STATE_NAME
-from transformers.trainer_callback import TrainerState
-from transformers.trainer_utils import EvalLoopOutput, TrainOutput
+from transformers.trainer_utils import EvalLoopOutput
 
 from ..checkpoint.deepspeed_universal import universal_resume
 from ..checkpoint.folders import atomic_directory, completed_checkpoints, full_parameters
@@ -50,17 +44,17 @@ from ..data.stream import BlockStream
 from ..evaluation import metrics_from_sums
 from ..optim.loro import check_loro_training, optimizer_of_arguments, restart_schedule_at_exact_steps
 from ..optim.loro_schedule import schedule_of_arguments
-from ..data_parallel_config import DataParallelConfig
-from ..parallel.fully_shard import FullyShard, units_of
-from ..perf.comm_formula import fully_shard_communication
+from ..parallel.fully_shard import FullyShard
 from ..parallel.parts import PartParallelism
-from ..parallel.state import ParallelState, data_parallel_mesh
+from ..parallel.state import ParallelState
 from ..perf.flops import training_flops_per_token
 from .arguments import default_peak_tflops
 from .checkpointing import (
-    load_optimizer_and_scheduler, load_weights, run_layout, save_checkpoint, save_optimizer_and_scheduler,
+    continue_complete_run, load_optimizer_and_scheduler, load_weights, restore_trained_record, run_layout, save_checkpoint,
+    save_optimizer_and_scheduler,
 )
 from .compatibility import without_accelerate_parallelism
+from .data_parallel import data_parallel_bytes, fully_shard_settings
 from .data import EvalShard, StreamLoader, restore_data_position, shard_by_data_parallel_rank
 from .deepspeed import ModelParallelUnit, configure_deepspeed, deepspeed_initialize_hooks, skip_shm_comm_if_requested
 from .engine import engine_for
@@ -131,7 +125,8 @@ class BoostTrainer(Trainer):
         self.engine = engine_for(model, state, self.args.device)
         self.engine.wrap(self.part_parallelism(), masters=self.master_parameters is not None,
                          deepspeed=self.is_deepspeed_enabled, boundary_dtype=self.precision.boundary_dtype)
-        dp_grad_bytes, dp_param_bytes = self.data_parallel_bytes()
+        dp_grad_bytes, dp_param_bytes = data_parallel_bytes(model, self.engine.parts_as_run(), state, self.precision,
+                                                            self.fully_shard(), self.args.gradient_accumulation_steps)
         self.metrics = TrainingMetrics(
             model.config, world_size=state.tp_size * state.dp_size * state.pp_size, dp_size=state.dp_size,
             peak_tflops=getattr(self.args, "peak_tflops", None) or default_peak_tflops(),
@@ -175,40 +170,9 @@ class BoostTrainer(Trainer):
             fully_shard=self.fully_shard(),
         )
 
-    def data_parallel_bytes(self) -> tuple[int, int | None]:
-        """``(gradient bytes, parameter bytes)`` this rank moves over DP per optimizer step: its trainable gradients in
-        the reduce dtype (0 at dp 1); under FSDP2 the reduce-scatters (and HSDP's all-reduces) and the all-gathers of
-        :func:`~boost_hf.perf.comm_formula.fully_shard_communication` over the units of every part (parameter bytes
-        ``None`` without FSDP2, or where the formula does not model it)."""
-        state, how = self.parallel_state, self.fully_shard()
-        if how is None:
-            trained = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
-            return (0 if state.dp_size == 1 else trained * self.precision.grad_reduce_dtype.itemsize), None
-        pipeline = state.pp_size > 1
-        units = [unit for part in self.engine.parts_as_run() for unit in units_of(part, dataclasses.replace(how, pipeline=pipeline))]
-        modelled = not (pipeline and any(unit.reshards_after_forward for unit in units))  # else: as the schedule interleaves
-        if not modelled:  # (the reductions, once per step, do not depend on when the parameters are gathered)
-            units = [dataclasses.replace(unit, reshards_after_forward=False) for unit in units]
-        traffic = fully_shard_communication(
-            units, how.shard_size, how.replicate_size, pipeline=pipeline, micro_batches=self.args.gradient_accumulation_steps,
-            param_bytes=(how.param_dtype or torch.float32).itemsize, reduce_bytes=self.precision.grad_reduce_dtype.itemsize)
-        gathered = traffic.bytes.get("all_gather", 0)
-        return sum(traffic.bytes.values()) - gathered, gathered if modelled else None
-
     def fully_shard(self) -> FullyShard | None:
-        """FSDP2's settings under ``--data_parallel fsdp2`` with more than one DP rank (else ``None``): the DP mesh
-        (HSDP's with ``--dp_replicate_size``; collective the first time), the reshard policy and units, and the
-        precision policy's dtypes (``bf16_params``: gathered in bf16, reduced in its reduce dtype; the sharded
-        parameters are the fp32 masters)."""
-        settings, state = DataParallelConfig.of(self.args), self.parallel_state
-        if not settings.fully_sharded or state.dp_group is None:
-            return None
-        casts = self.precision.owner == "fsdp2"
-        return FullyShard(mesh=data_parallel_mesh(state, settings.dp_replicate_size),
-                          reshard_after_forward=settings.fsdp_reshard_after_forward,
-                          layers_apart=settings.fsdp_units == "decoder_layers",
-                          param_dtype=self.precision.param_dtype if casts else None,
-                          reduce_dtype=self.precision.grad_reduce_dtype if casts else None)
+        """FSDP2's settings (:func:`~boost_hf.training.data_parallel.fully_shard_settings`), or ``None``."""
+        return fully_shard_settings(self.args, self.parallel_state, self.precision)
 
     def autocast_smart_context_manager(self, cache_enabled: bool | None = True) -> contextlib.AbstractContextManager:
         """The precision policy's autocast (``torch.autocast`` to the compute dtype, or nothing) for a forward."""
@@ -387,33 +351,15 @@ class BoostTrainer(Trainer):
         resume = self.run.resume_point(resume_from_checkpoint, self.model.config, self.training_layout())
         self.run.start(resumed=resume is not None)
         if resume is not None:
-            self.restore_trained_record(resume)
+            restore_trained_record(self, resume)
         if self.run.training_is_complete(resume):  # saved at max_steps: a requeue trains no step more
-            return self.continue_complete_run(resume)
+            return continue_complete_run(self, resume)
         self.data_resume_from = None if self.args.ignore_data_skip else resume  # (the user's choice: from the first batch)
         with self.run.running(lambda: self.state.global_step + 1), self.data_continues_itself():
             output = super().train(resume_from_checkpoint=resume, **kwargs)
             self.run.saver.wait()  # the last asynchronous checkpoint is complete when train() returns
         self.run.stop_after_training()
         return output
-
-    def restore_trained_record(self, checkpoint: str) -> None:
-        """What the published ``final/`` takes from training, as ``checkpoint`` recorded it (the trained context, whether
-        BOS was in the batches): a resumed run publishes what the uninterrupted one would."""
-        trained = (read_training_layout(checkpoint) or {}).get("trained") or {}
-        self.trained_context = trained.get("context") or self.trained_context
-        self._bos_seen = bool(trained.get("bos_seen")) or self._bos_seen
-
-    def continue_complete_run(self, checkpoint: str) -> TrainOutput:
-        """``checkpoint`` was saved at ``max_steps``: its weights (the fp32 masters under ``bf16_params``) and trainer
-        state are loaded, and no step is trained, so the run goes on (evaluation, ``final/``) exactly as the
-        uninterrupted run did after its last step, and no checkpoint is saved or rotated."""
-        self.state = TrainerState.load_from_json(os.path.join(checkpoint, TRAINER_STATE_NAME))
-        self._load_from_checkpoint(checkpoint)
-        if self.is_world_process_zero():
-            print(f"boost-hf: {checkpoint} was saved at step {self.state.global_step}, the run's max_steps "
-                  f"({self.args.max_steps}): its training is complete; no step is trained.", file=sys.stderr, flush=True)
-        return TrainOutput(self.state.global_step, 0.0, {})
 
     def stop_if_requested(self) -> None:
         """Collective: after training (before the final evaluation, sample and save), a signal of ``--exit_signals`` or
