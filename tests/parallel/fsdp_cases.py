@@ -33,6 +33,7 @@ from boost_hf.training.engine import HeldSharded
 from boost_hf.training.grad_norm import clip_grad_norm_
 from tests.parallel.pp_cases import batches as pipeline_batches
 from tests.parallel.pp_cases import optimizer_of
+from tests.parallel.pp_cases import reference_run as pipeline_reference_run
 from tests.parallel.tp_cases import SEED, rel, tiny_config
 
 LAYERS = 4
@@ -47,28 +48,8 @@ def batches():
 
 
 def reference_run(config, pieces: int) -> dict:
-    """One process; each step's batch in ``pieces`` micro-batches of consecutive rows, gradients accumulated."""
-    torch.manual_seed(SEED)
-    model = BoostLlamaForCausalLM(config)
-    model.train()
-    initial = {n: p.detach().clone() for n, p in model.named_parameters()}
-    optimizer = optimizer_of(model)
-    losses, norms, grads = [], [], None
-    for step, (ids, labels) in enumerate(batches()):
-        tokens = int((labels[:, 1:] != -100).sum())
-        loss = 0.0
-        for part_ids, part_labels in zip(ids.chunk(pieces), labels.chunk(pieces)):
-            part = model(part_ids, labels=part_labels, num_items_in_batch=tokens).loss
-            part.backward()
-            loss += part.detach()
-        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)))
-        if step == 0:
-            grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
-        losses.append(float(loss))
-        optimizer.step()
-        optimizer.zero_grad()
-    return {"losses": losses, "norms": norms, "grads": grads, "initial": initial,
-            "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+    """One process, this file's steps and batch, in ``pieces`` micro-batches (:func:`~tests.parallel.pp_cases.reference_run`)."""
+    return pipeline_reference_run(config, pieces, SEQ, steps=STEPS, batch=BATCH)
 
 
 def canonical(model, tensor_of, tp_group) -> dict[str, torch.Tensor]:
@@ -78,6 +59,17 @@ def canonical(model, tensor_of, tp_group) -> dict[str, torch.Tensor]:
     local = [tensor_of(p) for p in params]
     local = [t.full_tensor() if hasattr(t, "full_tensor") else t for t in local]
     return dict(zip(names, gather_full_many(local, [shard_spec_of(p) for p in params], tp_group)))
+
+
+def fully_sharded_parts(model, how: FullyShard) -> list:
+    """``model``'s parts (the model, or this rank's pipeline stages) prepared as the trainer's engines prepare them,
+    FSDP2 applied as ``how`` says."""
+    prepare = functools.partial(prepare_part, how=PartParallelism(data_parallel="fsdp2", fully_shard=how))
+    pipeline = getattr(model, "pipeline", None)
+    if pipeline is None:
+        return [prepare(model)]
+    pipeline.configure(wrap=prepare)
+    return pipeline.stage_modules()
 
 
 def fsdp_run(config, parallel: ParallelConfig, sharding: dict, micro_batches: int, initial: dict) -> dict:
@@ -96,13 +88,8 @@ def fsdp_run(config, parallel: ParallelConfig, sharding: dict, micro_batches: in
     mesh = data_parallel_mesh(state, sharding.pop("dp_replicate_size", 1))
     pipeline = getattr(model, "pipeline", None)
     how = FullyShard(mesh=mesh, pipeline=pipeline is not None, **sharding)
-    prepare = functools.partial(prepare_part, how=PartParallelism(data_parallel="fsdp2", fully_shard=how))
-    if pipeline is not None:
-        pipeline.configure(wrap=prepare)
-        parts = pipeline.stage_modules()
-    else:
-        parts = [prepare(model)]
-        held = HeldSharded(model)
+    parts = fully_sharded_parts(model, how)
+    held = HeldSharded(model) if pipeline is None else None
     units = [u for part in parts for u in units_of(part, how)]
     optimizer = optimizer_of(model)
     groups = tuple(mesh.get_group(d) for d in range(mesh.ndim))

@@ -63,14 +63,17 @@ def optimizer_of(model):
     return torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01, eps=1e-3)
 
 
-def reference_run(config, pieces: int, seq: int = SEQ) -> dict:
-    """One process; each step's batch in ``pieces`` micro-batches of consecutive rows, gradients accumulated."""
+def reference_run(config, pieces: int, seq: int = SEQ, *, steps: int = STEPS, batch: int = BATCH) -> dict:
+    """One process, ``steps`` steps of :func:`batches`; each step's batch in ``pieces`` micro-batches of consecutive rows,
+    gradients accumulated. The initial and final parameters, each step's loss and grad norm, the first step's
+    gradients."""
     torch.manual_seed(SEED)
     model = BoostLlamaForCausalLM(config)
     model.train()
+    initial = {n: p.detach().clone() for n, p in model.named_parameters()}
     optimizer = optimizer_of(model)
     losses, norms, grads = [], [], None
-    for step, (ids, labels) in enumerate(batches(seq)):
+    for step, (ids, labels) in enumerate(batches(seq, steps=steps, batch=batch)):
         tokens = int((labels[:, 1:] != -100).sum())
         loss = 0.0
         for part_ids, part_labels in zip(ids.chunk(pieces), labels.chunk(pieces)):
@@ -84,7 +87,7 @@ def reference_run(config, pieces: int, seq: int = SEQ) -> dict:
         optimizer.step()
         optimizer.zero_grad()
     params = {n: p.detach().clone() for n, p in model.named_parameters()}
-    return {"losses": losses, "norms": norms, "grads": grads, "params": params}
+    return {"losses": losses, "norms": norms, "grads": grads, "initial": initial, "params": params}
 
 
 @contextlib.contextmanager

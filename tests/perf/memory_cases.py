@@ -11,15 +11,14 @@ their gradients and of AdamW's state (the local tensors of the ``DTensor``\\ s),
 
 from __future__ import annotations
 
-import functools
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from boost_hf import BoostLlamaForCausalLM, ParallelConfig
 from boost_hf.parallel.fully_shard import FullyShard, units_of
-from boost_hf.parallel.parts import PartParallelism, prepare_part
 from boost_hf.parallel.state import data_parallel_mesh
+from tests.parallel.fsdp_cases import fully_sharded_parts
 from tests.parallel.tp_cases import SEED, tiny_config
 
 BATCH, SEQ = 8, 8
@@ -53,12 +52,7 @@ def held_case(case: dict) -> dict:
     pipeline = getattr(model, "pipeline", None)
     how = FullyShard(mesh=data_parallel_mesh(state, sharding.pop("dp_replicate_size", 1)), pipeline=pipeline is not None,
                      param_dtype=torch.bfloat16 if bf16 else None, reduce_dtype=torch.float32 if bf16 else None, **sharding)
-    prepare = functools.partial(prepare_part, how=PartParallelism(data_parallel="fsdp2", fully_shard=how))
-    if pipeline is not None:
-        pipeline.configure(wrap=prepare)
-        parts = pipeline.stage_modules()
-    else:
-        parts = [prepare(model)]
+    parts = fully_sharded_parts(model, how)
     units = [u for part in parts for u in units_of(part, how)]
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     ids = torch.randint(0, VOCAB, (BATCH // state.dp_size, SEQ), generator=torch.Generator().manual_seed(state.dp_rank))
