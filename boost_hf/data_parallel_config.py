@@ -102,10 +102,6 @@ class DataParallelConfig:
         """The data-parallel settings that ``args`` (training arguments, an ``argparse`` namespace) holds."""
         return settings_of(cls, args)
 
-    @staticmethod
-    def help(name: str) -> str:
-        return DataParallelConfig.__dataclass_fields__[name].metadata["help"]
-
 
 def data_parallel_training_fields() -> list[tuple[str, object, object]]:
     """``BoostTrainingArguments``' data-parallel fields, for ``dataclasses.make_dataclass``: ``(name, type, field)``."""

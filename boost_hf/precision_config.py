@@ -52,10 +52,6 @@ class PrecisionConfig:
         """The precision settings that ``args`` (training arguments, an ``argparse`` namespace) holds."""
         return settings_of(cls, args)
 
-    @staticmethod
-    def help(name: str) -> str:
-        return PrecisionConfig.__dataclass_fields__[name].metadata["help"]
-
 
 def precision_training_fields() -> list[tuple[str, object, object]]:
     """``BoostTrainingArguments``' precision fields, for ``dataclasses.make_dataclass``: ``(name, type, field)``."""
