@@ -463,7 +463,13 @@ def plan_inputs(*, recipe: str | None = None, preset: str | None = None, config_
         elif "vocab_size" not in model:
             notes.append(f"vocab_size from the preset (the recipe's tokenizer {tokenizer!r} sets it when loaded)")
         config = recipe_model_config(model.pop("preset", "cola-60m"), model)
-        tp, pp = training.get("tp_size", 1), training.get("pp_size", 1)
+        for section, name in (("training", "tp_size"), ("training", "pp_size"), ("training", "per_device_train_batch_size"),
+                              ("training", "gradient_accumulation_steps"), ("data", "block_size")):
+            value = (training if section == "training" else data).get(name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise ValueError(f"the recipe {path} sets {section}.{name}: {value!r}, which must be a positive whole "
+                                 "number: correct it in the recipe (or plan with --preset and the sizes as options).")
+        tp, pp = training.get("tp_size") or 1, training.get("pp_size") or 1
         if gpus % (tp * pp):
             raise ValueError(f"the recipe's tp_size x pp_size ({tp} x {pp}) does not divide --gpus {gpus}: give --global-batch.")
         recipe_batch = training.get("per_device_train_batch_size", 8) * training.get("gradient_accumulation_steps", 1) * (gpus // (tp * pp))

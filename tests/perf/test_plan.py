@@ -209,3 +209,19 @@ def test_a_plan_that_cannot_launch_or_sizes_nothing_is_refused(tmp_path, capsys,
     assert stopped.value.code == 2
     assert re.search(message, capsys.readouterr().err)
     assert not (tmp_path / "a.yaml").exists()
+
+
+@pytest.mark.parametrize("section, name, value", [
+    ("training", "tp_size", 0), ("training", "pp_size", -2), ("training", "per_device_train_batch_size", 0),
+    ("training", "gradient_accumulation_steps", 1.5), ("data", "block_size", 0),
+])
+def test_a_recipe_size_that_sizes_nothing_is_refused_naming_the_recipe_field(tmp_path, capsys, section, name, value):
+    """A recipe's layout or batch size of zero, below it or not whole (a ZeroDivisionError for tp_size 0 before): refused
+    naming the recipe, the field and the fix, exit 2, no accelerate config written."""
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"model:\n  preset: cola-60m\n{section}:\n  {name}: {value}\n")
+    with pytest.raises(SystemExit) as stopped:
+        main(["plan", "--recipe", str(recipe), "--gpus", "4", "--accelerate-config", str(tmp_path / "a.yaml")])
+    assert stopped.value.code == 2
+    assert f"sets {section}.{name}: {value!r}, which must be a positive whole number" in capsys.readouterr().err
+    assert not (tmp_path / "a.yaml").exists()
