@@ -116,8 +116,8 @@ class Candidate:
         if p.sequence_parallel:
             parts.append("SP")
         parts.append(f"ckpt {p.activation_checkpointing}")
-        if self.describe_data_parallel():
-            parts.append(self.describe_data_parallel())
+        if data_parallel := self.describe_data_parallel():
+            parts.append(data_parallel)
         parts.append(self.precision + (" (bf16 grad reduce)" if self.grad_reduce_dtype == "bf16" else ""))
         return ", ".join(parts)
 
