@@ -33,25 +33,25 @@ def field_types(cls) -> dict[str, object]:
     return typing.get_type_hints(cls)
 
 
-def optional_inner(kind):
+def _optional_inner(kind):
     """``X`` for ``X | None``, else ``kind``."""
     if get_origin(kind) in (typing.Union, types.UnionType):
         return next(arg for arg in get_args(kind) if arg is not type(None))
     return kind
 
 
-def choices_of(cls, name: str) -> tuple | None:
+def _choices_of(cls, name: str) -> tuple | None:
     """The ``Literal`` choices of field ``name`` (of ``X`` in ``X | None``), or ``None``."""
-    kind = optional_inner(field_types(cls)[name])
+    kind = _optional_inner(field_types(cls)[name])
     return get_args(kind) if get_origin(kind) is Literal else None
 
 
-def option_help(f: Field, note: str = "") -> str:
+def _option_help(f: Field, note: str = "") -> str:
     """The help of field ``f`` (plus ``note``), escaped for ``argparse``'s %-formatting."""
     return (f.metadata["help"] + note).replace("%", "%%")
 
 
-def parse_bool(text: str) -> bool:
+def _parse_bool(text: str) -> bool:
     """``true``/``yes``/``1`` or ``false``/``no``/``0`` (any case) from the command line."""
     if text.lower() in ("true", "yes", "1"):
         return True
@@ -60,7 +60,7 @@ def parse_bool(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
 
 
-def dashed(name: str) -> list[str]:
+def _dashed(name: str) -> list[str]:
     """``--name`` and, for a name with underscores, ``--name-with-dashes``."""
     return [f"--{name}"] + ([f"--{name.replace('_', '-')}"] if "_" in name else [])
 
@@ -80,17 +80,17 @@ def add_field_options(cls, parser, *, exclude: tuple[str, ...] = (), defaults: d
     for f in fields(cls):
         if f.name in exclude:
             continue
-        spellings = [option for name in (f.name, *short_names.get(f.name, ())) for option in dashed(name)]
-        options = dict(dest=f.name, default=defaults.get(f.name, f.default), help=option_help(f, notes.get(f.name, "")))
-        kind, choices = optional_inner(kinds[f.name]), choices_of(cls, f.name)
+        spellings = [option for name in (f.name, *short_names.get(f.name, ())) for option in _dashed(name)]
+        options = dict(dest=f.name, default=defaults.get(f.name, f.default), help=_option_help(f, notes.get(f.name, "")))
+        kind, choices = _optional_inner(kinds[f.name]), _choices_of(cls, f.name)
         if f.name in several:
             parser.add_argument(*spellings, nargs="+", choices=choices, **options)
         elif f.name in parsers:
             parser.add_argument(*spellings, type=parsers[f.name], metavar=metavars.get(f.name), **options)
         elif kind is bool:
-            parser.add_argument(*spellings, type=parse_bool, nargs="?", const=True, **options)
+            parser.add_argument(*spellings, type=_parse_bool, nargs="?", const=True, **options)
             if f.default is True:
-                parser.add_argument(*dashed(f"no_{f.name}"), dest=f.name, action="store_false", help=f"--{f.name} false.")
+                parser.add_argument(*_dashed(f"no_{f.name}"), dest=f.name, action="store_false", help=f"--{f.name} false.")
         elif choices is not None:
             parser.add_argument(*spellings, choices=choices, **options)
         else:
@@ -105,7 +105,7 @@ def training_fields(cls, *, names: dict[str, str] | None = None, kinds: dict[str
     names, kinds, defaults, notes = names or {}, kinds or {}, defaults or {}, notes or {}
     declared = field_types(cls)
     return [(names.get(f.name, f.name), kinds.get(f.name, declared[f.name]),
-             field(default=defaults.get(f.name, f.default), metadata={"help": option_help(f, notes.get(f.name, ""))}))
+             field(default=defaults.get(f.name, f.default), metadata={"help": _option_help(f, notes.get(f.name, ""))}))
             for f in fields(cls)]
 
 
@@ -117,12 +117,7 @@ def settings_of(cls, args):
 
 __all__ = [
     "add_field_options",
-    "choices_of",
-    "dashed",
     "field_types",
-    "option_help",
-    "optional_inner",
-    "parse_bool",
     "setting",
     "settings_of",
     "training_fields",
