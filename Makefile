@@ -10,7 +10,7 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# torch first: the pinned version resolves to the local CPU wheel, never the CUDA build.
-	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q torch==2.14.1
 	$(PY) -m pip install -q -c constraints.txt -e ".[train,demo,test,bench]"
 	touch $(STAMP)
 
