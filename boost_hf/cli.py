@@ -10,6 +10,7 @@ Subcommands live in :data:`SUBCOMMANDS` (name -> help, argument builder, runner)
     boost-hf demo [--num-processes 4] [--tp-size 2] [--max-steps N]
     boost-hf eval CHECKPOINT --data FILE [--block-size N] [--json]
     boost-hf export CHECKPOINT OUT [--max-shard-size 5GB] [--overwrite]  (or under torchrun: each process writes its share)
+    boost-hf export FOLDER --refresh-remote-code  (a saved folder's remote code replaced by this boost-hf's, in place)
     boost-hf convert RELEASE_CHECKPOINT OUTPUT [--dtype float32]   (the BOOST release's Nanotron checkpoints)
 """
 
@@ -421,9 +422,13 @@ def _run_eval(args: argparse.Namespace) -> int:
 
 
 def _add_export_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("checkpoint", help="a training checkpoint folder (e.g. outputs/demo/checkpoint-200)")
-    parser.add_argument("output_dir", help="the Hugging Face folder to write: a new or empty folder (never the checkpoint "
-                                           "or a folder holding it)")
+    parser.add_argument("checkpoint", help="a training checkpoint folder (e.g. outputs/demo/checkpoint-200); with "
+                                           "--refresh-remote-code, any saved boost-hf folder (e.g. outputs/demo/final)")
+    parser.add_argument("output_dir", nargs="?", help="the Hugging Face folder to write: a new or empty folder (never the "
+                                                      "checkpoint or a folder holding it); none with --refresh-remote-code")
+    parser.add_argument("--refresh-remote-code", action="store_true",
+                        help="write nothing new: replace the remote code of the saved folder CHECKPOINT, in place, with this "
+                             "boost-hf's (for folders saved by an older boost-hf; weights and config untouched)")
     parser.add_argument("--max-shard-size", default="5GB", help="largest safetensors file (default: 5GB)")
     parser.add_argument("--overwrite", action="store_true",
                         help="replace an existing, non-empty output folder (atomically: the old one stays until the new one is complete)")
@@ -437,6 +442,16 @@ def _run_export(args: argparse.Namespace) -> int:
 
     from .training.publish import export_checkpoint
 
+    if args.refresh_remote_code:
+        if args.output_dir is not None:
+            raise ValueError("boost-hf export --refresh-remote-code FOLDER changes FOLDER in place: give no output folder.")
+        from .checkpoint.remote_code import refresh_remote_code
+
+        changed = refresh_remote_code(args.checkpoint)
+        print(f"refreshed {', '.join(changed)} in {args.checkpoint}" if changed else f"{args.checkpoint}: its remote code is current")
+        return 0
+    if args.output_dir is None:
+        raise ValueError("boost-hf export CHECKPOINT OUTPUT_DIR: give the folder to write (or --refresh-remote-code FOLDER).")
     launched = int(os.environ.get("WORLD_SIZE", "1")) > 1
     if launched and not dist.is_initialized():
         dist.init_process_group("gloo")

@@ -341,7 +341,7 @@ class BoostLlamaConfig(PretrainedConfig):
     """
 
     model_type = "boost_llama"
-    keys_to_ignore_at_inference = ["past_key_values"]
+    keys_to_ignore_at_inference = ["past_key_values", "cache"]  # the KV cache, by its name before and after transformers 5.24
 
     def __init__(
         self,

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from functools import partial
 
 import torch
@@ -44,6 +44,20 @@ logger = logging.get_logger(__name__)
 LATENT_NORM_EPS = 1e-6  # the LaX authors' latent LayerNorm
 IGNORE_INDEX = -100  # a label the loss skips (transformers' convention)
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+# The KV cache's name: transformers 5.24 renamed ``past_key_values`` to ``cache`` (the forward argument ``generate``
+# passes, the output field, ``create_causal_mask``'s argument); 5.17-5.23 know only ``past_key_values``. The forwards
+# take the cache under either name (:func:`one_cache`) and hand it on under the running release's (``CACHE_NAME``),
+# so nothing warns and nothing is dropped into ``**kwargs``.
+CACHE_NAME = "cache" if "cache" in {field.name for field in fields(BaseModelOutputWithPast)} else "past_key_values"
+
+
+def one_cache(cache: Cache | None, past_key_values: Cache | None) -> Cache | None:
+    """The KV cache passed as ``cache`` (transformers >= 5.24) or as ``past_key_values`` (earlier, and callers that
+    still use the old name); both at once only if they are the same object."""
+    if cache is not None and past_key_values is not None and cache is not past_key_values:
+        raise ValueError("two KV caches were passed, as `cache` and as `past_key_values`: pass one, as `cache`")
+    return cache if cache is not None else past_key_values
 
 
 class BoostLlamaRMSNorm(nn.Module):
@@ -262,7 +276,7 @@ class BoostLlamaAttention(nn.Module):
         hidden_states: torch.Tensor,
         position_embeddings: tuple[torch.Tensor, torch.Tensor],
         attention_mask: torch.Tensor | None = None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         crossing: LatentCrossing | None = None,
         **kwargs,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -274,8 +288,8 @@ class BoostLlamaAttention(nn.Module):
 
         cos, sin = position_embeddings
         query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
-        if past_key_values is not None:
-            key_states, value_states = past_key_values.update(key_states, value_states, self.layer_idx)
+        if cache is not None:
+            key_states, value_states = cache.update(key_states, value_states, self.layer_idx)
 
         attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
             self.config._attn_implementation, eager_attention_forward
@@ -333,22 +347,22 @@ class BoostLlamaDecoderLayer(CheckpointsItsOwnBlock):
         hidden_states: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.LongTensor | None = None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         use_cache: bool | None = False,
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
         lax_latents: dict[str, torch.Tensor] | None = None,
         **kwargs,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor] | None]:
         checkpointing = self.gradient_checkpointing and self.training
-        if checkpointing and (use_cache or past_key_values is not None):
+        if checkpointing and (use_cache or cache is not None):
             logger.warning_once("Caching is incompatible with gradient checkpointing: setting `use_cache=False`.")
-            use_cache, past_key_values = False, None  # the recomputation would append to the cache twice
+            use_cache, cache = False, None  # the recomputation would append to the cache twice
         names = tuple(lax_latents or ())
         block = partial(
             self.block,
             attention_mask=attention_mask,
             position_ids=position_ids,
-            past_key_values=past_key_values,
+            cache=cache,
             use_cache=use_cache,
             position_embeddings=position_embeddings,
             latent_names=names,
@@ -368,7 +382,7 @@ class BoostLlamaDecoderLayer(CheckpointsItsOwnBlock):
         latent_names: tuple[str, ...] = (),
         attention_mask: torch.Tensor | None = None,
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         **kwargs,
     ) -> tuple[torch.Tensor, ...]:
         """The block on positional tensors: ``(hidden_states, *previous latents) -> (hidden_states, *latents)``,
@@ -382,7 +396,7 @@ class BoostLlamaDecoderLayer(CheckpointsItsOwnBlock):
             hidden_states,
             position_embeddings=position_embeddings,
             attention_mask=attention_mask,
-            past_key_values=past_key_values,
+            cache=cache,
             crossing=crossing,
             **kwargs,
         )
@@ -400,7 +414,7 @@ class BoostLlamaPreTrainedModel(SeededInitialization, PreTrainedModel):
     base_model_prefix = "model"
     supports_gradient_checkpointing = True
     _no_split_modules = ["BoostLlamaDecoderLayer"]
-    _skip_keys_device_placement = ["past_key_values"]
+    _skip_keys_device_placement = ["cache", "past_key_values"]
     _supports_flash_attn = True
     _supports_sdpa = True
     _supports_flex_attn = True
@@ -485,12 +499,14 @@ class BoostLlamaModel(BoostLlamaPreTrainedModel):
         input_ids: torch.LongTensor | None = None,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.LongTensor | None = None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         inputs_embeds: torch.Tensor | None = None,
         use_cache: bool | None = None,
         lax_latents: dict[str, torch.Tensor] | None = None,
+        past_key_values: Cache | None = None,
         **kwargs,
     ) -> BoostLlamaModelOutput:
+        cache = one_cache(cache, past_key_values)
         if (input_ids is None) ^ (inputs_embeds is not None):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
         if input_ids is not None and self.embed_tokens is None:
@@ -499,20 +515,15 @@ class BoostLlamaModel(BoostLlamaPreTrainedModel):
             check_token_ids(input_ids, self.config.vocab_size)
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
-        if use_cache and past_key_values is None:
-            past_key_values = DynamicCache(config=self.config)
+        if use_cache and cache is None:
+            cache = DynamicCache(config=self.config)
         sequence = self.sequence_of(inputs_embeds)
         if position_ids is None:
-            past_seen_tokens = past_key_values.get_seq_length() if past_key_values is not None else 0
+            past_seen_tokens = cache.get_seq_length() if cache is not None else 0
             position_ids = (torch.arange(sequence.shape[1], device=sequence.device) + past_seen_tokens).unsqueeze(0)
 
-        causal_mask = create_causal_mask(
-            config=self.config,
-            inputs_embeds=sequence,
-            attention_mask=attention_mask,
-            past_key_values=past_key_values,
-            position_ids=position_ids,
-        )
+        # (config, inputs_embeds, attention_mask, cache) by position: the cache's keyword differs between releases
+        causal_mask = create_causal_mask(self.config, sequence, attention_mask, cache, position_ids=position_ids)
         hidden_states = inputs_embeds if self.residual_dtype is None else inputs_embeds.to(self.residual_dtype)
         position_embeddings = self.rotary_emb(hidden_states, position_ids=position_ids)
         for decoder_layer in self.layers[: self.config.num_hidden_layers]:
@@ -521,14 +532,14 @@ class BoostLlamaModel(BoostLlamaPreTrainedModel):
                 attention_mask=causal_mask,
                 position_embeddings=position_embeddings,
                 position_ids=position_ids,
-                past_key_values=past_key_values,
+                cache=cache,
                 use_cache=use_cache,
                 lax_latents=lax_latents,
                 **kwargs,
             )
         if self.norm is None:  # a stage before the last: its output and LaX's latents go to the next stage
-            return BoostLlamaModelOutput(last_hidden_state=hidden_states, past_key_values=past_key_values, lax_latents=lax_latents)
-        return BoostLlamaModelOutput(last_hidden_state=self.norm(hidden_states), past_key_values=past_key_values)
+            return BoostLlamaModelOutput(last_hidden_state=hidden_states, **{CACHE_NAME: cache}, lax_latents=lax_latents)
+        return BoostLlamaModelOutput(last_hidden_state=self.norm(hidden_states), **{CACHE_NAME: cache})
 
     def sequence_of(self, inputs_embeds: torch.Tensor) -> torch.Tensor:
         """The tensor whose ``[B, S]`` the causal mask and the positions are built for: ``inputs_embeds`` (a
@@ -564,11 +575,12 @@ class BoostLlamaForCausalLM(CheckedLoading, BoostLlamaPreTrainedModel, Generatio
         input_ids: torch.LongTensor | None = None,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.LongTensor | None = None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         inputs_embeds: torch.Tensor | None = None,
         labels: torch.LongTensor | None = None,
         use_cache: bool | None = None,
         logits_to_keep: int | torch.Tensor = 0,
+        past_key_values: Cache | None = None,
         **kwargs,
     ) -> CausalLMOutputWithPast:
         if labels is not None:  # before any work (or, split over ranks, any collective)
@@ -577,7 +589,7 @@ class BoostLlamaForCausalLM(CheckedLoading, BoostLlamaPreTrainedModel, Generatio
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
-            past_key_values=past_key_values,
+            cache=one_cache(cache, past_key_values),
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
             **kwargs,
@@ -594,7 +606,7 @@ class BoostLlamaForCausalLM(CheckedLoading, BoostLlamaPreTrainedModel, Generatio
         return CausalLMOutputWithPast(
             loss=loss,
             logits=logits,
-            past_key_values=outputs.past_key_values,
+            **{CACHE_NAME: getattr(outputs, CACHE_NAME)},
             hidden_states=outputs.hidden_states,
             attentions=outputs.attentions,
         )

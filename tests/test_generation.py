@@ -6,13 +6,17 @@ distribution; see ``tests/hf_common_tests.md``.)"""
 
 from __future__ import annotations
 
+import logging
+import warnings
+
 import pytest
 import torch
 from transformers import CompileConfig, DynamicCache
 
 from boost_hf import BoostLlamaConfig, BoostLlamaForCausalLM
+from boost_hf.modeling_boost_llama import CACHE_NAME
 
-BOTTLENECKS = [None, "svd", "cola", "lax"]
+BOTTLENECKS = [None, "svd", "cola", "lax", "tt"]
 NEW = 3  # new tokens per generate call
 LAYERS, HEADS = 2, 4
 
@@ -77,6 +81,59 @@ def test_greedy_is_the_argmax_of_the_forward(bottleneck):
     assert torch.equal(out, seq)
 
 
+def argmax_continuation(model, x: torch.Tensor, new: int) -> torch.Tensor:
+    """``x`` continued ``new`` tokens by the argmax of a full forward (no cache) over the tokens so far."""
+    with torch.no_grad():
+        for _ in range(new):
+            x = torch.cat([x, model(x, use_cache=False).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+    return x
+
+
+CACHED_PATHS = {  # generate's keyword arguments -> the same without the cache
+    "greedy": dict(do_sample=False),
+    "static-cache": dict(do_sample=False, cache_implementation="static"),
+    "beam": dict(do_sample=False, num_beams=3, num_return_sequences=2),
+    "sample": dict(do_sample=True, top_k=10),
+}
+
+
+@pytest.mark.parametrize("path", list(CACHED_PATHS))
+def test_cached_generation_equals_uncached_generation(bottleneck, path, caplog):
+    """Every decoding path with its KV cache gives the tokens it gives without one (each step a full forward), and greedy
+    ones are the argmax of the forward, on whichever transformers runs (5.24 passes the cache as ``cache``, earlier
+    releases as ``past_key_values``): a cache the model did not read would restart at position 0 every step. Nothing
+    warns of a deprecated name."""
+    model, x = build(bottleneck), prompt(length=6)
+    new = 8
+    with warnings.catch_warnings(), caplog.at_level(logging.WARNING, logger="transformers"):
+        warnings.simplefilter("error", FutureWarning)
+        torch.manual_seed(0)
+        cached = model.generate(x, max_new_tokens=new, **CACHED_PATHS[path])
+        torch.manual_seed(0)
+        uncached = model.generate(x, max_new_tokens=new, use_cache=False,
+                                  **{k: v for k, v in CACHED_PATHS[path].items() if k != "cache_implementation"})
+    assert not [r.getMessage() for r in caplog.records if "deprecated" in r.getMessage()]
+    assert torch.equal(cached, uncached)
+    if path in ("greedy", "static-cache"):
+        assert torch.equal(cached, argmax_continuation(model, x, new))
+
+
+def test_the_cache_under_either_name_gives_the_same_logits(bottleneck):
+    """A forward given the cache as ``cache`` or as ``past_key_values`` continues from it; two different caches at once
+    are refused."""
+    model, x = build(bottleneck), prompt(length=6)
+    with torch.no_grad():
+        whole = model(x).logits[:, -1]
+        for name in ("cache", "past_key_values"):
+            cache = DynamicCache(config=model.config)
+            model(x[:, :-1], **{name: cache}, use_cache=True)
+            assert cache.get_seq_length() == x.shape[1] - 1, name
+            torch.testing.assert_close(model(x[:, -1:], **{name: cache}, use_cache=True).logits[:, -1], whole,
+                                       rtol=1e-5, atol=1e-5 * whole.abs().max().item(), msg=name)
+        with pytest.raises(ValueError, match="two KV caches"):
+            model(x, cache=DynamicCache(config=model.config), past_key_values=DynamicCache(config=model.config))
+
+
 def test_left_padding_does_not_change_the_continuation(bottleneck):
     """A prompt left-padded in a batch with a longer one continues as it does alone."""
     model, x = build(bottleneck, attn="sdpa"), prompt(batch=1)
@@ -92,10 +149,10 @@ def test_continuing_from_a_cache_equals_one_call(bottleneck):
     model, x = build(bottleneck), prompt()
     once = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=2 * NEW, do_sample=False)
     first = model.generate(x, max_new_tokens=NEW, do_sample=False, return_dict_in_generate=True,
-                           past_key_values=DynamicCache(config=model.config))
-    assert first.past_key_values.get_seq_length() == x.shape[1] + NEW - 1
+                           **{CACHE_NAME: DynamicCache(config=model.config)})  # the running transformers' name
+    assert getattr(first, CACHE_NAME).get_seq_length() == x.shape[1] + NEW - 1
     again = model.generate(first.sequences, attention_mask=torch.ones_like(first.sequences), max_new_tokens=NEW,
-                           do_sample=False, past_key_values=first.past_key_values)
+                           do_sample=False, **{CACHE_NAME: getattr(first, CACHE_NAME)})
     assert torch.equal(again, once)
 
 

@@ -14,6 +14,7 @@ import torch
 from transformers import AutoModelForCausalLM, GenerationConfig
 
 from boost_hf import BoostLlamaConfig, BoostLlamaForCausalLM, ParallelConfig
+from boost_hf.modeling_boost_llama import CACHE_NAME
 
 BOTTLENECKS = [None, "svd", "cola", "lax", "tt"]
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -192,7 +193,8 @@ def test_checkpointed_layers_recompute_and_drop_the_cache(bottleneck):
         layer._gradient_checkpointing_func = lambda fn, *args, _c=checkpoint: calls.append(fn) or _c(fn, *args)
     out = model(ids(), labels=ids(), use_cache=True)
     assert len(calls) == len(model.model.layers)
-    assert out.past_key_values is None or out.past_key_values.get_seq_length() == 0
+    cache = getattr(out, CACHE_NAME)  # the running transformers' name for it
+    assert cache is None or cache.get_seq_length() == 0
     out.loss.backward()
     assert all(p.grad is not None for p in model.parameters())
 

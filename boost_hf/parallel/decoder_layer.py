@@ -55,7 +55,7 @@ class ParallelAttention(SharedStorageOwner):
         z: Tensors,
         position_embeddings: tuple[torch.Tensor, torch.Tensor],
         attention_mask: torch.Tensor | None = None,
-        past_key_values=None,
+        cache=None,
         previous: Latents | None = None,
         **kwargs,
     ):
@@ -64,8 +64,8 @@ class ParallelAttention(SharedStorageOwner):
         hidden_shape = (*input_shape, -1, self.head_dim)  # [B, S, local heads, head_dim]
         query, key = apply_rotary(query.view(hidden_shape), key.view(hidden_shape), *position_embeddings)
         query, key, value = query.transpose(1, 2), key.transpose(1, 2), value.view(hidden_shape).transpose(1, 2)
-        if past_key_values is not None:
-            key, value = past_key_values.update(key, value, self.layer_idx)
+        if cache is not None:
+            key, value = cache.update(key, value, self.layer_idx)
         attention = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_attention_forward)
         out, weights = attention(
             self, query, key, value, attention_mask,
@@ -108,7 +108,7 @@ class ParallelDecoderLayer:
         hidden_states: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.LongTensor | None = None,
-        past_key_values=None,
+        cache=None,
         use_cache: bool | None = False,
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
         lax_latents: Latents | None = None,
@@ -120,10 +120,10 @@ class ParallelDecoderLayer:
         recomputing = self.checkpointing != "none" and training
         hf_checkpointing = self.gradient_checkpointing and training  # transformers' gradient_checkpointing_enable
         if recomputing or hf_checkpointing:
-            past_key_values = None  # a recomputed step would append to the cache twice
+            cache = None  # a recomputed step would append to the cache twice
         attention = partial(
             self.attention, position_embeddings=position_embeddings, attention_mask=attention_mask,
-            past_key_values=past_key_values, **kwargs,
+            cache=cache, **kwargs,
         )
         steps = partial(self.steps, attention=attention, recompute_steps=recomputing and self.checkpointing == "lowrank")
         layer = partial(run_step, steps, recompute=recomputing and self.checkpointing == "full")

@@ -1,7 +1,8 @@
 """Done-when test of remote code: a checkpoint saved by boost-hf (the trainer's ``final/`` and plain
 ``save_pretrained`` folders of every bottleneck) loads with ``trust_remote_code=True`` in a fresh virtual
 environment holding only torch + transformers + safetensors (see :mod:`tests.hub.isolated_env` for how it is
-built and why), gives the fp32 logits of boost-hf bit for bit, generates the same greedy tokens, runs in a
+built and why), gives the fp32 logits of boost-hf bit for bit, generates the same greedy tokens (with a dynamic or a static cache,
+without one, and as the argmax of the forward), warns of no deprecated name, runs in a
 ``text-generation`` pipeline, and its tokenizer loads with ``AutoTokenizer``."""
 
 from __future__ import annotations
@@ -18,8 +19,12 @@ from . import isolated_env
 INPUT_IDS = [[5, 17, 42, 99, 7, 64, 12, 250], [9, 8, 7, 6, 5, 4, 3, 200]]
 
 ISOLATED_SCRIPT = r"""
-import json, sys, torch
+import json, logging, sys, torch, warnings
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, pipeline
+warned = []  # deprecation warnings and transformers' deprecation log lines while the remote code runs
+logging.getLogger("transformers").addHandler(type("Keep", (logging.Handler,), {"emit": lambda self, r: warned.append(r.getMessage())})())
+warnings.simplefilter("always")
+warnings.showwarning = lambda message, *args, **kwargs: warned.append(str(message))
 report = {}
 for name, folder in json.loads(sys.argv[1] if len(sys.argv) > 1 else FOLDERS).items():
     model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True, dtype=torch.float32).eval()
@@ -28,8 +33,15 @@ for name, folder in json.loads(sys.argv[1] if len(sys.argv) > 1 else FOLDERS).it
         logits = model(ids).logits
     torch.save(logits, f"{name}.logits.pt")
     generated = model.generate(ids[:1], max_new_tokens=6, do_sample=False)
+    argmax = ids[:1]
+    with torch.no_grad():
+        for _ in range(6):
+            argmax = torch.cat([argmax, model(argmax, use_cache=False).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
     entry = {"class_module": type(model).__module__, "config_class": type(AutoConfig.from_pretrained(folder, trust_remote_code=True)).__name__,
-             "generated": generated.tolist(), "use_cache": model.generation_config.use_cache}
+             "generated": generated.tolist(), "use_cache": model.generation_config.use_cache,
+             "generated_uncached": model.generate(ids[:1], max_new_tokens=6, do_sample=False, use_cache=False).tolist(),
+             "generated_static": model.generate(ids[:1], max_new_tokens=6, do_sample=False, cache_implementation="static").tolist(),
+             "argmax": argmax.tolist()}
     if name == "final":
         tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=True)
         generator = pipeline("text-generation", model=folder, trust_remote_code=True)
@@ -39,6 +51,7 @@ for name, folder in json.loads(sys.argv[1] if len(sys.argv) > 1 else FOLDERS).it
 import importlib.util
 report["forbidden_modules"] = [m for m in ("boost_hf", "deepspeed", "gensim", "peft", "datasets") if m in sys.modules or importlib.util.find_spec(m)]
 report["versions"] = [torch.__version__, __import__("transformers").__version__]
+report["deprecations"] = sorted({m for m in warned if "deprecat" in m.lower()})
 print("REPORT" + json.dumps(report))
 """
 
@@ -85,8 +98,11 @@ def check_in_a_fresh_environment(tmp_path, folders: dict[str, str]) -> dict:
     import transformers
 
     assert report.pop("versions") == [torch.__version__, transformers.__version__]
+    assert report.pop("deprecations") == []  # the remote code speaks the running transformers' names
     for name, folder in folders.items():
         entry = report[name]
+        # the cached decodings (dynamic and static cache) equal the uncached one and the argmax of the forward
+        assert entry["generated"] == entry["generated_static"] == entry["generated_uncached"] == entry["argmax"], name
         assert entry["class_module"].startswith("transformers_modules."), entry  # the shipped file, not boost_hf
         assert entry["config_class"] == "BoostLlamaConfig"
         logits, generated = boost_hf_outputs(folder)
@@ -151,3 +167,46 @@ def test_saved_files_are_registered_without_asking(tmp_path):
                                   "AutoModelForCausalLM": "modeling_boost_llama.BoostLlamaForCausalLM"}
     assert (folder / "modeling_boost_llama.py").read_text() == (sys.modules[BoostLlamaForCausalLM.__module__].__file__ and
                                                                  open(sys.modules[BoostLlamaForCausalLM.__module__].__file__).read())
+
+
+def test_export_refreshes_the_remote_code_of_an_older_folder_in_place(tmp_path, trained_run, capsys):
+    """A published folder keeps the remote code of the boost-hf that wrote it; ``boost-hf export FOLDER
+    --refresh-remote-code`` replaces exactly the code files that differ from this installation's, renews their
+    manifest entries (the folder still verifies), leaves the weights alone, and refuses a folder whose other files do
+    not match its manifest, or a folder that is not boost-hf's, changing nothing."""
+    import shutil
+
+    import pytest
+
+    from boost_hf.checkpoint.integrity import CheckpointIntegrityError, verify_manifest
+    from boost_hf.checkpoint.remote_code import refresh_remote_code, remote_code_sources
+    from boost_hf.cli import main
+
+    folder = tmp_path / "published"
+    shutil.copytree(trained_run[1], folder)
+    sources = remote_code_sources()
+    assert {"modeling_boost_llama.py", "configuration_boost_llama.py"} <= set(sources) <= {p.name for p in folder.glob("*.py")}
+    old = (folder / "modeling_boost_llama.py").read_text().replace("CACHE_NAME = ", "# written by an older boost-hf\nCACHE_NAME = ")
+    (folder / "modeling_boost_llama.py").write_text(old)
+    weights = {p.name: p.read_bytes() for p in folder.glob("*.safetensors")}
+
+    assert main(["export", str(folder), "--refresh-remote-code"]) == 0
+    assert f"refreshed modeling_boost_llama.py in {folder}" in capsys.readouterr().out
+    assert all((folder / name).read_bytes() == open(path, "rb").read() for name, path in sources.items())
+    assert {p.name: p.read_bytes() for p in folder.glob("*.safetensors")} == weights
+    verify_manifest(str(folder))
+    assert refresh_remote_code(str(folder)) == []  # already current
+    check_in_a_fresh_environment(tmp_path, {"final": str(folder)})  # cached generation == uncached == argmax there
+
+    (folder / "configuration_boost_llama.py").write_text("# older\n")
+    damaged = next(folder.glob("*.safetensors"))
+    damaged.write_bytes(damaged.read_bytes()[:-1] + b"\x00")
+    with pytest.raises(CheckpointIntegrityError, match="corrupted"):
+        refresh_remote_code(str(folder))
+    assert (folder / "configuration_boost_llama.py").read_text() == "# older\n"  # nothing changed
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    with pytest.raises(ValueError, match="not a boost-hf model"):
+        refresh_remote_code(str(tmp_path / "other"))
+    with pytest.raises(SystemExit):
+        main(["export", str(folder), str(tmp_path / "out"), "--refresh-remote-code"])
