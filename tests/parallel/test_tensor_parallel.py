@@ -143,6 +143,7 @@ def test_hooks_on_single_device_modules_fire_after_parallelize(reports):
             assert case["hooked"] and case["hook_calls"] == 2 * 9 * 3, (name, case)  # 2 layers x 9 modules x 3 forwards
             assert case["logits_rel"] <= TOL and case["inputs_embeds_rel"] <= TOL, (name, case)
             assert case["hidden_states"] == tp_cases.TINY["num_hidden_layers"] + 1, (name, case)
+            assert case["cached_generate_equal"], (name, case)
 
 
 def test_gather_full_many_returns_the_full_tensors(reports):

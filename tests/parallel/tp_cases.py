@@ -283,8 +283,8 @@ HOOKED = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_
 
 def hugging_face_contract() -> dict:
     """A single-device model with forward hooks, then parallelized (the materialised model is sliced):
-    the hooks fire, the logits are the single-device model's, ``inputs_embeds`` equal ``input_ids`` and
-    every layer's hidden state is returned."""
+    the hooks fire, the logits are the single-device model's, ``inputs_embeds`` equal ``input_ids``, every layer's
+    hidden state is returned and cached greedy generation gives the single-device model's uncached tokens."""
     world = dist.get_world_size()
     ids, _ = batch()
     out = {}
@@ -294,6 +294,7 @@ def hugging_face_contract() -> dict:
         model = BoostLlamaForCausalLM(config).eval()
         with torch.no_grad():
             reference = model(ids).logits
+            continued = model.generate(ids[:1], max_new_tokens=4, do_sample=False, use_cache=False)
         calls = []
         for name, module in model.named_modules():
             if name.endswith(HOOKED):
@@ -310,6 +311,8 @@ def hugging_face_contract() -> dict:
             "logits_rel": rel(logits, reference),
             "inputs_embeds_rel": rel(from_embeds, reference),
             "hidden_states": len(hidden),
+            # the cached generate of the parallel model (the end-of-training sample) continues as one device does
+            "cached_generate_equal": torch.equal(model.generate(ids[:1], max_new_tokens=4, do_sample=False), continued),
         }
     return out
 
