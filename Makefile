@@ -9,7 +9,8 @@ STAMP := $(VENV)/.installed
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	# torch first: the pinned version resolves to the local CPU wheel, never the CUDA build.
+	# torch first, at the pinned leg's release (2.14.1: a CUDA build, from the machine's wheel folder where it has one;
+	# it runs on the CPU), so that nothing after it resolves another torch.
 	$(PY) -m pip install -q torch==2.14.1
 	$(PY) -m pip install -q -c constraints.txt -e ".[train,demo,test,bench]"
 	touch $(STAMP)

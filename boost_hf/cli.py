@@ -551,9 +551,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    from .training.stack import TrainingStackError
+
     try:
         return SUBCOMMANDS[args.command][2](args)
-    except (ValueError, FileNotFoundError) as error:
+    except (ValueError, FileNotFoundError, TrainingStackError) as error:
         parser.error(str(error))
 
 

@@ -58,6 +58,7 @@ def versions() -> dict:
     import torch
 
     out = {"python": platform.python_version(), **{name: _version(name) for name in PACKAGES}}
+    out["torch"] = torch.__version__  # the running build, with its local tag (2.14.1+cu130, 2.13.0+cpu): which build it is
     out["cuda"] = torch.version.cuda
     out["nccl"] = ".".join(map(str, torch.cuda.nccl.version())) if torch.cuda.is_available() else None
     return out

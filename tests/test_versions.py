@@ -71,18 +71,60 @@ def test_the_minimum_leg_lacks_what_the_gpu_machine_lacks():
     assert {"datasets", "evaluate", "deepspeed"} <= set(EXTRAS["train"])
 
 
+def test_the_train_extra_admits_only_the_tested_minor_releases():
+    """The [train] extra's torch and transformers ranges are training's (boost_hf/training/stack.py), hold the pinned
+    leg's release and stop before the next minor release: the trainer depends on private APIs of both."""
+    from boost_hf.training import stack
+
+    pinned = pins("constraints.txt")
+    for name, (low, high) in stack.TRAINING_RANGE.items():
+        requirement = EXTRAS["train"][name]
+        assert lower_bound(requirement) == Version(low) == pinned[name]
+        upper = [Version(s.version) for s in requirement.specifier if s.operator == "<"]
+        assert upper == [Version(high)], f"[train] {requirement}: the first release it does not admit must be {high}"
+        release = pinned[name].release
+        assert not requirement.specifier.contains(f"{release[0]}.{release[1] + 1}.0"), requirement
+
+
 def test_training_refuses_the_stack_it_is_not_tested_on(monkeypatch):
-    """Training's floors (boost_hf/training/stack.py) are the [train] extra's, and an older transformers or torch is
-    refused when the training arguments are built, naming the extra that fixes it."""
+    """An older or newer transformers or torch, or a missing [train] package, is refused when the training arguments are
+    built (and before a training module imports the extra's packages), naming the extra that fixes it."""
+    import importlib.util
+
     import pytest
 
     from boost_hf.training import stack
 
-    assert {name: Version(floor) for name, floor in stack.TRAINING_FLOORS.items()} == {
-        name: lower_bound(EXTRAS["train"][name]) for name in stack.TRAINING_FLOORS}
-    monkeypatch.setattr(stack.torch, "__version__", "2.13.0+cpu")
-    monkeypatch.setattr(stack.transformers, "__version__", "5.23.0")
+    find_spec = importlib.util.find_spec
+    present = lambda name: find_spec("json") if name in stack.TRAINING_PACKAGES else find_spec(name)  # noqa: E731
+    monkeypatch.setattr(stack.importlib.util, "find_spec", present)  # (the minimum leg has no [train] extra)
+    monkeypatch.setattr(stack.torch, "__version__", "2.14.1+cu130")  # a local tag is the same release
+    monkeypatch.setattr(stack.transformers, "__version__", "5.24.0")
     stack.check_training_stack()
-    monkeypatch.setattr(stack.transformers, "__version__", "5.17.0")
-    with pytest.raises(RuntimeError, match=r"needs transformers>=5\.23; this environment has transformers 5\.17\.0.*boost-hf\[train\]"):
+    for version, wording in (("5.17.0", r"transformers 5\.17\.0 \(training is tested on >=5\.24,<5\.25\)"),
+                             ("5.25.0", r"transformers 5\.25\.0 \(training is tested on >=5\.24,<5\.25\)")):
+        monkeypatch.setattr(stack.transformers, "__version__", version)
+        with pytest.raises(RuntimeError, match=wording + r".*pip install 'boost-hf\[train\]'"):
+            stack.check_training_stack()
+    monkeypatch.setattr(stack.transformers, "__version__", "5.24.0")
+    monkeypatch.setattr(stack.importlib.util, "find_spec", lambda name: None if name == "datasets" else present(name))
+    with pytest.raises(RuntimeError, match=r"no datasets.*boost-hf\[train\]"):
         stack.check_training_stack()
+
+
+def test_training_on_the_core_install_names_the_extra_before_any_import_fails(tmp_path):
+    """On the core install (no datasets), ``boost-hf train`` and importing the trainer say which install fixes it, not
+    ``ModuleNotFoundError: datasets``."""
+    import subprocess
+    import sys
+
+    blocker = tmp_path / "datasets.py"
+    blocker.write_text("raise ModuleNotFoundError(\"No module named 'datasets'\")\n")
+    spec_hider = tmp_path / "sitecustomize.py"  # find_spec('datasets') -> None, as where it is not installed
+    spec_hider.write_text("import importlib.util as u\n_f = u.find_spec\nu.find_spec = lambda n, *a: None if n in ('datasets',) else _f(n, *a)\n")
+    env = {**__import__("os").environ, "PYTHONPATH": f"{tmp_path}:{REPO}"}
+    for argv in (["-m", "boost_hf.cli", "train", "demo", "--max_steps", "1"], ["-c", "import boost_hf.training.trainer"]):
+        result = subprocess.run([sys.executable, *argv], capture_output=True, text=True, env=env, timeout=300)
+        assert result.returncode != 0
+        assert "pip install 'boost-hf[train]'" in result.stderr and "no datasets" in result.stderr, result.stderr[-2000:]
+        assert "ModuleNotFoundError" not in result.stderr, result.stderr[-2000:]

@@ -14,6 +14,10 @@ tokenizer, its remote code and model card (``README.md``) to ``<output_dir>/fina
 
 from __future__ import annotations
 
+from .stack import check_training_stack
+
+check_training_stack()  # before the [train] extra's packages are imported: a missing or untested stack is named with its fix
+
 from ..checkpoint.decisions import resume_checkpoint
 from .preflight import check_model_and_data
 from .recipe import build_config, build_datasets, build_model, build_tokenizer, card_datasets, parse_recipe

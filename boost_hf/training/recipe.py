@@ -15,6 +15,10 @@ so ``recipes/pretrain.py recipe.yaml --learning_rate 1e-3 --hidden_size 256`` ov
 
 from __future__ import annotations
 
+from .stack import check_training_stack
+
+check_training_stack()  # before the [train] extra's packages are imported: a missing or untested stack is named with its fix
+
 import json
 import os
 import typing

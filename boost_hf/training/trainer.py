@@ -25,6 +25,10 @@ Launch with ``accelerate launch`` (``world = pp x dp x tp`` processes; see :mod:
 
 from __future__ import annotations
 
+from .stack import check_trainer_internals, check_training_stack
+
+check_training_stack()  # before the [train] extra's packages are imported: a missing or untested stack is named with its fix
+
 import contextlib
 import functools
 import os
@@ -83,6 +87,7 @@ class BoostTrainer(Trainer):
     """
 
     def __init__(self, model=None, args=None, **kwargs):
+        check_trainer_internals()
         exit_with_launcher()
         self.parallel_state = state = model.plan.state if hasattr(model, "plan") else ParallelState()  # a plain model: one device
         for field in ("tp_size", "pp_size"):
@@ -219,14 +224,14 @@ class BoostTrainer(Trainer):
         Trainer's own wrapping (accelerate's DDP over the world, DeepSpeed's engine)."""
         return self.engine.wrapped if self.engine.wrapped is not None else super()._wrap_model(model, training, dataloader)
 
-    def _prepare_for_training(self, max_steps, train_dataloader, resume_from_checkpoint):
-        hooks = contextlib.nullcontext()
-        if self.is_deepspeed_enabled:  # a ZeRO-1/2 checkpoint of another tp x dp resumes through DeepSpeed's universal one
-            mpu = ModelParallelUnit(self.parallel_state) if self.parallel_state.mesh is not None else None
-            saved = read_training_layout(resume_from_checkpoint) if resume_from_checkpoint else None
-            hooks = deepspeed_initialize_hooks(mpu, universal_resume(resume_from_checkpoint, self.args.output_dir, saved, self.training_layout()))
-        with hooks:
-            return super()._prepare_for_training(max_steps, train_dataloader, resume_from_checkpoint)
+    def deepspeed_hooks(self, resume_from_checkpoint: str | None) -> contextlib.AbstractContextManager:
+        """While the Trainer prepares DeepSpeed: our groups as its ``mpu``, and a ZeRO-1/2 checkpoint of another
+        tp x dp resumed through DeepSpeed's universal one (:func:`~.deepspeed.deepspeed_initialize_hooks`)."""
+        if not self.is_deepspeed_enabled:
+            return contextlib.nullcontext()
+        mpu = ModelParallelUnit(self.parallel_state) if self.parallel_state.mesh is not None else None
+        saved = read_training_layout(resume_from_checkpoint) if resume_from_checkpoint else None
+        return deepspeed_initialize_hooks(mpu, universal_resume(resume_from_checkpoint, self.args.output_dir, saved, self.training_layout()))
 
     # ------------------------------------------------------------------ data and evaluation
     def get_train_dataloader(self) -> DataLoader | StreamLoader:
@@ -355,7 +360,7 @@ class BoostTrainer(Trainer):
         if self.run.training_is_complete(resume):  # saved at max_steps: a requeue trains no step more
             return continue_complete_run(self, resume)
         self.data_resume_from = None if self.args.ignore_data_skip else resume  # (the user's choice: from the first batch)
-        with self.run.running(lambda: self.state.global_step + 1), self.data_continues_itself():
+        with self.run.running(lambda: self.state.global_step + 1), self.data_continues_itself(), self.deepspeed_hooks(resume):
             output = super().train(resume_from_checkpoint=resume, **kwargs)
             self.run.saver.wait()  # the last asynchronous checkpoint is complete when train() returns
         self.run.stop_after_training()

@@ -468,31 +468,24 @@ def test_init_from_paths_and_architecture_are_checked(finished_run, tmp_path):
 
 
 # ---------------------------------------------------------------------------- Trainer internals still overridden
-TRANSFORMERS_PRIVATE_OVERRIDES = {
-    # name: SHA-256[:16] of ``inspect.getsource(transformers.Trainer.<name>)`` in transformers 5.23.0
-    "_clip_grad_norm": "ebfa9dc91d3088ab",
-    "_get_grad_norm": "913ba6f52f074d10",
-    "_load_from_checkpoint": "a2804e8d93a297e3",
-    "_load_optimizer_and_scheduler": "741032f57d6fb802",
-    "_prepare_for_training": "f55950593d7e10c0",
-    "_save_checkpoint": "a9111e30faa99339",
-    "_save_optimizer_and_scheduler": "c5ef974db69ab993",
-    "_track_num_input_tokens": "090592fb6618b957",
-    "_wrap_model": "317173a8bd8960fc",
-}
+def test_the_overridden_private_trainer_methods_are_the_reviewed_ones(monkeypatch):
+    """BoostTrainer overrides exactly the private Trainer methods boost_hf/training/stack.py records, their source in the
+    installed transformers is the reviewed one, and a release that changes one is refused when a trainer is built
+    (naming the method and the fix) unless the user allows it."""
+    from boost_hf.training import stack
 
-
-def test_overridden_private_trainer_methods_have_not_changed():
-    """BoostTrainer overrides these private Trainer methods; if transformers changes one, review the override
-    (then record the new hash here)."""
-    import hashlib
-    import inspect
-
-    current = {
-        name: hashlib.sha256(inspect.getsource(getattr(Trainer, name)).encode()).hexdigest()[:16]
-        for name in sorted(n for n in vars(BoostTrainer) if n.startswith("_") and not n.startswith("__") and hasattr(Trainer, n))
-    }
-    assert current == TRANSFORMERS_PRIVATE_OVERRIDES
+    overridden = sorted(n for n in vars(BoostTrainer) if n.startswith("_") and not n.startswith("__") and hasattr(Trainer, n))
+    assert overridden == sorted(stack.REVIEWED_TRAINER_INTERNALS)
+    assert stack.unreviewed_trainer_internals() == []
+    stack.check_trainer_internals()
+    changed = type("ChangedTrainer", (Trainer,), {"_wrap_model": lambda self, model, training=True, dataloader=None: model})
+    assert stack.unreviewed_trainer_internals(changed) == ["_wrap_model"]
+    monkeypatch.setattr(stack, "unreviewed_trainer_internals", lambda: ["_wrap_model"])
+    with pytest.raises(stack.TrainingStackError, match=r"changed Trainer methods that BoostTrainer overrides \(_wrap_model\).*"
+                                                       r"reviewed against transformers 5\.24\.0.*BOOST_HF_ALLOW_UNREVIEWED_TRAINER=1"):
+        BoostTrainer(model=None, args=None)
+    monkeypatch.setenv(stack.ALLOW_UNREVIEWED_ENV, "1")
+    stack.check_trainer_internals()
 
 
 # ---------------------------------------------------------------------------- cryptic cases, named
