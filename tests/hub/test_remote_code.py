@@ -14,6 +14,7 @@ import torch
 
 from boost_hf import BoostLlamaConfig, BoostLlamaForCausalLM
 
+from ..tolerances import TINY_FORWARD, assert_scaled_close
 from . import isolated_env
 
 INPUT_IDS = [[5, 17, 42, 99, 7, 64, 12, 250], [9, 8, 7, 6, 5, 4, 3, 200]]
@@ -122,7 +123,7 @@ def test_remote_code_of_every_bottleneck_in_a_fresh_environment_without_boost_hf
 
 def test_the_same_logits_on_every_supported_version(tmp_path):
     """Checkpoints of every bottleneck, saved with this checkout's model file as remote code, give the logits written on
-    the pinned stack (tests/hub/reference_logits.py) within 1e-5, in boost-hf and with plain transformers, on whichever
+    the pinned stack (tests/hub/reference_logits.py) within fp32 rounding (tests/tolerances.py), in boost-hf and with plain transformers, on whichever
     versions this leg runs (make test runs it at the pinned and at the minimum versions)."""
     from safetensors.torch import load_file
 
@@ -136,7 +137,7 @@ def test_the_same_logits_on_every_supported_version(tmp_path):
         BoostLlamaForCausalLM.from_pretrained(REFERENCE / name).save_pretrained(folders[name])
     check_in_a_fresh_environment(tmp_path, folders)
     for name, folder in folders.items():
-        torch.testing.assert_close(torch.load(tmp_path / f"{name}.logits.pt"), expected[name], rtol=1e-5, atol=1e-5, msg=name)
+        assert_scaled_close(torch.load(tmp_path / f"{name}.logits.pt"), expected[name], TINY_FORWARD, name)
 
 
 def test_a_trained_final_folder_in_a_fresh_environment_without_boost_hf(tmp_path, trained_run):

@@ -13,6 +13,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from boost_hf.parallel.fused import STATISTICS_WIDTH, _scale_reference
 from boost_hf.parallel.latent_op import _backward, _compiled, _forward, scale_activate
 from boost_hf.perf.op_counter import OpCounter
+from ..tolerances import ONE_OPERATOR, assert_scaled_close
 
 HIDDEN, EPS, WIDTH = 48, 1e-6, 12
 U = 2.0 ** -8  # bf16 rounding, relative (see tests/parallel/test_bf16_norms.py)
@@ -53,10 +54,10 @@ def test_equals_the_scale_then_the_latent_function(activation, device):
     fused, unfused = scale_activate(buffer, WIDTH, HIDDEN, EPS, activation), _unfused(twin, activation)
     if device == "cpu":
         assert torch.equal(fused, unfused)
-    torch.testing.assert_close(fused, unfused, rtol=1e-6, atol=1e-6)
+    assert_scaled_close(fused, unfused, ONE_OPERATOR, "forward")
     grad = torch.randn_like(fused)
     (got,), (expected,) = torch.autograd.grad(fused, buffer, grad), torch.autograd.grad(unfused, twin, grad)
-    torch.testing.assert_close(got[..., :WIDTH + 1], expected[..., :WIDTH + 1], rtol=1e-5, atol=1e-6)
+    assert_scaled_close(got[..., :WIDTH + 1], expected[..., :WIDTH + 1], ONE_OPERATOR, "gradient")
     assert not got[..., WIDTH + 1:].any()
 
 
@@ -114,12 +115,12 @@ def test_the_compiled_implementation_equals_the_eager_one(activation):
     """What CUDA runs (the arithmetic compiled by inductor), here compiled for the CPU: the same function."""
     buffer = _buffer(torch.float32)
     out = _compiled(_forward)(buffer, WIDTH, HIDDEN, EPS, activation)
-    torch.testing.assert_close(out, _forward(buffer, WIDTH, HIDDEN, EPS, activation), rtol=1e-6, atol=1e-6)
+    assert_scaled_close(out, _forward(buffer, WIDTH, HIDDEN, EPS, activation), ONE_OPERATOR, "forward")
     grad = torch.randn_like(out)
     got, expected = torch.full_like(buffer, float("nan")), torch.full_like(buffer, float("nan"))
     _compiled(_backward)(grad, buffer, HIDDEN, EPS, activation, got)
     _backward(grad, buffer, HIDDEN, EPS, activation, expected)
-    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+    assert_scaled_close(got, expected, ONE_OPERATOR, "gradient")
     assert expected[..., :WIDTH + 1].abs().min() > 0 and not expected[..., WIDTH + 1:].any()  # every column written
 
 

@@ -12,6 +12,7 @@ from boost_hf.modeling_boost_llama import BoostLlamaRMSNorm
 from boost_hf.parallel.norms import FusedRMSNorm, GatheredRMSNorm
 from boost_hf.parallel.rmsnorm_op import rms_norm
 from boost_hf.perf.op_counter import OpCounter
+from ..tolerances import ONE_OPERATOR, assert_scaled_close
 
 EPS = 1e-6
 
@@ -36,7 +37,7 @@ def test_gradients_equal_autograd_of_the_single_device_norm():
     expected = torch.autograd.grad(norm(x), (x, norm.weight), grad)
     got = torch.autograd.grad(rms_norm(x, weight, EPS), (x, weight), grad)
     for a, b in zip(got, expected):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        assert_scaled_close(a, b, ONE_OPERATOR, "gradient")
 
 
 @pytest.mark.parametrize("op", ["rms_norm", "rms_norm_input_backward", "rms_norm_weight_backward"])
