@@ -7,8 +7,8 @@ tracker file on rank 0 and broadcasts it, these are decided once:
 
 * :func:`decided_on_rank_zero`: ``decide()`` on global rank 0, its result (or its error, raised on every rank with
   the same type and message) on every rank: one ``broadcast_object_list`` of a few bytes;
-* :func:`resume_checkpoint`: the checkpoint ``--resume_from_checkpoint`` means (``last``/``True``: the newest complete
-  one, ``auto``: that or none, a path: itself);
+* :func:`resume_checkpoint`: the checkpoint ``--resume_from_checkpoint`` means (``last``/``True``: the last complete
+  one of the run's lineage, ``auto``: that or none, a path: itself);
 * :func:`checkpoint_is_complete`: whether a checkpoint folder exists complete (a stop request saves one unless it
   does);
 * :func:`steps_trained`: the optimizer steps a checkpoint holds (a run resumed at its ``max_steps`` trains no more);
@@ -55,18 +55,19 @@ def decided_on_rank_zero(decide):
 
 def resume_checkpoint(run_dir: str, resume_from_checkpoint: str | bool | None) -> str | None:
     """The checkpoint a run resumes, decided on global rank 0 (:func:`decided_on_rank_zero`): ``True`` or ``"last"``:
-    the newest complete checkpoint of ``run_dir`` (``FileNotFoundError`` when there is none,
-    :func:`~boost_hf.checkpoint.folders.newest_complete_checkpoint`); ``"auto"``: that, or ``None`` (a new run) when
-    there is none; a path: itself (``FileNotFoundError`` if it is no folder); ``None`` / ``False``: ``None``."""
-    from .folders import completed_checkpoints, newest_complete_checkpoint
+    the last complete checkpoint of ``run_dir``'s lineage (``FileNotFoundError`` when there is none,
+    :func:`~boost_hf.checkpoint.lineage.last_checkpoint`); ``"auto"``: that, or ``None`` (a new run) when there is
+    none; a path: itself (``FileNotFoundError`` if it is no folder); ``None`` / ``False``: ``None``."""
+    from .folders import completed_checkpoints
+    from .lineage import last_checkpoint
 
     def decide() -> str | None:
         if resume_from_checkpoint in (None, False, ""):
             return None
         if resume_from_checkpoint == "auto":
-            return newest_complete_checkpoint(run_dir) if completed_checkpoints(run_dir) else None
+            return last_checkpoint(run_dir) if completed_checkpoints(run_dir) else None
         if resume_from_checkpoint is True or resume_from_checkpoint == "last":
-            return newest_complete_checkpoint(run_dir)
+            return last_checkpoint(run_dir)
         if not os.path.isdir(resume_from_checkpoint):
             raise FileNotFoundError(f"resume_from_checkpoint: no such file or folder: {resume_from_checkpoint!r}")
         return resume_from_checkpoint

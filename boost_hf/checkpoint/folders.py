@@ -65,13 +65,13 @@ from .integrity import (
     write_manifest,
 )
 
+from .lineage import RECORD_NAME, checkpoint_step, is_abandoned, record_checkpoint
 from .sharded_state import DCP_FOLDER, is_distributed_checkpoint, quiet_single_process_warning
 
 logger = logging.getLogger(__name__)
 
 LOW_SPACE_BYTES = 1 << 20
 """A failed write with less free space than this on the target's file system is reported as a full disk."""
-_CHECKPOINT = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")
 
 
 class CheckpointWriteError(OSError):
@@ -308,6 +308,7 @@ class CheckpointSaver:
 
     def _commit(self, target: str, staging: str, after_commit, group) -> None:
         if self.is_writer:
+            record_checkpoint(os.path.dirname(os.path.abspath(target)), target)  # the lineage's last, before its rename
             _replace(target, staging, self.run_id)
             if after_commit is not None:
                 after_commit()
@@ -337,13 +338,14 @@ class CheckpointSaver:
             raise error
 
 
-_STAGING = re.compile(rf"^\.({PREFIX_CHECKPOINT_DIR}-\d+|final)\.(tmp|old)-(.+)$")
+_STAGING = re.compile(rf"^\.({PREFIX_CHECKPOINT_DIR}-\d+|final|{re.escape(RECORD_NAME)})\.(tmp|old)-(.+)$")
 
 
 def remove_stale_staging(output_dir: str, run_id: str) -> list[str]:
     """Clean up after earlier runs killed while saving in ``output_dir``: a folder moved aside by :func:`_replace`
     (``.<name>.old-<run id>``) whose ``<name>`` is missing (killed between the two renames) is moved back under its
-    name (the newest such folder, with a warning); every other staging folder of an earlier run is deleted. Return the
+    name (the newest such folder, with a warning); every other staging folder of an earlier run (and temporary file
+    of the lineage's record, :mod:`~boost_hf.checkpoint.lineage`) is deleted. Return the
     names deleted. Call while holding the output folder's lock (no other run writes there)."""
     stale = sorted((m for n in os.listdir(output_dir) if (m := _STAGING.match(n)) and m.group(3) != run_id),
                    key=lambda m: os.path.getmtime(os.path.join(output_dir, m.group(0))), reverse=True)
@@ -355,17 +357,21 @@ def remove_stale_staging(output_dir: str, run_id: str) -> list[str]:
                            "folder aside and renaming the new one into place)", target, name)
     removed = [m.group(0) for m in stale if os.path.exists(os.path.join(output_dir, m.group(0)))]
     for name in removed:
-        shutil.rmtree(os.path.join(output_dir, name), ignore_errors=True)
+        path = os.path.join(output_dir, name)
+        if os.path.isdir(path):
+            shutil.rmtree(path, ignore_errors=True)
+        else:  # the record's temporary file
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(path)
     return removed
 
 
 def _previous_complete(folder: str) -> str | None:
     """The newest complete checkpoint of ``folder``'s run older than ``folder`` (a ``checkpoint-<step>``), if any."""
-    match = _CHECKPOINT.match(os.path.basename(os.path.normpath(folder)))
-    if not match:
+    step = checkpoint_step(folder)
+    if step is None:
         return None
-    earlier = [c for c in completed_checkpoints(os.path.dirname(os.path.abspath(folder)))
-               if int(_CHECKPOINT.match(os.path.basename(c)).group(1)) < int(match.group(1))]
+    earlier = [c for c in completed_checkpoints(os.path.dirname(os.path.abspath(folder))) if checkpoint_step(c) < step]
     return earlier[-1] if earlier else None
 
 
@@ -414,7 +420,7 @@ def completed_checkpoints(run_dir: str, skipped: list[tuple[str, str]] | None = 
     ``(folder, reason)``."""
     if not os.path.isdir(run_dir):
         return []
-    found = [(int(m.group(1)), m.group(0)) for m in map(_CHECKPOINT.match, os.listdir(run_dir)) if m]
+    found = [(step, name) for name in os.listdir(run_dir) if (step := checkpoint_step(name)) is not None]
     complete = []
     for _, name in sorted(found):
         folder = os.path.join(run_dir, name)
@@ -426,30 +432,11 @@ def completed_checkpoints(run_dir: str, skipped: list[tuple[str, str]] | None = 
     return complete
 
 
-def newest_complete_checkpoint(run_dir: str) -> str:
-    """The newest complete checkpoint of ``run_dir`` (``--resume_from_checkpoint last``); newer incomplete or damaged
-    ones are skipped with a warning naming each and why. ``FileNotFoundError`` when there is none."""
-    skipped: list[tuple[str, str]] = []
-    complete = completed_checkpoints(run_dir, skipped)
-    newest = complete[-1] if complete else None
-    for folder, reason in skipped:
-        if newest is None or int(_CHECKPOINT.match(os.path.basename(folder)).group(1)) > int(_CHECKPOINT.match(os.path.basename(newest)).group(1)):
-            logger.warning("--resume_from_checkpoint last: skipping %s, not a complete checkpoint: %s", folder, reason)
-    if newest is None:
-        raise FileNotFoundError(
-            f"no complete checkpoint (with a valid manifest.json) in output_dir {run_dir!r} to resume from"
-            + (f"; skipped: {', '.join(os.path.basename(f) for f, _ in skipped)}" if skipped else "") + "."
-        )
-    if skipped:
-        logger.warning("--resume_from_checkpoint last: resuming from %s", newest)
-    return newest
-
-
 def check_fresh_output_dir(output_dir: str, overwrite: bool) -> None:
     """A new (not resumed) run must not silently overwrite an earlier run's checkpoints or final model."""
     if overwrite or not os.path.isdir(output_dir):
         return
-    earlier = sorted(n for n in os.listdir(output_dir) if _CHECKPOINT.match(n) or n == "final")
+    earlier = sorted(n for n in os.listdir(output_dir) if checkpoint_step(n) is not None or n == "final")
     if earlier:
         raise FileExistsError(
             f"output_dir {output_dir!r} already holds a run ({', '.join(earlier[:4])}): resume it with "
@@ -458,10 +445,13 @@ def check_fresh_output_dir(output_dir: str, overwrite: bool) -> None:
 
 
 def remove_earlier_run(output_dir: str) -> None:
-    """Delete the checkpoints and final model of an earlier run (``--overwrite_output_dir``)."""
+    """Delete the checkpoints (those set aside as another lineage's too), the record of the last one and the final model
+    of an earlier run (``--overwrite_output_dir``)."""
     for name in os.listdir(output_dir):
-        if _CHECKPOINT.match(name) or name == "final":
+        if checkpoint_step(name) is not None or is_abandoned(name) or name == "final":
             shutil.rmtree(os.path.join(output_dir, name))
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(os.path.join(output_dir, RECORD_NAME))
 
 
 @contextlib.contextmanager
@@ -485,7 +475,6 @@ __all__ = [
     "completed_checkpoints",
     "incomplete_reason",
     "is_distributed_checkpoint",
-    "newest_complete_checkpoint",
     "verify_checkpoint_once",
     "remove_stale_staging",
     "check_fresh_output_dir",

@@ -20,7 +20,8 @@ from .folders import (
     remove_stale_staging,
     verify_checkpoint_once,
 )
-from .decisions import final_is_published, resume_checkpoint, steps_trained
+from .decisions import decided_on_rank_zero, final_is_published, resume_checkpoint, steps_trained
+from .lineage import set_aside_later_checkpoints
 from .lock import OutputDirInUseError, OutputDirLock
 from .resume import check_resume_layout
 
@@ -62,11 +63,15 @@ class RunFolder:
             self._lock.release()
 
     def resume_point(self, resume_from_checkpoint: str | bool | None, config, layout: dict) -> str | None:
-        """The checkpoint a run continues from (``True`` or ``"last"``: the last *complete* one; ``"auto"``: that, or a new
-        run if there is none; ``None``: a new run, which refuses an ``output_dir`` holding an earlier run unless
-        ``overwrite_output_dir``), decided on global rank 0 (:func:`~boost_hf.checkpoint.decisions.resume_checkpoint`),
-        verified against its manifest and architecture and resumable at this run's ``layout``. Collective."""
+        """The checkpoint a run continues from (``True`` or ``"last"``: the last *complete* one of the run's lineage;
+        ``"auto"``: that, or a new run if there is none; ``None``: a new run, which refuses an ``output_dir`` holding an
+        earlier run unless ``overwrite_output_dir``), decided on global rank 0
+        (:func:`~boost_hf.checkpoint.decisions.resume_checkpoint`) once the folder is claimed (:meth:`claim`: locked,
+        staging folders of killed runs restored or removed), verified against its manifest and architecture and
+        resumable at this run's ``layout``; the checkpoints of ``output_dir`` of later steps are then set aside as
+        another lineage's (:func:`~boost_hf.checkpoint.lineage.set_aside_later_checkpoints`). Collective."""
         run_dir = self.args.output_dir
+        self.claim()
         resume_from_checkpoint = resume_checkpoint(run_dir, resume_from_checkpoint)  # rank 0's view, on every rank
         if resume_from_checkpoint is None:
             check_fresh_output_dir(run_dir, getattr(self.args, "overwrite_output_dir", False))
@@ -80,6 +85,8 @@ class RunFolder:
         # verified here for every resume: transformers skips _load_from_checkpoint under DeepSpeed
         verify_checkpoint_once(resume_from_checkpoint, config)
         check_resume_layout(resume_from_checkpoint, layout)
+        step = steps_trained(resume_from_checkpoint)
+        decided_on_rank_zero(lambda: set_aside_later_checkpoints(run_dir, resume_from_checkpoint, step))
         return resume_from_checkpoint
 
     def take_over(self, resumed: bool) -> None:

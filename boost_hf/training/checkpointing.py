@@ -37,8 +37,9 @@ def save_checkpoint(trainer, trial) -> None:
     :func:`~boost_hf.checkpoint.optimizer_state.optimizer_state`; under DeepSpeed the model only, its optimizer in its
     own folder), beside the Trainer's other files (``Trainer._save_checkpoint``'s: scheduler, RNG, trainer state,
     best-model record, hub push) and the Hugging Face folder without weights. Written by
-    :class:`~boost_hf.checkpoint.folders.CheckpointSaver`: a staging folder, the manifest, the rename; only then
-    are old checkpoints rotated out (``--save_total_limit``). ``--save_async``: the shards are copied to host
+    :class:`~boost_hf.checkpoint.folders.CheckpointSaver`: a staging folder, the manifest, the record of the lineage's
+    last checkpoint, the rename; only then are the lineage's oldest checkpoints rotated out, by step
+    (``--save_total_limit``). ``--save_async``: the shards are copied to host
     memory and written in the background; the next save (and the final model) waits for this one."""
     if trainer.hp_search_backend is None and trial is None:
         trainer.store_flos()
@@ -71,9 +72,9 @@ def save_checkpoint(trainer, trial) -> None:
                         trainer.state.stateful_callbacks[name] = exported
             trainer.state.save_to_json(os.path.join(staging, TRAINER_STATE_NAME))
 
-    def rotate() -> None:
+    def rotate() -> None:  # by step: the checkpoint-<step> folders are the lineage's (boost_hf.checkpoint.lineage)
         rotate_checkpoints(output_dir=run_dir, save_total_limit=trainer.args.save_total_limit,
-                           best_model_checkpoint=trainer.state.best_model_checkpoint, use_mtime=True)
+                           best_model_checkpoint=trainer.state.best_model_checkpoint, use_mtime=False)
 
     with full_precision_parameters(trainer.model), full_parameters(trainer.model, trainer.zero_stage):  # bf16_params: the masters
         shards = {"model": model_state(trainer.model)}

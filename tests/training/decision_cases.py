@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 
 def stale_listings(run_dir: str) -> dict:
-    from boost_hf.checkpoint import decisions
+    from boost_hf.checkpoint import decisions, lineage
     from boost_hf.checkpoint import folders as checkpoint
 
     rank = dist.get_rank()
@@ -18,7 +18,7 @@ def stale_listings(run_dir: str) -> dict:
             return [os.path.join(run, "checkpoint-2")] if os.path.isdir(run) else []
 
         checkpoint.completed_checkpoints = stale
-        checkpoint.newest_complete_checkpoint = lambda run: stale(run)[-1]
+        lineage.last_checkpoint = lambda run: stale(run)[-1]
     outcome = {"last": decisions.resume_checkpoint(run_dir, True), "auto": decisions.resume_checkpoint(run_dir, "auto"),
                "complete": decisions.checkpoint_is_complete(os.path.join(run_dir, "checkpoint-4"))}
     try:

@@ -77,7 +77,7 @@ def test_nonfinite_stop_names_the_step_and_the_last_checkpoint(tmp_path, nan_los
     t = trainer(tmp_path)
     with pytest.raises(NonFiniteError, match=r"non-finite loss or gradient norm \(nan\) at step 3: .*checkpoint-2"):
         t.train()
-    assert sorted(os.listdir(tmp_path)) == [".boost_hf.lock", "checkpoint-2"]  # no final, no later checkpoint
+    assert sorted(os.listdir(tmp_path)) == [".boost_hf.lock", "checkpoint-2", "last_checkpoint.json"]  # no final, no later checkpoint
     assert all(torch.isfinite(p).all() for p in t.model.parameters()), "the non-finite update was applied"
 
 
@@ -114,7 +114,7 @@ def test_skip_step_stops_after_consecutive_skips_and_logs_nan(tmp_path, nan_loss
     losses = {log["step"]: log["loss"] for log in t.state.log_history if "loss" in log}
     assert sorted(losses) == [1, 2, 3, 4, 5]
     assert [math.isnan(losses[step]) for step in sorted(losses)] == [False, True, False, True, True]
-    assert sorted(os.listdir(tmp_path)) == [".boost_hf.lock", "checkpoint-3"]  # no final, nothing after the skips
+    assert sorted(os.listdir(tmp_path)) == [".boost_hf.lock", "checkpoint-3", "last_checkpoint.json"]  # no final, nothing after the skips
 
 
 def test_nonfinite_policy_is_validated(tmp_path):
@@ -380,7 +380,7 @@ def test_checkpoints_are_staged_verified_renamed_then_rotated(tmp_path, monkeypa
     rotate = checkpointing.rotate_checkpoints
 
     def recording_rotation(output_dir, **kwargs):
-        names = sorted(n for n in os.listdir(output_dir) if n != ".boost_hf.lock")
+        names = sorted(n for n in os.listdir(output_dir) if n not in (".boost_hf.lock", "last_checkpoint.json"))
         newest = max((n for n in names if n.startswith("checkpoint-")), key=lambda n: int(n.split("-")[1]))
         verify_manifest(os.path.join(output_dir, newest))  # complete before anything is deleted
         events.append(names)
@@ -392,7 +392,7 @@ def test_checkpoints_are_staged_verified_renamed_then_rotated(tmp_path, monkeypa
     stale.mkdir(parents=True)
     t.train()
     assert events == [["checkpoint-2"], ["checkpoint-2", "checkpoint-4"], ["checkpoint-4", "checkpoint-6"]]
-    assert sorted(os.listdir(tmp_path)) == [".boost_hf.lock", "checkpoint-6"]  # rotated; no staging folder left
+    assert sorted(os.listdir(tmp_path)) == [".boost_hf.lock", "checkpoint-6", "last_checkpoint.json"]  # rotated; no staging folder left
 
 
 def test_a_save_that_fails_before_its_rename_keeps_the_previous_checkpoint_with_save_total_limit(tmp_path, monkeypatch):
@@ -410,7 +410,7 @@ def test_a_save_that_fails_before_its_rename_keeps_the_previous_checkpoint_with_
     monkeypatch.setattr(checkpoint_module, "write_manifest", killed_at_step_4)
     with pytest.raises(KeyboardInterrupt):
         t.train()
-    assert sorted(os.listdir(tmp_path)) == [".boost_hf.lock", "checkpoint-2"]
+    assert sorted(os.listdir(tmp_path)) == [".boost_hf.lock", "checkpoint-2", "last_checkpoint.json"]
     verify_manifest(str(tmp_path / "checkpoint-2"))
 
 
@@ -437,7 +437,7 @@ def test_disk_full_keeps_the_previous_checkpoint_and_no_partial_folder(tmp_path,
             monkeypatch.setattr(torch, "save", full_after_first_checkpoint)
         with pytest.raises(CheckpointWriteError, match=r"could not save .*checkpoint-4': no space left on device"):
             t.train()
-        assert sorted(p.name for p in disk.iterdir() if p.name != ".boost_hf.lock") == ["checkpoint-2"]
+        assert sorted(p.name for p in disk.iterdir() if p.name != ".boost_hf.lock") == ["checkpoint-2", "last_checkpoint.json"]
         from boost_hf.checkpoint.integrity import verify_manifest
 
         verify_manifest(str(disk / "checkpoint-2"))
@@ -542,7 +542,7 @@ def test_a_failed_save_on_any_rank_is_named_without_errno_prefix(tmp_path, monke
         t.train()
     assert str(error.value).startswith(f"could not save '{tmp_path / 'checkpoint-4'}': "), str(error.value)
     assert re.search(cause, str(error.value)), str(error.value)
-    assert sorted(p.name for p in tmp_path.iterdir()) == [".boost_hf.lock", "checkpoint-2"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".boost_hf.lock", "checkpoint-2", "last_checkpoint.json"]
 
 
 def test_disk_full_inside_safetensors_is_a_checkpoint_write_error(tmp_path, monkeypatch):
@@ -560,7 +560,7 @@ def test_disk_full_inside_safetensors_is_a_checkpoint_write_error(tmp_path, monk
     with pytest.raises(CheckpointWriteError, match=r"could not save .*final': no space left on device") as error:
         t.save_final_model()
     assert error.value.errno == errno.ENOSPC  # no "[Errno 5]" in the text, the right errno on the exception
-    assert sorted(p.name for p in tmp_path.iterdir()) == [".boost_hf.lock", "checkpoint-2", "checkpoint-4"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".boost_hf.lock", "checkpoint-2", "checkpoint-4", "last_checkpoint.json"]
 
 
 # ---------------------------------------------------------------------------- preemption (one process; launched: test_hangs.py)
@@ -737,10 +737,10 @@ def test_a_requeued_run_ends_once(tmp_path, monkeypatch):
     assert whole.state.global_step == 4
     with pytest.raises(TrainingStopped, match=r"finished step 4 and the run saved .*checkpoint-4'"):
         run(tmp_path / "run", SignalDuringLastStep())
-    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["checkpoint-4"]  # no final yet
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["checkpoint-4", "last_checkpoint.json"]  # no final yet
     requeued = run(tmp_path / "run")
     assert requeued.state.global_step == 4 and max(logged_losses(requeued)) == 4  # no step 5
-    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["checkpoint-4", "final", "trainer_state.json"]
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["checkpoint-4", "final", "last_checkpoint.json", "trainer_state.json"]
     published, uninterrupted = (load_file(folder / "final" / "model.safetensors") for folder in (tmp_path / "run", tmp_path / "whole"))
     assert published.keys() == uninterrupted.keys()
     assert all(torch.equal(published[name], uninterrupted[name]) for name in published)
@@ -748,5 +748,81 @@ def test_a_requeued_run_ends_once(tmp_path, monkeypatch):
     manifest = (tmp_path / "run" / "final" / "manifest.json").read_bytes()
     again = run(tmp_path / "run")
     assert again.state.global_step == 0  # nothing loaded, nothing trained: the run was complete
-    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["checkpoint-4", "final", "trainer_state.json"]
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["checkpoint-4", "final", "last_checkpoint.json", "trainer_state.json"]
     assert (tmp_path / "run" / "final" / "manifest.json").read_bytes() == manifest
+
+
+# ---------------------------------------------------------------------------- the run's lineage
+class StopAtStep:
+    """A callback sending this process ``SIGUSR1`` as step ``step`` begins: the run saves that step and stops (76)."""
+
+    def __init__(self, step: int):
+        from transformers import TrainerCallback
+
+        self.step, self.trained = step, []
+
+        class Callback(TrainerCallback):
+            def on_step_begin(inner, args, state, control, **kwargs):
+                if state.global_step + 1 == self.step:
+                    import signal
+
+                    os.kill(os.getpid(), signal.SIGUSR1)
+
+            def on_step_end(inner, args, state, control, **kwargs):
+                self.trained.append(state.global_step)
+
+        self.callback = Callback()
+
+
+def run_trainer(folder, resume_from_checkpoint=None, stop_at: int | None = None, **overrides) -> tuple[BoostTrainer, list[int]]:
+    """A run into ``folder`` (stopped as step ``stop_at`` begins, saving it); the trainer and the steps it trained."""
+    t = trainer(folder, **overrides)
+    steps = StopAtStep(stop_at or 0)
+    t.add_callback(steps.callback)
+    try:
+        if stop_at is None:
+            t.train(resume_from_checkpoint=resume_from_checkpoint)
+        else:
+            with pytest.raises(TrainingStopped, match=rf"finished step {stop_at} and the run saved"):
+                t.train(resume_from_checkpoint=resume_from_checkpoint)
+    finally:
+        t.run.release()
+    return t, steps.trained
+
+
+def test_a_resume_follows_the_lineage_it_continues(tmp_path, caplog):
+    """Checkpoints 2, 4, 6; rolled back to checkpoint-2 (at a lower learning rate, as after a loss spike), the run saves
+    step 3 and is stopped: its requeue (``auto``, or ``last``) resumes checkpoint-3 of that lineage, not the abandoned
+    checkpoint-6 (which would have ended the run without a step). The abandoned checkpoints are set aside as
+    ``abandoned-checkpoint-<step>`` (kept, said), ``last_checkpoint.json`` records the committed checkpoint, and
+    ``save_total_limit`` rotates by step within the lineage (before: by modification time, keeping the abandoned
+    checkpoint-6 and deleting checkpoint-2)."""
+    from boost_hf.checkpoint.decisions import resume_checkpoint
+
+    run_trainer(tmp_path, max_steps=6)
+    assert json.loads((tmp_path / "last_checkpoint.json").read_text()) == {"checkpoint": "checkpoint-6", "step": 6}
+    abandoned = {name: (tmp_path / name / "manifest.json").read_bytes() for name in ("checkpoint-4", "checkpoint-6")}
+    with caplog.at_level("WARNING", logger="boost_hf.checkpoint.lineage"):
+        run_trainer(tmp_path, str(tmp_path / "checkpoint-2"), stop_at=3, max_steps=6, learning_rate=1e-4, save_total_limit=2)
+    assert re.search(r"resuming .*checkpoint-2 sets aside the checkpoints of later steps \(another lineage of this run\): "
+                     r"checkpoint-4 -> abandoned-checkpoint-4, checkpoint-6 -> abandoned-checkpoint-6", caplog.text), caplog.text
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "abandoned-checkpoint-4", "abandoned-checkpoint-6", "checkpoint-2", "checkpoint-3", "last_checkpoint.json"]
+    assert {name: (tmp_path / f"abandoned-{name}" / "manifest.json").read_bytes() for name in abandoned} == abandoned  # kept as saved
+    assert json.loads((tmp_path / "last_checkpoint.json").read_text()) == {"checkpoint": "checkpoint-3", "step": 3}
+    assert resume_checkpoint(str(tmp_path), "last") == resume_checkpoint(str(tmp_path), "auto") == str(tmp_path / "checkpoint-3")
+    requeued, trained = run_trainer(tmp_path, "auto", max_steps=6, learning_rate=1e-4, save_total_limit=2)
+    assert trained == [4, 5, 6]
+    assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-4", "checkpoint-6"]  # by step, in the lineage
+    assert [log["step"] for log in requeued.state.log_history if "loss" in log] == [1, 2, 3, 4, 5, 6]
+
+
+def test_an_output_folder_of_an_earlier_version_resumes_its_newest_checkpoint_said(finished_run, caplog):
+    """A run folder without ``last_checkpoint.json`` (written before boost-hf recorded it) resumes as before: its newest
+    complete checkpoint, with a warning saying why."""
+    (finished_run / "last_checkpoint.json").unlink()
+    from boost_hf.checkpoint.decisions import resume_checkpoint
+
+    with caplog.at_level("WARNING", logger="boost_hf.checkpoint.lineage"):
+        assert resume_checkpoint(str(finished_run), "last") == str(finished_run / "checkpoint-4")
+    assert f"{finished_run} has no last_checkpoint.json (an output folder of an earlier boost-hf version)" in caplog.text
