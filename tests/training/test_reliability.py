@@ -330,8 +330,10 @@ def test_a_remote_owners_lock_is_taken_over_when_its_heartbeat_stopped_and_refus
     lock.acquire("requeued-run")
     assert "pid 4242 on node-b" in lock.taken_over and "its heartbeat stopped 60" in lock.taken_over
     assert json.loads((tmp_path / ".boost_hf.lock").read_text())["run_id"] == "requeued-run"
+    beat = (tmp_path / ".boost_hf.lock").stat().st_mtime_ns
     time.sleep(0.5)
-    assert json.loads((tmp_path / ".boost_hf.lock").read_text())["beats"] >= 1  # its own heartbeat goes on
+    assert (tmp_path / ".boost_hf.lock").stat().st_mtime_ns > beat  # its own heartbeat goes on: the lock's time
+    assert "beats" not in json.loads((tmp_path / ".boost_hf.lock").read_text())  # the lock itself is never written over
     lock.release()
     assert not (tmp_path / ".boost_hf.lock").exists()
 
@@ -347,7 +349,7 @@ def test_a_remote_owners_lock_is_taken_over_when_its_heartbeat_stopped_and_refus
     beating.start()
     try:
         with pytest.raises(OutputDirInUseError, match=r"in use by another run \(pid 4242 on node-b, since yesterday; its "
-                                                      r"heartbeat in the lock goes on\)"):
+                                                      r"heartbeat goes on\)"):
             OutputDirLock(str(tmp_path), heartbeat_s=0.2, stale_after_s=60).acquire("another-run")
     finally:
         stop.set()
@@ -368,6 +370,135 @@ def test_a_requeued_job_takes_its_earlier_launchs_lock_at_once(tmp_path, monkeyp
     assert "slurm-4711 attempt [0, 0]" in lock.taken_over and "an earlier launch of this job" in lock.taken_over
     assert json.loads((tmp_path / ".boost_hf.lock").read_text())["launch"] == {"job": "slurm-4711", "attempt": [1, 0]}
     lock.release()
+
+
+class PausedFileOperations:
+    """``os``'s file operations on the lock (create, rename, remove, replace) pause the racing threads (named
+    ``run-*``): a seeded random pause of up to 3 ms before each, and, with ``hold``, ``{thread: event}``, a thread's first
+    rename or removal of the lock waits for ``event`` (e.g. until the other run holds the folder)."""
+
+    NAMES = ("open", "rename", "remove", "replace", "unlink", "link")
+
+    def __init__(self, monkeypatch, seed: int, hold: dict | None = None):
+        import random
+        import threading
+
+        self.random, self.hold, self.lock = random.Random(seed), dict(hold or {}), threading.Lock()
+        for name in self.NAMES:
+            monkeypatch.setattr(os, name, self.paused(getattr(os, name), name))
+
+    def paused(self, operation, name):
+        import threading
+        import time
+
+        def call(path, *args, **kwargs):
+            thread = threading.current_thread().name
+            if thread.startswith("run-") and ".boost_hf.lock" in os.fspath(path):
+                with self.lock:
+                    pause = self.random.uniform(0, 0.003)
+                time.sleep(pause)
+                if name in ("rename", "remove", "unlink") and os.path.basename(os.fspath(path)) == ".boost_hf.lock":
+                    event = self.hold.pop(thread, None)
+                    if event is not None:
+                        event.wait(timeout=10)
+            return operation(path, *args, **kwargs)
+
+        return call
+
+
+def race_for_the_folder(folder, dead_pid: int, monkeypatch, seed: int, scheduled: bool) -> dict:
+    """Two runs taking over the stale lock of a dead run of this host at once (in two threads, with
+    :class:`PausedFileOperations`); ``scheduled``: run-b judges the dead run's lock gone, then removes it only once
+    run-a holds the folder (the interleaving that deleted run-a's fresh lock). What each got: its lock, or the error."""
+    import socket
+    import threading
+
+    folder.mkdir()
+    (folder / ".boost_hf.lock").write_text(json.dumps({"run_id": "dead-run", "pid": dead_pid, "host": socket.gethostname(),
+                                                        "since": "before", "heartbeat": 0, "beats": 3}))
+    a_holds = threading.Event()
+    with monkeypatch.context() as patched:
+        PausedFileOperations(patched, seed, hold={"run-b": a_holds} if scheduled else None)
+        outcome = {}
+
+        def run(name: str) -> None:
+            lock = OutputDirLock(str(folder), heartbeat_s=60)  # no heartbeat during the race
+            try:
+                lock.acquire(name)
+                outcome[name] = lock
+            except OutputDirInUseError as error:
+                outcome[name] = error
+            finally:
+                if name == "run-a":
+                    a_holds.set()
+
+        threads = [threading.Thread(target=run, args=(name,), name=name) for name in ("run-a", "run-b")]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=60)
+    return outcome
+
+
+def test_two_runs_racing_for_a_stale_lock_exactly_one_takes_the_folder(tmp_path, monkeypatch):
+    """A dead run's lock, two new runs taking it over at once, 200 times with seeded pauses between the lock's file
+    operations and once in the interleaving that lost before (both judge the dead run gone; run-b removes the lock
+    after run-a took it): each time exactly one run holds the folder, the lock names it, and the other is refused
+    naming it. Before, run-b deleted run-a's fresh lock and created its own: both trained."""
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    for trial in range(201):
+        folder = tmp_path / f"trial-{trial}"
+        outcome = race_for_the_folder(folder, dead.pid, monkeypatch, seed=trial, scheduled=trial == 200)
+        holders = [name for name, got in outcome.items() if isinstance(got, OutputDirLock)]
+        assert len(outcome) == 2 and len(holders) == 1, (trial, outcome)
+        (other,) = set(outcome) - set(holders)
+        assert "is in use by another run" in str(outcome[other]), (trial, outcome)
+        assert json.loads((folder / ".boost_hf.lock").read_text())["run_id"] == holders[0], trial
+        outcome[holders[0]].release()
+
+
+def test_a_heartbeat_never_writes_over_a_lock_taken_over(tmp_path, monkeypatch):
+    """The owner's heartbeat is paused between its check of the lock and its write (a frozen process) while another
+    run takes the lock over: the heartbeat writes nothing over the new owner's lock, and the owner stops (exit 1) at
+    its next beat. Before, the beat replaced the new owner's lock with its own (the new owner then stopped)."""
+    import threading
+    import time
+
+    taken = threading.Event()
+    stopped = []
+
+    def exit_recorded(code):
+        stopped.append(code)
+        lock._stop.set()  # the heartbeat ends instead of the process
+
+    monkeypatch.setattr(os, "_exit", exit_recorded)
+    lock = OutputDirLock(str(tmp_path), heartbeat_s=0.1)
+
+    def paused_until_taken(write):  # the heartbeat's write (os.replace of a rewritten lock, or os.utime of its own)
+        def call(*args, **kwargs):
+            if threading.current_thread().name == "boost-hf-output-lock" and not taken.is_set():
+                taken.wait(timeout=10)
+            return write(*args, **kwargs)
+        return call
+
+    for name in ("replace", "utime"):
+        monkeypatch.setattr(os, name, paused_until_taken(getattr(os, name)))
+    lock.acquire("frozen-run")
+    time.sleep(0.3)  # the first beat is waiting
+    new_owner = {"run_id": "new-run", "pid": 4242, "host": "node-b", "since": "now", "launch": None}
+    aside = tmp_path / "aside"
+    os.rename(tmp_path / ".boost_hf.lock", aside)  # as a taker does: the stale lock moved aside, then its own created
+    (tmp_path / ".boost_hf.lock").write_text(json.dumps(new_owner))
+    aside.unlink()
+    taken.set()
+    deadline = time.monotonic() + 10
+    while not stopped and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert stopped == [1]
+    assert json.loads((tmp_path / ".boost_hf.lock").read_text()) == new_owner
+    lock.release()  # not its lock any more: left to its owner
+    assert json.loads((tmp_path / ".boost_hf.lock").read_text()) == new_owner
 
 
 def test_checkpoints_are_staged_verified_renamed_then_rotated(tmp_path, monkeypatch):
