@@ -11,6 +11,7 @@ import random
 import re
 import shutil
 import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -281,6 +282,32 @@ def test_eval_verifies_the_checkpoint(finished_run, tmp_path):
     with pytest.raises(CheckpointIntegrityError, match=rf"the weights of '{final}' cannot be read .*: a safetensors file is "
                                                        "truncated or damaged"):
         evaluate_checkpoint(str(final), str(data))
+
+
+def test_a_sigterm_during_an_export_says_it_stopped_and_leaves_the_output_as_it_was(finished_run, tmp_path):
+    """``boost-hf export`` gets SIGTERM while writing the weights: it says it stopped, the output folder is as before
+    (no partial copy left) and it exits 143. Before, it died of the signal without a word, its staging folder left."""
+    import sys
+
+    script = (
+        "import os, signal, sys\n"
+        "import boost_hf.checkpoint.export as export\n"
+        "from boost_hf import cli\n"
+        "weights = export.export_weights\n"
+        "def signalled(*args, **kwargs):\n"
+        "    os.kill(os.getpid(), signal.SIGTERM)\n"
+        "    return weights(*args, **kwargs)\n"
+        "export.export_weights = signalled\n"
+        "sys.exit(cli.main(['export', sys.argv[1], sys.argv[2]]))\n"
+    )
+    out = tmp_path / "exported"
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2]), "HF_HUB_OFFLINE": "1"}
+    done = subprocess.run([sys.executable, "-c", script, str(finished_run / "checkpoint-4"), str(out)], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 143, (done.returncode, done.stderr[-3000:])
+    assert (f"boost-hf export: SIGTERM received: the export stopped before its end; '{out}' is as it was before it (its "
+            "partial copy removed). Run the export again.") in done.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]  # nothing exported, no staging folder left
 
 
 def test_resume_last_takes_the_last_complete_checkpoint(finished_run):
@@ -739,6 +766,71 @@ def test_an_exit_signal_finishes_the_step_saves_and_restores_the_handlers(tmp_pa
     with pytest.raises(ValueError, match="exit_signals: 'SIGNOPE' is not a signal"):
         arguments(tmp_path, exit_signals="nope")
 
+
+
+def test_the_signal_handler_does_nothing_that_can_block(capfd):
+    """The handler only records the signal: asking the launcher's store whether a peer left (a network call; here a
+    store that answers after 3 s) happens outside it, so the signal returns at once; a peer gone ends the process
+    (exit 128 + the signal), else the follow-up says what the signal will do. Before, the handler itself waited for
+    the store: 3 s inside a signal handler."""
+    import signal
+    import threading
+    import time
+
+    from boost_hf.training import preemption
+
+    asked, ended = threading.Event(), []
+
+    def slow_store() -> bool:
+        time.sleep(3)
+        asked.set()
+        return False
+
+    requests = preemption.StopRequests((signal.SIGUSR1,), run_broken=slow_store)
+    with requests.handling():
+        started = time.monotonic()
+        os.kill(os.getpid(), signal.SIGUSR1)  # handled in this thread, right after this call
+        returned = time.monotonic() - started
+        assert asked.wait(timeout=30)
+    assert returned < 1, returned
+    assert requests.received == {signal.SIGUSR1}
+    assert f"boost-hf: SIGUSR1 received by rank 0: {preemption.TRAINING}." in capfd.readouterr().err
+
+    broken = preemption.StopRequests((signal.SIGUSR1,), run_broken=lambda: True)
+    exit_now = os._exit
+    try:
+        os._exit = ended.append  # the process would end here
+        with broken.handling():
+            os.kill(os.getpid(), signal.SIGUSR1)
+            time.sleep(0.2)
+    finally:
+        os._exit = exit_now
+    assert ended == [128 + signal.SIGUSR1]
+    assert "SIGUSR1 received after another rank left the run" in capfd.readouterr().err
+
+
+def test_a_signal_during_the_final_save_says_the_save_goes_on_and_the_run_ends_complete(tmp_path, monkeypatch, capfd):
+    """SIGTERM while ``final/`` is written: said at once (the save goes on, the run ends complete with status 0), the
+    save completes and the run returns. Before, the signal was recorded and ignored without a word."""
+    import signal
+
+    from boost_hf.training import pretrain
+
+    t = trainer(tmp_path, max_steps=2, save_strategy="no", resume_from_checkpoint="auto")
+    save_model = t.save_model
+
+    def signalled_save(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGTERM)
+        return save_model(*args, **kwargs)
+
+    monkeypatch.setattr(t, "save_model", signalled_save)
+    monkeypatch.setattr(pretrain, "build_trainer", lambda argv: t)
+    try:
+        pretrain.main([])
+    finally:
+        t.run.release()
+    assert (tmp_path / "final" / "manifest.json").is_file()
+    assert (f"boost-hf: SIGTERM received by rank 0: {pretrain.DURING_THE_FINAL_SAVE}.") in capfd.readouterr().err
 
 
 def word_tokenizer():
