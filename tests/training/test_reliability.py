@@ -847,8 +847,9 @@ def word_tokenizer():
 @pytest.mark.parametrize("streaming", [False, True], ids=["map-style", "stream"])
 def test_resuming_on_changed_data_is_refused_naming_both_fingerprints(tmp_path, caplog, streaming):
     """The same JSON Lines file with its lines shuffled (same size, same block count) between the save and the resume:
-    refused, naming the file, what differs and both fingerprints; the unchanged file resumes; --resume_on_changed_data
-    continues at the saved position on the new data, with a warning."""
+    refused, naming the file, what differs and both fingerprints; the unchanged file resumes, and so does a copy of it
+    on local scratch without its modification time and under another name (before: refused as changed data);
+    --resume_on_changed_data continues at the saved position on the new data, with a warning."""
     from boost_hf.data import build_lm_datasets
 
     rng = random.Random(0)
@@ -859,8 +860,8 @@ def test_resuming_on_changed_data_is_refused_naming_both_fingerprints(tmp_path, 
     valid.write_text("".join(lines[:20]))
     tokenizer = word_tokenizer()
 
-    def train(resume_from_checkpoint=None, **overrides) -> None:
-        built = build_lm_datasets({"train": str(data), "validation": str(valid)}, tokenizer, BLOCK, streaming=streaming,
+    def train(resume_from_checkpoint=None, source=data, **overrides) -> None:
+        built = build_lm_datasets({"train": str(source), "validation": str(valid)}, tokenizer, BLOCK, streaming=streaming,
                                   max_eval_blocks=4 if streaming else None, datasets_cache_dir=tmp_path / "hf")
         t = trainer(tmp_path / "run", train=built["train"], **overrides)
         try:
@@ -872,6 +873,11 @@ def test_resuming_on_changed_data_is_refused_naming_both_fingerprints(tmp_path, 
     checkpoint = str(tmp_path / "run" / "checkpoint-2")
     assert "fingerprint" in json.loads((tmp_path / "run" / "checkpoint-2" / "data_position" / "position.json").read_text())
     train(checkpoint)  # the same data: resumes
+    scratch = tmp_path / "scratch" / "corpus.jsonl"
+    scratch.parent.mkdir()
+    shutil.copyfile(data, scratch)  # staged to local scratch without its times, under another name
+    os.utime(scratch, ns=(0, data.stat().st_mtime_ns + 10**12))
+    train(checkpoint, source=scratch)  # the same content: resumes
     rng.shuffle(lines)
     data.write_text("".join(lines))
     message = (rf"the training data is not the data '{checkpoint}' was saved with: docs\.jsonl: sampled content (\w+) -> "
