@@ -291,11 +291,11 @@ class OutputDirLock:
         self.held = False
         with self._releasing:
             self._stop.set()
+            with contextlib.suppress(OSError):
+                os.close(self._fd)  # before the file goes (NFS keeps a removed open file as .nfs<id> until it is closed)
             written = self._record(self.path)
             if written.get("run_id") == self._owner["run_id"]:
                 self._move_aside_if(written)
-            with contextlib.suppress(OSError):
-                os.close(self._fd)
 
 
 def _create(path: str, content: str | bytes) -> int | None:

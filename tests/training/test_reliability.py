@@ -600,6 +600,7 @@ def test_disk_full_keeps_the_previous_checkpoint_and_no_partial_folder(tmp_path,
 
         verify_manifest(str(disk / "checkpoint-2"))
     finally:
+        t.run.release()  # the run's lock, held open while it runs
         if mounted:
             subprocess.run(["umount", str(disk)], check=True)
 
