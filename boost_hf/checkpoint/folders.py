@@ -65,6 +65,7 @@ from .integrity import (
     write_manifest,
 )
 
+from .decisions import decided_on_rank_zero, on_every_rank
 from .lineage import RECORD_NAME, checkpoint_step, is_abandoned, record_checkpoint
 from .sharded_state import DCP_FOLDER, is_distributed_checkpoint, quiet_single_process_warning
 
@@ -92,11 +93,6 @@ def optimizer_file_name(tp_rank: int, tp_size: int, pp_rank: int = 0, pp_size: i
 
 def _launched() -> bool:
     return dist.is_available() and dist.is_initialized()
-
-
-def _barrier(group=None) -> None:
-    if _launched():
-        dist.barrier(group=group)
 
 
 _DISK_FULL_MESSAGES = ("no space left on device", "os error 28", "disk quota exceeded", "os error 122")
@@ -170,22 +166,45 @@ def _staging_path(target: str, run_id: str, kind: str = "tmp") -> str:
     return os.path.join(parent, f".{name}.{kind}-{run_id}")
 
 
-def _write_manifest_spread(staging: str, *, is_writer: bool, config, group=None) -> None:
+def _every_rank(work, group=None) -> list:
+    """:func:`~boost_hf.checkpoint.decisions.on_every_rank` for a phase of a save: ``work()`` on every rank of
+    ``group``, then the outcomes shared, so an error of one rank (the writer's full disk, a failed rename) is raised
+    on every rank before the next collective (a :class:`CheckpointWriteError` as itself)."""
+    return on_every_rank(work, group, kinds=(CheckpointWriteError, CheckpointIntegrityError))
+
+
+def _gathered_digests(staging: str, group=None) -> dict | None:
     """Collective over ``group`` (all ranks): each rank hashes its share of ``staging``'s files
-    (:func:`~boost_hf.checkpoint.integrity.hashing_shares`: what it wrote, then the rest balanced by size), the digests
-    are gathered on global rank 0 (``is_writer``), which writes the manifest."""
-    _barrier(group)
+    (:func:`~boost_hf.checkpoint.integrity.hashing_shares`: what it wrote, then the rest balanced by size) and the
+    digests are shared, for the manifest; ``None`` in one process (the manifest hashes every file itself). The
+    listing is global rank 0's (every file written); an error of any rank is raised on every rank."""
     if not _launched():
-        write_manifest(staging, config)
-        return
-    sizes = [file_sizes(staging) if is_writer else None]
-    dist.broadcast_object_list(sizes, src=0, group=group)
-    share = hashing_shares(sizes[0], dist.get_world_size(group))[dist.get_rank(group)]
-    digests = file_digests(staging, share)
-    gathered = [None] * dist.get_world_size(group) if is_writer else None
-    dist.gather_object(digests, gathered, dst=0, group=group)
-    if is_writer:
-        write_manifest(staging, config, files={name: entry for part in gathered for name, entry in part.items()})
+        return None
+    sizes = decided_on_rank_zero(lambda: file_sizes(staging), group, kinds=(CheckpointIntegrityError,))
+    share = hashing_shares(sizes, dist.get_world_size(group))[dist.get_rank(group)]
+    parts = _every_rank(lambda: file_digests(staging, share), group)
+    return {name: entry for part in parts for name, entry in part.items()}
+
+
+def _commit(target: str, staging: str, *, is_writer: bool, run_id: str, config, files: dict | None, group=None,
+            record: bool = False, after_commit=None) -> None:
+    """Collective over ``group``: the writer writes ``staging``'s manifest (``files``: the gathered digests), records
+    ``target`` as the lineage's last checkpoint (``record``), renames ``staging`` to ``target`` (:func:`_replace`) and
+    runs ``after_commit()`` (e.g. the rotation of old checkpoints); its error, if any, is raised on every rank (the
+    staging folder removed, the earlier folders intact)."""
+
+    def commit() -> None:
+        if not is_writer:
+            return
+        with _removed_on_error(target, staging):
+            write_manifest(staging, config, files=files)
+            if record:  # the lineage's last, before its rename (boost_hf.checkpoint.lineage)
+                record_checkpoint(os.path.dirname(os.path.abspath(target)), target)
+            _replace(target, staging, run_id)
+        if after_commit is not None:
+            after_commit()
+
+    _every_rank(commit, group)
 
 
 def _replace(target: str, staging: str, run_id: str) -> None:
@@ -212,18 +231,25 @@ def atomic_directory(target: str, *, is_writer: bool, run_id: str, config=None, 
     The staging folder ``.<name>.tmp-<run_id>`` is unique to the run. ``is_writer`` (global rank 0) creates it; after
     every rank wrote, the ranks hash their shares of the files and global rank 0 writes the manifest (with
     ``config``'s architecture record) and renames the folder; an existing ``target`` is replaced (moved aside first, so
-    a crash never leaves a half-written folder under that name).
+    a crash never leaves a half-written folder under that name). Each phase ends with the ranks' outcomes shared
+    (:func:`_every_rank`): an error of one rank, in the block too, is raised on every rank.
     """
     staging = _staging_path(target, run_id)
     with _removed_on_error(target, staging if is_writer else None):
-        if is_writer:
-            os.makedirs(staging)
-        _barrier(group)
-        yield staging
-        _write_manifest_spread(staging, is_writer=is_writer, config=config, group=group)
-    if is_writer:
-        _replace(target, staging, run_id)
-    _barrier(group)
+        _every_rank(lambda: os.makedirs(staging) if is_writer else None, group)
+        failed = None
+        try:
+            yield staging
+        except Exception as error:  # noqa: BLE001 (raised on every rank by the agreement below)
+            failed = error
+
+        def wrote() -> None:
+            if failed is not None:
+                raise failed
+
+        _every_rank(wrote, group)
+        files = _gathered_digests(staging, group)
+    _commit(target, staging, is_writer=is_writer, run_id=run_id, config=config, files=files, group=group)
 
 
 def host_copy(state):
@@ -258,7 +284,9 @@ class CheckpointSaver:
 
     :meth:`save` is collective: the small files are written by the caller into the staging folder, then the DCP state
     dict (the model's and optimizer's shards) into its ``dcp/``. Synchronous: ``dcp.save``, the spread hashing, the
-    manifest and the rename before returning. Asynchronous: ``dcp.async_save`` copies this rank's tensors to host
+    manifest and the rename before returning. Each phase ends with the ranks' outcomes shared (:func:`_every_rank`), so
+    a failure on one rank (the writer's full disk while writing the small files, a failed rename or rotation) is
+    raised on every rank at once, not left for the others to wait out in the next collective until ``--ddp_timeout``. Asynchronous: ``dcp.async_save`` copies this rank's tensors to host
     memory (its own shards only), then a daemon thread waits for the write, hashes, gathers and renames, in a gloo
     group of its own (the training's collectives go on meanwhile); :meth:`wait` joins it and raises its error. A
     crash before the manifest leaves only a staging folder (never a complete-looking checkpoint)."""
@@ -290,37 +318,31 @@ class CheckpointSaver:
         staging = _staging_path(target, self.run_id)
         writer = FileSystemWriter(os.path.join(staging, DCP_FOLDER))
         with _removed_on_error(target, staging if self.is_writer else None), quiet_single_process_warning():
-            if self.is_writer:
-                os.makedirs(staging)
-            _barrier(group)
-            write_files(staging)
+            _every_rank(lambda: os.makedirs(staging) if self.is_writer else None, group)
+            _every_rank(lambda: write_files(staging), group)  # the small files: the writer's full disk is every rank's
             if not asynchronous:
-                dcp.save(state_dict, storage_writer=writer, process_group=group)
-                _write_manifest_spread(staging, is_writer=self.is_writer, config=config, group=group)
+                dcp.save(state_dict, storage_writer=writer, process_group=group)  # DCP shares its ranks' errors itself
+                files = _gathered_digests(staging, group)
             else:
                 upload = dcp.async_save(state_dict, storage_writer=writer, process_group=group, async_stager=HostCopyStager())
         if not asynchronous:
-            self._commit(target, staging, after_commit, group)
+            self._commit(target, staging, config, files, after_commit, group)
             return
         self._thread = threading.Thread(target=self._finish, args=(upload, target, staging, config, after_commit, group),
                                         name=f"boost-hf checkpoint {os.path.basename(target)}", daemon=True)
         self._thread.start()
 
-    def _commit(self, target: str, staging: str, after_commit, group) -> None:
-        if self.is_writer:
-            record_checkpoint(os.path.dirname(os.path.abspath(target)), target)  # the lineage's last, before its rename
-            _replace(target, staging, self.run_id)
-            if after_commit is not None:
-                after_commit()
-        _barrier(group)
+    def _commit(self, target: str, staging: str, config, files, after_commit, group) -> None:
+        _commit(target, staging, is_writer=self.is_writer, run_id=self.run_id, config=config, files=files, group=group,
+                record=True, after_commit=after_commit)
 
     def _finish(self, upload, target: str, staging: str, config, after_commit, group) -> None:
         """The background half of an asynchronous save (runs in :meth:`save`'s thread)."""
         try:
             with _removed_on_error(target, staging if self.is_writer else None):
-                upload.result()
-                _write_manifest_spread(staging, is_writer=self.is_writer, config=config, group=group)
-            self._commit(target, staging, after_commit, group)
+                _every_rank(upload.result, group)
+                files = _gathered_digests(staging, group)
+            self._commit(target, staging, config, files, after_commit, group)
         except BaseException as error:  # noqa: BLE001 (raised by wait() in the training thread)
             self._error = error
 

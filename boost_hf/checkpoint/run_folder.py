@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import uuid
 
-import torch.distributed as dist
 from transformers.trainer import TRAINER_STATE_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
@@ -37,24 +36,21 @@ class RunFolder:
         self._lock: OutputDirLock | None = None
 
     def claim(self) -> None:
-        """Collective, once per run: lock ``output_dir`` on the writing rank and share the run id (which names the
-        staging folders) with every rank; every rank raises the writer's error if the folder is in use."""
+        """Collective, once per run: lock ``output_dir`` on global rank 0 (the writer), restore or remove what killed runs
+        left while saving (:func:`~boost_hf.checkpoint.folders.remove_stale_staging`) and share the run id (which names
+        the staging folders) with every rank; every rank raises the writer's error (the folder in use, a folder it cannot
+        write)."""
         if self.run_id is not None:
             return
-        claim = [None, None]  # [run id, error]
-        if self.args.should_save:
-            claim[0] = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+        def lock() -> str:
+            run_id = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
             self._lock = OutputDirLock(self.args.output_dir)
-            try:
-                self._lock.acquire(claim[0])
-                remove_stale_staging(self.args.output_dir, claim[0])
-            except OutputDirInUseError as error:
-                claim[1] = str(error)
-        if dist.is_available() and dist.is_initialized():
-            dist.broadcast_object_list(claim, src=0)
-        if claim[1] is not None:
-            raise OutputDirInUseError(claim[1])
-        self.run_id = claim[0]
+            self._lock.acquire(run_id)
+            remove_stale_staging(self.args.output_dir, run_id)
+            return run_id
+
+        self.run_id = decided_on_rank_zero(lock, kinds=(OutputDirInUseError,))
         self.saver = CheckpointSaver(is_writer=self.args.should_save, run_id=self.run_id)
 
     def release(self) -> None:
@@ -74,7 +70,7 @@ class RunFolder:
         self.claim()
         resume_from_checkpoint = resume_checkpoint(run_dir, resume_from_checkpoint)  # rank 0's view, on every rank
         if resume_from_checkpoint is None:
-            check_fresh_output_dir(run_dir, getattr(self.args, "overwrite_output_dir", False))
+            decided_on_rank_zero(lambda: check_fresh_output_dir(run_dir, getattr(self.args, "overwrite_output_dir", False)))
             return None
         if not os.path.isfile(os.path.join(resume_from_checkpoint, TRAINER_STATE_NAME)):
             raise FileNotFoundError(
@@ -93,8 +89,8 @@ class RunFolder:
         """Collective: claim the folder; a new run (reached only with ``overwrite_output_dir``, or nothing to remove)
         removes the earlier run's checkpoints and final model."""
         self.claim()
-        if not resumed and self.args.should_save and os.path.isdir(self.args.output_dir):
-            remove_earlier_run(self.args.output_dir)
+        if not resumed:
+            decided_on_rank_zero(lambda: remove_earlier_run(self.args.output_dir) if os.path.isdir(self.args.output_dir) else None)
 
     def training_is_complete(self, checkpoint: str | None) -> bool:
         """Whether ``checkpoint`` was saved at (or past) ``args.max_steps`` (> 0): resumed, the run trains no step more.

@@ -49,6 +49,8 @@ def save_checkpoint(trainer, trial) -> None:
     trainer.run.saver.wait()  # the previous save is complete under its name (best-model record, rotation)
 
     def write_files(staging: str) -> None:
+        if not trainer.args.save_only_model:  # first: its collectives (the optimizer records, DeepSpeed's save), before
+            trainer._save_optimizer_and_scheduler(staging)  # a rank's own writes, which one rank may fail
         if trainer.args.should_save:
             with publishing(trainer):
                 save_model_files(trainer.model, staging)
@@ -58,7 +60,6 @@ def save_checkpoint(trainer, trial) -> None:
             if best == target or os.path.exists(best):
                 trainer.state.best_model_checkpoint = best
         if not trainer.args.save_only_model:
-            trainer._save_optimizer_and_scheduler(staging)
             trainer._save_scaler(staging)
             trainer._save_rng_state(staging)
             save_data_position(staging, trainer.train_dataset, trainer.train_loader, trainer.args)

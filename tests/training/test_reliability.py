@@ -560,10 +560,10 @@ def test_a_save_that_fails_before_its_rename_keeps_the_previous_checkpoint_with_
     write_manifest = checkpoint_module.write_manifest
     t = trainer(tmp_path, save_total_limit=1, max_steps=4)
 
-    def killed_at_step_4(folder, config=None):
+    def killed_at_step_4(folder, config=None, **kwargs):
         if t.state.global_step == 4:
             raise KeyboardInterrupt  # as a kill between the files and the manifest
-        return write_manifest(folder, config)
+        return write_manifest(folder, config, **kwargs)
 
     monkeypatch.setattr(checkpoint_module, "write_manifest", killed_at_step_4)
     with pytest.raises(KeyboardInterrupt):
