@@ -66,7 +66,7 @@ from .integrity import (
 )
 
 from .decisions import decided_on_rank_zero, on_every_rank
-from .lineage import RECORD_NAME, checkpoint_step, is_abandoned, record_checkpoint
+from .lineage import RECORD_NAME, checkpoint_step, finished_step, is_abandoned, record_checkpoint
 from .sharded_state import DCP_FOLDER, is_distributed_checkpoint, quiet_single_process_warning
 
 logger = logging.getLogger(__name__)
@@ -455,10 +455,20 @@ def completed_checkpoints(run_dir: str, skipped: list[tuple[str, str]] | None = 
 
 
 def check_fresh_output_dir(output_dir: str, overwrite: bool) -> None:
-    """A new (not resumed) run must not silently overwrite an earlier run's checkpoints or final model."""
+    """A new (not resumed) run must not silently overwrite an earlier run's checkpoints or final model; a finished run
+    without checkpoints (``--save_strategy no``) has none to continue from: ``--init_from`` trains on from its weights."""
     if overwrite or not os.path.isdir(output_dir):
         return
     earlier = sorted(n for n in os.listdir(output_dir) if checkpoint_step(n) is not None or n == "final")
+    if earlier == ["final"]:
+        finished = finished_step(output_dir)
+        final = os.path.join(output_dir, "final")
+        raise FileExistsError(
+            f"output_dir {output_dir!r} holds a finished run (final/{f', trained to step {finished}' if finished else ''}) "
+            f"and no checkpoint to continue it from (it was saved with --save_strategy no, or its checkpoints were removed): "
+            f"train on from its weights with --init_from {final} (a new optimizer and learning-rate schedule) into another "
+            "output_dir, pass --overwrite_output_dir true to replace it, or choose another output_dir."
+        )
     if earlier:
         raise FileExistsError(
             f"output_dir {output_dir!r} already holds a run ({', '.join(earlier[:4])}): resume it with "
@@ -470,8 +480,9 @@ def remove_earlier_run(output_dir: str) -> None:
     """Delete the checkpoints (those set aside as another lineage's too), the record of the last one and the final model
     of an earlier run (``--overwrite_output_dir``)."""
     for name in os.listdir(output_dir):
+        path = os.path.join(output_dir, name)
         if checkpoint_step(name) is not None or is_abandoned(name) or name == "final":
-            shutil.rmtree(os.path.join(output_dir, name))
+            shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
     with contextlib.suppress(FileNotFoundError):
         os.remove(os.path.join(output_dir, RECORD_NAME))
 

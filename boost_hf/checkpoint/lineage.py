@@ -8,7 +8,8 @@ the checkpoint's folder takes its name: a save killed between the two leaves a r
 there, and ``last`` takes the newest complete checkpoint before it). ``--resume_from_checkpoint last`` / ``auto``
 read it (:func:`last_checkpoint`). Resuming a checkpoint moves the checkpoints of later steps out of the lineage
 (:func:`set_aside_later_checkpoints`): each is renamed ``abandoned-checkpoint-<step>``, kept as it was (never deleted
-without the user's word) and named in a warning; so ``checkpoint-<step>`` folders are the lineage's, and the
+without the user's word) and named in a warning, and so is that lineage's end, ``final/`` and its ``trainer_state.json``
+(``abandoned-final``), when it ended past the resumed step; so ``checkpoint-<step>`` folders are the lineage's, and the
 rotation of ``--save_total_limit`` (:func:`~boost_hf.training.checkpointing.save_checkpoint`) deletes the lineage's
 oldest steps, by step, never by modification time. An output folder without the record (written by an earlier boost-hf version) resumes its newest complete
 checkpoint, as before, with a warning saying so.
@@ -21,6 +22,7 @@ import logging
 import os
 import re
 
+from transformers.trainer import TRAINER_STATE_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 logger = logging.getLogger(__name__)
@@ -29,7 +31,7 @@ RECORD_NAME = "last_checkpoint.json"
 ABANDONED_PREFIX = "abandoned-"
 """A checkpoint set aside as another lineage's: ``abandoned-checkpoint-<step>`` (not matched by ``checkpoint-*``)."""
 _CHECKPOINT = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")
-_ABANDONED = re.compile(rf"^{ABANDONED_PREFIX}{PREFIX_CHECKPOINT_DIR}-\d+(-\d+)?$")
+_ABANDONED = re.compile(rf"^{ABANDONED_PREFIX}({PREFIX_CHECKPOINT_DIR}-\d+|final|trainer_state)(-\d+)?(\.json)?$")
 
 
 def checkpoint_step(folder: str) -> int | None:
@@ -39,7 +41,8 @@ def checkpoint_step(folder: str) -> int | None:
 
 
 def is_abandoned(name: str) -> bool:
-    """Whether ``name`` is a checkpoint set aside by :func:`set_aside_later_checkpoints`."""
+    """Whether ``name`` is a checkpoint (or ``final/``, ``trainer_state.json``) set aside by
+    :func:`set_aside_later_checkpoints`."""
     return bool(_ABANDONED.match(name))
 
 
@@ -105,23 +108,38 @@ def last_checkpoint(run_dir: str) -> str:
     return newest
 
 
+def finished_step(run_dir: str) -> int | None:
+    """The step the run in ``run_dir`` ended at: the ``global_step`` of the ``trainer_state.json`` it writes at its end,
+    before ``final/`` (``None``: none, or unreadable)."""
+    try:
+        with open(os.path.join(run_dir, TRAINER_STATE_NAME)) as f:
+            return int(json.load(f)["global_step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 def set_aside_later_checkpoints(run_dir: str, resumed: str, step: int) -> list[str]:
     """Resuming ``resumed`` (saved at ``step``) into ``run_dir``: rename each ``checkpoint-<s>`` of ``run_dir`` with
-    ``s > step`` (another lineage's) to ``abandoned-checkpoint-<s>`` (``-<n>`` added if that name is taken), say so,
-    and record ``resumed`` as the lineage's last if it is a checkpoint of ``run_dir``. Return the new names. Global
-    rank 0 only, holding the output folder's lock."""
+    ``s > step`` (another lineage's) to ``abandoned-checkpoint-<s>`` (``-<n>`` added if that name is taken), and the
+    end of that lineage, ``final/`` and the ``trainer_state.json`` beside it, if that run ended past ``step``
+    (:func:`finished_step`); say so, and record ``resumed`` as the lineage's last if it is a checkpoint of
+    ``run_dir``. Return the renames. Global rank 0 only, holding the output folder's lock."""
     if not os.path.isdir(run_dir):
         return []
     inside = os.path.dirname(os.path.abspath(resumed)) == os.path.abspath(run_dir) and checkpoint_step(resumed) is not None
     if inside:  # first: a kill while renaming leaves the record, and what is above it is set aside again
         record_checkpoint(run_dir, resumed)
-    later = sorted((s, name) for name in os.listdir(run_dir) if (s := checkpoint_step(name)) is not None and s > step)
+    steps = {name: checkpoint_step(name) for name in os.listdir(run_dir)}
+    later = sorted((name for name, s in steps.items() if s is not None and s > step), key=steps.get)
+    if (finished_step(run_dir) or 0) > step:
+        later += [name for name in ("final", TRAINER_STATE_NAME) if os.path.exists(os.path.join(run_dir, name))]
     moved = []
-    for _, name in later:
+    for name in later:
         target, n = ABANDONED_PREFIX + name, 1
         while os.path.exists(os.path.join(run_dir, target)):
             n += 1
-            target = f"{ABANDONED_PREFIX}{name}-{n}"
+            stem, dot, suffix = name.partition(".")
+            target = f"{ABANDONED_PREFIX}{stem}-{n}{dot}{suffix}"
         os.rename(os.path.join(run_dir, name), os.path.join(run_dir, target))
         moved.append(f"{name} -> {target}")
     if moved:
@@ -135,6 +153,7 @@ __all__ = [
     "ABANDONED_PREFIX",
     "RECORD_NAME",
     "checkpoint_step",
+    "finished_step",
     "is_abandoned",
     "last_checkpoint",
     "record_checkpoint",

@@ -6,6 +6,7 @@ The training run (:class:`~boost_hf.training.run.TrainingRun`) adds the hang wat
 
 from __future__ import annotations
 
+import json
 import os
 import uuid
 
@@ -15,12 +16,13 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from .folders import (
     CheckpointSaver,
     check_fresh_output_dir,
+    incomplete_reason,
     remove_earlier_run,
     remove_stale_staging,
     verify_checkpoint_once,
 )
 from .decisions import decided_on_rank_zero, final_is_published, resume_checkpoint, steps_trained
-from .lineage import set_aside_later_checkpoints
+from .lineage import finished_step, set_aside_later_checkpoints
 from .lock import OutputDirInUseError, OutputDirLock
 from .resume import check_resume_layout
 
@@ -34,6 +36,7 @@ class RunFolder:
         self.run_id: str | None = None
         self.saver: CheckpointSaver | None = None
         self._lock: OutputDirLock | None = None
+        self._resumed: tuple | None = None  # (what was asked, the checkpoint decided): resume_point decides once
 
     def claim(self) -> None:
         """Collective, once per run: lock ``output_dir`` on global rank 0 (the writer), restore or remove what killed runs
@@ -66,9 +69,12 @@ class RunFolder:
         staging folders of killed runs restored or removed), verified against its manifest and architecture and
         resumable at this run's ``layout``; the checkpoints of ``output_dir`` of later steps are then set aside as
         another lineage's (:func:`~boost_hf.checkpoint.lineage.set_aside_later_checkpoints`). Collective."""
-        run_dir = self.args.output_dir
+        if self._resumed is not None and resume_from_checkpoint in self._resumed:  # decided already (boost-hf train)
+            return self._resumed[1]
+        asked, run_dir = resume_from_checkpoint, self.args.output_dir
         self.claim()
-        resume_from_checkpoint = resume_checkpoint(run_dir, resume_from_checkpoint)  # rank 0's view, on every rank
+        resume_from_checkpoint = self._checkpoint_meant(asked)
+        self._resumed = (asked, resume_from_checkpoint)
         if resume_from_checkpoint is None:
             decided_on_rank_zero(lambda: check_fresh_output_dir(run_dir, getattr(self.args, "overwrite_output_dir", False)))
             return None
@@ -84,6 +90,50 @@ class RunFolder:
         step = steps_trained(resume_from_checkpoint)
         decided_on_rank_zero(lambda: set_aside_later_checkpoints(run_dir, resume_from_checkpoint, step))
         return resume_from_checkpoint
+
+    def _checkpoint_meant(self, asked: str | bool | None) -> str | None:
+        """The checkpoint ``asked`` means (:func:`~boost_hf.checkpoint.decisions.resume_checkpoint`); ``last`` in a finished
+        run without checkpoints means none (a new run: refused, naming ``--init_from``). Collective."""
+        try:
+            return resume_checkpoint(self.args.output_dir, asked)  # rank 0's view, on every rank
+        except FileNotFoundError:
+            if asked in (True, "last") and self.final_is_published():
+                return None
+            raise
+
+    def completion(self, resume_from_checkpoint: str | bool | None) -> str | None:
+        """Why the run in ``output_dir`` has nothing left to do, asked to resume as ``resume_from_checkpoint`` (its
+        ``final/`` is published and its training done: the checkpoint meant is at or past ``max_steps``; or, with
+        ``last`` / ``auto``, the run ended at or past it after that checkpoint, or saved no checkpoint to continue
+        from), else ``None``. Claims the folder first. Collective (decided on global rank 0)."""
+        self.claim()
+        if resume_from_checkpoint in (None, False, ""):
+            return None
+        checkpoint = self._checkpoint_meant(resume_from_checkpoint)
+        run_dir, max_steps = self.args.output_dir, getattr(self.args, "max_steps", -1)
+
+        def decide() -> str | None:
+            final = os.path.join(run_dir, "final")
+            if not os.path.isdir(final) or incomplete_reason(final) is not None:
+                return None
+            finished = finished_step(run_dir)
+            if checkpoint is None:
+                if max_steps > 0 and finished is not None and finished < max_steps:
+                    return None  # raised since: nothing to continue from (the resume names --init_from)
+                trained = f" (trained to step {finished}, its max_steps {max_steps})" if finished is not None else ""
+                return f"final/ is published{trained} and no checkpoint was saved to continue from"
+            if not os.path.isfile(os.path.join(checkpoint, TRAINER_STATE_NAME)):
+                return None  # not a checkpoint: the resume says so
+            step = _global_step(checkpoint)
+            if max_steps > 0 and step >= max_steps:
+                where = "its max_steps" if step == max_steps else f"past max_steps {max_steps}"
+                return f"{checkpoint} is at step {step}, {where}, and final/ is published"
+            requeued = resume_from_checkpoint in (True, "last", "auto")  # not a checkpoint named: a rollback goes on
+            if requeued and finished is not None and finished >= step and (max_steps <= 0 or finished >= max_steps):
+                return f"it ended at step {finished} (after {checkpoint}) and final/ is published"
+            return None
+
+        return decided_on_rank_zero(decide)
 
     def take_over(self, resumed: bool) -> None:
         """Collective: claim the folder; a new run (reached only with ``overwrite_output_dir``, or nothing to remove)
@@ -104,6 +154,11 @@ class RunFolder:
 
     def checkpoint_path(self, step: int) -> str:
         return os.path.join(self.args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{step}")
+
+
+def _global_step(checkpoint: str) -> int:
+    with open(os.path.join(checkpoint, TRAINER_STATE_NAME)) as f:
+        return int(json.load(f)["global_step"])
 
 
 __all__ = ["RunFolder"]

@@ -1056,3 +1056,103 @@ def test_an_output_folder_of_an_earlier_version_resumes_its_newest_checkpoint_sa
     with caplog.at_level("WARNING", logger="boost_hf.checkpoint.lineage"):
         assert resume_checkpoint(str(finished_run), "last") == str(finished_run / "checkpoint-4")
     assert f"{finished_run} has no last_checkpoint.json (an output folder of an earlier boost-hf version)" in caplog.text
+
+
+# ---------------------------------------------------------------------------- the end of a run
+def main_of(folder, monkeypatch, *callbacks, **overrides) -> BoostTrainer:
+    """``boost-hf train``'s main (``pretrain.main``) on a trainer of :func:`trainer`, the lock released after."""
+    from boost_hf.training import pretrain
+
+    t = trainer(folder, **overrides)
+    for callback in callbacks:
+        t.add_callback(callback)
+    monkeypatch.setattr(pretrain, "build_trainer", lambda argv: t)
+    try:
+        pretrain.main([])
+    finally:
+        t.run.release()
+    return t
+
+
+def test_a_finished_run_that_saved_only_final_is_complete_when_requeued(tmp_path, monkeypatch, capfd):
+    """``--save_strategy no``: the run ends with ``final/`` only. Its requeue with ``auto`` (or ``last``) trains nothing,
+    leaves ``final/`` as it is and says the run is complete (before: ``FileExistsError`` advising ``last``, which then
+    failed with "no complete checkpoint"); raised ``max_steps``, with no checkpoint to continue from, names
+    ``--init_from``."""
+    main_of(tmp_path, monkeypatch, save_strategy="no", resume_from_checkpoint="auto")
+    published = (tmp_path / "final" / "manifest.json").read_bytes()
+    capfd.readouterr()
+    for resume in ("auto", "last"):
+        again = main_of(tmp_path, monkeypatch, save_strategy="no", resume_from_checkpoint=resume)
+        assert again.state.global_step == 0 and (tmp_path / "final" / "manifest.json").read_bytes() == published
+        assert (f"boost-hf: the run in {tmp_path} is complete: final/ is published (trained to step 4, its max_steps 4) and "
+                "no checkpoint was saved to continue from; nothing to do.") in capfd.readouterr().out
+    with pytest.raises(FileExistsError, match=rf"output_dir '{tmp_path}' holds a finished run \(final/, trained to step 4\) "
+                                              rf"and no checkpoint to continue it from.*--init_from {tmp_path / 'final'}"):
+        main_of(tmp_path, monkeypatch, save_strategy="no", resume_from_checkpoint="auto", max_steps=8)
+
+
+def test_resuming_a_final_model_names_init_from_before_anything(finished_run, monkeypatch):
+    """``--resume_from_checkpoint RUN/final`` through ``boost-hf train``: the error names ``--init_from`` (before: a raw
+    ``FileNotFoundError`` for ``final/trainer_state.json``, from the check of whether the run was complete)."""
+    final = finished_run / "final"
+    with pytest.raises(FileNotFoundError, match=rf"'{final}' has no trainer_state.json, so it is a saved model .*--init_from {final}"):
+        main_of(finished_run, monkeypatch, resume_from_checkpoint=str(final))
+
+
+def test_raising_max_steps_continues_the_schedule_of_the_longer_run_and_says_so(tmp_path, monkeypatch, caplog):
+    """A finished 4-step run (cosine to 10 %) requeued with ``--max_steps 8``: steps 5-8 are trained at the learning
+    rates of an 8-step run from its step 5 on (before: step 5 at the 4-step schedule's end, 1e-4, then a jump), and a
+    warning says so with the numbers; lowering ``max_steps`` below the saved step says so, correctly."""
+    def rates(t) -> dict[int, float]:
+        return {log["step"]: log["learning_rate"] for log in t.state.log_history if "loss" in log}
+
+    main_of(tmp_path / "run", monkeypatch, resume_from_checkpoint="auto", save_steps=4)
+    whole = main_of(tmp_path / "whole", monkeypatch, resume_from_checkpoint="auto", save_steps=4, max_steps=8)
+    with caplog.at_level("WARNING", logger="boost_hf.training.checkpointing"):
+        longer = main_of(tmp_path / "run", monkeypatch, resume_from_checkpoint="auto", save_steps=4, max_steps=8)
+    assert sorted(rates(longer)) == list(range(1, 9))
+    assert {s: r for s, r in rates(longer).items() if s > 4} == pytest.approx({s: r for s, r in rates(whole).items() if s > 4})
+    checkpoint = tmp_path / "run" / "checkpoint-4"
+    assert re.search(rf"{checkpoint} was saved at step 4 of a run of max_steps 4 and this run trains to max_steps 8: the "
+                     r"learning-rate schedule \(cosine_with_min_lr\) continues as a run of 8 steps has it, from step 5 on: "
+                     r"5\.50e-04 at step 5 \(the saved schedule was at 1\.00e-04 there, the end of its 4 steps\)", caplog.text), caplog.text
+
+
+def test_lowering_max_steps_below_the_checkpoints_step_says_so(tmp_path, monkeypatch, capfd):
+    """A run stopped after saving step 4 (no final/ yet) requeued with ``--max_steps 2``: it trains nothing and says
+    the checkpoint is past ``max_steps``, not "at" it; once ``final/`` is published, the requeue says the same."""
+    t = trainer(tmp_path, save_steps=4)
+    stop = StopAtStep(4)
+    t.add_callback(stop.callback)
+    with pytest.raises(TrainingStopped):
+        t.train()
+    t.run.release()
+    capfd.readouterr()
+    lowered = main_of(tmp_path, monkeypatch, resume_from_checkpoint="auto", save_steps=4, max_steps=2)
+    err = capfd.readouterr().err
+    assert (f"boost-hf: {tmp_path / 'checkpoint-4'} was saved at step 4, past this run's max_steps 2: no step is trained "
+            "(a run does not go back: to end at an earlier step, resume an earlier checkpoint)") in err, err
+    assert lowered.state.global_step == 4 and (tmp_path / "final" / "manifest.json").is_file()
+    main_of(tmp_path, monkeypatch, resume_from_checkpoint="auto", save_steps=4, max_steps=2)
+    assert (f"boost-hf: the run in {tmp_path} is complete: {tmp_path / 'checkpoint-4'} is at step 4, past max_steps 2, and "
+            "final/ is published; nothing to do.") in capfd.readouterr().out
+
+
+def test_a_rollback_of_a_finished_run_sets_its_end_aside_and_the_requeue_finishes_the_new_lineage(tmp_path, monkeypatch):
+    """A finished run (checkpoints 2 and 4, final/) rolled back to checkpoint-2 and stopped after saving step 3: its
+    final/ and trainer_state.json (the end of the abandoned lineage, step 4) are set aside with its checkpoint-4, so
+    the requeue with ``auto`` is not taken for complete: it resumes checkpoint-3, trains step 4 and publishes the new
+    lineage's final/."""
+    main_of(tmp_path, monkeypatch, resume_from_checkpoint="auto")
+    old_final = (tmp_path / "final" / "manifest.json").read_bytes()
+    stop = StopAtStep(3)
+    with pytest.raises(TrainingStopped, match="finished step 3"):
+        main_of(tmp_path, monkeypatch, stop.callback, resume_from_checkpoint=str(tmp_path / "checkpoint-2"), learning_rate=1e-4)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "abandoned-checkpoint-4", "abandoned-final", "abandoned-trainer_state.json", "checkpoint-2", "checkpoint-3",
+        "last_checkpoint.json"]
+    assert (tmp_path / "abandoned-final" / "manifest.json").read_bytes() == old_final
+    steps = StopAtStep(0)
+    main_of(tmp_path, monkeypatch, steps.callback, resume_from_checkpoint="auto", learning_rate=1e-4)
+    assert steps.trained == [4] and (tmp_path / "final" / "manifest.json").read_bytes() != old_final
