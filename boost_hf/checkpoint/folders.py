@@ -284,12 +284,13 @@ class CheckpointSaver:
 
     :meth:`save` is collective: the small files are written by the caller into the staging folder, then the DCP state
     dict (the model's and optimizer's shards) into its ``dcp/``. Synchronous: ``dcp.save``, the spread hashing, the
-    manifest and the rename before returning. Each phase ends with the ranks' outcomes shared (:func:`_every_rank`), so
-    a failure on one rank (the writer's full disk while writing the small files, a failed rename or rotation) is
-    raised on every rank at once, not left for the others to wait out in the next collective until ``--ddp_timeout``. Asynchronous: ``dcp.async_save`` copies this rank's tensors to host
+    manifest and the rename before returning. Asynchronous: ``dcp.async_save`` copies this rank's tensors to host
     memory (its own shards only), then a daemon thread waits for the write, hashes, gathers and renames, in a gloo
     group of its own (the training's collectives go on meanwhile); :meth:`wait` joins it and raises its error. A
-    crash before the manifest leaves only a staging folder (never a complete-looking checkpoint)."""
+    crash before the manifest leaves only a staging folder (never a complete-looking checkpoint). Each phase ends with
+    the ranks' outcomes shared (:func:`_every_rank`), so a failure on one rank (the writer's full disk while writing
+    the small files, a failed rename or rotation) is raised on every rank at once, not left for the others to wait
+    out in the next collective until ``--ddp_timeout``."""
 
     def __init__(self, *, is_writer: bool, run_id: str):
         self.is_writer, self.run_id = is_writer, run_id
@@ -340,7 +341,7 @@ class CheckpointSaver:
         """The background half of an asynchronous save (runs in :meth:`save`'s thread)."""
         try:
             with _removed_on_error(target, staging if self.is_writer else None):
-                _every_rank(upload.result, group)
+                _every_rank(lambda: upload.result() and None, group)  # the outcome only (not DCP's metadata)
                 files = _gathered_digests(staging, group)
             self._commit(target, staging, config, files, after_commit, group)
         except BaseException as error:  # noqa: BLE001 (raised by wait() in the training thread)
