@@ -8,11 +8,12 @@ the checkpoint's folder takes its name: a save killed between the two leaves a r
 there, and ``last`` takes the newest complete checkpoint before it). ``--resume_from_checkpoint last`` / ``auto``
 read it (:func:`last_checkpoint`). Resuming a checkpoint moves the checkpoints of later steps out of the lineage
 (:func:`set_aside_later_checkpoints`): each is renamed ``abandoned-checkpoint-<step>``, kept as it was (never deleted
-without the user's word) and named in a warning, and so is that lineage's end, ``final/`` and its ``trainer_state.json``
-(``abandoned-final``), when it ended past the resumed step; so ``checkpoint-<step>`` folders are the lineage's, and the
-rotation of ``--save_total_limit`` (:func:`~boost_hf.training.checkpointing.save_checkpoint`) deletes the lineage's
-oldest steps, by step, never by modification time. An output folder without the record (written by an earlier boost-hf version) resumes its newest complete
-checkpoint, as before, with a warning saying so.
+without the user's word) and named in a warning, and so is that lineage's end, ``final/`` and its
+``trainer_state.json`` (``abandoned-final``), when it ended past the resumed step. So the ``checkpoint-<step>``
+folders are the lineage's, and the rotation of ``--save_total_limit``
+(:func:`~boost_hf.training.checkpointing.save_checkpoint`) deletes the lineage's oldest steps, by step, never by
+modification time. An output folder without the record (written by an earlier boost-hf version) resumes its newest
+complete checkpoint, as before, with a warning saying so.
 """
 
 from __future__ import annotations
