@@ -74,9 +74,9 @@ class RunFolder:
         asked, run_dir = resume_from_checkpoint, self.args.output_dir
         self.claim()
         resume_from_checkpoint = self._checkpoint_meant(asked)
-        self._resumed = (asked, resume_from_checkpoint)
         if resume_from_checkpoint is None:
             decided_on_rank_zero(lambda: check_fresh_output_dir(run_dir, getattr(self.args, "overwrite_output_dir", False)))
+            self._resumed = (asked, None)
             return None
         if not os.path.isfile(os.path.join(resume_from_checkpoint, TRAINER_STATE_NAME)):
             raise FileNotFoundError(
@@ -89,6 +89,7 @@ class RunFolder:
         check_resume_layout(resume_from_checkpoint, layout)
         step = steps_trained(resume_from_checkpoint)
         decided_on_rank_zero(lambda: set_aside_later_checkpoints(run_dir, resume_from_checkpoint, step))
+        self._resumed = (asked, resume_from_checkpoint)  # decided and checked: train() after boost-hf train's main
         return resume_from_checkpoint
 
     def _checkpoint_meant(self, asked: str | bool | None) -> str | None:
