@@ -70,13 +70,12 @@ class RunFolder:
         resumable at this run's ``layout``; the checkpoints of ``output_dir`` of later steps are then set aside as
         another lineage's (:func:`~boost_hf.checkpoint.lineage.set_aside_later_checkpoints`). Collective."""
         if self._resumed is not None and resume_from_checkpoint in self._resumed:  # decided already (boost-hf train)
-            return self._resumed[1]
+            return self._resumed[1]  # (a new run is checked again each time: its folder must hold no earlier run)
         asked, run_dir = resume_from_checkpoint, self.args.output_dir
         self.claim()
         resume_from_checkpoint = self._checkpoint_meant(asked)
         if resume_from_checkpoint is None:
             decided_on_rank_zero(lambda: check_fresh_output_dir(run_dir, getattr(self.args, "overwrite_output_dir", False)))
-            self._resumed = (asked, None)
             return None
         if not os.path.isfile(os.path.join(resume_from_checkpoint, TRAINER_STATE_NAME)):
             raise FileNotFoundError(
