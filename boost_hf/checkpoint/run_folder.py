@@ -36,7 +36,7 @@ class RunFolder:
         self.run_id: str | None = None
         self.saver: CheckpointSaver | None = None
         self._lock: OutputDirLock | None = None
-        self._resumed: tuple | None = None  # (what was asked, the checkpoint decided): resume_point decides once
+        self._resumed: str | None = None  # the checkpoint resume_point just decided and checked (not decided again next)
 
     def claim(self) -> None:
         """Collective, once per run: lock ``output_dir`` on global rank 0 (the writer), restore or remove what killed runs
@@ -69,8 +69,9 @@ class RunFolder:
         staging folders of killed runs restored or removed), verified against its manifest and architecture and
         resumable at this run's ``layout``; the checkpoints of ``output_dir`` of later steps are then set aside as
         another lineage's (:func:`~boost_hf.checkpoint.lineage.set_aside_later_checkpoints`). Collective."""
-        if self._resumed is not None and resume_from_checkpoint in self._resumed:  # decided already (boost-hf train)
-            return self._resumed[1]  # (a new run is checked again each time: its folder must hold no earlier run)
+        if resume_from_checkpoint is not None and resume_from_checkpoint == self._resumed:
+            self._resumed = None  # decided and checked just before (boost-hf train's main, then train()): once
+            return resume_from_checkpoint
         asked, run_dir = resume_from_checkpoint, self.args.output_dir
         self.claim()
         resume_from_checkpoint = self._checkpoint_meant(asked)
@@ -88,7 +89,7 @@ class RunFolder:
         check_resume_layout(resume_from_checkpoint, layout)
         step = steps_trained(resume_from_checkpoint)
         decided_on_rank_zero(lambda: set_aside_later_checkpoints(run_dir, resume_from_checkpoint, step))
-        self._resumed = (asked, resume_from_checkpoint)  # decided and checked: train() after boost-hf train's main
+        self._resumed = resume_from_checkpoint
         return resume_from_checkpoint
 
     def _checkpoint_meant(self, asked: str | bool | None) -> str | None:
