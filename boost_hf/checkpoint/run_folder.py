@@ -6,6 +6,7 @@ The training run (:class:`~boost_hf.training.run.TrainingRun`) adds the hang wat
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import uuid
@@ -72,8 +73,25 @@ class RunFolder:
         if resume_from_checkpoint is not None and resume_from_checkpoint == self._resumed:
             self._resumed = None  # decided and checked just before (boost-hf train's main, then train()): once
             return resume_from_checkpoint
-        asked, run_dir = resume_from_checkpoint, self.args.output_dir
         self.claim()
+        with self._released_on_error():
+            resume = self._checked_resume_point(resume_from_checkpoint, config, layout)
+        self._resumed = resume
+        return resume
+
+    @contextlib.contextmanager
+    def _released_on_error(self):
+        """An error in the block (a refusal, on every rank) releases the folder the run claimed for it: a run that
+        never trained leaves no lock behind, also in a process that goes on (a notebook, a test)."""
+        try:
+            yield
+        except BaseException:
+            self.release()
+            self.run_id, self.saver, self._lock = None, None, None
+            raise
+
+    def _checked_resume_point(self, asked, config, layout: dict) -> str | None:
+        run_dir = self.args.output_dir
         resume_from_checkpoint = self._checkpoint_meant(asked)
         if resume_from_checkpoint is None:
             decided_on_rank_zero(lambda: check_fresh_output_dir(run_dir, getattr(self.args, "overwrite_output_dir", False)))
@@ -89,7 +107,6 @@ class RunFolder:
         check_resume_layout(resume_from_checkpoint, layout)
         step = steps_trained(resume_from_checkpoint)
         decided_on_rank_zero(lambda: set_aside_later_checkpoints(run_dir, resume_from_checkpoint, step))
-        self._resumed = resume_from_checkpoint
         return resume_from_checkpoint
 
     def _checkpoint_meant(self, asked: str | bool | None) -> str | None:
@@ -110,7 +127,8 @@ class RunFolder:
         self.claim()
         if resume_from_checkpoint in (None, False, ""):
             return None
-        checkpoint = self._checkpoint_meant(resume_from_checkpoint)
+        with self._released_on_error():
+            checkpoint = self._checkpoint_meant(resume_from_checkpoint)
         run_dir, max_steps = self.args.output_dir, getattr(self.args, "max_steps", -1)
 
         def decide() -> str | None:
