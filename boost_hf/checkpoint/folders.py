@@ -138,27 +138,34 @@ def _write_error_cause(error: BaseException, free: int) -> tuple[str, str]:
     return f"I/O error ({type(error).__name__}: {error})", "check the file system"
 
 
+def _write_error(target: str, raised: BaseException) -> BaseException:
+    """What a failed save of ``target`` raises for ``raised``: an I/O error (or any error on a nearly full disk) as
+    :class:`CheckpointWriteError` naming the cause, measured now (before the partial folder goes: the space it takes
+    counts); another error, or one already a :class:`CheckpointWriteError`, as it is."""
+    error = _cause(raised)
+    parent = os.path.dirname(os.path.abspath(target))
+    free = shutil.disk_usage(parent).free if os.path.isdir(parent) else LOW_SPACE_BYTES
+    if isinstance(error, CheckpointWriteError) or not _is_io_error(error, free):
+        return raised
+    cause, fix = _write_error_cause(error, free)
+    return CheckpointWriteError(
+        getattr(error, "errno", None) or (errno.ENOSPC if cause.startswith("no space") else errno.EIO),
+        f"could not save {target!r}: {cause}; {fix}. The partial folder was removed; earlier checkpoints are intact.",
+    )
+
+
 @contextlib.contextmanager
-def _removed_on_error(target: str, partial: str | None, previous: str | None = None):
-    """On an exception in the block: remove ``partial``, move ``previous`` back to ``target``, and re-raise an I/O
-    error (or any error on a nearly full disk) as :class:`CheckpointWriteError` naming the cause."""
+def _removed_on_error(target: str, partial: str | None):
+    """On an exception in the block: remove ``partial`` and re-raise it as :func:`_write_error` says."""
     try:
         yield
     except BaseException as raised:
-        error = _cause(raised)
-        parent = os.path.dirname(os.path.abspath(target))
-        free = shutil.disk_usage(parent).free if os.path.isdir(parent) else LOW_SPACE_BYTES
+        error = _write_error(target, raised)
         if partial is not None:
             shutil.rmtree(partial, ignore_errors=True)
-        if previous is not None and os.path.exists(previous):
-            os.replace(previous, target)
-        if not _is_io_error(error, free) or isinstance(error, CheckpointWriteError):
+        if error is raised:
             raise
-        cause, fix = _write_error_cause(error, free)
-        raise CheckpointWriteError(
-            getattr(error, "errno", None) or (errno.ENOSPC if cause.startswith("no space") else errno.EIO),
-            f"could not save {target!r}: {cause}; {fix}. The partial folder was removed; earlier checkpoints are intact.",
-        ) from error
+        raise error from _cause(raised)
 
 
 def _staging_path(target: str, run_id: str, kind: str = "tmp") -> str:
@@ -166,14 +173,25 @@ def _staging_path(target: str, run_id: str, kind: str = "tmp") -> str:
     return os.path.join(parent, f".{name}.{kind}-{run_id}")
 
 
-def _every_rank(work, group=None) -> list:
-    """:func:`~boost_hf.checkpoint.decisions.on_every_rank` for a phase of a save: ``work()`` on every rank of
-    ``group``, then the outcomes shared, so an error of one rank (the writer's full disk, a failed rename) is raised
-    on every rank before the next collective (a :class:`CheckpointWriteError` as itself)."""
-    return on_every_rank(work, group, kinds=(CheckpointWriteError, CheckpointIntegrityError))
+def _every_rank(work, group=None, target: str | None = None) -> list:
+    """:func:`~boost_hf.checkpoint.decisions.on_every_rank` for a phase of the save of ``target``: ``work()`` on every
+    rank of ``group``, its error made what a failed save raises (:func:`_write_error`: the cause named where it
+    happened), then the outcomes shared, so an error of one rank (the writer's full disk, a failed rename) is raised
+    on every rank before the next collective (a :class:`CheckpointWriteError` as itself, "(on rank 0)")."""
+
+    def phase():
+        try:
+            return work()
+        except Exception as raised:  # noqa: BLE001 (raised again, as a failed save raises it)
+            error = _write_error(target, raised) if target is not None else raised
+            if error is raised:
+                raise
+            raise error from _cause(raised)
+
+    return on_every_rank(phase, group, kinds=(CheckpointWriteError, CheckpointIntegrityError))
 
 
-def _gathered_digests(staging: str, group=None) -> dict | None:
+def _gathered_digests(staging: str, group=None, target: str | None = None) -> dict | None:
     """Collective over ``group`` (all ranks): each rank hashes its share of ``staging``'s files
     (:func:`~boost_hf.checkpoint.integrity.hashing_shares`: what it wrote, then the rest balanced by size) and the
     digests are shared, for the manifest; ``None`` in one process (the manifest hashes every file itself). The
@@ -182,7 +200,7 @@ def _gathered_digests(staging: str, group=None) -> dict | None:
         return None
     sizes = decided_on_rank_zero(lambda: file_sizes(staging), group, kinds=(CheckpointIntegrityError,))
     share = hashing_shares(sizes, dist.get_world_size(group))[dist.get_rank(group)]
-    parts = _every_rank(lambda: file_digests(staging, share), group)
+    parts = _every_rank(lambda: file_digests(staging, share), group, target)
     return {name: entry for part in parts for name, entry in part.items()}
 
 
@@ -236,7 +254,7 @@ def atomic_directory(target: str, *, is_writer: bool, run_id: str, config=None, 
     """
     staging = _staging_path(target, run_id)
     with _removed_on_error(target, staging if is_writer else None):
-        _every_rank(lambda: os.makedirs(staging) if is_writer else None, group)
+        _every_rank(lambda: os.makedirs(staging) if is_writer else None, group, target)
         failed = None
         try:
             yield staging
@@ -247,8 +265,8 @@ def atomic_directory(target: str, *, is_writer: bool, run_id: str, config=None, 
             if failed is not None:
                 raise failed
 
-        _every_rank(wrote, group)
-        files = _gathered_digests(staging, group)
+        _every_rank(wrote, group, target)
+        files = _gathered_digests(staging, group, target)
     _commit(target, staging, is_writer=is_writer, run_id=run_id, config=config, files=files, group=group)
 
 
@@ -319,11 +337,11 @@ class CheckpointSaver:
         staging = _staging_path(target, self.run_id)
         writer = FileSystemWriter(os.path.join(staging, DCP_FOLDER))
         with _removed_on_error(target, staging if self.is_writer else None), quiet_single_process_warning():
-            _every_rank(lambda: os.makedirs(staging) if self.is_writer else None, group)
-            _every_rank(lambda: write_files(staging), group)  # the small files: the writer's full disk is every rank's
+            _every_rank(lambda: os.makedirs(staging) if self.is_writer else None, group, target)
+            _every_rank(lambda: write_files(staging), group, target)  # the small files: the writer's full disk is every rank's
             if not asynchronous:
                 dcp.save(state_dict, storage_writer=writer, process_group=group)  # DCP shares its ranks' errors itself
-                files = _gathered_digests(staging, group)
+                files = _gathered_digests(staging, group, target)
             else:
                 upload = dcp.async_save(state_dict, storage_writer=writer, process_group=group, async_stager=HostCopyStager())
         if not asynchronous:
@@ -341,8 +359,8 @@ class CheckpointSaver:
         """The background half of an asynchronous save (runs in :meth:`save`'s thread)."""
         try:
             with _removed_on_error(target, staging if self.is_writer else None):
-                _every_rank(lambda: upload.result() and None, group)  # the outcome only (not DCP's metadata)
-                files = _gathered_digests(staging, group)
+                _every_rank(lambda: upload.result() and None, group, target)  # the outcome only (not DCP's metadata)
+                files = _gathered_digests(staging, group, target)
             self._commit(target, staging, config, files, after_commit, group)
         except BaseException as error:  # noqa: BLE001 (raised by wait() in the training thread)
             self._error = error

@@ -102,9 +102,10 @@ def failures_reach_every_rank(run_dir: str) -> dict:
         finally:
             if patch is not None:
                 setattr(patch[0], patch[1], original)
+        seconds = time.monotonic() - started
+        dist.barrier()  # both ranks are done with the case (the writer removed its staging folder)
         staging = sorted(n for n in os.listdir(folder) if ".tmp-" in n) if os.path.isdir(folder) else []
-        outcome[name] = {"raised": raised, "seconds": time.monotonic() - started, "staging": staging}
-        dist.barrier()  # the next case starts together
+        outcome[name] = {"raised": raised, "seconds": seconds, "staging": staging}
     return outcome
 
 
