@@ -435,11 +435,14 @@ def _add_export_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _run_export(args: argparse.Namespace) -> int:
-    """One process, or every process of a ``torchrun`` launch (each writes every world-th file)."""
+    """One process, or every process of a ``torchrun`` launch (each writes every world-th file). SIGTERM stops it where
+    it is, saying so, with the output folder as it was (exit status 143)."""
     import os
+    import signal
 
     import torch.distributed as dist
 
+    from .training.preemption import SignalExit, exiting_on
     from .training.publish import export_checkpoint
 
     if args.refresh_remote_code:
@@ -456,8 +459,13 @@ def _run_export(args: argparse.Namespace) -> int:
     if launched and not dist.is_initialized():
         dist.init_process_group("gloo")
     try:
-        folder = export_checkpoint(args.checkpoint, args.output_dir, max_shard_size=args.max_shard_size,
-                                   overwrite=args.overwrite)
+        with exiting_on((signal.SIGTERM,)):  # stopped where it is: the staging folder is removed, the output untouched
+            folder = export_checkpoint(args.checkpoint, args.output_dir, max_shard_size=args.max_shard_size,
+                                       overwrite=args.overwrite)
+    except SignalExit as stopped:
+        print(f"boost-hf export: {stopped.signal.name} received: the export stopped before its end; {args.output_dir!r} "
+              f"is as it was before it (its partial copy removed). Run the export again.", file=sys.stderr, flush=True)
+        return stopped.code
     finally:
         if launched:
             dist.destroy_process_group()

@@ -6,7 +6,8 @@
 
 Logs validation perplexity before training and every ``eval_steps``, trains (``--resume_from_checkpoint
 PATH|last`` continues a run; ``auto``: from the last complete checkpoint if there is one, else a new run; a run
-resumed at its ``max_steps`` trains no step more, and one whose ``final/`` is published ends at once), evaluates again, prints a greedy sample and saves the model with its
+resumed at its ``max_steps`` trains no step more, and a finished one whose ``final/`` is published ends at once,
+saying so: :meth:`~boost_hf.checkpoint.run_folder.RunFolder.completion`), evaluates again, prints a greedy sample and saves the model with its
 tokenizer, its remote code and model card (``README.md``) to ``<output_dir>/final``. A signal of ``--exit_signals``
 (SIGTERM, SIGUSR1) or the end of ``--exit_after_minutes`` saves a checkpoint and exits with status 76 instead
 (:mod:`boost_hf.training.preemption`).
@@ -18,11 +19,19 @@ from .stack import check_training_stack
 
 check_training_stack()  # before the [train] extra's packages are imported: a missing or untested stack is named with its fix
 
-from ..checkpoint.decisions import resume_checkpoint
+from .preemption import PREEMPTED_EXIT_CODE
 from .preflight import check_model_and_data
 from .recipe import build_config, build_datasets, build_model, build_tokenizer, card_datasets, parse_recipe
 from .trainer import BoostTrainer
 from .watchdog import enter_phase
+
+
+AFTER_TRAINING = (f"training is over: once the final evaluation or sample under way ends, the run saves a checkpoint at "
+                  f"its last step (unless there is one) and exits with status {PREEMPTED_EXIT_CODE}, without final/ "
+                  "(continue with --resume_from_checkpoint last)")
+DURING_THE_FINAL_SAVE = ("the final model's save goes on to its end (stopped now, it would leave no final/); the run then "
+                         "ends complete, with status 0, and a requeue with --resume_from_checkpoint auto does nothing")
+"""What a signal of ``--exit_signals`` does after the training loop (:meth:`StopRequests.meaning`)."""
 
 
 def build_trainer(argv: list[str], **trainer_kwargs) -> BoostTrainer:
@@ -61,23 +70,27 @@ def main(argv: list[str]) -> None:
                   + (f" in each of {how.replicate_size} replicas (HSDP)" if how.replicate_size > 1 else "")
                   + f", reshard after forward {how.reshard_after_forward}, units "
                   + ("each decoder layer, then the rest" if how.layers_apart else "the whole model"))
-    # "auto": a job script's first launch and its requeues alike; decided on rank 0 for every rank
-    resume = resume_checkpoint(training_args.output_dir, training_args.resume_from_checkpoint)
-    if trainer.run.training_is_complete(resume) and trainer.run.final_is_published():
+    # "auto": a job script's first launch and its requeues alike; decided on rank 0 for every rank, once the output
+    # folder is claimed (locked, what killed runs left restored)
+    complete = trainer.run.completion(training_args.resume_from_checkpoint)
+    if complete is not None:
         if trainer.is_world_process_zero():
-            print(f"boost-hf: the run in {training_args.output_dir} is complete: {resume} is at max_steps "
-                  f"{training_args.max_steps} and final/ is published; nothing to do.", flush=True)
+            print(f"boost-hf: the run in {training_args.output_dir} is complete: {complete}; nothing to do.", flush=True)
         return
+    resume = trainer.resume_point(training_args.resume_from_checkpoint)
     training_args.eval_on_start = training_args.eval_on_start or not resume  # logged at step 0
-    with trainer.run.stop_requests.handling():  # a signal after the last step still saves a checkpoint
+    requests = trainer.run.stop_requests
+    with requests.handling():  # a signal after the last step still saves a checkpoint
         trainer.train(resume_from_checkpoint=resume)
-        trainer.stop_if_requested()
-        end = trainer.evaluate()
-        trainer.save_state()  # <output_dir>/trainer_state.json: every logged loss, lr, grad norm, throughput
-        trainer.stop_if_requested()
-        sample = trainer.generate_sample() if training_args.sample_max_new_tokens > 0 else None
-        trainer.stop_if_requested()
-        final = trainer.save_final_model()
+        with requests.meaning(AFTER_TRAINING):
+            trainer.stop_if_requested()
+            end = trainer.evaluate()
+            trainer.save_state()  # <output_dir>/trainer_state.json: every logged loss, lr, grad norm, throughput
+            trainer.stop_if_requested()
+            sample = trainer.generate_sample() if training_args.sample_max_new_tokens > 0 else None
+            trainer.stop_if_requested()
+        with requests.meaning(DURING_THE_FINAL_SAVE):
+            final = trainer.save_final_model()
     if trainer.is_world_process_zero():
         start = next((log for log in trainer.state.log_history if "eval_perplexity" in log), end)
         print(f"validation perplexity: {start['eval_perplexity']:.1f} at step {start['step']}")
