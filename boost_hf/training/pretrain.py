@@ -34,14 +34,25 @@ DURING_THE_FINAL_SAVE = ("the final model's save goes on to its end (stopped now
 """What a signal of ``--exit_signals`` does after the training loop (:meth:`StopRequests.meaning`)."""
 
 
-def build_trainer(argv: list[str], **trainer_kwargs) -> BoostTrainer:
-    """The :class:`BoostTrainer` of the recipe ``argv`` (model, tokenizer, training and validation sets), its model
-    and data checked before any collective; ``trainer_kwargs`` go to the trainer (e.g. ``compute_metrics``)."""
+def checked_settings(argv: list[str], tokenizer=None) -> tuple:
+    """What ``boost-hf train`` reads and checks of the recipe ``argv`` before any collective and before the data:
+    ``(model_args, data_args, training_args, tokenizer, config, parallel_config)``, the training arguments settled and
+    checked whatever set them (:mod:`boost_hf.training.compatibility`), the model config, the run's layout (built once)
+    and :func:`~boost_hf.training.preflight.check_model_and_data`; ``tokenizer``: one already loaded (default: the data
+    arguments')."""
     model_args, data_args, training_args = parse_recipe(argv)
-    tokenizer = build_tokenizer(data_args)
+    tokenizer = build_tokenizer(data_args) if tokenizer is None else tokenizer
     config = build_config(model_args, tokenizer)
     parallel_config = training_args.to_parallel_config(config)  # the run's layout, built once
     check_model_and_data(config, tokenizer, data_args.block_size, parallel_config)  # before any collective
+    return model_args, data_args, training_args, tokenizer, config, parallel_config
+
+
+def build_trainer(argv: list[str], **trainer_kwargs) -> BoostTrainer:
+    """The :class:`BoostTrainer` of the recipe ``argv`` (model, tokenizer, training and validation sets), its settings,
+    model and data checked before any collective (:func:`checked_settings`); ``trainer_kwargs`` go to the trainer
+    (e.g. ``compute_metrics``)."""
+    model_args, data_args, training_args, tokenizer, config, parallel_config = checked_settings(argv)
     enter_phase("dataset building")
     datasets = build_datasets(data_args, tokenizer, training_args)
     enter_phase("model building")
@@ -100,4 +111,4 @@ def main(argv: list[str]) -> None:
         print(f"model and tokenizer saved to {final}")
 
 
-__all__ = ["build_trainer", "main"]
+__all__ = ["build_trainer", "checked_settings", "main"]
