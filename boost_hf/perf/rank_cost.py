@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections import Counter
 from contextlib import contextmanager
 from unittest import mock
 from typing import Mapping
@@ -44,7 +45,7 @@ from ..parallel.state import reset_parallel_states
 from ..parallel.compile import compile_decoder_layers
 from .activation_memory import SavedTensorsProbe
 from .fake_group import close_fake_process_group, open_fake_process_group
-from .op_counter import OpCounter
+from .op_counter import DISPATCH_KINDS, DispatchCounter, OpCounter
 
 DEFAULT_LAYERS = (1, 3)
 
@@ -246,6 +247,54 @@ def count_rank_layer(
     }
 
 
+def _dispatches_of_model(config, parallel, micro_batch: int, seq: int, autocast_dtype, param_dtype) -> dict[str, Counter]:
+    """``{"forward" | "backward": Counter((kind, op) -> calls)}`` of one training step of a whole model."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    fake_mode = FakeTensorMode()
+    model = build_fake_model(config, parallel, fake_mode, param_dtype)
+    with fake_mode, _rows_are_unpacked():
+        input_ids = torch.zeros(micro_batch, seq, dtype=torch.long)
+        with DispatchCounter() as forward:
+            with torch.autocast("cpu", dtype=autocast_dtype, enabled=autocast_dtype is not None):
+                loss = model(input_ids, labels=input_ids, use_cache=False).loss
+        with DispatchCounter() as backward:
+            loss.backward()
+    return {"forward": forward.by_op, "backward": backward.by_op}
+
+
+def count_rank_layer_dispatches(
+    config, parallel, micro_batch: int = 1, seq: int = 128, *, layers: tuple[int, int] = DEFAULT_LAYERS,
+    autocast_dtype: torch.dtype | None = None, param_dtype: torch.dtype | None = torch.bfloat16,
+) -> dict:
+    """The ops one decoder layer on one tensor-parallel rank dispatches per training step (forward with labels, no KV
+    cache; backward), as :class:`~boost_hf.perf.op_counter.DispatchCounter` counts them: the difference of an ``L2``- and
+    an ``L1``-layer model over ``L2 - L1`` (fake tensors: any shape, in seconds; the counts do not depend on the sizes,
+    only on the model's structure). Default precision: bf16 parameters without autocast (the default training policy).
+
+    Returns ``{"forward", "backward", "total"}``, each ``{"launches", "gemm", "attention", "collective", "other", "view",
+    "free", "by_op": {"kind/op": calls}}`` (``launches``: the ops that launch work, :data:`DISPATCH_KINDS`)."""
+    parallel.check_model(config)
+    _require_fake_process_group(parallel.tp_size)
+    fewer, more = (_dispatches_of_model(_layer_config(config, n, seq), parallel, micro_batch, seq, autocast_dtype, param_dtype)
+                   for n in layers)
+    span = layers[1] - layers[0]
+    out = {}
+    for name in ("forward", "backward"):
+        diff = Counter(more[name])
+        diff.subtract(fewer[name])
+        out[name] = {f"{kind}/{op}": n / span for (kind, op), n in diff.items() if n}
+    out["total"] = dict(Counter(out["forward"]) + Counter(out["backward"]))
+    summary = {}
+    for name, by_op in out.items():
+        kinds = Counter()
+        for key, n in by_op.items():
+            kinds[key.split("/", 1)[0]] += n
+        summary[name] = {"launches": sum(kinds[k] for k in DISPATCH_KINDS), **{k: kinds[k] for k in (*DISPATCH_KINDS, "view", "free")},
+                         "by_op": dict(sorted(by_op.items(), key=lambda item: (-item[1], item[0])))}
+    return summary
+
+
 #: REVIEW-2's fit of eager H100 time (bf16 autocast, 7B TP4, N = 8192: five layouts predicted within ~10 %):
 #: GEMM FLOPs at the achieved GEMM rate (full-rank shapes / the thinner low-rank shapes), non-GEMM bytes at
 #: the achieved memory bandwidth, a launch-and-latency cost per non-GEMM op, and the attention kernels at the
@@ -377,6 +426,7 @@ __all__ = [
     "predicted_h100_eager_ms",
     "build_fake_model",
     "count_rank_layer",
+    "count_rank_layer_dispatches",
     "device_name",
     "fake_process_group",
     "measure_rank_layer",
