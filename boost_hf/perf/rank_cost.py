@@ -42,7 +42,7 @@ from ..parallel.comm_counter import CommCounter
 from ..parallel.communication import COLLECTIVE_KINDS
 from ..parallel.shared_storage import cast_parameters
 from ..parallel.state import reset_parallel_states
-from ..parallel.compile import compile_decoder_layers
+from ..parallel.compile import compile_model
 from .activation_memory import SavedTensorsProbe
 from .fake_group import close_fake_process_group, open_fake_process_group
 from .op_counter import DISPATCH_KINDS, DispatchCounter, OpCounter
@@ -338,7 +338,7 @@ def _step_fn(model, device: str, micro_batch: int, seq: int, autocast_dtype, com
     input_ids = torch.randint(0, model.config.vocab_size, (micro_batch, seq), device=device,
                               generator=torch.Generator(device).manual_seed(0))
     if compile:
-        compile_decoder_layers(model)  # what BoostTrainer --torch_compile does
+        compile_model(model)  # what BoostTrainer --torch_compile does
 
     def step() -> None:
         with torch.autocast(device_type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
@@ -370,7 +370,7 @@ def measure_rank_layers(
     starting model rotating each round; after ``warmup`` rounds, each of ``reps`` rounds gives
     ``(t(L2) - t(L1)) / (L2 - L1)``. ``param_dtype``: the parameters' dtype (``None``: fp32; AdamW then steps
     them directly, in that dtype). ``compile``: each model's decoder layers are compiled in place, as
-    ``BoostTrainer --torch_compile`` does (:func:`~boost_hf.parallel.compile.compile_decoder_layers`;
+    ``BoostTrainer --torch_compile`` does (:func:`~boost_hf.parallel.compile.compile_model`;
     ``warmup`` must be at least 1 to compile outside the timed rounds).
 
     Returns per variant ``{"ms_per_layer", "ms_per_layer_min", "ms_per_layer_max", "step_ms": {L: median}}``,

@@ -26,7 +26,7 @@ from ..precision_config import precision_training_fields
 from ..optim.loro import EPSILON_PLACEMENTS, LOWRANK_OPTIMIZERS
 from ..optim.loro_schedule import authors_schedule_shift, check_authors_schedule
 from .stack import check_training_stack
-from .compatibility import check_settings, settings_from_accelerate
+from .compatibility import check_settings, resolve_torch_compile, settings_from_accelerate
 from .health import NONFINITE_POLICIES
 from .preemption import DEFAULT_EXIT_SIGNALS, parse_exit_signals
 from .precision import PrecisionPolicy, resolve_precision
@@ -137,6 +137,11 @@ class BoostTrainingArguments(LayoutArguments, PrecisionArguments, DataParallelAr
     Args:
         peak_tflops: dense peak TFLOP/s of one device, the denominator of MFU (default: the GPU preset of
             :mod:`boost_hf.perf.hardware`, or a rough CPU guess).
+        torch_compile: compile each decoder layer and the loss (``torch.compile``, per part:
+            :func:`~boost_hf.parallel.compile.compile_model`). Unset (``None``, the default): ``True`` on a CUDA device,
+            ``False`` on the CPU (:func:`~boost_hf.training.compatibility.resolve_torch_compile`; after it the field is a
+            ``bool`` and ``torch_compile_explicit`` says whether a flag, a recipe or accelerate's ``dynamo_backend`` set
+            it). ``--torch_compile false``: eager.
         sample_prompt / sample_max_new_tokens: the greedy sample printed at the end of training.
         nonfinite: what a non-finite loss or gradient norm does: ``"stop"`` (default, an error naming the step)
             or ``"skip_step"`` (the update is not applied; counted in the logs). See :mod:`boost_hf.training.health`.
@@ -188,6 +193,12 @@ class BoostTrainingArguments(LayoutArguments, PrecisionArguments, DataParallelAr
 
     peak_tflops: float | None = field(
         default=None, metadata={"help": "Dense peak TFLOP/s per device for MFU (default: GPU preset or a CPU guess)."}
+    )
+    torch_compile: bool | None = field(
+        default=None,
+        metadata={"nargs": "?", "const": True,
+                  "help": "Compile each decoder layer and the loss (torch.compile). Unset: compiled on a CUDA device, eager on "
+                          "the CPU; false: eager."},
     )
     sample_prompt: str = field(default="The history of", metadata={"help": "Prompt of the sample generated after training."})
     sample_max_new_tokens: int = field(default=40, metadata={"help": "Tokens generated for the final sample (0: none)."})
@@ -280,7 +291,9 @@ class BoostTrainingArguments(LayoutArguments, PrecisionArguments, DataParallelAr
                 setattr(self, name, False)
         check_lowrank_optimizer(self)
         settings_from_accelerate(self)
+        self.torch_compile_explicit = self.torch_compile is not None  # a flag, a recipe or accelerate's dynamo backend set it
         check_settings(self)  # whatever set them: flags, recipe, accelerate config, environment
+        resolve_torch_compile(self)
         if self.hang_timeout_s < 0:
             raise ValueError(f"hang_timeout_s must be >= 0 (0 disables the watchdog), got {self.hang_timeout_s}.")
         if self.startup_timeout_s is not None and not self.startup_timeout_s > 0:

@@ -53,6 +53,8 @@ import json
 import logging
 import os
 
+import torch
+
 from ..data_parallel_config import DataParallelConfig
 from ..optim.loro import LORO_WITHOUT_DEEPSPEED
 from .zero1 import ZERO1_WITH_DEEPSPEED, ZERO1_WITH_LORO
@@ -302,6 +304,15 @@ def check_settings(args) -> None:
         raise ValueError(ZERO1_WITH_LORO)
 
 
+def resolve_torch_compile(args) -> None:
+    """``--torch_compile`` unset (``None``) becomes ``True`` on a CUDA device (each decoder layer and the loss compiled:
+    the readings in docs/performance.md put eager at a third of compiled's throughput there) and ``False`` on the CPU
+    (a CPU run is short, and compiling costs more than it saves). An explicit ``true`` or ``false`` stays. No
+    collective."""
+    if args.torch_compile is None:
+        args.torch_compile = torch.cuda.is_available() and not args.use_cpu
+
+
 def settings_from_accelerate(args) -> None:
     """Copy onto ``args`` what the accelerate config sets and boost-hf honours (flags given explicitly win):
     ``ACCELERATE_MIXED_PRECISION`` -> ``bf16`` / ``fp16``; ``ACCELERATE_DYNAMO_BACKEND`` (and ``_MODE``) ->
@@ -314,7 +325,7 @@ def settings_from_accelerate(args) -> None:
     if not (args.bf16 or args.fp16) and precision in ("bf16", "fp16"):
         setattr(args, precision, True)
     backend = os.environ.get("ACCELERATE_DYNAMO_BACKEND", "no").strip().lower()
-    if not args.torch_compile and backend not in ("", "no"):
+    if args.torch_compile is None and backend not in ("", "no"):  # an explicit --torch_compile (true or false) wins
         args.torch_compile = True
         args.torch_compile_backend = args.torch_compile_backend or backend
         mode = os.environ.get("ACCELERATE_DYNAMO_MODE")
@@ -329,6 +340,7 @@ __all__ = [
     "fsdp_origin",
     "fully_shard_from_fsdp_settings",
     "layout_from_parallelism_config",
+    "resolve_torch_compile",
     "settings_from_accelerate",
     "unsupported_parallelism",
 ]
