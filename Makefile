@@ -22,10 +22,12 @@ MIN_VENV := .venv-min
 MIN_PY := $(MIN_VENV)/bin/python
 MIN_STAMP := $(MIN_VENV)/.installed
 # What the minimum leg runs: import and install, the model and generation, remote code with plain transformers, TP and
-# SP exactness at tp 2, the pipeline at pp 2, the GPU check's training steps on the CPU, the version declarations.
+# SP exactness at tp 2, the pipeline at pp 2, the GPU check on the CPU, the version declarations, and what the lent GPU
+# machine's torch generates: the fused ops' kernels (one each) and the ops each layout's layer dispatches.
 MIN_TESTS := tests/test_install.py tests/test_modeling.py tests/test_hf_contract.py tests/test_generation.py tests/test_lax.py \
 	tests/test_tensor_train.py tests/test_configuration.py tests/hub/test_remote_code.py tests/parallel/test_tensor_parallel.py \
-	tests/parallel/test_sequence_parallel.py tests/parallel/test_pipeline.py tests/benchmarks/test_gpu_check.py tests/perf/test_fake_group.py tests/test_versions.py
+	tests/parallel/test_sequence_parallel.py tests/parallel/test_pipeline.py tests/benchmarks/test_gpu_check.py tests/perf/test_fake_group.py tests/test_versions.py \
+	tests/parallel/test_latent_op.py tests/parallel/test_statistics_op.py tests/perf/test_op_count.py
 
 $(MIN_STAMP): pyproject.toml constraints-min.txt
 	$(PYTHON) -m venv $(MIN_VENV)
@@ -44,7 +46,7 @@ demo: $(STAMP)
 ORDER_TESTS := tests/test_modeling.py tests/test_lax.py tests/test_tensor_train.py tests/test_hf_contract.py \
 	tests/test_boost_release.py tests/test_authors_checkpoint.py tests/parallel/test_tensor_parallel.py \
 	tests/parallel/test_sequence_parallel.py tests/parallel/test_pipeline.py tests/parallel/test_megatron.py \
-	tests/parallel/test_fused.py tests/parallel/test_latent_op.py tests/parallel/test_rmsnorm_op.py \
+	tests/parallel/test_fused.py tests/parallel/test_latent_op.py tests/parallel/test_statistics_op.py tests/parallel/test_rmsnorm_op.py \
 	tests/parallel/test_fully_shard.py tests/training/test_precision.py
 ORDER_ENV := ATEN_CPU_CAPABILITY=default MKL_CBWR=COMPATIBLE BOOST_HF_TEST_THREADS=2
 
