@@ -71,11 +71,12 @@ def _require_fake_process_group(tp_size: int) -> None:
 
 
 @contextmanager
-def fake_process_group(world_size: int):
+def fake_process_group(world_size: int, *, write_reduce_scatter: bool = True):
     """Open a fake process group of ``world_size`` ranks (this process is rank 0; collectives do nothing)
     and close it on exit, with the process groups cached on it. Every ``tp_size`` counted or measured inside
-    must divide ``world_size``."""
-    open_fake_process_group(world_size)
+    must divide ``world_size``. ``write_reduce_scatter=False``: the backend's reduce-scatter without the stand-in
+    that writes its output (:func:`~boost_hf.perf.fake_group.open_fake_process_group`), for timings."""
+    open_fake_process_group(world_size, write_reduce_scatter=write_reduce_scatter)
     try:
         yield
     finally:
