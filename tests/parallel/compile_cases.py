@@ -26,6 +26,7 @@ CASES = [
     dict(tp_style="megatron", bottleneck=None, sequence_parallel=True),
     dict(tp_style="btp", bottleneck="cola", sequence_parallel=True),
     dict(tp_style="btp", bottleneck="lax"),
+    dict(tp_style="btp", bottleneck="tt"),  # tt-1b's recipe compiles by default on a GPU
 ]
 
 
