@@ -67,10 +67,10 @@ test-min: $(MIN_STAMP)
 bench: $(STAMP)
 	$(PY) benchmarks/run_all.py
 
-# On a CUDA machine (elsewhere it says so and exits 0): the plan of benchmarks/gpu_check.py's docstring, its two
-# commands in order, each inside its budget (~7 min): 1. one rank's layer at the release's 7B TP4 shape, 1B throughput
-# beside transformers' LlamaForCausalLM, the SP layer; 2. the 13B TP4 layer, the CUDA kernel counts, training-step
-# correctness, activation checkpointing; readings in benchmarks/results/gpu/. Installs nothing: runs .venv's python
+# On a CUDA machine (elsewhere it says so and exits 0): the plan of benchmarks/gpu_check.py's docstring, its three
+# commands in order, each inside its budget (6 min): 1. one rank's layer at the release's 7B and 13B TP4 shapes and with
+# SP; 2. 1B throughput beside transformers' LlamaForCausalLM, the CUDA kernel counts, training-step correctness;
+# 3. activation checkpointing; readings in benchmarks/results/gpu/. Installs nothing: runs .venv's python
 # where `make install` made it, else python3 (GPU_PYTHON=... to choose the python whose torch is the CUDA build), on
 # this checkout. GPU_CHECK_ARGS passes options to both, e.g. GPU_CHECK_ARGS="--out /tmp/gpu".
 GPU_PYTHON ?= $(if $(wildcard $(PY)),$(PY),$(PYTHON))
@@ -78,7 +78,8 @@ GPU_CHECK_ARGS ?=
 gpu-check:
 	PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} $(GPU_PYTHON) benchmarks/gpu_check.py --command 1 $(GPU_CHECK_ARGS); first=$$?; \
 	PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} $(GPU_PYTHON) benchmarks/gpu_check.py --command 2 $(GPU_CHECK_ARGS); second=$$?; \
-	[ $$first -eq 0 ] && [ $$second -eq 0 ]
+	PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} $(GPU_PYTHON) benchmarks/gpu_check.py --command 3 $(GPU_CHECK_ARGS); third=$$?; \
+	[ $$first -eq 0 ] && [ $$second -eq 0 ] && [ $$third -eq 0 ]
 
 clean:
 	rm -rf $(VENV) $(MIN_VENV) outputs

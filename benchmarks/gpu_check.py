@@ -1,4 +1,4 @@
-"""`make gpu-check`: what only a GPU can show, measured as the BOOST release measures, in two commands that fit a lent GPU.
+"""`make gpu-check`: what only a GPU can show, measured as the BOOST release measures, in commands that fit a lent GPU.
 
 Built for the GPU machine a session may be lent (one H100 or H200, 15 minutes in all including its start, at most 10 per
 command, its own torch 2.11 / transformers 5.17, no ``datasets``/``deepspeed``/``evaluate``, nothing installable): it
@@ -21,40 +21,40 @@ Each row names its model (``llama-7b``: full rank, ``cola-7b``: CoLA's low rank)
 
 **The plan** (most valuable first; seconds predicted on an H200 from the first readings in
 ``benchmarks/results/gpu/2026-11-28-h200/``: a process start with the imports ~8 s, a 7B TP4 layer's compile ~15-20 s,
-eager llama-1b 0.95 s and cola-1b 0.48 s per 16k-token step, compiled 0.32 / 0.21 s, a 60m training-step case ~5.5 s
-eager + compiled; an H100 is ~15 % slower):
+eager llama-1b 0.95 s and cola-1b 0.48 s per 16k-token step, compiled 0.32 / 0.21 s, a 60m training-step case ~6 s
+eager + compiled; an H100 is ~15 % slower). Commands 1 and 2 fit one lent machine (15 minutes: its start, ~1.5 min,
+and two commands of at most ``COMMAND_BUDGET_S`` + ``GRACE_S`` = 6.5 min); command 3 is for a later session:
 
 =======  ==============  ======================================================================================  =====
 command  part            what                                                                                    s
 =======  ==============  ======================================================================================  =====
 1        ``layer``       7B TP4, micro-batch 4 x 4096 (the release's): llama-7b megatron, cola-7b vanilla,         120
                          cola-7b btp; eager and compiled; ``gpu_layer.json`` for ``boost-hf estimate --measured``
-1        ``throughput``  one GPU, 24 layers, micro-batch 4 x 4096 (the release's 1B row): our llama-1b,             230
-                         transformers' ``LlamaForCausalLM`` at its shape, our cola-1b; eager and compiled
+1        ``layer-13b``   13B TP4, micro-batch 1 x 4096 (the release's): megatron, vanilla, btp                      140
 1        ``layer-sp``    7B TP4 micro-batch 4: llama-7b megatron + SP, cola-7b btp + latent SP (collectives         80
                          without the stand-in)
-2        ``layer-13b``   13B TP4, micro-batch 1 x 4096 (the release's): megatron, vanilla, btp                      140
-2        ``kernels``     the fused ops' CUDA tests (one kernel each), and each layout's CUDA kernels per layer      60
+2        ``throughput``  one GPU, 24 layers, micro-batch 4 x 4096 (the release's 1B row): our llama-1b,             230
+                         transformers' ``LlamaForCausalLM`` at its shape, our cola-1b; eager and compiled
+2        ``kernels``     the fused ops' CUDA tests (one kernel each), and each layout's CUDA kernels per layer      50
                          against the ops it dispatches (``benchmarks/op_count.py``'s count)
-2        ``steps``       correctness: a bf16 training step of 9 architecture x layout cases (``--cases all``: all    110
-                         15), both precisions: finite, bf16 GEMM operands, compiled = eager after 3 steps (1e-3)
-2        ``layer-ckpt``  7B TP4 micro-batch 4 with activation checkpointing: cola-7b btp low-rank and full,          160
+2        ``steps``       correctness: a training step of 6 architecture x layout cases (``--cases all``: all 15),   75
+                         both precisions: finite, bf16 GEMM operands, compiled = eager after 3 steps (1e-3)
+3        ``layer-ckpt``  7B TP4 micro-batch 4 with activation checkpointing: cola-7b btp low-rank and full,          160
                          vanilla low-rank (the release's vanilla runs with recompute), llama-7b megatron full
 =======  ==============  ======================================================================================  =====
 
-Command 1 is predicted at 430 s and command 2 at 470 s, each given ``--budget-s 420`` by default: the parts still to run
-share what is left in proportion to their predictions (what one leaves unused goes to the next), a part starts only
-with ``MIN_PART_S`` left, stops between its cases when the next would pass its share (``incomplete``, keeping what it
-measured: every part rewrites its file after each case), and is stopped ``GRACE_S`` after it. What a command leaves
-(``layer-ckpt`` most likely) runs in a later session with ``--only``. Exit status 0 only if every part that ran passed.
-Elsewhere than on a CUDA machine it says so and exits 0; ``--device cpu`` runs every part's code path at tiny shapes
-(the tests do).
+Each command is given ``--budget-s`` 360 by default (predicted: 340, 355 and 160 s): the parts still to run share what
+is left in proportion to their predictions (what one leaves unused goes to the next), a part starts only with
+``MIN_PART_S`` left, stops between its cases when the next would pass its share (``incomplete``, keeping what it
+measured: every part rewrites its file after each case), and is stopped ``GRACE_S`` after it. Exit status 0 only if
+every part that ran passed. Elsewhere than on a CUDA machine it says so and exits 0; ``--device cpu`` runs every part's
+code path at tiny shapes (the tests do).
 
-    make gpu-check                                          # = command 1, then command 2
-    python3 benchmarks/gpu_check.py --command 1 --out $OUT  # on the lent machine: ~7 min
-    python3 benchmarks/gpu_check.py --command 2 --out $OUT  # ~7 min
+    make gpu-check                                          # = commands 1, 2 and 3, in order
+    python3 benchmarks/gpu_check.py --command 1 --out $OUT  # on the lent machine: at most 6.5 min
+    python3 benchmarks/gpu_check.py --command 2 --out $OUT  # at most 6.5 min
+    python3 benchmarks/gpu_check.py --command 3 --out $OUT  # a later session
     python benchmarks/gpu_check.py --gather RUN1 RUN2 --out benchmarks/results/gpu   # here, no GPU: one summary
-    python3 benchmarks/gpu_check.py --only layer-ckpt --budget-s 300 --out $OUT
     python benchmarks/gpu_check.py --list                   # the measurements and the training-step cases, no GPU
     python benchmarks/gpu_check.py --device cpu             # every part's code path on a CPU
 """
@@ -90,19 +90,18 @@ STEPS, WARMUP = 20, 3  # timed steps (median, p10, p90) after the warm-up ones, 
 COMPILED_LOSS_RTOL = 1e-3  # compiled vs eager, the loss after 3 training steps
 CHECK_STEPS = 3
 GEMM_OPS = ("mm", "addmm", "bmm", "baddbmm")
-COMMANDS = {1: ("layer", "throughput", "layer-sp"), 2: ("layer-13b", "kernels", "steps", "layer-ckpt")}
+COMMANDS = {1: ("layer", "layer-13b", "layer-sp"), 2: ("throughput", "kernels", "steps"), 3: ("layer-ckpt",)}
 PARTS = tuple(part for parts in COMMANDS.values() for part in parts)  # in order of value
 #: Seconds each part is predicted to take on an H200, the machine started (the module docstring's plan)
-PREDICTED_S = {"layer": 120, "throughput": 230, "layer-sp": 80, "layer-13b": 140, "kernels": 60, "steps": 110, "layer-ckpt": 160}
-COMMAND_BUDGET_S = 420
+PREDICTED_S = {"layer": 120, "layer-13b": 140, "layer-sp": 80, "throughput": 230, "kernels": 50, "steps": 75, "layer-ckpt": 160}
+COMMAND_BUDGET_S = 360  # two commands of at most COMMAND_BUDGET_S + GRACE_S and the machine's start fit 15 minutes
 MIN_PART_S = 30  # a part starts only with this much budget left
 GRACE_S = 30  # a part still running this long after the deadline is stopped
 OK, FAILED, INCOMPLETE = 0, 1, 3  # a part's exit status
 FILES = {"layer": "gpu_layer", "throughput": "gpu_throughput", "layer-sp": "gpu_layer_sp", "layer-13b": "gpu_layer_13b",
          "kernels": "gpu_kernels", "steps": "gpu_steps", "layer-ckpt": "gpu_layer_ckpt"}
 #: the training-step cases the ``steps`` part checks on a GPU by default (``--cases all``: every case)
-GPU_STEP_CASES = ("llama tp1", "svd tp1", "cola tp1", "lax tp1", "llama megatron", "llama megatron+sp", "cola vanilla",
-                  "cola btp", "cola btp+sp")
+GPU_STEP_CASES = ("llama tp1", "cola tp1", "llama megatron", "cola vanilla", "cola btp", "cola btp+sp")
 
 
 # ---------------------------------------------------------------------------------------------- reports
@@ -953,7 +952,7 @@ def write_summary(out: Path, rows: dict, device: str | None = None, note: str = 
 
 
 def gather(folders: list[Path], out: Path) -> None:
-    """One summary of several runs (a lent machine's two commands): each folder's parts and files into ``out``."""
+    """One summary of several runs (a lent machine's commands): each folder's parts and files into ``out``."""
     out.mkdir(parents=True, exist_ok=True)
     results = {}
     for folder in folders:
