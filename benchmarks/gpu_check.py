@@ -98,6 +98,7 @@ COMMAND_BUDGET_S = 360  # two commands of at most COMMAND_BUDGET_S + GRACE_S and
 MIN_PART_S = 30  # a part starts only with this much budget left
 GRACE_S = 30  # a part still running this long after the deadline is stopped
 OK, FAILED, INCOMPLETE = 0, 1, 3  # a part's exit status
+STOPPED = "stopped at the budget"  # a measurement's error when its process ran out of the part's time
 FILES = {"layer": "gpu_layer", "throughput": "gpu_throughput", "layer-sp": "gpu_layer_sp", "layer-13b": "gpu_layer_13b",
          "kernels": "gpu_kernels", "steps": "gpu_steps", "layer-ckpt": "gpu_layer_ckpt"}
 #: the training-step cases the ``steps`` part checks on a GPU by default (``--cases all``: every case)
@@ -435,7 +436,7 @@ def run_measurement(spec: Measurement, device: str, deadline: float, modes=("eag
         completed = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True,
                                    timeout=max(deadline - time.time(), 1))
     except subprocess.TimeoutExpired:
-        return {"eager": {"error": "stopped at the budget"}, "compiled": {"error": "stopped at the budget"}}
+        return {mode: {"error": STOPPED} for mode in modes}
     lines = [line for line in completed.stdout.splitlines() if line.startswith("RESULT ")]
     if not lines:
         tail = (completed.stderr.strip().splitlines() or ["(no output)"])[-1][:200]
@@ -553,7 +554,9 @@ def part_measurements(part: str, args, deadline: float) -> int:
         started = time.time()
         results[spec.name] = run_measurement(spec, args.device, deadline + GRACE_S / 2, args.modes)
         last = time.time() - started
-        failed |= any("error" in results[spec.name].get(mode, {"error": 1}) for mode in args.modes)
+        errors = [results[spec.name].get(mode, {"error": "not run"}).get("error") for mode in args.modes]
+        complete &= STOPPED not in errors
+        failed |= any(error not in (None, STOPPED) for error in errors)
         print(f"{part}: {spec.name}: {json.dumps({m: results[spec.name].get(m, {}).get('step_ms', results[spec.name].get(m)) for m in ('eager', 'compiled')})[:300]}", flush=True)
         report.write(body(), f"{len(results)} of {len(specs)} measured")
         save_results(args.out, part, {name: {"spec": s.__dict__, **results[name]} for s in specs for name in [s.name] if name in results})
