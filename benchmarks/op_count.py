@@ -10,9 +10,9 @@ reductions, copies, casts, boost-hf's fused custom ops: each one generated kerne
 
 The 7B presets (megatron on the full-rank LLaMA-7B, the others on CoLA-7B: the same shape, r = d/4; svd-7b and lax-7b
 for the other bottlenecks), TP 4, in both precisions: bf16 parameters without autocast (the default policy) and bf16
-autocast over fp32 parameters. ``before`` is this same count at c1963a7, before the BTP path was made leaner (batched B
-GEMMs, the norm statistics and gamma's gradient in one op each, RoPE of q and k in one pass, gradients written into one
-buffer, one fused latent kernel each way).
+autocast over fp32 parameters. ``before`` is this same count at c1963a7, before the BTP path was made leaner (q and k's
+B's, and gate and up's, as one batched GEMM each, the norm statistics and gamma's gradient in one op each, RoPE of q and
+k in one pass, gradients written into one buffer, one fused latent kernel each way).
 
     python benchmarks/op_count.py            # -> benchmarks/results/op_count.md (~1 min, no GPU)
 """

@@ -280,14 +280,15 @@ class _SplitLatent(torch.autograd.Function):
         return ctx.slots.gathered(grads), None, None
 
 
-def split_latent(latent: torch.Tensor, count: int) -> tuple[torch.Tensor, ...]:
-    """``count`` equal slices (views) of ``latent``'s last dim, one per projection of a group. Fed to
-    :func:`latent_linear`, their gradients are written into one buffer in place (no ``cat`` in backward)."""
+def split_latent(latent: torch.Tensor, count: int, widths: list[int] | None = None) -> tuple[torch.Tensor, ...]:
+    """``count`` equal slices (views) of ``latent``'s last dim, one per projection of a group (or slices of ``widths``).
+    Fed to :func:`latent_linear` or :func:`batched_latent_linear`, their gradients are written into one buffer in place
+    (no ``cat`` in backward)."""
     if count == 1:
         return (latent,)
+    widths = widths or [latent.shape[-1] // count] * count
     if torch.compiler.is_compiling():
-        return latent.chunk(count, dim=-1)
-    widths = [latent.shape[-1] // count] * count
+        return latent.split(widths, dim=-1)
     slots = _GradientSlots(latent.shape, latent.dtype, latent.device, widths, -1)
     return _tag_slots(_SplitLatent.apply(latent, widths, slots), slots)
 
@@ -444,18 +445,18 @@ def stacked_slot(tensor: torch.Tensor) -> tuple[StackedGradients, int] | None:
 
 
 class _BatchedLatentLinear(torch.autograd.Function):
-    """``(latent [..., k r], gradients, weight_slots, *weights [w, r]) -> k outputs [..., w]``; see
+    """``(latent [..., k r], gradients, latent_slot, weight_slots, *weights [w, r]) -> k outputs [..., w]``; see
     :func:`batched_latent_linear`."""
 
     @staticmethod
-    def forward(ctx, latent, gradients, weight_slots, *weights):
+    def forward(ctx, latent, gradients, latent_slot, weight_slots, *weights):
         count, (width, rank), dtype = len(weights), weights[0].shape, weights[0].dtype
         with torch.autocast(latent.device.type, enabled=False):
             x = latent if latent.dtype == dtype else latent.to(dtype)
             stacked = _stack(weights, dtype).view(count, width, rank)
             out = torch.bmm(x.reshape(-1, count, rank).transpose(0, 1), stacked.transpose(1, 2))  # [k, N, w]
         ctx.save_for_backward(x, *weights)
-        ctx.gradients, ctx.weight_slots, ctx.latent_dtype = gradients, weight_slots, latent.dtype
+        ctx.gradients, ctx.slots, ctx.latent_dtype = gradients, (latent_slot, weight_slots), latent.dtype
         return out.view(count, *latent.shape[:-1], width).unbind(0)
 
     @staticmethod
@@ -465,23 +466,26 @@ class _BatchedLatentLinear(torch.autograd.Function):
         with torch.autocast(x.device.type, enabled=False):
             grad_out = ctx.gradients.gathered(grads).view(count, -1, width)
             latents = x.reshape(-1, count, rank).transpose(0, 1)  # [k, N, r]
+            latent_slot, slots = ctx.slots
             grad_latent = grad_weights = None
             if ctx.needs_input_grad[0]:
                 stacked = _stack(weights, x.dtype).view(count, width, rank)
-                grad_latent = torch.empty_like(x, memory_format=torch.contiguous_format)
+                if latent_slot is not None and ctx.latent_dtype == x.dtype:  # its columns of split_latent's buffer
+                    grad_latent = latent_slot[0].slot(latent_slot[1])
+                else:
+                    grad_latent = torch.empty_like(x, memory_format=torch.contiguous_format)
                 torch.bmm(grad_out, stacked, out=grad_latent.view(-1, count, rank).transpose(0, 1))
                 if grad_latent.dtype != ctx.latent_dtype:
                     grad_latent = grad_latent.to(ctx.latent_dtype)
-            if any(ctx.needs_input_grad[3:]):
-                slots = ctx.weight_slots
-                if slots is not None:  # the rows of weight_views' gradient buffer, cast back by it in one op
+            if any(ctx.needs_input_grad[4:]):
+                if slots is not None:  # the first rows of weight_views' gradient buffer, cast back by it in one op
                     slots.slot(0)
-                    buffer = slots.buffer.view(count, width, rank)
+                    buffer = slots.buffer.narrow(0, 0, count * width).view(count, width, rank)
                 else:
                     buffer = weights[0].new_empty((count, width, rank))
                 torch.bmm(grad_out.transpose(1, 2), latents, out=buffer)
                 grad_weights = [slots.slot(i) for i in range(count)] if slots is not None else list(buffer.unbind(0))
-        return (grad_latent, None, None, *(grad_weights or [None] * count))
+        return (grad_latent, None, None, None, *(grad_weights or [None] * count))
 
 
 def _shared_weight_slots(weights) -> _GradientSlots | None:
@@ -497,16 +501,19 @@ def batched_latent_linear(latent: torch.Tensor, weights) -> tuple[torch.Tensor, 
     width: ``latent [..., k r]``, ``weights``: ``k`` tensors ``[w, r]`` in the compute dtype (pass
     :func:`weight_views`) -> ``k`` outputs ``latent_i @ W_i^T: [..., w]``, as **one** batched GEMM (``bmm`` over the
     ``[k, N, r]`` view of the latent and the ``[k, w, r]`` view of the weights: no copy of either). The outputs are the
-    blocks of one ``[k, ..., w]`` tensor; each is tagged (:func:`stacked_slot`) with the block of one gradient buffer
-    its consumer may write its gradient into, so that backward is one batched GEMM for the latent's gradient (written
-    into a fresh ``[..., k r]`` tensor) and one for the weights' (into :func:`weight_views`' buffer) with nothing
-    stacked. Under ``torch.compile``: ``F.linear`` per block (plain ops; inductor fuses)."""
+    blocks of one ``[k, ..., w]`` tensor (whatever keeps one for backward keeps them all: give this GEMM the outputs that
+    are consumed, not kept); each is tagged (:func:`stacked_slot`) with the block of one gradient buffer its consumer may
+    write its gradient into, so that backward is one batched GEMM for the latent's gradient (into its columns of
+    :func:`split_latent`'s buffer when the latent is one of its slices, else a fresh ``[..., k r]`` tensor) and one for
+    the weights' (into the first rows of :func:`weight_views`' buffer) with nothing stacked. Under ``torch.compile``:
+    ``F.linear`` per block (plain ops; inductor fuses)."""
     weights = tuple(weights)
     count, (width, rank) = len(weights), weights[0].shape
     if torch.compiler.is_compiling():
         return tuple(torch.nn.functional.linear(x, w) for x, w in zip(latent.split(rank, dim=-1), weights))
     gradients = StackedGradients(count, (*latent.shape[:-1], width), weights[0].dtype, latent.device)
-    outputs = _BatchedLatentLinear.apply(latent, gradients, _shared_weight_slots(weights), *weights)
+    outputs = _BatchedLatentLinear.apply(latent, gradients, getattr(latent, "_gradient_slot", None), _shared_weight_slots(weights),
+                                         *weights)
     for i, output in enumerate(outputs):
         output._stacked_slot = (gradients, i)
     return outputs

@@ -1,12 +1,12 @@
 """The ops each layout's decoder layer dispatches per training step (forward + backward, one TP 4 rank; eager mode
 launches one kernel or one collective per op), counted by ``count_rank_layer_dispatches`` at the 7B presets
 (``benchmarks/op_count.py`` writes the table): none grows above what was counted when the BTP path was made leaner
-(upper bounds: a change that lowers a count lowers its bound with it), BTP runs one GEMM per projection group forward,
-and BTP dispatches no more than vanilla on the same low-rank model, nor than 1.45x megatron's full-rank layer of the
-same shape. Issue 43's target, BTP within megatron's + 25 %, is not met (the last test, expected to fail): BTP's layer
-has twice megatron's GEMMs (an A and a B per projection group), twice its collectives, CoLA's latent activation on
-two more latents and the online norm's statistics and gamma fold, each at least one op; what remains above the target
-is listed in docs/performance.md.
+(upper bounds: a change that lowers a count lowers its bound with it), BTP runs its projection groups as 9 GEMMs
+forward, and BTP dispatches no more than vanilla on the same low-rank model, nor than 1.5x megatron's full-rank layer
+of the same shape. Issue 43's target, BTP within megatron's + 25 %, is not met (the last test, expected to fail): BTP's
+layer has more than twice megatron's GEMMs (an A and a B per projection group), twice its collectives, CoLA's latent
+activation on two more latents and the online norm's statistics and gamma fold, each at least one op; what remains
+above the target is listed in docs/performance.md.
 """
 
 from __future__ import annotations
@@ -35,10 +35,10 @@ BOUNDS = {
     ("llama megatron", "bf16-params"): 48, ("llama megatron", "autocast"): 62,
     ("llama megatron+sp", "bf16-params"): 56, ("llama megatron+sp", "autocast"): 70,
     ("cola vanilla", "bf16-params"): 79, ("cola vanilla", "autocast"): 101,
-    ("cola btp", "bf16-params"): 69, ("cola btp", "autocast"): 85,
-    ("cola btp+sp", "bf16-params"): 77, ("cola btp+sp", "autocast"): 93,
-    ("svd btp", "bf16-params"): 67, ("svd btp", "autocast"): 83,
-    ("cola btp lowrank", "bf16-params"): 94, ("cola btp lowrank", "autocast"): 115,
+    ("cola btp", "bf16-params"): 71, ("cola btp", "autocast"): 87,
+    ("cola btp+sp", "bf16-params"): 79, ("cola btp+sp", "autocast"): 95,
+    ("svd btp", "bf16-params"): 69, ("svd btp", "autocast"): 85,
+    ("cola btp lowrank", "bf16-params"): 97, ("cola btp lowrank", "autocast"): 118,
 }
 
 
@@ -56,24 +56,25 @@ def test_ops_not_above_recorded(counted, case):
 
 
 @pytest.mark.parametrize("precision", PRECISIONS)
-def test_btp_runs_one_gemm_per_projection_group(counted, precision):
-    """Forward: the 4 A GEMMs (q/k/v and gate/up grouped) and 4 B GEMMs (q/k/v and gate/up batched); backward two
+def test_btp_runs_its_projection_groups_as_few_gemms(counted, precision):
+    """Forward: the 4 A GEMMs (q/k/v and gate/up grouped) and 5 B GEMMs (q and k batched, v alone, as attention keeps v
+    for backward and a block of a batched output would keep all of it; gate and up batched; o; down); backward two
     each; no concatenation or stacking anywhere in the layer."""
     total = counted["cola btp", precision]
-    assert total["forward"]["gemm"] == 8 and total["backward"]["gemm"] == 16
+    assert total["forward"]["gemm"] == 9 and total["backward"]["gemm"] == 18
     assert not any(op in ("other/cat", "other/stack") for op in total["total"]["by_op"])
 
 
 @pytest.mark.parametrize("precision", PRECISIONS)
-def test_btp_dispatches_no_more_than_vanilla_on_the_same_model_nor_than_megatron_plus_45_percent(counted, precision):
+def test_btp_dispatches_no_more_than_vanilla_on_the_same_model_nor_than_megatron_plus_50_percent(counted, precision):
     btp = counted["cola btp", precision]["total"]["launches"]
     assert btp <= counted["cola vanilla", precision]["total"]["launches"]
-    assert btp <= 1.45 * counted["llama megatron", precision]["total"]["launches"]
-    assert counted["cola btp+sp", precision]["total"]["launches"] <= 1.45 * counted["llama megatron+sp", precision]["total"]["launches"]
+    assert btp <= 1.5 * counted["llama megatron", precision]["total"]["launches"]
+    assert counted["cola btp+sp", precision]["total"]["launches"] <= 1.5 * counted["llama megatron+sp", precision]["total"]["launches"]
 
 
-@pytest.mark.xfail(strict=True, reason="issue 43's target, not met: BTP 69 vs megatron 48 ops with bf16 parameters (1.44x), "
-                                       "85 vs 62 under autocast (1.37x); see the module docstring")
+@pytest.mark.xfail(strict=True, reason="issue 43's target, not met: BTP 71 vs megatron 48 ops with bf16 parameters (1.48x), "
+                                       "87 vs 62 under autocast (1.40x); see the module docstring")
 @pytest.mark.parametrize("precision", PRECISIONS)
 def test_btp_within_megatron_plus_25_percent(counted, precision):
     assert counted["cola btp", precision]["total"]["launches"] <= 1.25 * counted["llama megatron", precision]["total"]["launches"]

@@ -141,17 +141,29 @@ class BottleneckAwareGroup(ProjectionGroup):
 
     def _project_latent(self, projections, latent):
         """Each projection's B on its ``r`` columns of ``latent [..., k r]`` (the latents the B's read, side by side).
-        A group that runs together (:meth:`runs_together`) whose B's have one output width runs them as one batched
-        GEMM (:func:`~boost_hf.parallel.fused.batched_latent_linear`), each projection then called as a module with its
-        output (``fused``: it adds its bias); else each projection on its view of the latent
+        In a group that runs together (:meth:`runs_together`), the leading projections whose outputs nothing keeps for
+        backward (:data:`BATCHED`: q and k, which RoPE consumes; gate and up, kept together by the gated product; not v,
+        which attention keeps: a block of a batched output keeps all of it) and whose B's have one output width run as
+        one batched GEMM (:func:`~boost_hf.parallel.fused.batched_latent_linear`), each then called as a module with its
+        output (``fused``: it adds its bias); the others (and every other group) each on its view of the latent
         (:func:`~boost_hf.parallel.fused.split_latent`, :meth:`call_projections`)."""
         k = len(projections)
-        if not self.runs_together(projections, BottleneckAwareProjection) or len({p.B.shape[0] for p in projections}) > 1:
+        batched = BATCHED.get(self.names, 0)
+        if (batched < 2 or not self.runs_together(projections, BottleneckAwareProjection)
+                or len({p.B.shape[0] for p in projections[:batched]}) > 1):
             return self.call_projections(projections, split_latent(latent, k), BottleneckAwareProjection)
+        rank = latent.shape[-1] // k
         weights = weight_views([projection.B for projection in projections], compute_dtype(latent))
-        outputs = batched_latent_linear(latent, weights)
-        inputs = latent.split(latent.shape[-1] // k, dim=-1)
-        return [projection(x, fused=out) for projection, x, out in zip(projections, inputs, outputs)]
+        parts = split_latent(latent, 2, [batched * rank, (k - batched) * rank]) if batched < k else (latent,)
+        outputs = batched_latent_linear(parts[0], weights[:batched])
+        inputs = parts[0].split(rank, dim=-1)
+        called = [projection(x, fused=out) for projection, x, out in zip(projections, inputs, outputs)]
+        rest = split_latent(parts[1], k - batched) if batched < k else ()
+        return called + [projection(x, weight=w) for projection, x, w in zip(projections[batched:], rest, weights[batched:])]
+
+
+#: projection group -> how many of its leading projections run as one batched B GEMM (see ``_project_latent``)
+BATCHED = {GROUPS["qkv"]: 2, GROUPS["gate_up"]: 2}
 
 
 class BottleneckAwareLayout(Layout):
