@@ -92,8 +92,8 @@ class BottleneckAwareGroup(ProjectionGroup):
     and the buffer gains the norm statistics (:mod:`boost_hf.parallel.fused`); ``reduce``: all-reduce it
     in place; ``project``: scale by the global ``1/rms`` (online), latent functions (grouped, SiLU or none: both in
     one kernel each way, :mod:`boost_hf.parallel.latent_op`), copy into the TP region (one collective in backward
-    when grouped) and the B's (grouped: one batched GEMM forward and two backward when their output widths agree,
-    :func:`~boost_hf.parallel.fused.batched_latent_linear`). ``sequence_parallel`` (latent sequence
+    when grouped) and the B's (grouped: q's and k's, and gate's and up's, as one batched GEMM each when their output
+    widths agree, :func:`~boost_hf.parallel.fused.batched_latent_linear`; v's apart). ``sequence_parallel`` (latent sequence
     parallelism): ``reduce`` reduce-scatters over tokens (``[B, S/p, k r (+ statistics)]``), ``project`` runs
     the latent functions on those tokens and all-gathers the latents instead of the copy."""
 
