@@ -26,7 +26,7 @@ from ..precision_config import precision_training_fields
 from ..optim.loro import EPSILON_PLACEMENTS, LOWRANK_OPTIMIZERS
 from ..optim.loro_schedule import authors_schedule_shift, check_authors_schedule
 from .stack import check_training_stack
-from .compatibility import check_deepspeed_sources, check_settings, settings_from_accelerate
+from .compatibility import check_deepspeed_sources, check_settings, resolve_torch_compile, settings_from_accelerate
 from .health import NONFINITE_POLICIES
 from .preemption import DEFAULT_EXIT_SIGNALS, parse_exit_signals
 from .precision import PrecisionPolicy, resolve_precision
@@ -137,6 +137,11 @@ class BoostTrainingArguments(LayoutArguments, PrecisionArguments, DataParallelAr
     Args:
         peak_tflops: dense peak TFLOP/s of one device, the denominator of MFU (default: the GPU preset of
             :mod:`boost_hf.perf.hardware`, or a rough CPU guess).
+        torch_compile: compile each decoder layer and the loss (``torch.compile``, per part:
+            :func:`~boost_hf.parallel.compile.compile_model`). Unset (``None``, the default): ``True`` on a CUDA device,
+            ``False`` on the CPU (:func:`~boost_hf.training.compatibility.resolve_torch_compile`; after it the field is a
+            ``bool`` and ``torch_compile_explicit`` says whether a flag, a recipe or accelerate's ``dynamo_backend`` set
+            it). ``--torch_compile false``: eager.
         sample_prompt / sample_max_new_tokens: the greedy sample printed at the end of training.
         nonfinite: what a non-finite loss or gradient norm does: ``"stop"`` (default, an error naming the step)
             or ``"skip_step"`` (the update is not applied; counted in the logs). See :mod:`boost_hf.training.health`.
@@ -259,8 +264,9 @@ class BoostTrainingArguments(LayoutArguments, PrecisionArguments, DataParallelAr
         "help": "fp16 autocast. Unset: the accelerate config's mixed_precision, else false; given both, they must agree.",
         "nargs": "?", "const": True})
     torch_compile: bool | None = field(default=None, metadata={
-        "help": "Compile each decoder layer (--torch_compile_backend, --torch_compile_mode). Unset: the accelerate "
-                "config's dynamo_backend, else false; given both, they must agree.", "nargs": "?", "const": True})
+        "help": "Compile each decoder layer and the loss (--torch_compile_backend, --torch_compile_mode). Unset: the "
+                "accelerate config's dynamo_backend, else compiled on a CUDA device and eager on the CPU; false: eager; "
+                "given both, they must agree.", "nargs": "?", "const": True})
 
     # CoLA recipe defaults (BOOST.md section 1)
     weight_decay: float = 0.01
@@ -280,7 +286,9 @@ class BoostTrainingArguments(LayoutArguments, PrecisionArguments, DataParallelAr
                 self.ddp_backend = self.ddp_backend or "gloo"
         check_lowrank_optimizer(self)
         settings_from_accelerate(self)  # one source per setting: flags, recipe, accelerate config, environment
+        self.torch_compile_explicit = self.torch_compile is not None  # a flag, a recipe or accelerate's dynamo backend set it
         check_settings(self)  # whatever set them
+        resolve_torch_compile(self)  # unset: compiled on a CUDA device, eager on the CPU
         if self.hang_timeout_s < 0:
             raise ValueError(f"hang_timeout_s must be >= 0 (0 disables the watchdog), got {self.hang_timeout_s}.")
         if self.startup_timeout_s is not None and not self.startup_timeout_s > 0:

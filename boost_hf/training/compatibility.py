@@ -72,6 +72,8 @@ import logging
 import os
 from dataclasses import fields
 
+import torch
+
 from ..data_parallel_config import DataParallelConfig
 from ..parallel.config import ParallelConfig
 from ..optim.loro import LORO_WITHOUT_DEEPSPEED
@@ -389,8 +391,8 @@ TRAINER_SWITCHES = ("activation_checkpointing", "gradient_checkpointing")  # fro
 UNSET_DEFAULTS = {
     **{f.name: f.default for f in fields(DataParallelConfig)},
     "activation_checkpointing_mode": next(f.default for f in fields(ParallelConfig) if f.name == "activation_checkpointing"),
-    "bf16": False, "fp16": False, "torch_compile": False,
-}
+    "bf16": False, "fp16": False,
+}  # torch_compile, unset, is decided by the device (resolve_torch_compile)
 
 
 def activation_checkpointing_from_trainer_switch(args, origins: dict[str, str]) -> None:
@@ -438,6 +440,15 @@ def precision_and_compile_from_accelerate(args, origins: dict[str, str]) -> None
     if mode and mode != "default":
         settle(args, "torch_compile_mode", mode, f"the accelerate config's dynamo_mode: {mode} (ACCELERATE_DYNAMO_MODE)",
                origins)
+
+
+def resolve_torch_compile(args) -> None:
+    """``--torch_compile`` left unset by every source (``None``) becomes ``True`` on a CUDA device (each decoder layer
+    and the loss compiled: the readings in docs/performance.md put eager at a third of compiled's throughput there) and
+    ``False`` on the CPU (a CPU run is short, and compiling costs more than it saves). An explicit ``true`` or
+    ``false`` stays. No collective."""
+    if args.torch_compile is None:
+        args.torch_compile = torch.cuda.is_available() and not args.use_cpu
 
 
 def settings_from_accelerate(args) -> None:
@@ -546,6 +557,7 @@ __all__ = [
     "fully_shard_from_fsdp_settings",
     "layout_from_parallelism_config",
     "precision_and_compile_from_accelerate",
+    "resolve_torch_compile",
     "settings_from_accelerate",
     "settle",
     "unsupported_parallelism",

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field, fields
 from types import SimpleNamespace
 
 import pytest
+import torch
 import yaml
 
 from boost_hf.training import BoostTrainingArguments, parse_recipe
@@ -294,6 +295,33 @@ def test_what_the_accelerate_config_sets_and_boost_hf_honours_reaches_the_argume
     with pytest.raises(ValueError, match=r"sets torch_compile_backend='inductor' but the flag or the recipe sets "
                                          r"torch_compile_backend='eager'"):  # no longer the flag winning silently
         BoostTrainingArguments(output_dir=str(tmp_path / "out"), torch_compile=True, torch_compile_backend="eager")
+    # an explicit false is a value too, not "unset" (before, false was the field's default: accelerate's dynamo_backend
+    # turned compilation on over --torch_compile false)
+    with pytest.raises(ValueError, match=r"torch_compile"):
+        BoostTrainingArguments(output_dir=str(tmp_path / "out"), torch_compile=False)
+
+
+def test_torch_compile_unset_compiles_on_cuda_only(tmp_path, clean_environment, monkeypatch):
+    """``--torch_compile`` unset: eager on the CPU (this machine), compiled where CUDA is there (resolved on the same
+    arguments with CUDA reported available); ``false`` stays false and ``true`` true either way; the recipes and the
+    CLI parse ``--torch_compile false``, ``true`` and a bare ``--torch_compile``."""
+    from types import SimpleNamespace
+
+    from boost_hf.training.compatibility import resolve_torch_compile
+    from boost_hf.training.recipe import parse_recipe
+
+    args = BoostTrainingArguments(output_dir=str(tmp_path / "out"))
+    assert args.torch_compile is False and not args.torch_compile_explicit
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for given, expected in ((None, True), (False, False), (True, True)):
+        on_gpu = SimpleNamespace(torch_compile=given, use_cpu=False)
+        resolve_torch_compile(on_gpu)
+        assert on_gpu.torch_compile is expected
+    monkeypatch.undo()
+    for extra, expected in (([], False), (["--torch_compile", "false"], False), (["--torch_compile", "true"], True),
+                            (["--torch_compile"], True)):
+        *_, parsed = parse_recipe([str(DEMO_RECIPE), "--output_dir", str(tmp_path / "recipe"), "--tp_size", "1", *extra])
+        assert parsed.torch_compile is expected and parsed.torch_compile_explicit == bool(extra), extra
 
 
 def parallelism_arguments(feature: str, route: str, settings: dict, tmp_path, monkeypatch) -> BoostTrainingArguments:
