@@ -37,13 +37,16 @@ SHARDS_FOLDER = ".shards"
 
 
 def single_device_skeleton_of(config) -> nn.Module:
-    """The single-device model of ``config`` on the meta device (names, shapes, tied weights; no memory)."""
+    """The single-device model of ``config`` on the meta device (names, shapes, tied weights; no memory). Its weights
+    are tied here: ``no_init_weights`` skips transformers' ``init_weights``, which is where they are tied."""
     from transformers.initialization import no_init_weights
 
     from ..modeling_boost_llama import BoostLlamaForCausalLM
 
     with torch.device("meta"), no_init_weights():
-        return BoostLlamaForCausalLM(config)
+        skeleton = BoostLlamaForCausalLM(config)
+    skeleton.tie_weights()
+    return skeleton
 
 
 def weight_files_plan(config, saved: dict[str, tuple], max_shard_size: int | str):

@@ -160,7 +160,9 @@ class BottleneckAwareLayout(Layout):
         if config.tie_word_embeddings and p > 1:
             raise ValueError(
                 "tie_word_embeddings=True cannot be combined with tp_style='btp' at tp_size > 1 (the embedding is "
-                "split along d, the LM head along the vocabulary): set tie_word_embeddings=False."
+                "split along d, the LM head along the vocabulary: one matrix cannot be both): set "
+                "tie_word_embeddings=False, or tp_style='vanilla' (both split along the vocabulary), or tp_size=1 "
+                "(data parallelism only: DDP, ZeRO-1, FSDP2, DeepSpeed)."
             )
         super().check(config)
         if config.bottleneck == "tt" and p > 1:
