@@ -42,6 +42,7 @@ from .weights_boost_llama import CheckedLoading, SeededInitialization
 logger = logging.get_logger(__name__)
 
 LATENT_NORM_EPS = 1e-6  # the LaX authors' latent LayerNorm
+LAX_GATE_PARAMETERS = {"dense": ("gate", "gate_bias"), "kronecker": ("gate_left", "gate_right")}  # per lax_gate
 IGNORE_INDEX = -100  # a label the loss skips (transformers' convention)
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -165,16 +166,22 @@ class BoostLlamaLaxLinear(BoostLlamaLowRankLinear):
         # the authors' first block has neither a crossing nor the latent LayerNorm
         self.latent_norm = nn.LayerNorm(rank, eps=LATENT_NORM_EPS) if latent_norm and crossing is not None else None
 
+    def crossing_parameters(self) -> tuple[torch.Tensor, ...]:
+        """The gate's parameters as :meth:`cross` reads them: ``(gate, gate_bias)`` (dense), ``(gate_left,
+        gate_right)`` (kronecker), ``()`` (identity, block 0)."""
+        return tuple(getattr(self, name) for name in LAX_GATE_PARAMETERS.get(self.crossing, ()))
+
     def cross(self, previous: torch.Tensor) -> torch.Tensor:
         """``G h_prev`` for ``h_prev: [..., r]``."""
         if self.crossing == "identity":
             return previous
         if self.crossing == "dense":
-            return F.linear(previous, self.gate, self.gate_bias)
-        a, b = self.gate_left.shape[0], self.gate_right.shape[0]
-        grid = previous.reshape(*previous.shape[:-1], a, b)
+            gate, gate_bias = self.crossing_parameters()
+            return F.linear(previous, gate, gate_bias)
+        left, right = self.crossing_parameters()
+        grid = previous.reshape(*previous.shape[:-1], left.shape[0], right.shape[0])
         # kron(L, R) vec(H) = vec(L H R^T) for a row-major H of shape [a, b]
-        return (self.gate_left @ grid @ self.gate_right.T).reshape(previous.shape)
+        return (left @ grid @ right.T).reshape(previous.shape)
 
     def crossed_latent(self, z: torch.Tensor, previous: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """``(h, h)``: the latent fed to ``B``, which is also the one handed on, from ``z = A x: [..., r]``:

@@ -8,7 +8,8 @@
   written by rank ``i mod world``, which reads that file's tensors from the DCP checkpoint (only their byte
   ranges) and holds at most that one file's tensors.
 * :func:`save_model_files`: everything ``save_pretrained`` writes besides the weights: ``config.json``
-  (``architectures``, ``dtype``, ``auto_map``), ``generation_config.json`` and the remote code.
+  (``architectures``, ``dtype``, ``auto_map``), ``generation_config.json`` and the remote code, of the model's own
+  class (:func:`own_class`: never FSDP2's, DDP's, compile's or DeepSpeed's wrapper).
 * :func:`save_sharded_pretrained`: ``save_pretrained`` of a parallel model: every rank writes its own shards (DCP,
   into a hidden ``.shards`` folder), the ranks export them, the folder is removed.
 """
@@ -36,13 +37,16 @@ SHARDS_FOLDER = ".shards"
 
 
 def single_device_skeleton_of(config) -> nn.Module:
-    """The single-device model of ``config`` on the meta device (names, shapes, tied weights; no memory)."""
+    """The single-device model of ``config`` on the meta device (names, shapes, tied weights; no memory). Its weights
+    are tied here: ``no_init_weights`` skips transformers' ``init_weights``, which is where they are tied."""
     from transformers.initialization import no_init_weights
 
     from ..modeling_boost_llama import BoostLlamaForCausalLM
 
     with torch.device("meta"), no_init_weights():
-        return BoostLlamaForCausalLM(config)
+        skeleton = BoostLlamaForCausalLM(config)
+    skeleton.tie_weights()
+    return skeleton
 
 
 def weight_files_plan(config, saved: dict[str, tuple], max_shard_size: int | str):
@@ -109,17 +113,38 @@ def export_weights(dcp_folder: str, output_dir: str, config, *, max_shard_size: 
     return written
 
 
+def unwrapped(model: nn.Module) -> nn.Module:
+    """``model`` out of its containers (DDP, DeepSpeed's engine, ``torch.compile``'s ``OptimizedModule``: accelerate's
+    ``extract_model_from_parallel``)."""
+    from accelerate.utils import extract_model_from_parallel
+
+    return extract_model_from_parallel(model, keep_torch_compile=False)
+
+
+def own_class(model: nn.Module) -> type:
+    """The class ``model`` was defined as, whatever wraps it: the first class of the MRO of :func:`unwrapped`'s
+    ``model`` that torch did not make (FSDP2's ``fully_shard`` swaps the module's class, in place, for
+    ``FSDP<Class>``, made in torch, in front of its own). A tensor-parallel class keeps the name and module of the
+    class it adopts (:func:`~boost_hf.parallel.parallelize.parallelize`), so it names the single-device model."""
+    return next(c for c in type(unwrapped(model)).__mro__ if not c.__module__.startswith("torch."))
+
+
 def save_model_files(model: nn.Module, output_dir: str, dtype: torch.dtype | None = None) -> None:
     """What ``PreTrainedModel.save_pretrained`` writes besides the weights, as it writes it: ``config.json`` (with
     ``architectures``, ``dtype`` and the ``auto_map`` of the remote code), ``generation_config.json`` and the remote
-    code files (``modeling_boost_llama.py``, the siblings it imports, ``configuration_boost_llama.py``). One process."""
+    code files (``modeling_boost_llama.py``, the siblings it imports, ``configuration_boost_llama.py``), each naming
+    the model's own class (:func:`own_class`), never a wrapper's. One process."""
     from transformers.dynamic_module_utils import custom_object_save
 
+    model = unwrapped(model)
+    cls = own_class(model)
     config = model.config
     config.dtype = str(dtype if dtype is not None else model.dtype).split(".")[1]
-    config.architectures = [type(model).__name__]
-    if model.is_remote_code():
-        custom_object_save(model, output_dir, config=config)
+    config.architectures = [cls.__name__]
+    if cls.is_remote_code():
+        # custom_object_save reads only the class of what it is given (its name, module and auto class): an instance
+        # of the model's own class made without __init__, which holds nothing
+        custom_object_save(cls.__new__(cls), output_dir, config=config)
     config.save_pretrained(output_dir)
     if model.can_generate():
         model.generation_config.save_pretrained(output_dir)
@@ -159,7 +184,9 @@ __all__ = [
     "DEFAULT_MAX_SHARD_SIZE",
     "SHARDS_FOLDER",
     "export_weights",
+    "own_class",
     "save_model_files",
+    "unwrapped",
     "save_sharded_pretrained",
     "single_device_skeleton_of",
     "weight_files_plan",

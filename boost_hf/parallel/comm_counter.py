@@ -10,12 +10,54 @@ training step) gives the measured volume that the tests, benchmarks and metrics 
 
 from __future__ import annotations
 
+import weakref
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 _ACTIVE: list["CommCounter"] = []
+
+
+@dataclass(eq=False)
+class _Source:
+    """Collectives of ``owner`` (held weakly) over ``groups`` that report only while ``install(owner)`` is in effect;
+    it returns what undoes it (``uninstall``, set while installed)."""
+
+    owner: weakref.ref
+    groups: tuple
+    install: Callable[[object], Callable[[], None]]
+    uninstall: Callable[[], None] | None = None
+
+
+_SOURCES: list[_Source] = []
+
+
+def report_while_counted(owner, groups, install: Callable[[object], Callable[[], None]]) -> None:
+    """Register collectives of ``owner`` over ``groups`` that need ``install(owner)`` to report to the counters
+    (:func:`record_collective`): installed when a counter of any of ``groups`` (or of every group) becomes active,
+    undone (by what ``install`` returned) when the last one exits; forgotten with ``owner``."""
+    _SOURCES.append(_Source(weakref.ref(owner), tuple(groups), install))
+
+
+def _counts(counter: "CommCounter", source: _Source) -> bool:
+    return not counter.groups or any(g is h for g in counter.groups for h in source.groups)
+
+
+def _update_sources() -> None:
+    """Install the sources some active counter counts, undo the others'; forget those whose owner is gone."""
+    for source in list(_SOURCES):
+        owner = source.owner()
+        if owner is None:
+            _SOURCES.remove(source)
+            continue
+        wanted = any(_counts(counter, source) for counter in _ACTIVE)
+        if wanted and source.uninstall is None:
+            source.uninstall = source.install(owner)
+        elif not wanted and source.uninstall is not None:
+            source.uninstall()
+            source.uninstall = None
 
 
 @dataclass
@@ -45,10 +87,12 @@ class CommCounter:
 
     def __enter__(self) -> "CommCounter":
         _ACTIVE.append(self)
+        _update_sources()
         return self
 
     def __exit__(self, *exc) -> None:
         _ACTIVE.remove(self)
+        _update_sources()
 
     @property
     def calls(self) -> int:
@@ -110,4 +154,4 @@ def record_collective(kind: str, tensor: torch.Tensor, group=None) -> None:
         record.bytes += nbytes
 
 
-__all__ = ["CommCounter", "CollectiveRecord", "counts_difference", "count_training_step", "record_collective"]
+__all__ = ["CommCounter", "CollectiveRecord", "counts_difference", "count_training_step", "record_collective", "report_while_counted"]

@@ -12,7 +12,7 @@ holds). Per unit of ``P`` local elements on ``S`` shard ranks (``P`` with each t
 when it reshards after forward (:func:`reshards_after_forward`); a reduce-scatter of ``P`` gradient elements (in the
 reduce dtype) once per optimizer step; HSDP adds an all-reduce of ``P / S`` over the ``R`` replicas. The formula is
 :func:`~boost_hf.perf.comm_formula.fully_shard_communication`; the collectives are reported to
-:class:`~boost_hf.parallel.comm_counter.CommCounter` (:func:`count_collectives`).
+:class:`~boost_hf.parallel.comm_counter.CommCounter` while one counts the DP mesh's groups (:func:`count_collectives`).
 
 * **Precision**: ``MixedPrecisionPolicy(param_dtype, reduce_dtype)``: under ``bf16_params`` the sharded parameters
   are the fp32 masters, gathered in bf16, their gradients reduced in fp32 (``--grad_reduce_dtype``) and kept fp32;
@@ -33,12 +33,14 @@ reduce dtype) once per optimizer step; HSDP adds an all-reduce of ``P / S`` over
 from __future__ import annotations
 
 import contextlib
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from .comm_counter import record_collective
+from .comm_counter import record_collective, report_while_counted
 from .compile import decoder_layers
 
 ReshardPolicy = str  # "default" | "always" | "never" (DataParallelConfig.fsdp_reshard_after_forward)
@@ -147,13 +149,20 @@ def fully_sharded_units(part: nn.Module) -> list[nn.Module]:
 
 
 def count_collectives(part: nn.Module, mesh) -> None:
-    """Report every FSDP2 collective of ``part``'s units to :class:`~boost_hf.parallel.comm_counter.CommCounter`:
-    torch's own all-gather and reduce-scatter (``set_custom_all_gather`` / ``set_custom_reduce_scatter`` with the
-    default implementations, recorded first) and, under HSDP, the all-reduce across replicas (``set_all_reduce_hook``,
-    which sees its output). Where torch lacks these hooks nothing is counted."""
-    from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
+    """Report every FSDP2 collective of ``part``'s units to :class:`~boost_hf.parallel.comm_counter.CommCounter` while
+    a counter of the DP mesh's groups is active (:func:`~boost_hf.parallel.comm_counter.report_while_counted`; outside
+    one, torch's collectives run untouched): torch's own all-gather and reduce-scatter (``set_custom_all_gather`` /
+    ``set_custom_reduce_scatter`` with the default implementations, recorded first) and, under HSDP, the all-reduce
+    across replicas (``set_all_reduce_hook``, which sees its output). Where torch lacks these hooks nothing is counted."""
+    groups = tuple(mesh.get_group(d) for d in range(mesh.ndim))
+    if not all(hasattr(unit, "set_custom_all_gather") for unit in fully_sharded_units(part)):
+        return
+    report_while_counted(part, groups, functools.partial(_install_counted_collectives, replicate_group=groups[0] if mesh.ndim == 2 else None))
 
-    replicate_group = mesh.get_group(0) if mesh.ndim == 2 else None
+
+def _install_counted_collectives(part: nn.Module, replicate_group) -> Callable[[], None]:
+    """Make ``part``'s units report their collectives (:func:`count_collectives`); returns what restores torch's."""
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
 
     class CountedAllGather(DefaultAllGather):
         def __call__(self, output_tensor, input_tensor, group, async_op=False):
@@ -165,13 +174,21 @@ def count_collectives(part: nn.Module, mesh) -> None:
             record_collective("reduce_scatter", input_tensor, group)
             return super().__call__(output_tensor, input_tensor, group, op, async_op)
 
-    for unit in fully_sharded_units(part):
-        if not hasattr(unit, "set_custom_all_gather"):
-            return
+    units = fully_sharded_units(part)
+    for unit in units:
         unit.set_custom_all_gather(CountedAllGather())
         unit.set_custom_reduce_scatter(CountedReduceScatter())
         if replicate_group is not None:
             unit.set_all_reduce_hook(lambda reduced, group=replicate_group: record_collective("all_reduce", reduced, group))
+
+    def restore() -> None:
+        for unit in units:
+            unit.set_custom_all_gather(DefaultAllGather())
+            unit.set_custom_reduce_scatter(DefaultReduceScatter())
+            if replicate_group is not None:
+                unit.set_all_reduce_hook(None)
+
+    return restore
 
 
 def reshard(part: nn.Module) -> None:

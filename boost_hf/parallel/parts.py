@@ -78,16 +78,34 @@ class CalledUnder(nn.Module):
             return self.module(*args, **kwargs)
 
 
+def check_no_parameter_hooks(part: nn.Module, data_parallel: str) -> None:
+    """Raise ``RuntimeError`` naming the first parameter of ``part`` that carries a gradient hook (``register_hook``
+    or ``register_post_accumulate_grad_hook``) before ``data_parallel`` manages it: FSDP2 replaces every parameter, so
+    a hook on the original never fires, and a collective in a hook is outside the graph that compile and the
+    schedules see. A layout's reduction of a replicated parameter belongs in the forward, where the parameter is used
+    (:func:`~boost_hf.parallel.sequence_parallel.replicated_on_shard`)."""
+    for name, param in part.named_parameters():
+        hooks = [kind for kind in ("_backward_hooks", "_post_accumulate_grad_hooks") if getattr(param, kind, None)]
+        if hooks:
+            raise RuntimeError(
+                f"parameter {name} carries a gradient hook ({', '.join(hooks)}) when {data_parallel} is applied to it: "
+                f"{data_parallel} would lose it (FSDP2 replaces the parameter) or run it outside the graph. Reduce it in "
+                "the forward where it is used instead (boost_hf.parallel.sequence_parallel.replicated_on_shard)."
+            )
+
+
 def prepare_part(part: nn.Module, how: PartParallelism) -> nn.Module:
     """``part`` as its steps run it, in torchtitan's order: 1. tensor parallelism and 2. activation checkpointing (done
     when the model was built); 3. ``torch.compile`` of each decoder layer, in place, and of the loss
     (:func:`~boost_hf.parallel.compile.compile_model`); 4. ``how.context`` around each
     call; 5. data parallelism (``how.data_parallel``: DDP over the DP group, FSDP2 over it, in place, or nothing
-    here)."""
+    here), once no parameter carries a gradient hook (:func:`check_no_parameter_hooks`)."""
     if how.compile is not None:
         compile_model(part, **how.compile)
     if how.context is not None:
         part = CalledUnder(part, how.context)
+    if how.data_parallel in ("ddp", "fsdp2"):
+        check_no_parameter_hooks(part, how.data_parallel)
     if how.data_parallel == "ddp":
         if how.place is not None:
             part = how.place(part)
@@ -99,4 +117,4 @@ def prepare_part(part: nn.Module, how: PartParallelism) -> nn.Module:
     return part
 
 
-__all__ = ["CalledUnder", "DataParallelism", "PartParallelism", "data_parallelism", "prepare_part"]
+__all__ = ["CalledUnder", "DataParallelism", "PartParallelism", "check_no_parameter_hooks", "data_parallelism", "prepare_part"]

@@ -267,12 +267,6 @@ def split_tokens(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
     return x if group_size(group) == 1 else as_tokens(split_to_tp(token_rows(x), 0, group), x.shape[0])
 
 
-def all_reduce_gradient(grad: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
-    """``grad`` summed over ``group`` (a new tensor; no autograd): the gradient hook of a replicated parameter
-    that each rank applies to its own tokens only."""
-    return grad if group_size(group) == 1 else _all_reduce_(grad.contiguous().clone(), group)
-
-
 def all_reduce_sum_(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
     """All-reduce (sum), no autograd, in place in eager: inside autograd Functions that own their backward."""
     return x if group_size(group) == 1 else _all_reduce_(x, group)
@@ -298,7 +292,6 @@ __all__ = [
     "gather_tokens",
     "reduce_scatter_tokens",
     "split_tokens",
-    "all_reduce_gradient",
     "all_reduce_sum_",
     "all_reduce_max_",
     "start_all_gather_rows",

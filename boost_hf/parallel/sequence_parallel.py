@@ -17,24 +17,25 @@ the first layer keeps its token shard (backward: all-gather of the gradient); th
 shard, then all-gathers the tokens, so ``last_hidden_state`` is the full ``[B, S, d]`` and the
 vocab-parallel head (which then skips its own input copy) and loss are fed as without sequence parallelism.
 
-Replicated parameters that act on a token shard (the norms' ``weight``, row-parallel biases) see only this
-rank's tokens: their gradient is all-reduced in backward (:func:`~boost_hf.parallel.primitives.copy_to_tp`
-on the parameter), so every rank holds the single-device gradient.
+Replicated parameters that act on a token shard (the norms' ``weight``, row-parallel biases, LaX's gate and latent
+norm under BTP's latent sequence parallelism) see only this rank's tokens: each is read through
+:func:`replicated_on_shard` where it is used (:func:`~boost_hf.parallel.primitives.copy_to_tp`: identity forward,
+all-reduce of its gradient in backward), so every rank holds the single-device gradient. The reduction is part of the
+forward graph, never a hook on the parameter: FSDP2 replaces the parameters (a hook on the original never fires),
+``torch.compile`` and activation checkpointing see it like any other operation.
 """
 
 from __future__ import annotations
 
-from functools import partial
-
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from .fused import column_input_gradient, column_linear, column_outputs, column_slots, column_weight_gradients
-from .modules import shard_parameter
+from .modules import adopt
 from .norms import FusedRMSNorm
 from .primitives import (
-    all_reduce_gradient,
     as_tokens,
     copy_to_tp,
     gather_tokens,
@@ -79,14 +80,42 @@ class TokenGatheringRMSNorm(TokenShardedRMSNorm):
         return gather_tokens(super().forward(x), self.group)
 
 
-def reduce_gradients_over_tokens(module: nn.Module, names: list[str], plan) -> None:
-    """Parameters ``names`` of ``module`` (dotted, e.g. ``latent_norm.weight``), replicated, act on this rank's
-    tokens inside code that reads them as attributes (LaX's crossing under BTP's latent sequence parallelism):
-    each becomes a replicated shard whose gradient a hook all-reduces over the group in backward."""
-    for name in names:
-        prefix, _, leaf = name.rpartition(".")
-        param = shard_parameter(module.get_submodule(prefix), leaf, None, plan)
-        param.register_hook(partial(all_reduce_gradient, group=plan.group))
+class TokenShardedLatentCrossing:
+    """LaX's crossing on this rank's tokens (BTP's latent sequence parallelism; an adopted mixin of the LaX
+    projection): the gate's replicated parameters (``[r, r]`` and ``[r]``, or ``[a, a]`` and ``[b, b]``) are read
+    through :func:`replicated_on_shard` where the crossing uses them (identity forward; backward: one all-reduce of
+    each one's gradient over TP), so every rank holds the single-device gradient whatever stands for the parameter
+    when the forward runs (FSDP2's gathered tensor, compile's graph input)."""
+
+    group = None
+
+    def crossing_parameters(self) -> tuple[torch.Tensor, ...]:
+        return tuple(replicated_on_shard(param, self.group) for param in super().crossing_parameters())
+
+
+class TokenShardedLayerNorm:
+    """LaX's latent LayerNorm on this rank's tokens ``[B, S/p, r]`` (replicated ``weight``, ``bias``: ``[r]``),
+    both read through :func:`replicated_on_shard` (backward: one all-reduce of each one's gradient over TP)."""
+
+    group = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x, self.normalized_shape, replicated_on_shard(self.weight, self.group),
+                            replicated_on_shard(self.bias, self.group), self.eps)
+
+
+def cross_on_token_shard(projection: nn.Module, group) -> None:
+    """Make LaX ``projection``'s crossing run on this rank's tokens (:class:`TokenShardedLatentCrossing`, its latent
+    norm :class:`TokenShardedLayerNorm`). Raises ``TypeError`` for a LaX class that reads its gate other than through
+    ``crossing_parameters`` (the remote code of a folder saved before it had it): its gradients would miss the TP sum."""
+    if not hasattr(projection, "crossing_parameters"):
+        raise TypeError(
+            f"{type(projection).__name__} reads its LaX gate without crossing_parameters(), so its crossing cannot run on "
+            "a token shard: load the model with boost-hf's own class (without trust_remote_code), or sequence_parallel=False."
+        )
+    adopt(projection, TokenShardedLatentCrossing, group=group)
+    if projection.latent_norm is not None:
+        adopt(projection.latent_norm, TokenShardedLayerNorm, group=group)
 
 
 class _GatheredLinear(torch.autograd.Function):
@@ -164,4 +193,5 @@ def enter_token_shard(hidden_states: torch.Tensor, group) -> torch.Tensor:
     return split_tokens(hidden_states, group)
 
 
-__all__ = ["check_sequence_length", "gathered_linear", "replicated_on_shard", "reduce_gradients_over_tokens", "TokenShardedRMSNorm", "TokenGatheringRMSNorm", "enter_token_shard"]
+__all__ = ["check_sequence_length", "gathered_linear", "replicated_on_shard", "cross_on_token_shard", "TokenShardedLatentCrossing", "TokenShardedLayerNorm",
+           "TokenShardedRMSNorm", "TokenGatheringRMSNorm", "enter_token_shard"]

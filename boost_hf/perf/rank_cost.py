@@ -101,9 +101,8 @@ def _build(config, parallel):
 def build_fake_model(config, parallel, fake_mode, param_dtype: torch.dtype | None = None) -> nn.Module:
     """A ``BoostLlamaForCausalLM`` whose parameters and buffers are CPU fake tensors of ``fake_mode`` (a
     ``FakeTensorMode``), the parameters in ``param_dtype`` (``None``: as built, fp32; buffers keep theirs). Call it
-    outside fake mode: the model is first built on ``meta`` (see the module docstring). The parameters' gradient
-    hooks (e.g. the all-reduce of a replicated parameter that sees only this rank's tokens under sequence
-    parallelism) are registered on their fakes."""
+    outside fake mode: the model is first built on ``meta`` (see the module docstring). (No parameter carries a
+    gradient hook: the layouts reduce replicated parameters inside the forward, which the fakes run as they are.)"""
     with torch.device("meta"):
         model = _build(config, parallel)
         if param_dtype is not None:
@@ -124,8 +123,6 @@ def build_fake_model(config, parallel, fake_mode, param_dtype: torch.dtype | Non
                         fake = storages[key].as_strided(tensor.shape, tensor.stride(), tensor.storage_offset())
                         if isinstance(tensor, nn.Parameter):
                             fake = nn.Parameter(fake, requires_grad=tensor.requires_grad)
-                            for hook in (tensor._backward_hooks or {}).values():  # e.g. a gradient all-reduce
-                                fake.register_hook(hook)
                         fake.__dict__.update(tensor.__dict__)
                         fakes[id(tensor)] = fake
                     table[name] = fakes[id(tensor)]

@@ -17,9 +17,10 @@ from ..modeling_boost_llama import IGNORE_INDEX, check_token_ids
 
 
 def check_model_and_data(config, tokenizer, block_size, parallel=None) -> None:
-    """``parallel`` (a ``ParallelConfig``) can hold the model (its own check), ``block_size`` fits the model's
-    positions (and, under sequence parallelism, splits evenly over the TP ranks), and every token id of ``tokenizer``
-    fits its vocabulary."""
+    """The layout of ``parallel`` (a ``ParallelConfig``) holds the model (``ParallelConfig.check_model``: the
+    layout's and the pipeline's checks, e.g. tied embeddings where the embedding and the head are split apart),
+    ``block_size`` fits the model's positions (and, under its sequence parallelism, splits evenly over its TP ranks),
+    and every token id of ``tokenizer`` fits its vocabulary."""
     if parallel is not None:
         parallel.check_model(config)
     check_int("block_size", block_size, minimum=2)

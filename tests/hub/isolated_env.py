@@ -68,11 +68,12 @@ def create(target: Path, roots=ROOTS) -> Path:
     return python
 
 
-def run(python: Path, script: str, cwd: Path, timeout: int = 300) -> subprocess.CompletedProcess:
-    """Run ``script`` in the isolated interpreter, offline, with a private module cache for remote code."""
+def run(python: Path, script: str, cwd: Path, timeout: int = 300, args: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+    """Run ``script`` (with ``sys.argv[1:] == args``) in the isolated interpreter, offline, with a private module cache
+    for remote code."""
     env = {"PATH": os.environ.get("PATH", ""), "HOME": str(cwd), "HF_HUB_OFFLINE": "1", "HF_HOME": str(cwd / "hf_home"),
            "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
-    return subprocess.run([str(python), "-I", "-c", script], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run([str(python), "-I", "-c", script, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
 __all__ = ["ROOTS", "dependency_closure", "create", "run"]

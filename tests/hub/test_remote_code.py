@@ -211,3 +211,38 @@ def test_export_refreshes_the_remote_code_of_an_older_folder_in_place(tmp_path, 
         refresh_remote_code(str(tmp_path / "other"))
     with pytest.raises(SystemExit):
         main(["export", str(folder), str(tmp_path / "out"), "--refresh-remote-code"])
+
+
+def test_refresh_gives_a_folder_saved_under_fsdp2s_class_the_models_own_names_and_code(tmp_path):
+    """What boost-hf saved from an FSDP2 run before it named the model's own class: ``fully_shard``'s
+    ``FSDPBoostLlamaForCausalLM`` (made in torch) as ``architectures``, an ``auto_map`` into copies of torch's FSDP
+    files, and no model file. ``boost-hf export FOLDER --refresh-remote-code`` names the model's class, ships its code,
+    removes torch's copies and leaves the weights alone: the folder then loads without boost-hf, bit for bit."""
+    import torch.distributed.fsdp._fully_shard._fsdp_init  # noqa: F401 (the module the class names)
+    from torch.distributed.fsdp import FSDPModule
+    from transformers.dynamic_module_utils import custom_object_save
+
+    from boost_hf.checkpoint.remote_code import remote_code_sources
+    from boost_hf.cli import main
+
+    folder = saved_plain(tmp_path, "cola")
+    for name in remote_code_sources():
+        (folder / name).unlink()
+    # fully_shard makes FSDP<Class> in torch's _fsdp_init (torch 2.11 to 2.14)
+    fsdp_class = type("FSDPBoostLlamaForCausalLM", (FSDPModule, BoostLlamaForCausalLM),
+                      {"__module__": "torch.distributed.fsdp._fully_shard._fsdp_init"})
+    config = BoostLlamaConfig.from_pretrained(folder)
+    config.architectures = [fsdp_class.__name__]
+    custom_object_save(object.__new__(fsdp_class), folder, config=config)  # the save of a model under FSDP2, before the fix
+    config.save_pretrained(folder)
+    torch_files = {p.name for p in folder.glob("*.py")} - {"configuration_boost_llama.py"}
+    assert torch_files and "modeling_boost_llama.py" not in torch_files
+    weights = (folder / "model.safetensors").read_bytes()
+
+    assert main(["export", str(folder), "--refresh-remote-code"]) == 0
+    saved = json.loads((folder / "config.json").read_text())
+    assert saved["architectures"] == ["BoostLlamaForCausalLM"]
+    assert saved["auto_map"]["AutoModelForCausalLM"] == "modeling_boost_llama.BoostLlamaForCausalLM"
+    assert {p.name for p in folder.glob("*.py")} == set(remote_code_sources())
+    assert (folder / "model.safetensors").read_bytes() == weights
+    check_in_a_fresh_environment(tmp_path, {"refreshed": str(folder)})

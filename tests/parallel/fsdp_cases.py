@@ -11,20 +11,24 @@ micro-batches in DP-rank order (the single-process step in the parallel run's su
 ``eps=1e-3`` (:func:`~tests.parallel.pp_cases.optimizer_of`).
 
 The second step also counts FSDP2's collectives over the DP mesh (:class:`~boost_hf.parallel.comm_counter.CommCounter`
-over the shard and replicate groups) against :func:`~boost_hf.perf.comm_formula.fully_shard_communication`.
+over the shard and replicate groups) against :func:`~boost_hf.perf.comm_formula.fully_shard_communication`; outside a
+counter of those groups (before the first step, after the last, inside a counter of the TP group) every unit runs
+torch's own collectives.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import json
+import os
 
 import torch
 import torch.distributed as dist
 
 from boost_hf import BoostLlamaForCausalLM, ParallelConfig
 from boost_hf.parallel.comm_counter import CommCounter
-from boost_hf.parallel.fully_shard import FullyShard, units_of
+from boost_hf.parallel.fully_shard import FullyShard, fully_sharded_units, units_of
 from boost_hf.parallel.parts import PartParallelism, prepare_part
 from boost_hf.parallel.sharding import gather_full_many, shard_spec_of
 from boost_hf.parallel.state import data_parallel_mesh
@@ -72,6 +76,16 @@ def fully_sharded_parts(model, how: FullyShard) -> list:
     return pipeline.stage_modules()
 
 
+def runs_torch_collectives(parts) -> bool:
+    """Every FSDP2 unit of ``parts`` runs torch's own all-gather and reduce-scatter (no counting hook installed) and
+    no all-reduce hook."""
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
+
+    groups = [group for part in parts for unit in fully_sharded_units(part) for group in unit._get_fsdp_state()._fsdp_param_groups]
+    return bool(groups) and all(type(g._all_gather_comm) is DefaultAllGather and type(g._reduce_scatter_comm) is DefaultReduceScatter
+                                and g._all_reduce_hook is None for g in groups)
+
+
 def fsdp_run(config, parallel: ParallelConfig, sharding: dict, micro_batches: int, initial: dict) -> dict:
     """The parallel run: the model split by ``parallel`` from the reference's ``initial`` weights (this rank's slices:
     a tied model built at TP does not draw the single-process model's), FSDP2 over its DP group as ``sharding`` says
@@ -95,6 +109,7 @@ def fsdp_run(config, parallel: ParallelConfig, sharding: dict, micro_batches: in
     groups = tuple(mesh.get_group(d) for d in range(mesh.ndim))
     rows = BATCH // state.dp_size
     losses, norms, grads, counted = [], [], None, None
+    untouched = [runs_torch_collectives(parts)]
     for step, (ids, labels) in enumerate(batches()):
         mine = slice(state.dp_rank * rows, (state.dp_rank + 1) * rows)
         with CommCounter(groups=groups) as counter:
@@ -114,12 +129,15 @@ def fsdp_run(config, parallel: ParallelConfig, sharding: dict, micro_batches: in
                 loss = float(loss)
         if step == 1:
             counted = counter.counts()
+            with CommCounter(groups=(state.tp_group,)):  # (the trainer's counter: TP's collectives only)
+                untouched.append(runs_torch_collectives(parts))
         norms.append(float(clip_grad_norm_(model.parameters(), MAX_NORM, state.tp_group, state.pp_group)))
         if step == 0:
             grads = canonical(model, lambda p: p.grad, state.tp_group)
         losses.append(loss)
         optimizer.step()
         optimizer.zero_grad()
+    untouched.append(runs_torch_collectives(parts))
     params = canonical(model, lambda p: p.detach(), state.tp_group)
     dtensors = all(type(p).__name__ == "DTensor" for p in model.parameters())
     attributes_kept = all(hasattr(p, "shard_spec") for p in model.parameters())
@@ -127,7 +145,7 @@ def fsdp_run(config, parallel: ParallelConfig, sharding: dict, micro_batches: in
                                          micro_batches=1 if pipeline is not None else micro_batches,
                                          pipeline=pipeline is not None).collectives.to_dict()
     return {"losses": losses, "norms": norms, "grads": grads, "params": params, "dtensors": dtensors,
-            "attributes_kept": attributes_kept, "counted": counted, "expected": expected}
+            "attributes_kept": attributes_kept, "counted": counted, "expected": expected, "untouched": untouched}
 
 
 def parity_case(case: dict) -> dict:
@@ -158,17 +176,21 @@ def parity_case(case: dict) -> dict:
         "attributes_kept": ours["attributes_kept"],
         "counted": ours["counted"],
         "expected": ours["expected"],
+        "torch_collectives_when_not_counting": ours["untouched"],
     }
 
 
 def cases() -> list[dict]:
-    """4 processes: FSDP2 at dp 4, and at dp 2 x tp 2 under each layout (btp and megatron with sequence
-    parallelism), HSDP 2 x 2, tied embeddings, the tensor train, gradient accumulation, one unit for the whole model;
-    pp 2 x dp 2 under 1F1B and interleaved 1F1B."""
+    """4 processes: FSDP2 at dp 4 (an embedding of 130 rows: dim 0 unevenly sharded, padded to 132), and at dp 2 x tp 2
+    under each layout (btp and megatron with sequence parallelism, LaX under btp with latent sequence parallelism),
+    HSDP 2 x 2, tied embeddings, the tensor train, gradient accumulation, one unit for the whole model; pp 2 x dp 2
+    under 1F1B and interleaved 1F1B."""
     tp2 = {"tp_size": 2}
     return [
-        {"model": {"bottleneck": "cola"}, "micro_batches": 2},  # dp 4, accumulating without reducing
+        {"model": {"bottleneck": "cola", "vocab_size": 130}, "micro_batches": 2},  # dp 4, accumulating without reducing
         {"model": {"bottleneck": "cola"}, "parallel": {**tp2, "tp_style": "btp", "sequence_parallel": True}},
+        # LaX's gate and latent norm run on this rank's tokens: their TP reduction is in the forward graph
+        {"model": {"bottleneck": "lax"}, "parallel": {**tp2, "tp_style": "btp", "sequence_parallel": True}},
         {"model": {"bottleneck": "lax"}, "parallel": {**tp2, "tp_style": "btp", "activation_checkpointing": "lowrank"}},
         {"model": {"bottleneck": "svd"}, "parallel": {**tp2, "tp_style": "vanilla"}},
         {"model": {"bottleneck": None}, "parallel": {**tp2, "tp_style": "megatron", "sequence_parallel": True}},
@@ -182,5 +204,34 @@ def cases() -> list[dict]:
     ]
 
 
-def everything() -> list[dict]:
-    return [parity_case(case) for case in cases()]
+def folder_record(folder: str) -> dict:
+    """What a saved folder says its model is: ``config.json``'s ``architectures`` and ``auto_map``, its Python files."""
+    config = json.loads(open(os.path.join(folder, "config.json")).read())
+    return {"architectures": config.get("architectures"), "auto_map": config.get("auto_map"),
+            "python_files": sorted(name for name in os.listdir(folder) if name.endswith(".py"))}
+
+
+def saved_under_wrappers(folder: str) -> dict:
+    """A CoLA model at dp 4 saved under FSDP2 (``save_pretrained``, collective), and its files
+    (:func:`~boost_hf.checkpoint.export.save_model_files`) under DDP and ``torch.compile``'s ``OptimizedModule``:
+    each folder's :func:`folder_record` (rank 0's)."""
+    from boost_hf.checkpoint.export import save_model_files
+
+    def model():
+        torch.manual_seed(SEED)
+        return BoostLlamaForCausalLM(tiny_config(bottleneck="cola"), parallel_config=ParallelConfig())
+
+    wrapped = {"ddp": torch.nn.parallel.DistributedDataParallel(model()), "compile": torch.compile(model())}
+    if dist.get_rank() == 0:
+        for name, wrapper in wrapped.items():
+            os.makedirs(os.path.join(folder, name))
+            save_model_files(wrapper, os.path.join(folder, name))
+    model = model()
+    mesh = data_parallel_mesh(model.plan.state, 1)
+    fully_sharded_parts(model, FullyShard(mesh=mesh))
+    model.save_pretrained(os.path.join(folder, "fsdp2"))
+    return {name: folder_record(os.path.join(folder, name)) for name in ("fsdp2", *wrapped)} if dist.get_rank() == 0 else {}
+
+
+def everything(folder: str) -> dict:
+    return {"cases": [parity_case(case) for case in cases()], "saved": saved_under_wrappers(folder)}

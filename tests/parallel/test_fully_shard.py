@@ -1,10 +1,11 @@
 """FSDP2 over the data-parallel group of each TP x PP rank computes the single-process model's training steps (CPU,
 gloo, 4 processes), and its collectives are what the formula says.
 
-One process group runs every case (tests/parallel/fsdp_cases.py): dp 4; dp 2 x tp 2 under btp (with sequence
-parallelism; LaX with low-rank checkpointing; the tensor train), vanilla, megatron (with sequence parallelism; tied
-embeddings); HSDP 2 x 2 resharding after every forward; the whole model as one unit; gradient accumulation without
-reduction; pp 2 x dp 2 under 1F1B and interleaved 1F1B (with full checkpointing). fp32 tolerances as in the TP and
+One process group runs every case (tests/parallel/fsdp_cases.py): dp 4 (an unevenly sharded embedding); dp 2 x tp 2
+under btp (with sequence parallelism; LaX with latent sequence parallelism, whose gate and latent norm are reduced over
+TP inside the forward; LaX with low-rank checkpointing; the tensor train), vanilla, megatron (with sequence
+parallelism; tied embeddings); HSDP 2 x 2 resharding after every forward; the whole model as one unit; gradient
+accumulation without reduction; pp 2 x dp 2 under 1F1B and interleaved 1F1B (with full checkpointing). fp32 tolerances as in the TP and
 pipeline suites: 1e-5 relative, each gradient and parameter by its largest element-wise difference over its largest
 element, three AdamW steps with clipping by the global norm.
 """
@@ -22,8 +23,13 @@ TOL = 1e-5
 
 
 @pytest.fixture(scope="module")
-def reports():
-    return launch(fsdp_cases.everything, 4, timeout=3000)
+def launched(tmp_path_factory):
+    return launch(fsdp_cases.everything, 4, str(tmp_path_factory.mktemp("saved")), timeout=3000)
+
+
+@pytest.fixture(scope="module")
+def reports(launched):
+    return [rank["cases"] for rank in launched]
 
 
 def _cases(reports):
@@ -32,6 +38,19 @@ def _cases(reports):
 
 def test_every_case_ran_on_every_rank(reports):
     assert all(len(r) == len(fsdp_cases.cases()) for r in reports)
+
+
+def test_a_folder_saved_under_fsdp2_ddp_or_compile_names_the_models_own_class(launched):
+    """FSDP2 swaps the model's class for ``FSDPBoostLlamaForCausalLM`` (made in torch); DDP and ``torch.compile`` wrap it:
+    the saved ``architectures``, ``auto_map`` and remote code are the model's own, never a wrapper's or torch's files."""
+    saved = launched[0]["saved"]
+    expected = {"architectures": ["BoostLlamaForCausalLM"],
+                "auto_map": {"AutoConfig": "configuration_boost_llama.BoostLlamaConfig",
+                             "AutoModelForCausalLM": "modeling_boost_llama.BoostLlamaForCausalLM"},
+                "python_files": ["configuration_boost_llama.py", "modeling_boost_llama.py", "tensor_train_boost_llama.py",
+                                 "weights_boost_llama.py"]}
+    assert saved.keys() == {"fsdp2", "ddp", "compile"}
+    assert all(record == expected for record in saved.values()), saved
 
 
 def test_parameters_are_sharded_dtensors_carrying_their_tp_metadata_and_every_one_is_held(reports):
@@ -65,6 +84,15 @@ def test_counted_all_gathers_reduce_scatters_and_hsdp_all_reduces_equal_the_form
     assert hsdp and all("all_reduce" in c["counted"] for c in hsdp)
 
 
+def test_fsdp2_runs_torch_own_collectives_unless_its_groups_are_counted(reports):
+    """The counting hooks (which wrap torch's private default collectives) are installed only while a counter of the
+    DP mesh's groups is active: before the first step, inside the trainer's counter of the TP group, and after the
+    last step every unit runs torch's own all-gather and reduce-scatter and no all-reduce hook."""
+    bad = [(rank, c["case"], c["torch_collectives_when_not_counting"]) for rank, c in _cases(reports)
+           if not all(c["torch_collectives_when_not_counting"])]
+    assert not bad, bad
+
+
 def test_reshard_after_forward_follows_torchtitan():
     """default: every layer but the last without pipeline parallelism, none under it; always / never as named."""
     assert [reshards_after_forward("default", i, 3, pipeline=False) for i in range(3)] == [True, True, False]
@@ -83,3 +111,4 @@ def test_formula_pads_dim0_gathers_resharded_units_twice_and_reduces_once_per_st
     assert traffic.bytes == {"all_gather": 2 * 3 * 72, "reduce_scatter": 4 * 44, "all_reduce": 4 * 11}
     with pytest.raises(ValueError, match="schedule"):
         fully_shard_communication(units, 4, pipeline=True)
+

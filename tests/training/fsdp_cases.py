@@ -11,14 +11,19 @@ rank ``q`` at the first step, after the reduction over DP and before clipping (F
 the TP shards over TP).
 
 * ``four`` (FSDP2 from the accelerate config): ``tp2-dp2`` and ``pp2-dp2`` (1F1B, 2 micro-batches), a checkpoint at
-  step 3; each checkpoint-3 resumed at tp 1 x dp 4 with FSDP2 (``tp1-dp4-from-tp2-dp2``, ``tp1-dp4-from-pp2-dp2``);
+  step 3; ``hsdp`` (tp 1, 2 replicas x 2 shards) and ``dp4-accumulation`` (tp 1 x dp 4, 2 micro-batches of 1 per
+  step), a checkpoint at step 3 each; each checkpoint-3 resumed at tp 1 x dp 4 with FSDP2 (``tp1-dp4-from-tp2-dp2``,
+  ``tp1-dp4-from-pp2-dp2``);
   ``tp2-dp2``'s resumed without FSDP2, at tp 2 x dp 2 under DDP with ZeRO-1 (``zero1-from-tp2-dp2``: the accelerate
   config's FSDP variables removed for that run); a ZeRO-1 run at tp 2 x dp 2 (``zero1``, checkpoint at 3) whose
   checkpoint-3 resumes under FSDP2 at tp 1 x dp 4 (``tp1-dp4-from-zero1``); ``tp2-dp2-bf16`` and ``pp2-dp2-bf16``
   (``--precision_policy bf16_params``: FSDP2's mixed precision, a checkpoint at step 3);
 * ``eight``: ``tp2-pp2-dp2`` (FSDP2 from the accelerate config, 8 processes);
-* ``one`` (no FSDP2): ``single`` (checkpoint at 3), and both FSDP2 checkpoint-3s resumed in one process
-  (``one-from-tp2-dp2``, ``one-from-pp2-dp2``).
+* ``one`` (no FSDP2): ``single`` (checkpoint at 3), and the FSDP2 and HSDP checkpoint-3s resumed in one process
+  (``one-from-tp2-dp2``, ``one-from-pp2-dp2``, ``one-from-hsdp``).
+
+Every run without a pipeline also writes ``OUT/<run>/final-logits.pt``, the trained model's logits
+(:mod:`tests.training.final_logits`).
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ import pretrain  # noqa: E402
 
 from boost_hf.parallel.sharding import gather_full_many, shard_spec_of  # noqa: E402
 from boost_hf.training import BoostTrainer  # noqa: E402
+from tests.training.final_logits import record_final_logits  # noqa: E402
 
 FSDP_VARIABLES = {name: value for name, value in os.environ.items() if name == "ACCELERATE_USE_FSDP"}
 _clip_grad_norm = BoostTrainer._clip_grad_norm
@@ -54,6 +60,7 @@ def _recording_clip_grad_norm(self, model):
 
 
 BoostTrainer._clip_grad_norm = _recording_clip_grad_norm
+record_final_logits()
 
 
 def train(argv: list[str], fsdp: bool = True) -> None:
@@ -72,6 +79,7 @@ def main(mode: str, out: str, *common: str) -> None:
     tp2_dp2 = ["--tp_size", "2", "--per_device_train_batch_size", "4"]
     pp2_dp2 = ["--pp_size", "2", "--tp_size", "1", "--pp_microbatches", "2", "--per_device_train_batch_size", "4"]
     tp1_dp4 = ["--tp_size", "1", "--per_device_train_batch_size", "2"]
+    hsdp = [*tp1_dp4, "--dp_replicate_size", "2"]
     one = ["--tp_size", "1", "--per_device_train_batch_size", "8"]
 
     def run(name: str, layout: list[str], *extra: str, fsdp: bool = True) -> None:
@@ -85,6 +93,9 @@ def main(mode: str, out: str, *common: str) -> None:
             raise RuntimeError("launch with an accelerate config with FSDP (accelerate_configs/cpu-4proc-fsdp2.yaml)")
         run("tp2-dp2", tp2_dp2, *saving)
         run("pp2-dp2", pp2_dp2, *saving)
+        run("hsdp", hsdp, *saving)
+        run("dp4-accumulation", ["--tp_size", "1", "--per_device_train_batch_size", "1", "--gradient_accumulation_steps", "2"],
+            *saving)
         run("tp1-dp4-from-tp2-dp2", tp1_dp4, *resume("tp2-dp2"))
         run("tp1-dp4-from-pp2-dp2", tp1_dp4, *resume("pp2-dp2"))
         run("zero1-from-tp2-dp2", tp2_dp2, "--zero1_optimizer", "true", *resume("tp2-dp2"), fsdp=False)
@@ -99,6 +110,7 @@ def main(mode: str, out: str, *common: str) -> None:
         run("single", one, *saving)
         run("one-from-tp2-dp2", one, *resume("tp2-dp2"))
         run("one-from-pp2-dp2", one, *resume("pp2-dp2"))
+        run("one-from-hsdp", one, *resume("hsdp"))
     else:
         raise ValueError(f"unknown mode {mode!r}")
 

@@ -3,10 +3,12 @@
 checkpoints resume at any other layout with or without FSDP2 (ZeRO-1 included), and its final model is the Hugging
 Face folder one process writes.
 
-Three launches (``fsdp_cases.py``): 4 processes (tp 2 x dp 2 and pp 2 x dp 2, 6 steps with a checkpoint at step 3;
-each checkpoint-3 resumed at tp 1 x dp 4 with FSDP2, the tp 2 x dp 2 one also under DDP with ZeRO-1; a ZeRO-1
-checkpoint resumed under FSDP2), 8 processes (tp 2 x pp 2 x dp 2) and one process (the reference, and both FSDP2
-checkpoint-3s resumed without FSDP2). fp32, the same global batch of 8 sequences: losses within 1e-5 (relative),
+Three launches (``fsdp_cases.py``): 4 processes (tp 2 x dp 2, pp 2 x dp 2, HSDP 2 x 2 and tp 1 x dp 4 with 2
+micro-batches per step, 6 steps with a checkpoint at step 3; the tp 2 x dp 2 and pp 2 x dp 2 checkpoint-3s resumed at
+tp 1 x dp 4 with FSDP2, the tp 2 x dp 2 one also under DDP with ZeRO-1; a ZeRO-1 checkpoint resumed under FSDP2), 8
+processes (tp 2 x pp 2 x dp 2) and one process (the reference with the whole batch of 8 per step, and the tp 2 x dp 2,
+pp 2 x dp 2 and HSDP checkpoint-3s resumed without FSDP2). The ``final/`` of the dp 4, tp 2 x dp 2 and HSDP runs loads
+with plain transformers where boost-hf cannot be imported, to the trained model's logits. fp32, the same global batch of 8 sequences: losses within 1e-5 (relative),
 every weight of ``final/`` within 1e-5 (relative L2 norm, the distributed suite's metric), every gradient of the
 first step after the reduction within 1e-5 (the TP suite's metric: largest difference over the largest element);
 ``bf16_params`` under FSDP2 (its ``MixedPrecisionPolicy``) within the precision suite's bound of fp32. AdamW runs with ``--adam_epsilon 1e-3``, as the pipeline suite's (``tests/parallel/pp_cases.py``): with the recipe's
@@ -24,11 +26,16 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from ..tolerances import scaled_error
+from .final_logits import LOGITS_FILE, load_without_boost_hf
 from .launcher import DEMO_RECIPE, TINY, accelerate_command, python_command, run_command
 
 TOL = 1e-5
-FOUR = ["tp2-dp2", "pp2-dp2", "tp1-dp4-from-tp2-dp2", "tp1-dp4-from-pp2-dp2", "zero1-from-tp2-dp2", "zero1",
-        "tp1-dp4-from-zero1", "tp2-dp2-bf16", "pp2-dp2-bf16"]
+REMOTE_CODE = ["configuration_boost_llama.py", "modeling_boost_llama.py", "tensor_train_boost_llama.py", "weights_boost_llama.py"]
+FOUR = ["tp2-dp2", "pp2-dp2", "hsdp", "dp4-accumulation", "tp1-dp4-from-tp2-dp2", "tp1-dp4-from-pp2-dp2", "zero1-from-tp2-dp2",
+        "zero1", "tp1-dp4-from-zero1", "tp2-dp2-bf16", "pp2-dp2-bf16"]
+# the data-parallel record of each FSDP2 run's checkpoint: (shard_size, replicate_size)
+FSDP2_RECORDS = {"tp2-dp2": (2, 1), "pp2-dp2": (2, 1), "hsdp": (2, 2), "dp4-accumulation": (4, 1)}
 
 
 @pytest.fixture(scope="module")
@@ -58,19 +65,22 @@ def weights_rel(actual: Path, expected: Path) -> dict[str, float]:
 
 
 def test_every_run_trained_six_steps(runs):
-    for run in [*FOUR, "tp2-pp2-dp2", "single", "one-from-tp2-dp2", "one-from-pp2-dp2"]:
+    for run in [*FOUR, "tp2-pp2-dp2", "single", "one-from-tp2-dp2", "one-from-pp2-dp2", "one-from-hsdp"]:
         assert sorted(losses(runs / run)) == [1, 2, 3, 4, 5, 6], run
 
 
-@pytest.mark.parametrize("run", ["tp2-dp2", "pp2-dp2", "tp2-pp2-dp2"])
+@pytest.mark.parametrize("run", ["tp2-dp2", "pp2-dp2", "tp2-pp2-dp2", "hsdp", "dp4-accumulation"])
 def test_fsdp2_from_the_accelerate_config_trains_one_process_run(runs, run):
-    """The run really is FSDP2 (its layout record), and its losses, weights and first gradients are one process's."""
+    """The run really is FSDP2 (its layout record; HSDP's 2 replicas of 2 shards), and its losses, weights and first
+    gradients are one process's with the whole batch of 8 per step (``dp4-accumulation``: 2 micro-batches of 1 on each
+    of 4 ranks, the first step's gradient recorded once both are accumulated and reduced)."""
     layout = json.loads((runs / "single" / "checkpoint-3" / "training_layout.json").read_text())
     assert layout["data_parallel"] == {"backend": "ddp"}
-    if run != "tp2-pp2-dp2":
+    if run in FSDP2_RECORDS:
+        shard, replicate = FSDP2_RECORDS[run]
         recorded = json.loads((runs / run / "checkpoint-3" / "training_layout.json").read_text())["data_parallel"]
         # the config's reshard_after_forward: true is torchtitan's default, not "always" (issue 42 item 4)
-        assert recorded == {"backend": "fsdp2", "shard_size": 2, "replicate_size": 1, "reshard_after_forward": "default",
+        assert recorded == {"backend": "fsdp2", "shard_size": shard, "replicate_size": replicate, "reshard_after_forward": "default",
                             "units": "decoder_layers"}
     single, ours = losses(runs / "single"), losses(runs / run)
     assert max(abs(ours[s] - single[s]) / single[s] for s in single) < TOL
@@ -92,7 +102,7 @@ def test_fsdp2_from_the_accelerate_config_trains_one_process_run(runs, run):
 
 @pytest.mark.parametrize("run, source", [
     ("tp1-dp4-from-tp2-dp2", "tp2-dp2"), ("tp1-dp4-from-pp2-dp2", "pp2-dp2"),  # FSDP2 at another layout
-    ("one-from-tp2-dp2", "tp2-dp2"), ("one-from-pp2-dp2", "pp2-dp2"),  # one process, without FSDP2
+    ("one-from-tp2-dp2", "tp2-dp2"), ("one-from-pp2-dp2", "pp2-dp2"), ("one-from-hsdp", "hsdp"),  # one process, without FSDP2
     ("zero1-from-tp2-dp2", "tp2-dp2"),  # DDP with ZeRO-1
     ("tp1-dp4-from-zero1", "zero1"),  # a ZeRO-1 checkpoint under FSDP2
 ])
@@ -124,11 +134,18 @@ def test_bf16_params_under_fsdp2_is_its_mixed_precision_within_bf16_noise_of_fp3
     assert 1e-6 < deviation <= 1e-3, deviation
 
 
-def test_the_final_model_of_an_fsdp2_run_is_a_plain_hugging_face_folder(runs):
-    """``final/`` of the tp 2 x dp 2 FSDP2 run loads in plain transformers (remote code) with one process's weights."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(runs / "tp2-dp2" / "final", trust_remote_code=True)
-    single = load_file(runs / "single" / "final" / "model.safetensors")
-    mine = dict(model.named_parameters())
-    assert max(float((mine[n].detach() - t).norm() / t.norm()) for n, t in single.items() if n in mine) < TOL
+def test_the_final_model_of_fsdp2_runs_loads_without_boost_hf_to_the_trained_logits(runs, tmp_path):
+    """``final/`` of the dp 4, tp 2 x dp 2 and HSDP 2 x 2 FSDP2 runs, loaded with plain transformers (remote code) where
+    boost-hf cannot be imported: it names the model's own class (not FSDP2's ``FSDPBoostLlamaForCausalLM``), ships the
+    model's files (no copy of torch's), and gives the trained model's logits (recorded by the run after its final
+    save) within 1e-5 of their scale."""
+    names = {"dp4": "dp4-accumulation", "tp2-dp2": "tp2-dp2", "hsdp": "hsdp"}
+    report, logits = load_without_boost_hf(tmp_path, {name: runs / run / "final" for name, run in names.items()})
+    assert report.pop("boost_hf_importable") is False
+    for name, run in names.items():
+        entry = report[name]
+        assert entry["class"].startswith("transformers_modules.") and entry["class"].endswith(".BoostLlamaForCausalLM"), entry
+        assert entry["architectures"] == ["BoostLlamaForCausalLM"], entry
+        assert entry["auto_map"]["AutoModelForCausalLM"] == "modeling_boost_llama.BoostLlamaForCausalLM", entry
+        assert entry["python_files"] == REMOTE_CODE, entry
+        assert scaled_error(logits[name], torch.load(runs / run / LOGITS_FILE)) < TOL, name

@@ -25,7 +25,9 @@ reduce-scattered over tokens instead of all-reduced (the online norm's statistic
 latent element-wise work (``1/rms`` scale, activation) runs on this rank's ``N/p`` tokens, and the latents are
 all-gathered over tokens before the B's (backward: the mirror image, reduce-scatter of the B's input gradients,
 all-gather of the A outputs' gradients). LaX's crossing and latent LayerNorm run on those tokens too (the
-handed-on latents are token shards); the gradients of their replicated parameters are all-reduced in backward.
+handed-on latents are token shards); their replicated parameters are read through the copy into the TP region where
+the crossing uses them, so their gradients are all-reduced in backward (part of the forward graph: it survives FSDP2's
+replaced parameters and compile).
 The residual stays sharded along ``d``; low-rank checkpointing keeps ``1/p`` of the latents and re-issues the
 all-gathers when it recomputes.
 """
@@ -41,7 +43,7 @@ from ..fused import STATISTICS_WIDTH, batched_latent_linear, down_projection, la
 from ..latent_op import ACTIVATIONS, scale_activate
 from ..norms import RMSNORM_MODES
 from ..primitives import copy_to_tp, gather_tokens, reduce_from_tp, reduce_scatter_tokens
-from ..sequence_parallel import reduce_gradients_over_tokens
+from ..sequence_parallel import cross_on_token_shard
 from ..tensor_train import check_btp_modes, contraction_gemms, gradient_communication, is_tensor_train, shard_tensor_train
 from .base import (
     GROUPS, READS_NORM, Gemm, Layout, ProjectionGroup, ResidualWidths, apply_latent_functions, factor_shards_repr, low_rank_a_gemms,
@@ -184,7 +186,9 @@ class BottleneckAwareLayout(Layout):
         if config.tie_word_embeddings and p > 1:
             raise ValueError(
                 "tie_word_embeddings=True cannot be combined with tp_style='btp' at tp_size > 1 (the embedding is "
-                "split along d, the LM head along the vocabulary): set tie_word_embeddings=False."
+                "split along d, the LM head along the vocabulary: one matrix cannot be both): set "
+                "tie_word_embeddings=False, or tp_style='vanilla' (both split along the vocabulary), or tp_size=1 "
+                "(data parallelism only: DDP, ZeRO-1, FSDP2, DeepSpeed)."
             )
         super().check(config)
         if config.bottleneck == "tt" and p > 1:
@@ -214,9 +218,7 @@ class BottleneckAwareLayout(Layout):
             shard_tensor_train(projection, self.tensor_train_splits(projection.tensor_train), plan)
         self.shard_projection(projection, group_name, plan)  # A and B where they are parameters, the bias
         if self.sequence_parallel and hasattr(projection, "crossed_latent"):
-            # LaX's crossing gate and latent LayerNorm run on this rank's tokens
-            latent_parameters = [name for name, _ in projection.named_parameters() if name not in ("A", "B", "bias")]
-            reduce_gradients_over_tokens(projection, latent_parameters, plan)
+            cross_on_token_shard(projection, plan.group)  # LaX's gate and latent LayerNorm on this rank's tokens
         adopt(projection, BottleneckAwareProjection)
 
     def projection_group(self, layer, owner, group_name, plan):
