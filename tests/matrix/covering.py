@@ -154,12 +154,13 @@ def _activity_check(f: Factor) -> Callable[[dict], bool]:
 
 def build(factors: list[Factor], constraints: list[Constraint], *, triples: tuple[tuple[str, str, str], ...] = (),
           seed: int = 0, candidates: int = 12, blame: Callable[[dict], set[str] | None] | None = None,
-          repairs: int = 4, accepted_tries: int = 2) -> CoveringArray:
+          repairs: int = 4, accepted_tries: int = 2, options_asked: int = 6) -> CoveringArray:
     """The covering array of ``factors`` (every feasible pair, and every feasible triple of each of ``triples``) under
     ``constraints``. ``blame(case)``: ``None`` when the code under test runs ``case``, else the factors its refusal
     names (maybe none); with it every tuple that some accepted case holds is held by an accepted case (see the
     module docstring): each try is repaired, up to ``repairs`` times, by giving a blamed factor outside the seed tuple
-    its preferred value."""
+    another value (``options_asked`` asked, those keeping the most tuples first) or, when none is accepted, every
+    blamed factor its preferred value."""
     search = _Search(factors, constraints)
     n = len(factors)
     rng = random.Random(seed)
@@ -180,6 +181,18 @@ def build(factors: list[Factor], constraints: list[Constraint], *, triples: tupl
     triple_groups = [g for g in groups if len(g) == 3]
     parents = {search.index[p] for f in factors for p in f.parents}
     preferred = [f.preferred for f in factors]
+    descendants: dict[int, set[int]] = {i: set() for i in range(n)}  # the factors whose meaning depends on i's value
+    for _ in range(n):
+        for j, f in enumerate(factors):
+            for p in f.parents:
+                descendants[search.index[p]] |= {j} | descendants[j]
+
+    def changed(case: list, values: dict[int, object], keep: set[int]) -> list | None:
+        """``case`` with ``values`` (factor index -> value), the factors depending on them but ``keep`` completed again
+        (keeping their values where they still fit), or ``None``."""
+        free = set().union(*(descendants[i] for i in values)) - set(values) - keep if values else set()
+        partial = [values.get(i, _UNSET if i in free else v) for i, v in enumerate(case)]
+        return search.complete(partial, prefer=case)
     as_dict = lambda case: {factors[i].name: case[i] for i in range(n)}  # noqa: E731
 
     def covered(case: list) -> set[Tuple]:
@@ -233,15 +246,13 @@ def build(factors: list[Factor], constraints: list[Constraint], *, triples: tupl
             for i in reset:
                 for value in search.domains[i]:
                     if value != case[i]:
-                        new = search.complete([value if j == i else v for j, v in enumerate(case)], prefer=case)
+                        new = changed(case, {i: value}, fixed)
                         if new is not None:
                             options.append((-len(covered(new) & uncovered), repr(new), new))
-            for _, _, new in sorted(options, key=lambda o: o[:2])[:2]:
+            for _, _, new in sorted(options, key=lambda o: o[:2])[:options_asked]:
                 if blame(as_dict(new)) is None:
                     return new
-            partial = [preferred[i] if i in reset else v for i, v in enumerate(case)]
-            new = search.complete(partial, prefer=case) or search.complete(
-                [_UNSET if i in reset else v for i, v in enumerate(case)], prefer=preferred)
+            new = changed(case, {i: preferred[i] for i in reset}, fixed)
             if new is None or new == case:
                 return None
             case = new
@@ -271,7 +282,7 @@ def build(factors: list[Factor], constraints: list[Constraint], *, triples: tupl
             return None
         found = [repaired(first, seed_tuple, uncovered)]
         found += [repaired(c, seed_tuple, uncovered) for c in (candidate(uncovered, seed_tuple) for _ in range(tries)) if c is not None]
-        found = [c for c in found if c is not None]
+        found = [c for c in found if c is not None and all(c[m] == v for m, v in seed_tuple)]
         return max(found, key=lambda c: len(covered(c) & uncovered), default=None)
 
     accepted_cases: list[list] = []

@@ -1,7 +1,7 @@
 """The matrix's covering array (:func:`array`), built once per version of what it depends on and kept in the system's
 temporary folder: building it asks ``boost-hf train``'s checks about ~2,000 candidate cases (about a minute on 2
 cores), so each collection of the tests does not build it again. The key is a SHA-256 of every source file of
-boost-hf and of this folder and the versions of torch, transformers, accelerate and DeepSpeed: any change to a
+boost-hf and of the generator (this module, ``covering.py``, ``factors.py``, ``cli_validation.py``) and the versions of torch, transformers, accelerate and DeepSpeed: any change to a
 declaration, a check or the generator builds it anew."""
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ SEED = 0
 
 def _digest() -> str:
     digest = hashlib.sha256()
-    for path in sorted([*(REPO / "boost_hf").rglob("*.py"), *Path(__file__).parent.glob("*.py")]):
+    generator = [Path(__file__).parent / f"{name}.py" for name in ("covering", "factors", "cli_validation", "generated")]
+    for path in sorted([*(REPO / "boost_hf").rglob("*.py"), *generator]):
         digest.update(str(path.relative_to(REPO)).encode() + b"\0" + path.read_bytes())
     for package in ("torch", "transformers", "accelerate", "deepspeed"):
         try:

@@ -213,6 +213,8 @@ def run(entry: dict, out: Path, reference: bool) -> None:
 
 
 def main(mode: str, out: str, plan: str) -> None:
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # the group every run of the launch uses, made before the first
+        dist.init_process_group("gloo", timeout=timedelta(seconds=120))  # (the runs' --ddp_timeout)
     for entry in json.loads(Path(plan).read_text()):
         run(entry, Path(out), reference=mode == "references")
     if dist.is_initialized():

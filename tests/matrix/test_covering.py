@@ -41,18 +41,33 @@ def test_every_declared_value_is_a_value_of_its_factor_or_excluded_with_its_reas
 
 
 def test_a_value_added_to_a_declaration_joins_the_matrix_without_a_test_edit(monkeypatch):
-    """A new TP style (a new ``Literal`` choice of ``ParallelConfig.tp_style``) is a value of the factor, and so in the
-    pairs the array must hold."""
+    """A new TP style (a new ``Literal`` choice of ``ParallelConfig.tp_style``) is a value of the factor, the array
+    built from the grown declarations is another one, and it holds every pair of the new value with every other
+    factor's values (and the TP style x SP x DP backend triples with it), as every other tuple. Built without the
+    CLI's checks (``blame``), which would refuse a style that has no code: the coverage is the generator's."""
     import boost_hf.parallel.config as config_module
 
+    def built(module):
+        return covering.build(module.FACTORS, module.CONSTRAINTS, triples=module.TRIPLES, seed=generated.SEED, candidates=4)
+
+    before = built(factors)
     monkeypatch.setattr(config_module, "TPStyle", Literal["btp", "vanilla", "megatron", "newstyle"])
     try:
         grown = importlib.reload(factors)
         assert "newstyle" in next(f for f in grown.FACTORS if f.name == "tp_style").values
+        after = built(grown)
     finally:
         monkeypatch.undo()
         importlib.reload(factors)
     assert "newstyle" not in next(f for f in factors.FACTORS if f.name == "tp_style").values
+    assert after.cases != before.cases and any(case["tp_style"] == "newstyle" for case in after.cases)
+    assert not covering.uncovered_tuples(after)
+    new_pairs = {t for t in after.required if ("tp_style", "newstyle") in t and len(t) == 2}
+    others = {n for t in new_pairs for n, _ in t} - {"tp_style"}
+    # with every other factor's values, but the factors that mean something under another style only (BTP's norms)
+    assert others == set(factors.FACTOR_NAMES) - {"tp_style"} - {f.name for f in factors.FACTORS if "tp_style" in f.parents}
+    assert {t for t in after.required if ("tp_style", "newstyle") in t and len(t) == 3}, "and in the triples"
+    assert before.required < after.required
 
 
 def test_each_inactive_setting_and_constraint_says_why_it_is_meaningless():
