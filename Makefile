@@ -22,10 +22,12 @@ MIN_VENV := .venv-min
 MIN_PY := $(MIN_VENV)/bin/python
 MIN_STAMP := $(MIN_VENV)/.installed
 # What the minimum leg runs: import and install, the model and generation, remote code with plain transformers, TP and
-# SP exactness at tp 2, the pipeline at pp 2, the GPU check's training steps on the CPU, the version declarations.
+# SP exactness at tp 2, the pipeline at pp 2, the GPU check on the CPU, the version declarations, and what the lent GPU
+# machine's torch generates: the fused ops' kernels (one each) and the ops each layout's layer dispatches.
 MIN_TESTS := tests/test_install.py tests/test_modeling.py tests/test_hf_contract.py tests/test_generation.py tests/test_lax.py \
 	tests/test_tensor_train.py tests/test_configuration.py tests/hub/test_remote_code.py tests/parallel/test_tensor_parallel.py \
-	tests/parallel/test_sequence_parallel.py tests/parallel/test_pipeline.py tests/benchmarks/test_gpu_check.py tests/perf/test_fake_group.py tests/test_versions.py
+	tests/parallel/test_sequence_parallel.py tests/parallel/test_pipeline.py tests/benchmarks/test_gpu_check.py tests/perf/test_fake_group.py tests/test_versions.py \
+	tests/parallel/test_latent_op.py tests/parallel/test_statistics_op.py tests/perf/test_op_count.py
 
 $(MIN_STAMP): pyproject.toml constraints-min.txt
 	$(PYTHON) -m venv $(MIN_VENV)
@@ -44,7 +46,7 @@ demo: $(STAMP)
 ORDER_TESTS := tests/test_modeling.py tests/test_lax.py tests/test_tensor_train.py tests/test_hf_contract.py \
 	tests/test_boost_release.py tests/test_authors_checkpoint.py tests/parallel/test_tensor_parallel.py \
 	tests/parallel/test_sequence_parallel.py tests/parallel/test_pipeline.py tests/parallel/test_megatron.py \
-	tests/parallel/test_fused.py tests/parallel/test_latent_op.py tests/parallel/test_rmsnorm_op.py \
+	tests/parallel/test_fused.py tests/parallel/test_latent_op.py tests/parallel/test_statistics_op.py tests/parallel/test_rmsnorm_op.py \
 	tests/parallel/test_fully_shard.py tests/training/test_precision.py
 ORDER_ENV := ATEN_CPU_CAPABILITY=default MKL_CBWR=COMPATIBLE BOOST_HF_TEST_THREADS=2
 
@@ -65,15 +67,19 @@ test-min: $(MIN_STAMP)
 bench: $(STAMP)
 	$(PY) benchmarks/run_all.py
 
-# On a CUDA machine (elsewhere it says so and exits 0): one rank's 7B TP4 decoder layer beside the estimator, LLaMA-1B vs
-# CoLA-1B throughput, training steps of every architecture and layout, the fused norm kernels, in that order, inside
-# a time budget; readings in benchmarks/results/gpu/. Installs nothing: runs .venv's python where `make install` made
-# it, else python3 (GPU_PYTHON=... to choose the python whose torch is the CUDA build), on this checkout.
-# GPU_CHECK_ARGS passes options, e.g. GPU_CHECK_ARGS="--only layer throughput --budget-s 440 --out /tmp/gpu".
+# On a CUDA machine (elsewhere it says so and exits 0): the plan of benchmarks/gpu_check.py's docstring, its three
+# commands in order, each inside its budget (6 min): 1. one rank's layer at the release's 7B and 13B TP4 shapes and with
+# SP; 2. 1B throughput beside transformers' LlamaForCausalLM, the CUDA kernel counts, training-step correctness;
+# 3. activation checkpointing; readings in benchmarks/results/gpu/. Installs nothing: runs .venv's python
+# where `make install` made it, else python3 (GPU_PYTHON=... to choose the python whose torch is the CUDA build), on
+# this checkout. GPU_CHECK_ARGS passes options to both, e.g. GPU_CHECK_ARGS="--out /tmp/gpu".
 GPU_PYTHON ?= $(if $(wildcard $(PY)),$(PY),$(PYTHON))
 GPU_CHECK_ARGS ?=
 gpu-check:
-	PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} $(GPU_PYTHON) benchmarks/gpu_check.py $(GPU_CHECK_ARGS)
+	PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} $(GPU_PYTHON) benchmarks/gpu_check.py --command 1 $(GPU_CHECK_ARGS); first=$$?; \
+	PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} $(GPU_PYTHON) benchmarks/gpu_check.py --command 2 $(GPU_CHECK_ARGS); second=$$?; \
+	PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} $(GPU_PYTHON) benchmarks/gpu_check.py --command 3 $(GPU_CHECK_ARGS); third=$$?; \
+	[ $$first -eq 0 ] && [ $$second -eq 0 ] && [ $$third -eq 0 ]
 
 clean:
 	rm -rf $(VENV) $(MIN_VENV) outputs

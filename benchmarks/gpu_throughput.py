@@ -3,7 +3,7 @@
 Runs only where CUDA is available; elsewhere it says so and exits 0 without writing results (never a
 test or CI dependency). Both models are built on the CPU and moved to the GPU (fp32 master weights, bf16
 autocast, fused AdamW, no KV cache as the Trainer trains; ``--compile``: every decoder layer compiled in
-place, as ``BoostTrainer --torch_compile``), timed interleaved (median after warm-up,
+place, and the loss, as ``BoostTrainer --torch_compile``), timed interleaved (median after warm-up,
 ``torch.cuda.synchronize`` closing each step), and
 MFU = tokens/s x :func:`boost_hf.perf.flops.training_flops_per_token` / the GPU's dense bf16 peak
 (from :mod:`boost_hf.perf.hardware` by device name, or ``--peak-tflops``).
@@ -83,14 +83,14 @@ def time_models(models: dict, batch: int, seq: int, warmup: int, reps: int) -> d
 
 
 def measure(presets, layers: int, batch: int, seq: int, warmup: int, reps: int, device: str, compile: bool = False) -> dict:
-    """Build the models, compile their decoder layers with ``compile`` (what ``BoostTrainer --torch_compile`` does),
+    """Build the models, compile their decoder layers and loss with ``compile`` (what ``BoostTrainer --torch_compile`` does),
     and time them (:func:`time_models`)."""
-    from boost_hf.parallel.compile import compile_decoder_layers
+    from boost_hf.parallel.compile import compile_model
 
     models = build(presets, layers, seq, device)
     if compile:
         for model, _ in models.values():
-            compile_decoder_layers(model)
+            compile_model(model)
     return time_models(models, batch, seq, warmup, reps)
 
 

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-SCRIPTS = ("comm_per_layer", "step_time", "memory", "data_parallel_memory", "rank_cost", "pipeline", "gpu_throughput")
+SCRIPTS = ("comm_per_layer", "step_time", "memory", "data_parallel_memory", "rank_cost", "op_count", "pipeline", "gpu_throughput")
 
 
 def main() -> int:

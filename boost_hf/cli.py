@@ -274,10 +274,14 @@ def _add_plan_arguments(parser: argparse.ArgumentParser) -> None:
         "pp_schedule", "pp_microbatches", "pp_stages_per_rank")})
     search.add_argument("--zero1", choices=("true", "false"), help="keep --zero1_optimizer true or false (default: both; "
                         "ddp only)")
-    add_data_parallel_options(search, several=True, defaults={"dp_replicate_size": None}, notes={
-        "data_parallel": " Here: the backends to consider (default: both; fsdp2 at dp > 1, never with ZeRO-1).",
-        "dp_replicate_size": " Here: kept when given; default: 1 and, when the DP group spans several nodes, one replica "
-                             "per node.",
+    add_data_parallel_options(search, several=True, defaults={name: None for name in (
+        "dp_replicate_size", "fsdp_reshard_after_forward", "fsdp_units")}, notes={
+        "data_parallel": " Here: the backends to consider (default: both; fsdp2 at dp > 1, never with ZeRO-1: --zero1 "
+                         "true searches ddp alone, an FSDP2 setting given fsdp2 alone).",
+        "dp_replicate_size": " Here: kept when given (above 1: fsdp2 alone); default: 1 and, when the DP group spans "
+                             "several nodes, one replica per node.",
+        "fsdp_reshard_after_forward": " Here: kept when given (fsdp2 alone); default: torchtitan's.",
+        "fsdp_units": " Here: kept when given (fsdp2 alone); default: decoder_layers.",
     })
     add_precision_options(search, exclude=("fp32_residual",), several=True, notes={
         "precision_policy": " Here: the policies to consider (default: autocast and bf16_params on GPUs, fp32 on cpu).",
@@ -299,7 +303,7 @@ def _run_plan(args: argparse.Namespace) -> int:
 
     from .data_parallel_config import DATA_PARALLEL_BACKENDS, DataParallelConfig
     from .parallel.settings import layout_values
-    from .perf.planner import Cluster, check_positive, plan_inputs, plan, plan_report
+    from .perf.planner import Cluster, check_positive, plan_inputs, plan, plan_report, search_of_recipe
 
     check_positive(gpus_per_node=args.gpus_per_node, gpu_memory_gb=args.gpu_memory_gb, top=args.top)
     inputs = plan_inputs(recipe=args.recipe, preset=args.preset, config_path=args.config, gpus=args.gpus,
@@ -313,9 +317,11 @@ def _run_plan(args: argparse.Namespace) -> int:
     zero1 = None if args.zero1 is None else (args.zero1 == "true",)
     sharding = {f.name: getattr(args, f.name) for f in fields(DataParallelConfig)}
     sharding["data_parallel"] = tuple(sharding["data_parallel"] or DATA_PARALLEL_BACKENDS)
+    fixed, sharding, zero1, precisions, grad_reduce_dtype = search_of_recipe(
+        inputs.recipe_training, inputs.recipe, fixed=fixed, data_parallel=sharding, zero1_options=zero1,
+        precisions=precisions, grad_reduce_dtype=args.grad_reduce_dtype)
     result = plan(inputs.config, cluster, seq_len=inputs.seq_len, global_batch=inputs.global_batch, fixed=fixed,
-                  precisions=precisions, zero1_options=zero1, data_parallel=sharding,
-                  grad_reduce_dtype=args.grad_reduce_dtype)
+                  precisions=precisions, zero1_options=zero1, data_parallel=sharding, grad_reduce_dtype=grad_reduce_dtype)
     report = plan_report(result, inputs, cluster, accelerate_config_path=args.accelerate_config, top=args.top,
                          every=args.every)
     if report.accelerate_config is not None:
@@ -435,11 +441,14 @@ def _add_export_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _run_export(args: argparse.Namespace) -> int:
-    """One process, or every process of a ``torchrun`` launch (each writes every world-th file)."""
+    """One process, or every process of a ``torchrun`` launch (each writes every world-th file). SIGTERM stops it where
+    it is, saying so, with the output folder as it was (exit status 143)."""
     import os
+    import signal
 
     import torch.distributed as dist
 
+    from .training.preemption import SignalExit, exiting_on
     from .training.publish import export_checkpoint
 
     if args.refresh_remote_code:
@@ -456,8 +465,13 @@ def _run_export(args: argparse.Namespace) -> int:
     if launched and not dist.is_initialized():
         dist.init_process_group("gloo")
     try:
-        folder = export_checkpoint(args.checkpoint, args.output_dir, max_shard_size=args.max_shard_size,
-                                   overwrite=args.overwrite)
+        with exiting_on((signal.SIGTERM,)):  # stopped where it is: the staging folder is removed, the output untouched
+            folder = export_checkpoint(args.checkpoint, args.output_dir, max_shard_size=args.max_shard_size,
+                                       overwrite=args.overwrite)
+    except SignalExit as stopped:
+        print(f"boost-hf export: {stopped.signal.name} received: the export stopped before its end; {args.output_dir!r} "
+              f"is as it was before it (its partial copy removed). Run the export again.", file=sys.stderr, flush=True)
+        return stopped.code
     finally:
         if launched:
             dist.destroy_process_group()

@@ -22,10 +22,10 @@ pipeline rank's shards of the model (:mod:`boost_hf.parallel.state`), and:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Literal, get_args
 
-from .option_fields import add_field_options, setting, settings_of, training_fields
+from .option_fields import add_field_options, field_types, setting, settings_of, training_fields
 
 DataParallelName = Literal["ddp", "fsdp2"]
 ReshardAfterForward = Literal["default", "always", "never"]
@@ -104,8 +104,16 @@ class DataParallelConfig:
 
 
 def data_parallel_training_fields() -> list[tuple[str, object, object]]:
-    """``BoostTrainingArguments``' data-parallel fields, for ``dataclasses.make_dataclass``: ``(name, type, field)``."""
-    return training_fields(DataParallelConfig)
+    """``BoostTrainingArguments``' data-parallel fields, for ``dataclasses.make_dataclass``: ``(name, type, field)``,
+    each unset (``None``) unless given, so that a value given (``ddp`` and 1 included) is told from none and checked
+    against the other sources of the setting (an accelerate config, ``parallelism_config``, transformers' ``--fsdp``:
+    :mod:`boost_hf.training.compatibility`), which then leave the declared default where none sets it."""
+    kinds = field_types(DataParallelConfig)
+    names = [f.name for f in fields(DataParallelConfig)]
+    return training_fields(DataParallelConfig, kinds={name: kinds[name] | None for name in names},
+                           defaults=dict.fromkeys(names), notes=dict.fromkeys(names, (
+                               " Unset: this default, or what an accelerate config, parallelism_config or transformers' "
+                               "--fsdp sets; given with them, they must agree.")))
 
 
 def add_data_parallel_options(parser, *, exclude: tuple[str, ...] = (), several: bool = False,

@@ -18,10 +18,11 @@ from boost_hf.training import BoostTrainingArguments
 DECLARED = {f.name: f for f in fields(ParallelConfig)}
 TYPES = typing.get_type_hints(ParallelConfig)
 # The differences the training arguments are allowed (the Trainer owns `activation_checkpointing`; "auto" resolves
-# with the model config; an unset tp_size is told from a given 1, to check it against accelerate's parallelism_config):
-# everything else must be the declaration itself.
+# with the model config; an unset tp_size is told from a given 1, to check it against accelerate's parallelism_config,
+# an unset checkpointing mode from a given none, to check it against FSDP's and the Trainer's switch): everything else
+# must be the declaration itself.
 TRAINING_NAME = {"activation_checkpointing": "activation_checkpointing_mode"}
-TRAINING_DEFAULT = {"tp_style": "auto", "tp_size": None}
+TRAINING_DEFAULT = {"tp_style": "auto", "tp_size": None, "activation_checkpointing": None}
 TRAINING_EXTRA_CHOICES = {"tp_style": ("auto",)}
 
 

@@ -65,13 +65,14 @@ from .integrity import (
     write_manifest,
 )
 
+from .decisions import decided_on_rank_zero, on_every_rank
+from .lineage import RECORD_NAME, checkpoint_step, finished_step, is_abandoned, record_checkpoint
 from .sharded_state import DCP_FOLDER, is_distributed_checkpoint, quiet_single_process_warning
 
 logger = logging.getLogger(__name__)
 
 LOW_SPACE_BYTES = 1 << 20
 """A failed write with less free space than this on the target's file system is reported as a full disk."""
-_CHECKPOINT = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")
 
 
 class CheckpointWriteError(OSError):
@@ -92,11 +93,6 @@ def optimizer_file_name(tp_rank: int, tp_size: int, pp_rank: int = 0, pp_size: i
 
 def _launched() -> bool:
     return dist.is_available() and dist.is_initialized()
-
-
-def _barrier(group=None) -> None:
-    if _launched():
-        dist.barrier(group=group)
 
 
 _DISK_FULL_MESSAGES = ("no space left on device", "os error 28", "disk quota exceeded", "os error 122")
@@ -142,27 +138,34 @@ def _write_error_cause(error: BaseException, free: int) -> tuple[str, str]:
     return f"I/O error ({type(error).__name__}: {error})", "check the file system"
 
 
+def _write_error(target: str, raised: BaseException) -> BaseException:
+    """What a failed save of ``target`` raises for ``raised``: an I/O error (or any error on a nearly full disk) as
+    :class:`CheckpointWriteError` naming the cause, measured now (before the partial folder goes: the space it takes
+    counts); another error, or one already a :class:`CheckpointWriteError`, as it is."""
+    error = _cause(raised)
+    parent = os.path.dirname(os.path.abspath(target))
+    free = shutil.disk_usage(parent).free if os.path.isdir(parent) else LOW_SPACE_BYTES
+    if isinstance(error, CheckpointWriteError) or not _is_io_error(error, free):
+        return raised
+    cause, fix = _write_error_cause(error, free)
+    return CheckpointWriteError(
+        getattr(error, "errno", None) or (errno.ENOSPC if cause.startswith("no space") else errno.EIO),
+        f"could not save {target!r}: {cause}; {fix}. The partial folder was removed; earlier checkpoints are intact.",
+    )
+
+
 @contextlib.contextmanager
-def _removed_on_error(target: str, partial: str | None, previous: str | None = None):
-    """On an exception in the block: remove ``partial``, move ``previous`` back to ``target``, and re-raise an I/O
-    error (or any error on a nearly full disk) as :class:`CheckpointWriteError` naming the cause."""
+def _removed_on_error(target: str, partial: str | None):
+    """On an exception in the block: remove ``partial`` and re-raise it as :func:`_write_error` says."""
     try:
         yield
     except BaseException as raised:
-        error = _cause(raised)
-        parent = os.path.dirname(os.path.abspath(target))
-        free = shutil.disk_usage(parent).free if os.path.isdir(parent) else LOW_SPACE_BYTES
+        error = _write_error(target, raised)
         if partial is not None:
             shutil.rmtree(partial, ignore_errors=True)
-        if previous is not None and os.path.exists(previous):
-            os.replace(previous, target)
-        if not _is_io_error(error, free) or isinstance(error, CheckpointWriteError):
+        if error is raised:
             raise
-        cause, fix = _write_error_cause(error, free)
-        raise CheckpointWriteError(
-            getattr(error, "errno", None) or (errno.ENOSPC if cause.startswith("no space") else errno.EIO),
-            f"could not save {target!r}: {cause}; {fix}. The partial folder was removed; earlier checkpoints are intact.",
-        ) from error
+        raise error from _cause(raised)
 
 
 def _staging_path(target: str, run_id: str, kind: str = "tmp") -> str:
@@ -170,22 +173,56 @@ def _staging_path(target: str, run_id: str, kind: str = "tmp") -> str:
     return os.path.join(parent, f".{name}.{kind}-{run_id}")
 
 
-def _write_manifest_spread(staging: str, *, is_writer: bool, config, group=None) -> None:
+def _every_rank(work, group=None, target: str | None = None) -> list:
+    """:func:`~boost_hf.checkpoint.decisions.on_every_rank` for a phase of the save of ``target``: ``work()`` on every
+    rank of ``group``, its error made what a failed save raises (:func:`_write_error`: the cause named where it
+    happened), then the outcomes shared, so an error of one rank (the writer's full disk, a failed rename) is raised
+    on every rank before the next collective (a :class:`CheckpointWriteError` as itself, "(on rank 0)")."""
+
+    def phase():
+        try:
+            return work()
+        except Exception as raised:  # noqa: BLE001 (raised again, as a failed save raises it)
+            error = _write_error(target, raised) if target is not None else raised
+            if error is raised:
+                raise
+            raise error from _cause(raised)
+
+    return on_every_rank(phase, group, kinds=(CheckpointWriteError, CheckpointIntegrityError))
+
+
+def _gathered_digests(staging: str, group=None, target: str | None = None) -> dict | None:
     """Collective over ``group`` (all ranks): each rank hashes its share of ``staging``'s files
-    (:func:`~boost_hf.checkpoint.integrity.hashing_shares`: what it wrote, then the rest balanced by size), the digests
-    are gathered on global rank 0 (``is_writer``), which writes the manifest."""
-    _barrier(group)
+    (:func:`~boost_hf.checkpoint.integrity.hashing_shares`: what it wrote, then the rest balanced by size) and the
+    digests are shared, for the manifest; ``None`` in one process (the manifest hashes every file itself). The
+    listing is global rank 0's (every file written); an error of any rank is raised on every rank."""
     if not _launched():
-        write_manifest(staging, config)
-        return
-    sizes = [file_sizes(staging) if is_writer else None]
-    dist.broadcast_object_list(sizes, src=0, group=group)
-    share = hashing_shares(sizes[0], dist.get_world_size(group))[dist.get_rank(group)]
-    digests = file_digests(staging, share)
-    gathered = [None] * dist.get_world_size(group) if is_writer else None
-    dist.gather_object(digests, gathered, dst=0, group=group)
-    if is_writer:
-        write_manifest(staging, config, files={name: entry for part in gathered for name, entry in part.items()})
+        return None
+    sizes = decided_on_rank_zero(lambda: file_sizes(staging), group, kinds=(CheckpointIntegrityError,))
+    share = hashing_shares(sizes, dist.get_world_size(group))[dist.get_rank(group)]
+    parts = _every_rank(lambda: file_digests(staging, share), group, target)
+    return {name: entry for part in parts for name, entry in part.items()}
+
+
+def _commit(target: str, staging: str, *, is_writer: bool, run_id: str, config, files: dict | None, group=None,
+            record: bool = False, after_commit=None) -> None:
+    """Collective over ``group``: the writer writes ``staging``'s manifest (``files``: the gathered digests), records
+    ``target`` as the lineage's last checkpoint (``record``), renames ``staging`` to ``target`` (:func:`_replace`) and
+    runs ``after_commit()`` (e.g. the rotation of old checkpoints); its error, if any, is raised on every rank (the
+    staging folder removed, the earlier folders intact)."""
+
+    def commit() -> None:
+        if not is_writer:
+            return
+        with _removed_on_error(target, staging):
+            write_manifest(staging, config, files=files)
+            if record:  # the lineage's last, before its rename (boost_hf.checkpoint.lineage)
+                record_checkpoint(os.path.dirname(os.path.abspath(target)), target)
+            _replace(target, staging, run_id)
+        if after_commit is not None:
+            after_commit()
+
+    _every_rank(commit, group)
 
 
 def _replace(target: str, staging: str, run_id: str) -> None:
@@ -212,18 +249,25 @@ def atomic_directory(target: str, *, is_writer: bool, run_id: str, config=None, 
     The staging folder ``.<name>.tmp-<run_id>`` is unique to the run. ``is_writer`` (global rank 0) creates it; after
     every rank wrote, the ranks hash their shares of the files and global rank 0 writes the manifest (with
     ``config``'s architecture record) and renames the folder; an existing ``target`` is replaced (moved aside first, so
-    a crash never leaves a half-written folder under that name).
+    a crash never leaves a half-written folder under that name). Each phase ends with the ranks' outcomes shared
+    (:func:`_every_rank`): an error of one rank, in the block too, is raised on every rank.
     """
     staging = _staging_path(target, run_id)
     with _removed_on_error(target, staging if is_writer else None):
-        if is_writer:
-            os.makedirs(staging)
-        _barrier(group)
-        yield staging
-        _write_manifest_spread(staging, is_writer=is_writer, config=config, group=group)
-    if is_writer:
-        _replace(target, staging, run_id)
-    _barrier(group)
+        _every_rank(lambda: os.makedirs(staging) if is_writer else None, group, target)
+        failed = None
+        try:
+            yield staging
+        except Exception as error:  # noqa: BLE001 (raised on every rank by the agreement below)
+            failed = error
+
+        def wrote() -> None:
+            if failed is not None:
+                raise failed
+
+        _every_rank(wrote, group, target)
+        files = _gathered_digests(staging, group, target)
+    _commit(target, staging, is_writer=is_writer, run_id=run_id, config=config, files=files, group=group)
 
 
 def host_copy(state):
@@ -261,7 +305,10 @@ class CheckpointSaver:
     manifest and the rename before returning. Asynchronous: ``dcp.async_save`` copies this rank's tensors to host
     memory (its own shards only), then a daemon thread waits for the write, hashes, gathers and renames, in a gloo
     group of its own (the training's collectives go on meanwhile); :meth:`wait` joins it and raises its error. A
-    crash before the manifest leaves only a staging folder (never a complete-looking checkpoint)."""
+    crash before the manifest leaves only a staging folder (never a complete-looking checkpoint). Each phase ends with
+    the ranks' outcomes shared (:func:`_every_rank`), so a failure on one rank (the writer's full disk while writing
+    the small files, a failed rename or rotation) is raised on every rank at once, not left for the others to wait
+    out in the next collective until ``--ddp_timeout``."""
 
     def __init__(self, *, is_writer: bool, run_id: str):
         self.is_writer, self.run_id = is_writer, run_id
@@ -290,36 +337,31 @@ class CheckpointSaver:
         staging = _staging_path(target, self.run_id)
         writer = FileSystemWriter(os.path.join(staging, DCP_FOLDER))
         with _removed_on_error(target, staging if self.is_writer else None), quiet_single_process_warning():
-            if self.is_writer:
-                os.makedirs(staging)
-            _barrier(group)
-            write_files(staging)
+            _every_rank(lambda: os.makedirs(staging) if self.is_writer else None, group, target)
+            _every_rank(lambda: write_files(staging), group, target)  # the small files: the writer's full disk is every rank's
             if not asynchronous:
-                dcp.save(state_dict, storage_writer=writer, process_group=group)
-                _write_manifest_spread(staging, is_writer=self.is_writer, config=config, group=group)
+                dcp.save(state_dict, storage_writer=writer, process_group=group)  # DCP shares its ranks' errors itself
+                files = _gathered_digests(staging, group, target)
             else:
                 upload = dcp.async_save(state_dict, storage_writer=writer, process_group=group, async_stager=HostCopyStager())
         if not asynchronous:
-            self._commit(target, staging, after_commit, group)
+            self._commit(target, staging, config, files, after_commit, group)
             return
         self._thread = threading.Thread(target=self._finish, args=(upload, target, staging, config, after_commit, group),
                                         name=f"boost-hf checkpoint {os.path.basename(target)}", daemon=True)
         self._thread.start()
 
-    def _commit(self, target: str, staging: str, after_commit, group) -> None:
-        if self.is_writer:
-            _replace(target, staging, self.run_id)
-            if after_commit is not None:
-                after_commit()
-        _barrier(group)
+    def _commit(self, target: str, staging: str, config, files, after_commit, group) -> None:
+        _commit(target, staging, is_writer=self.is_writer, run_id=self.run_id, config=config, files=files, group=group,
+                record=True, after_commit=after_commit)
 
     def _finish(self, upload, target: str, staging: str, config, after_commit, group) -> None:
         """The background half of an asynchronous save (runs in :meth:`save`'s thread)."""
         try:
             with _removed_on_error(target, staging if self.is_writer else None):
-                upload.result()
-                _write_manifest_spread(staging, is_writer=self.is_writer, config=config, group=group)
-            self._commit(target, staging, after_commit, group)
+                _every_rank(lambda: upload.result() and None, group, target)  # the outcome only (not DCP's metadata)
+                files = _gathered_digests(staging, group, target)
+            self._commit(target, staging, config, files, after_commit, group)
         except BaseException as error:  # noqa: BLE001 (raised by wait() in the training thread)
             self._error = error
 
@@ -337,13 +379,14 @@ class CheckpointSaver:
             raise error
 
 
-_STAGING = re.compile(rf"^\.({PREFIX_CHECKPOINT_DIR}-\d+|final)\.(tmp|old)-(.+)$")
+_STAGING = re.compile(rf"^\.({PREFIX_CHECKPOINT_DIR}-\d+|final|{re.escape(RECORD_NAME)})\.(tmp|old)-(.+)$")
 
 
 def remove_stale_staging(output_dir: str, run_id: str) -> list[str]:
     """Clean up after earlier runs killed while saving in ``output_dir``: a folder moved aside by :func:`_replace`
     (``.<name>.old-<run id>``) whose ``<name>`` is missing (killed between the two renames) is moved back under its
-    name (the newest such folder, with a warning); every other staging folder of an earlier run is deleted. Return the
+    name (the newest such folder, with a warning); every other staging folder of an earlier run (and temporary file
+    of the lineage's record, :mod:`~boost_hf.checkpoint.lineage`) is deleted. Return the
     names deleted. Call while holding the output folder's lock (no other run writes there)."""
     stale = sorted((m for n in os.listdir(output_dir) if (m := _STAGING.match(n)) and m.group(3) != run_id),
                    key=lambda m: os.path.getmtime(os.path.join(output_dir, m.group(0))), reverse=True)
@@ -355,17 +398,21 @@ def remove_stale_staging(output_dir: str, run_id: str) -> list[str]:
                            "folder aside and renaming the new one into place)", target, name)
     removed = [m.group(0) for m in stale if os.path.exists(os.path.join(output_dir, m.group(0)))]
     for name in removed:
-        shutil.rmtree(os.path.join(output_dir, name), ignore_errors=True)
+        path = os.path.join(output_dir, name)
+        if os.path.isdir(path):
+            shutil.rmtree(path, ignore_errors=True)
+        else:  # the record's temporary file
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(path)
     return removed
 
 
 def _previous_complete(folder: str) -> str | None:
     """The newest complete checkpoint of ``folder``'s run older than ``folder`` (a ``checkpoint-<step>``), if any."""
-    match = _CHECKPOINT.match(os.path.basename(os.path.normpath(folder)))
-    if not match:
+    step = checkpoint_step(folder)
+    if step is None:
         return None
-    earlier = [c for c in completed_checkpoints(os.path.dirname(os.path.abspath(folder)))
-               if int(_CHECKPOINT.match(os.path.basename(c)).group(1)) < int(match.group(1))]
+    earlier = [c for c in completed_checkpoints(os.path.dirname(os.path.abspath(folder))) if checkpoint_step(c) < step]
     return earlier[-1] if earlier else None
 
 
@@ -414,7 +461,7 @@ def completed_checkpoints(run_dir: str, skipped: list[tuple[str, str]] | None = 
     ``(folder, reason)``."""
     if not os.path.isdir(run_dir):
         return []
-    found = [(int(m.group(1)), m.group(0)) for m in map(_CHECKPOINT.match, os.listdir(run_dir)) if m]
+    found = [(step, name) for name in os.listdir(run_dir) if (step := checkpoint_step(name)) is not None]
     complete = []
     for _, name in sorted(found):
         folder = os.path.join(run_dir, name)
@@ -426,30 +473,21 @@ def completed_checkpoints(run_dir: str, skipped: list[tuple[str, str]] | None = 
     return complete
 
 
-def newest_complete_checkpoint(run_dir: str) -> str:
-    """The newest complete checkpoint of ``run_dir`` (``--resume_from_checkpoint last``); newer incomplete or damaged
-    ones are skipped with a warning naming each and why. ``FileNotFoundError`` when there is none."""
-    skipped: list[tuple[str, str]] = []
-    complete = completed_checkpoints(run_dir, skipped)
-    newest = complete[-1] if complete else None
-    for folder, reason in skipped:
-        if newest is None or int(_CHECKPOINT.match(os.path.basename(folder)).group(1)) > int(_CHECKPOINT.match(os.path.basename(newest)).group(1)):
-            logger.warning("--resume_from_checkpoint last: skipping %s, not a complete checkpoint: %s", folder, reason)
-    if newest is None:
-        raise FileNotFoundError(
-            f"no complete checkpoint (with a valid manifest.json) in output_dir {run_dir!r} to resume from"
-            + (f"; skipped: {', '.join(os.path.basename(f) for f, _ in skipped)}" if skipped else "") + "."
-        )
-    if skipped:
-        logger.warning("--resume_from_checkpoint last: resuming from %s", newest)
-    return newest
-
-
 def check_fresh_output_dir(output_dir: str, overwrite: bool) -> None:
-    """A new (not resumed) run must not silently overwrite an earlier run's checkpoints or final model."""
+    """A new (not resumed) run must not silently overwrite an earlier run's checkpoints or final model; a finished run
+    without checkpoints (``--save_strategy no``) has none to continue from: ``--init_from`` trains on from its weights."""
     if overwrite or not os.path.isdir(output_dir):
         return
-    earlier = sorted(n for n in os.listdir(output_dir) if _CHECKPOINT.match(n) or n == "final")
+    earlier = sorted(n for n in os.listdir(output_dir) if checkpoint_step(n) is not None or n == "final")
+    if earlier == ["final"]:
+        finished = finished_step(output_dir)
+        final = os.path.join(output_dir, "final")
+        raise FileExistsError(
+            f"output_dir {output_dir!r} holds a finished run (final/{f', trained to step {finished}' if finished else ''}) "
+            f"and no checkpoint to continue it from (it was saved with --save_strategy no, or its checkpoints were removed): "
+            f"train on from its weights with --init_from {final} (a new optimizer and learning-rate schedule) into another "
+            "output_dir, pass --overwrite_output_dir true to replace it, or choose another output_dir."
+        )
     if earlier:
         raise FileExistsError(
             f"output_dir {output_dir!r} already holds a run ({', '.join(earlier[:4])}): resume it with "
@@ -458,10 +496,14 @@ def check_fresh_output_dir(output_dir: str, overwrite: bool) -> None:
 
 
 def remove_earlier_run(output_dir: str) -> None:
-    """Delete the checkpoints and final model of an earlier run (``--overwrite_output_dir``)."""
+    """Delete the checkpoints (those set aside as another lineage's too), the record of the last one and the final model
+    of an earlier run (``--overwrite_output_dir``)."""
     for name in os.listdir(output_dir):
-        if _CHECKPOINT.match(name) or name == "final":
-            shutil.rmtree(os.path.join(output_dir, name))
+        path = os.path.join(output_dir, name)
+        if checkpoint_step(name) is not None or is_abandoned(name) or name == "final":
+            shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(os.path.join(output_dir, RECORD_NAME))
 
 
 @contextlib.contextmanager
@@ -485,7 +527,6 @@ __all__ = [
     "completed_checkpoints",
     "incomplete_reason",
     "is_distributed_checkpoint",
-    "newest_complete_checkpoint",
     "verify_checkpoint_once",
     "remove_stale_staging",
     "check_fresh_output_dir",

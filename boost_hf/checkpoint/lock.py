@@ -1,8 +1,10 @@
 """The run's claim on ``output_dir``: ``<output_dir>/.boost_hf.lock``, held by one process of a run (global rank 0).
 
 The lock file records who holds it: the run id, the host and pid, the launch (:func:`launch_identity`: the SLURM job
-and its requeue count, or torchelastic's run id and restart count) and a heartbeat (a time stamp and a counter that a
-thread of the owner rewrites every ``heartbeat_s`` seconds). A second run into the folder is refused with
+and its requeue count, or torchelastic's run id and restart count); it is created exclusively and never written over.
+Its heartbeat is its modification time, which a thread of the owner moves every ``heartbeat_s`` seconds (a lock
+written by an earlier boost-hf version holds a time stamp and a counter instead, rewritten at each beat). A second
+run into the folder is refused with
 :class:`OutputDirInUseError` unless the owner is provably gone:
 
 * it ran on this host and its process is gone (checked by pid and the process's start time; a live one is refused
@@ -21,6 +23,12 @@ thread of the owner rewrites every ``heartbeat_s`` seconds). A second run into t
 
 The owner's heartbeat thread also checks that the lock still names its run; if another run took it over (the
 owner was frozen longer than the bound), the owner stops at once rather than write into a folder another run owns.
+
+No check-then-act race: a run takes a gone owner's lock over by renaming it to a name of its own, then checking that
+what it moved aside is the lock it judged (another run's new lock, created meanwhile, is put back and judged in
+turn), and creates its own exclusively; the heartbeat moves only the modification time of the file the owner
+created, through its descriptor, so it cannot write over a lock taken over while the owner was frozen between its
+check and its beat.
 """
 
 from __future__ import annotations
@@ -33,6 +41,7 @@ import socket
 import sys
 import threading
 import time
+import uuid
 
 LOCK_NAME = ".boost_hf.lock"
 HEARTBEAT_S = 10.0
@@ -93,9 +102,14 @@ def _describe(owner: dict) -> str:
 
 
 class OutputDirLock:
-    """``<output_dir>/.boost_hf.lock``, created exclusively by one process of a run, kept alive by a heartbeat
-    thread and removed at its exit. :meth:`acquire` takes over the lock of a run that is provably gone (see the
-    module) and raises :class:`OutputDirInUseError` for any other."""
+    """``<output_dir>/.boost_hf.lock``, created exclusively by one process of a run and removed at its exit; its
+    heartbeat is the lock's modification time, moved every ``heartbeat_s`` through the file descriptor the owner
+    created it with, so the lock's content is written once and a beat can only ever touch the owner's own file, never
+    another run's lock under that name. :meth:`acquire` takes over the lock of a run that is provably gone (see the
+    module) and raises :class:`OutputDirInUseError` for any other. A lock is taken over (or released, or a damaged one
+    repaired) by renaming it to a name of this process's own and checking that the file moved aside is the one judged:
+    if another run's lock was created meanwhile, it is put back and judged in turn, so two runs racing for a dead
+    run's folder never both hold it."""
 
     def __init__(self, output_dir: str, *, heartbeat_s: float = HEARTBEAT_S, stale_after_s: float = STALE_AFTER_S):
         self.output_dir = output_dir
@@ -105,43 +119,80 @@ class OutputDirLock:
         self.taken_over: str | None = None
         """Why an earlier owner's lock was taken over (``None``: the folder was free)."""
         self._owner: dict | None = None
+        self._fd: int | None = None  # the lock this run created (its inode, wherever it is renamed to)
         self._stop = threading.Event()
-        self._writing = threading.Lock()  # a heartbeat's rewrite and the release never interleave
+        self._releasing = threading.Lock()  # a heartbeat and the release never interleave
 
     def acquire(self, run_id: str) -> None:
         """Create the lock for ``run_id`` (taking over a gone owner's) and start the heartbeat."""
         os.makedirs(self.output_dir, exist_ok=True)
         owner = {"run_id": run_id, "pid": os.getpid(), "pid_start": _process_start(os.getpid()), "host": socket.gethostname(),
-                 "launch": launch_identity(),
-                 "since": time.strftime("%Y-%m-%d %H:%M:%S"), "heartbeat": time.time(), "beats": 0}
+                 "launch": launch_identity(), "since": time.strftime("%Y-%m-%d %H:%M:%S")}
         for _ in range(3):
-            try:
-                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-            except FileExistsError:
-                self._take_over_if_gone()
-                continue
-            with os.fdopen(fd, "w") as f:
-                json.dump(owner, f)
-            self._owner, self.held = owner, True
-            atexit.register(self.release)
-            threading.Thread(target=self._beat, name="boost-hf-output-lock", daemon=True).start()
-            return
+            self._fd = _create(self.path, json.dumps(owner))
+            if self._fd is not None:
+                self._owner, self.held = owner, True
+                atexit.register(self.release)
+                threading.Thread(target=self._beat, name="boost-hf-output-lock", daemon=True).start()
+                return
+            self._take_over_if_gone()
         raise OutputDirInUseError(f"could not lock output_dir {self.output_dir!r}: another run keeps creating {self.path}.")
 
-    def _read(self) -> dict:
-        """The lock's record (``{}``: no lock). A damaged one (e.g. empty: its owner died between creating and writing
-        it) reads as a record whose heartbeat is the file's modification time."""
+    def _record(self, path: str) -> dict:
+        """The lock file ``path`` as written (``{}``: none). A damaged one (e.g. empty: its owner died between creating
+        and writing it) reads as a record whose heartbeat is the file's modification time."""
         try:
-            with open(self.path) as f:
-                return json.load(f)
+            with open(path) as f:
+                record = json.load(f)
+            if isinstance(record, dict):
+                return record
         except FileNotFoundError:
             return {}
         except (OSError, ValueError):
-            try:
+            pass
+        try:
+            stat = os.stat(path)
+        except FileNotFoundError:
+            return {}
+        return {"damaged": True, "heartbeat": stat.st_mtime, "beats": stat.st_mtime_ns}
+
+    def _read(self) -> dict:
+        """The lock's owner with its heartbeat, ``heartbeat`` (a time stamp) and ``beats`` (what moves at each beat):
+        the lock's modification time (a lock written by an earlier boost-hf version holds them itself), and
+        ``written``, the record as the lock holds it. ``{}``: no lock."""
+        record = self._record(self.path)
+        if not record:
+            return {}
+        owner = {**record, "written": record}
+        if "beats" not in record:
+            with contextlib.suppress(FileNotFoundError):
                 stat = os.stat(self.path)
-            except FileNotFoundError:
-                return {}
-            return {"damaged": True, "heartbeat": stat.st_mtime, "beats": stat.st_mtime_ns}
+                owner.update(heartbeat=stat.st_mtime, beats=stat.st_mtime_ns)
+        return owner
+
+    def _move_aside_if(self, written: dict) -> bool:
+        """Remove the lock if it is still ``written`` (a record as :meth:`_record` reads it): renamed to a name of this
+        process's own first, then checked; another run's lock (created since ``written`` was read) is put back under
+        its name (the same file, where hard links exist). Whether ``written`` was removed."""
+        aside = f"{self.path}.{os.getpid()}-{uuid.uuid4().hex[:8]}.aside"
+        try:
+            os.rename(self.path, aside)
+        except FileNotFoundError:
+            return False  # removed meanwhile (released, or taken over by another run)
+        if self._record(aside) == written:
+            os.remove(aside)
+            return True
+        try:  # another run's: back under its name, unless a third run created one meanwhile
+            os.link(aside, self.path)
+        except FileExistsError:
+            pass
+        except OSError:  # no hard links on this file system: a copy (its owner adopts it at its next beat)
+            with open(aside, "rb") as f:
+                fd = _create(self.path, f.read())
+            if fd is not None:
+                os.close(fd)
+        os.remove(aside)
+        return False
 
     def _take_over_if_gone(self) -> None:
         """Remove the lock if its owner is provably gone (see the module); else raise :class:`OutputDirInUseError`."""
@@ -151,13 +202,13 @@ class OutputDirLock:
         reason = self._gone_reason(owner)
         if reason is None:
             raise OutputDirInUseError(
-                f"output_dir {self.output_dir!r} is in use by another run ({_describe(owner)}; its heartbeat in the lock "
-                f"goes on): wait for it to finish or choose another output_dir. A dead run's lock is taken over by itself "
+                f"output_dir {self.output_dir!r} is in use by another run ({_describe(owner)}; its heartbeat goes on): "
+                f"wait for it to finish or choose another output_dir. A dead run's lock is taken over by itself "
                 f"(same host; a requeue of the same SLURM job or torchelastic run; or a heartbeat older than "
                 f"{self.stale_after_s:g} s); to take it now, delete {self.path}."
             )
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(self.path)
+        if not self._move_aside_if(owner["written"]):
+            return  # another run's lock now: the next attempt judges it
         self.taken_over = f"{_describe(owner)}: {reason}"
         print(f"boost-hf: took over the lock of output_dir {self.output_dir!r} from {self.taken_over}.", file=sys.stderr, flush=True)
 
@@ -194,47 +245,68 @@ class OutputDirLock:
                 return f"its heartbeat did not move for {watched:.0f} s"
 
     def _beat(self) -> None:
-        """Every ``heartbeat_s``: rewrite the lock with a new time stamp and count, after checking it is still ours. A
-        lock deleted by hand is written again (the folder gone: the beat ends); one naming another run ends this
-        process (:data:`LOST_LOCK_EXIT_CODE`)."""
+        """Every ``heartbeat_s``: check that the lock is still this run's, then move the modification time of the file
+        this run created (:meth:`acquire`'s descriptor: its own lock, never one another run created under the name). A
+        lock deleted by hand is created again (the folder gone: the beat ends), a copy of this run's lock (put back by a
+        run that moved it aside) adopted, a damaged one repaired (unless younger than half a heartbeat: maybe another
+        run's between its creation and its first write); one naming another run ends this process
+        (:data:`LOST_LOCK_EXIT_CODE`)."""
         while not self._stop.wait(self.heartbeat_s):
-            current = self._read()
-            if current.get("damaged") and time.time() - current["heartbeat"] < self.heartbeat_s / 2:
-                continue  # maybe another run's lock between its creation and its first write: read it next beat
-            if current.get("damaged"):
-                print(f"boost-hf: the lock file {self.path} of this run was damaged; rewriting it.", file=sys.stderr, flush=True)
-            elif current and current.get("run_id") != self._owner["run_id"]:
+            with self._releasing:
                 if self._stop.is_set():
                     return
-                print(f"boost-hf: the lock of output_dir {self.output_dir!r} was taken over by another run "
-                      f"({_describe(current)}) while this run (pid {os.getpid()}) held it; this run stops so that only one "
-                      "run writes there.", file=sys.stderr, flush=True)
-                os._exit(LOST_LOCK_EXIT_CODE)
-            if not os.path.isdir(self.output_dir):
-                return
-            self._owner.update(heartbeat=time.time(), beats=self._owner["beats"] + 1)
-            staging = f"{self.path}.{os.getpid()}.tmp"
-            with self._writing:
-                if self._stop.is_set():
+                current = self._record(self.path)
+                if current.get("damaged") and time.time() - current["heartbeat"] < self.heartbeat_s / 2:
+                    continue  # maybe another run's lock between its creation and its first write: read it next beat
+                if current.get("damaged"):
+                    print(f"boost-hf: the lock file {self.path} of this run was damaged; rewriting it.", file=sys.stderr, flush=True)
+                    if self._move_aside_if(current):
+                        self._adopt(_create(self.path, json.dumps(self._owner)))
+                    continue  # whose it is now: the next beat reads it
+                if current and current.get("run_id") != self._owner["run_id"]:
+                    print(f"boost-hf: the lock of output_dir {self.output_dir!r} was taken over by another run "
+                          f"({_describe(current)}) while this run (pid {os.getpid()}) held it; this run stops so that only one "
+                          "run writes there.", file=sys.stderr, flush=True)
+                    os._exit(LOST_LOCK_EXIT_CODE)
+                if not os.path.isdir(self.output_dir):
                     return
-                try:
-                    with open(staging, "w") as f:
-                        json.dump(self._owner, f)
-                    os.replace(staging, self.path)
-                except OSError:  # a full or unreachable disk: the next beat tries again
-                    with contextlib.suppress(OSError):
-                        os.remove(staging)
+                if not current:  # deleted by hand
+                    self._adopt(_create(self.path, json.dumps(self._owner)))
+                    continue
+                with contextlib.suppress(OSError):
+                    if not os.path.samestat(os.fstat(self._fd), os.stat(self.path)):  # this run's lock, copied back
+                        self._adopt(os.open(self.path, os.O_RDONLY))
+                    os.utime(self._fd)  # a full or unreachable disk: the next beat tries again
+
+    def _adopt(self, fd: int | None) -> None:
+        """Beat through ``fd`` from now on (``None``: another run created the lock first; the next beat reads it)."""
+        if fd is not None:
+            os.close(self._fd)
+            self._fd = fd
 
     def release(self) -> None:
         """Stop the heartbeat and remove the lock (if it is still this run's)."""
         if not self.held:
             return
         self.held = False
-        with self._writing:
+        with self._releasing:
             self._stop.set()
-            if self._read().get("run_id") == self._owner["run_id"]:
-                with contextlib.suppress(FileNotFoundError):
-                    os.remove(self.path)
+            with contextlib.suppress(OSError):
+                os.close(self._fd)  # before the file goes (NFS keeps a removed open file as .nfs<id> until it is closed)
+            written = self._record(self.path)
+            if written.get("run_id") == self._owner["run_id"]:
+                self._move_aside_if(written)
+
+
+def _create(path: str, content: str | bytes) -> int | None:
+    """Create ``path`` holding ``content`` if it does not exist (``O_EXCL``): the open file descriptor, or ``None`` if
+    the file exists."""
+    try:
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR)
+    except FileExistsError:
+        return None
+    os.write(fd, content.encode() if isinstance(content, str) else content)
+    return fd
 
 
 __all__ = ["LOCK_NAME", "OutputDirInUseError", "OutputDirLock", "launch_identity"]

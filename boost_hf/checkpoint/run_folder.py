@@ -6,21 +6,24 @@ The training run (:class:`~boost_hf.training.run.TrainingRun`) adds the hang wat
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import uuid
 
-import torch.distributed as dist
 from transformers.trainer import TRAINER_STATE_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from .folders import (
     CheckpointSaver,
     check_fresh_output_dir,
+    incomplete_reason,
     remove_earlier_run,
     remove_stale_staging,
     verify_checkpoint_once,
 )
-from .decisions import final_is_published, resume_checkpoint, steps_trained
+from .decisions import decided_on_rank_zero, final_is_published, resume_checkpoint, steps_trained
+from .lineage import finished_step, set_aside_later_checkpoints
 from .lock import OutputDirInUseError, OutputDirLock
 from .resume import check_resume_layout
 
@@ -34,26 +37,24 @@ class RunFolder:
         self.run_id: str | None = None
         self.saver: CheckpointSaver | None = None
         self._lock: OutputDirLock | None = None
+        self._resumed: str | None = None  # the checkpoint resume_point just decided and checked (not decided again next)
 
     def claim(self) -> None:
-        """Collective, once per run: lock ``output_dir`` on the writing rank and share the run id (which names the
-        staging folders) with every rank; every rank raises the writer's error if the folder is in use."""
+        """Collective, once per run: lock ``output_dir`` on global rank 0 (the writer), restore or remove what killed runs
+        left while saving (:func:`~boost_hf.checkpoint.folders.remove_stale_staging`) and share the run id (which names
+        the staging folders) with every rank; every rank raises the writer's error (the folder in use, a folder it cannot
+        write)."""
         if self.run_id is not None:
             return
-        claim = [None, None]  # [run id, error]
-        if self.args.should_save:
-            claim[0] = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+        def lock() -> str:
+            run_id = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
             self._lock = OutputDirLock(self.args.output_dir)
-            try:
-                self._lock.acquire(claim[0])
-                remove_stale_staging(self.args.output_dir, claim[0])
-            except OutputDirInUseError as error:
-                claim[1] = str(error)
-        if dist.is_available() and dist.is_initialized():
-            dist.broadcast_object_list(claim, src=0)
-        if claim[1] is not None:
-            raise OutputDirInUseError(claim[1])
-        self.run_id = claim[0]
+            self._lock.acquire(run_id)
+            remove_stale_staging(self.args.output_dir, run_id)
+            return run_id
+
+        self.run_id = decided_on_rank_zero(lock, kinds=(OutputDirInUseError,))
         self.saver = CheckpointSaver(is_writer=self.args.should_save, run_id=self.run_id)
 
     def release(self) -> None:
@@ -62,14 +63,38 @@ class RunFolder:
             self._lock.release()
 
     def resume_point(self, resume_from_checkpoint: str | bool | None, config, layout: dict) -> str | None:
-        """The checkpoint a run continues from (``True`` or ``"last"``: the last *complete* one; ``"auto"``: that, or a new
-        run if there is none; ``None``: a new run, which refuses an ``output_dir`` holding an earlier run unless
-        ``overwrite_output_dir``), decided on global rank 0 (:func:`~boost_hf.checkpoint.decisions.resume_checkpoint`),
-        verified against its manifest and architecture and resumable at this run's ``layout``. Collective."""
+        """The checkpoint a run continues from (``True`` or ``"last"``: the last *complete* one of the run's lineage;
+        ``"auto"``: that, or a new run if there is none; ``None``: a new run, which refuses an ``output_dir`` holding an
+        earlier run unless ``overwrite_output_dir``), decided on global rank 0
+        (:func:`~boost_hf.checkpoint.decisions.resume_checkpoint`) once the folder is claimed (:meth:`claim`: locked,
+        staging folders of killed runs restored or removed), verified against its manifest and architecture and
+        resumable at this run's ``layout``; the checkpoints of ``output_dir`` of later steps are then set aside as
+        another lineage's (:func:`~boost_hf.checkpoint.lineage.set_aside_later_checkpoints`). Collective."""
+        if resume_from_checkpoint is not None and resume_from_checkpoint == self._resumed:
+            self._resumed = None  # decided and checked just before (boost-hf train's main, then train()): once
+            return resume_from_checkpoint
+        self.claim()
+        with self._released_on_error():
+            resume = self._checked_resume_point(resume_from_checkpoint, config, layout)
+        self._resumed = resume
+        return resume
+
+    @contextlib.contextmanager
+    def _released_on_error(self):
+        """An error in the block (a refusal, on every rank) releases the folder the run claimed for it: a run that
+        never trained leaves no lock behind, also in a process that goes on (a notebook, a test)."""
+        try:
+            yield
+        except BaseException:
+            self.release()
+            self.run_id, self.saver, self._lock = None, None, None
+            raise
+
+    def _checked_resume_point(self, asked, config, layout: dict) -> str | None:
         run_dir = self.args.output_dir
-        resume_from_checkpoint = resume_checkpoint(run_dir, resume_from_checkpoint)  # rank 0's view, on every rank
+        resume_from_checkpoint = self._checkpoint_meant(asked)
         if resume_from_checkpoint is None:
-            check_fresh_output_dir(run_dir, getattr(self.args, "overwrite_output_dir", False))
+            decided_on_rank_zero(lambda: check_fresh_output_dir(run_dir, getattr(self.args, "overwrite_output_dir", False)))
             return None
         if not os.path.isfile(os.path.join(resume_from_checkpoint, TRAINER_STATE_NAME)):
             raise FileNotFoundError(
@@ -80,14 +105,61 @@ class RunFolder:
         # verified here for every resume: transformers skips _load_from_checkpoint under DeepSpeed
         verify_checkpoint_once(resume_from_checkpoint, config)
         check_resume_layout(resume_from_checkpoint, layout)
+        step = steps_trained(resume_from_checkpoint)
+        decided_on_rank_zero(lambda: set_aside_later_checkpoints(run_dir, resume_from_checkpoint, step))
         return resume_from_checkpoint
+
+    def _checkpoint_meant(self, asked: str | bool | None) -> str | None:
+        """The checkpoint ``asked`` means (:func:`~boost_hf.checkpoint.decisions.resume_checkpoint`); ``last`` in a finished
+        run without checkpoints means none (a new run: refused, naming ``--init_from``). Collective."""
+        try:
+            return resume_checkpoint(self.args.output_dir, asked)  # rank 0's view, on every rank
+        except FileNotFoundError:
+            if asked in (True, "last") and self.final_is_published():
+                return None
+            raise
+
+    def completion(self, resume_from_checkpoint: str | bool | None) -> str | None:
+        """Why the run in ``output_dir`` has nothing left to do, asked to resume as ``resume_from_checkpoint`` (its
+        ``final/`` is published and its training done: the checkpoint meant is at or past ``max_steps``; or, with
+        ``last`` / ``auto``, the run ended at or past it after that checkpoint, or saved no checkpoint to continue
+        from), else ``None``. Claims the folder first. Collective (decided on global rank 0)."""
+        self.claim()
+        if resume_from_checkpoint in (None, False, ""):
+            return None
+        with self._released_on_error():
+            checkpoint = self._checkpoint_meant(resume_from_checkpoint)
+        run_dir, max_steps = self.args.output_dir, getattr(self.args, "max_steps", -1)
+
+        def decide() -> str | None:
+            final = os.path.join(run_dir, "final")
+            if not os.path.isdir(final) or incomplete_reason(final) is not None:
+                return None
+            finished = finished_step(run_dir)
+            if checkpoint is None:
+                if max_steps > 0 and finished is not None and finished < max_steps:
+                    return None  # raised since: nothing to continue from (the resume names --init_from)
+                trained = f" (trained to step {finished}, its max_steps {max_steps})" if finished is not None else ""
+                return f"final/ is published{trained} and no checkpoint was saved to continue from"
+            if not os.path.isfile(os.path.join(checkpoint, TRAINER_STATE_NAME)):
+                return None  # not a checkpoint: the resume says so
+            step = _global_step(checkpoint)
+            if max_steps > 0 and step >= max_steps:
+                where = "its max_steps" if step == max_steps else f"past max_steps {max_steps}"
+                return f"{checkpoint} is at step {step}, {where}, and final/ is published"
+            requeued = resume_from_checkpoint in (True, "last", "auto")  # not a checkpoint named: a rollback goes on
+            if requeued and finished is not None and finished >= step and (max_steps <= 0 or finished >= max_steps):
+                return f"it ended at step {finished} (after {checkpoint}) and final/ is published"
+            return None
+
+        return decided_on_rank_zero(decide)
 
     def take_over(self, resumed: bool) -> None:
         """Collective: claim the folder; a new run (reached only with ``overwrite_output_dir``, or nothing to remove)
         removes the earlier run's checkpoints and final model."""
         self.claim()
-        if not resumed and self.args.should_save and os.path.isdir(self.args.output_dir):
-            remove_earlier_run(self.args.output_dir)
+        if not resumed:
+            decided_on_rank_zero(lambda: remove_earlier_run(self.args.output_dir) if os.path.isdir(self.args.output_dir) else None)
 
     def training_is_complete(self, checkpoint: str | None) -> bool:
         """Whether ``checkpoint`` was saved at (or past) ``args.max_steps`` (> 0): resumed, the run trains no step more.
@@ -101,6 +173,11 @@ class RunFolder:
 
     def checkpoint_path(self, step: int) -> str:
         return os.path.join(self.args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{step}")
+
+
+def _global_step(checkpoint: str) -> int:
+    with open(os.path.join(checkpoint, TRAINER_STATE_NAME)) as f:
+        return int(json.load(f)["global_step"])
 
 
 __all__ = ["RunFolder"]

@@ -9,7 +9,10 @@ the SHA-256 of sampled blocks: the whole file up to :data:`WHOLE_FILE_BYTES`, el
 :data:`SAMPLE_BYTES` evenly spaced from its first byte to its last, fewer per file when there are many files (about
 :data:`SAMPLE_BUDGET` blocks in all, at least the first and the last of each file): at most 256 KiB per file and about
 64 MiB in all up to 2,048 files (32 KiB per file beyond), read once per run. A map-style training set also records the SHA-256 of
-:data:`SAMPLED_ROWS` of its packed blocks (:func:`sampled_rows_sha256`): what is trained, whatever built it.
+:data:`SAMPLED_ROWS` of its packed blocks (:func:`sampled_rows_sha256`): what is trained, whatever built it. The data
+is identified by its content (the sizes and sampled blocks in order, :func:`content_of`): a copy without its
+modification times (to local scratch), a moved or renamed corpus is the same data; the times are only named beside a
+change of content.
 
 :func:`fingerprint_differences` says what differs between two fingerprints, :func:`describe_fingerprint` summarises
 one (:mod:`boost_hf.training.data` records them in every checkpoint and compares them on resume). No ``datasets``
@@ -91,10 +94,11 @@ class DataSources:
     _fingerprint: dict | None = field(default=None, repr=False, compare=False)
 
     def fingerprint(self) -> dict:
-        """``{"source", "files", "digest"}`` (computed once: the files are read at the first call)."""
+        """``{"source", "files", "digest"}`` (computed once: the files are read at the first call). The digest is of
+        the content (:func:`content_of`), whatever the files' names, places and times."""
         if self._fingerprint is None:
             entries = files_fingerprint(list(self.files))
-            identity = entries if self.files else self.description
+            identity = content_of(entries) if self.files else self.description
             digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
             self._fingerprint = {"source": self.description, "files": entries, "digest": digest}
         return self._fingerprint
@@ -137,14 +141,25 @@ def describe_fingerprint(fingerprint: dict) -> str:
     return f"digest {fingerprint.get('digest')} ({what}{rows})"
 
 
+def content_of(entries: list[dict]) -> list[tuple[int, str]]:
+    """The content of fingerprinted files (:func:`files_fingerprint`), in their order: each file's size and sampled
+    SHA-256. What identifies the data: not the files' names, folder or modification times."""
+    return [(entry["size"], entry["sampled_sha256"]) for entry in entries]
+
+
 def fingerprint_differences(saved: dict, now: dict, limit: int = 5) -> list[str]:
     """What differs between two fingerprints (at most ``limit`` files named, then a count): files added or removed,
-    each file's size, sampled content and modification time, a source without files, the sampled rows."""
+    each file's size and sampled content (its modification time named beside a change of content, never alone: a
+    copy without its times, e.g. to local scratch, is the same data), a source without files, the sampled rows. Files
+    renamed or moved (a folder of another name) with their content and order kept are the same data."""
     differences, changed = [], []
     both_known = saved.get("digest") is not None and now.get("digest") is not None  # sources known then and now
-    before, after = ({f["name"]: f for f in fp.get("files") or []} for fp in (saved, now)) if both_known else ({}, {})
+    files = [fp.get("files") or [] for fp in (saved, now)]
+    before, after = ({f["name"]: f for f in entries} for entries in files) if both_known else ({}, {})
     if both_known and not before and not after and saved.get("source") != now.get("source"):
         differences.append(f"the source was {saved.get('source')}, now {now.get('source')}")
+    if both_known and before.keys() != after.keys() and content_of(files[0]) == content_of(files[1]):
+        before = after = {}  # renamed or moved: the same content in the same order
     for name in sorted(before.keys() | after.keys()):
         old, new = before.get(name), after.get(name)
         if old is None or new is None:
@@ -155,9 +170,8 @@ def fingerprint_differences(saved: dict, now: dict, limit: int = 5) -> list[str]
             what.append(f"size {old['size']:,} -> {new['size']:,} bytes")
         if old["sampled_sha256"] != new["sampled_sha256"]:
             what.append(f"sampled content {old['sampled_sha256']} -> {new['sampled_sha256']}")
-        if old["mtime_ns"] != new["mtime_ns"]:
-            what.append(f"modified {_when(old['mtime_ns'])} -> {_when(new['mtime_ns'])}"
-                        + ("" if what else " (same size and sampled content: copied without its times, or touched?)"))
+        if what and old["mtime_ns"] != new["mtime_ns"]:
+            what.append(f"modified {_when(old['mtime_ns'])} -> {_when(new['mtime_ns'])}")
         if what:
             changed.append(f"{name}: {', '.join(what)}")
     differences += changed[:limit] + ([f"{len(changed) - limit} more files"] if len(changed) > limit else [])
@@ -171,6 +185,7 @@ __all__ = [
     "ATTRIBUTE",
     "DataSources",
     "attach_sources",
+    "content_of",
     "describe_fingerprint",
     "files_fingerprint",
     "fingerprint_differences",

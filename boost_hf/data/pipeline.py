@@ -32,7 +32,15 @@ from transformers import PreTrainedTokenizerBase
 from .checks import token_id_range
 from .corpus import DEFAULT_VALIDATION_PERCENT
 from .fingerprint import attach_sources
-from .sources import PathLike, Source, load_text_splits, local_data_files, training_sources, unreadable_file_error
+from .sources import (
+    PathLike,
+    Source,
+    first_record_not_text,
+    load_text_splits,
+    local_data_files,
+    training_sources,
+    unreadable_file_error,
+)
 from .stream import BlockStream
 from .tokenizer import load_tokenizer
 
@@ -73,7 +81,7 @@ def is_pre_tokenized(columns: list[str] | None) -> bool:
 
 
 def document_token_ids(tokenizer: PreTrainedTokenizerBase, *, text_column: str = "text", add_bos: bool = False,
-                       skip_records_without_text: bool = False) -> DocumentIds:
+                       skip_records_without_text: bool = False, locate_not_text=None) -> DocumentIds:
     """The batched function ``{column: [value per document]} -> {"input_ids": [ids per document]}`` (and ``"labels"``
     when the documents carry them), each an ``int64`` array.
 
@@ -81,8 +89,10 @@ def document_token_ids(tokenizer: PreTrainedTokenizerBase, *, text_column: str =
     positions where ``attention_mask`` is 0 are dropped (from ``labels`` too). Otherwise ``text_column`` is
     tokenized. Either way ``eos`` is appended unless the ids end with it and, with ``add_bos``, ``bos`` put first
     unless they start with it (their label is the token itself). Blank texts and empty documents are dropped. A record
-    without ``text_column`` (or a null one) is an error, or with ``skip_records_without_text`` left out and counted
-    (``records_without_text`` of the returned function, logged at the 1st, 10th, 100th, ... one)."""
+    without text in ``text_column`` (the field missing or null, or another type: a number, a list) is an error naming
+    it (its type; ``locate_not_text()``, given, says where the first such record is: its file and line), or with
+    ``skip_records_without_text`` left out and counted (``records_without_text`` of the returned function, logged at
+    the 1st, 10th, 100th, ... one)."""
     if tokenizer.eos_token_id is None:
         raise ValueError("the tokenizer has no eos token; set tokenizer.eos_token first")
     if add_bos and tokenizer.bos_token_id is None:
@@ -126,27 +136,35 @@ def document_token_ids(tokenizer: PreTrainedTokenizerBase, *, text_column: str =
         return out
 
     def from_text(batch: dict[str, list]) -> dict[str, list[np.ndarray]]:
-        missing = sum(text is None for text in batch[text_column])
+        missing = sum(not isinstance(text, str) for text in batch[text_column])
         if missing:
-            count_missing(missing)
-        texts = [text for text in batch[text_column] if text is not None and text.strip()]
+            count_missing(missing, next((text for text in batch[text_column] if text is not None and not isinstance(text, str)), None))
+        texts = [text for text in batch[text_column] if isinstance(text, str) and text.strip()]
         if not texts:
             return {"input_ids": []}
         encoded = tokenizer(texts, add_special_tokens=False, verbose=False)["input_ids"]
         return {"input_ids": [framed(np.asarray(ids, dtype=np.int64))[0] for ids in encoded if ids]}
 
-    def count_missing(missing: int) -> None:
+    def count_missing(missing: int, other) -> None:
         if not skip_records_without_text:
+            if other is not None:
+                from .sources import not_text
+
+                where = locate_not_text() if locate_not_text is not None else None
+                what = (f"a record read ({where}) " if where else "a record read ") + (
+                    f"holds {not_text(other)} in its {text_column!r} field, not text")
+            else:
+                what = f"{missing} record(s) read have no {text_column!r} field (or a null one)"
             raise ValueError(
-                f"{missing} record(s) read have no {text_column!r} field (or a null one): they would be left out of the "
-                f"data. Give every record its text, set text_column to the field that holds it, or pass "
-                "--skip_records_without_text true (skip_records_without_text=True) to leave them out."
+                f"{what}: such records would be left out of the data. Give every record its text (a string), set "
+                "text_column to the field that holds it, or pass --skip_records_without_text true "
+                "(skip_records_without_text=True) to leave them out."
             )
         before = to_ids.records_without_text
         to_ids.records_without_text += missing
         if len(str(to_ids.records_without_text)) > len(str(before)) or before == 0:
-            logger.warning("skipped %d record(s) without a %r field so far (skip_records_without_text)",
-                           to_ids.records_without_text, text_column)
+            logger.warning("skipped %d record(s) without a %r field (or whose %r is null or not text) so far "
+                           "(skip_records_without_text)", to_ids.records_without_text, text_column, text_column)
 
     def to_ids(batch: dict[str, list]) -> dict[str, list[np.ndarray]]:
         if "input_ids" in batch:
@@ -346,9 +364,10 @@ def build_lm_datasets(
         skip_records_without_text=skip_records_without_text,
     )
     if streaming:
-        to_ids = document_token_ids(tokenizer, text_column=text_column, add_bos=add_bos,
-                                    skip_records_without_text=skip_records_without_text)
         files = local_data_files(source)
+        to_ids = document_token_ids(tokenizer, text_column=text_column, add_bos=add_bos,
+                                    skip_records_without_text=skip_records_without_text,
+                                    locate_not_text=functools.partial(first_record_not_text, files, text_column) if files else None)
         explain = functools.partial(unreadable_file_error, files, load_kwargs) if files else None
         streams = {}
         for name, split in splits.items():

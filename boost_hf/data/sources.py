@@ -16,9 +16,11 @@ Supported sources:
 If the source has no validation split (``validation``, ``valid``, ``val``, ``dev`` or
 ``test``), one is carved from ``train`` by a stable hash of each document's text (of its ids, pre-tokenized).
 
-Records without the text field (or with a null one) are counted and refused, naming the count; with
-``skip_records_without_text`` they are left out and the count is logged (a stream, which cannot be counted ahead,
-refuses or skips them as it reads them: :func:`~boost_hf.data.pipeline.document_token_ids`).
+Records without text (the field missing or null, or holding another type: a number, a list) are counted and refused,
+naming the count and the first of another type (its file, line and type); with ``skip_records_without_text`` they are
+left out and the count is logged (a stream, which cannot be counted ahead, refuses or skips them as it reads them:
+:func:`~boost_hf.data.pipeline.document_token_ids`). A local folder holding an empty data file is refused, naming and
+counting them, as a single empty file is.
 """
 
 from __future__ import annotations
@@ -108,6 +110,7 @@ def _load_files(
     streaming: bool,
     datasets_cache_dir: str | None,
     load_kwargs: Mapping[str, Any],
+    text_column: str = "text",
 ) -> AnyDatasetDict:
     builders = {builder_for_file(path) for files in data_files.values() for path in files}
     if len(builders) != 1:
@@ -122,8 +125,31 @@ def _load_files(
     try:
         loaded = load_dataset(builder, data_files=data_files, streaming=streaming, cache_dir=datasets_cache_dir, **load_kwargs)
     except DatasetGenerationError as error:
-        raise unreadable_file_error(paths, load_kwargs) or error
+        unreadable = unreadable_file_error(paths, load_kwargs)
+        if unreadable is not None or len(data_files) == 1:
+            raise unreadable or _types_differ_error(paths, text_column, error) or error
+        # each file reads alone: the splits' columns differ in type (a split's 'text' field holding numbers, its
+        # records refused or skipped by load_text_splits): each split read on its own
+        try:
+            splits = {split: load_dataset(builder, data_files={split: files}, split=split, streaming=streaming,
+                                          cache_dir=datasets_cache_dir, **load_kwargs) for split, files in data_files.items()}
+        except DatasetGenerationError as split_error:
+            raise _types_differ_error(paths, text_column, split_error) or split_error from None
+        return IterableDatasetDict(splits) if streaming else DatasetDict(splits)
     return loaded
+
+
+def _types_differ_error(paths: list[str], text_column: str, error: BaseException) -> ValueError | None:
+    """After files that each read alone failed to read together (their columns differ in type): the ``ValueError``
+    naming the first record whose ``text_column`` is not text, if there is one, else ``None``."""
+    where = first_record_not_text(paths, text_column)
+    if where is None:
+        return None
+    return ValueError(
+        f"{where}: its {text_column!r} field is not text (a string), while other files' records hold text there, so the "
+        f"files cannot be read together ({type(error.__cause__ or error).__name__}). Give that record its text, or move it "
+        "out of these files (--skip_records_without_text leaves such records out of a split whose files read together)."
+    )
 
 
 def check_parquet_footers(paths: list[str]) -> None:
@@ -187,6 +213,27 @@ def check_json_lines(path: str) -> None:
                 ) from None
 
 
+def check_no_empty_data_files(folder: str) -> None:
+    """Raise ``ValueError`` naming and counting the empty data files under ``folder`` (0 bytes, of a format
+    :func:`builder_for_file` knows), as a single empty data file is refused (:func:`check_text_file`): ``datasets``
+    would leave them out without a word."""
+    empty = [os.path.relpath(path, folder) for path in folder_files(folder)
+             if _is_data_file(path) and os.path.getsize(path) == 0]
+    if empty:
+        shown = ", ".join(empty[:5]) + (f", ... ({len(empty) - 5} more)" if len(empty) > 5 else "")
+        raise ValueError(f"the data folder {folder!r} holds {len(empty)} empty data file{'s' if len(empty) > 1 else ''} (0 "
+                         f"bytes): {shown}. Remove {'them' if len(empty) > 1 else 'it'} from the folder or fill "
+                         f"{'them' if len(empty) > 1 else 'it'}, as for a single empty data file.")
+
+
+def _is_data_file(path: str) -> bool:
+    try:
+        builder_for_file(path)
+    except ValueError:
+        return False
+    return True
+
+
 def local_data_files(source: Source) -> list[str] | None:
     """The local data files ``source`` names (a file, a glob, a list of them, a ``{split: files}`` mapping), as
     :func:`load_raw_dataset` reads them; ``None`` for the other sources (a folder, the Wikipedia sample, the Hub)."""
@@ -201,6 +248,15 @@ def local_data_files(source: Source) -> list[str] | None:
         return _as_file_list(source if isinstance(source, (str, os.PathLike)) else list(source))
     except FileNotFoundError:
         return None
+
+
+def split_files(source: Source) -> dict[str, list[str]]:
+    """The local data files of each split of ``source`` (a ``{split: files}`` mapping's; all of them for ``train``
+    when the source is files without splits); ``{}`` for the other sources."""
+    if isinstance(source, Mapping):
+        return {str(split): files for split, value in source.items() if (files := _as_file_list(value))}
+    files = local_data_files(source)
+    return {"train": files} if files else {}
 
 
 def training_sources(source: Source = None, *, config: str | None = None,
@@ -236,6 +292,7 @@ def load_raw_dataset(
     datasets_cache_dir: PathLike | None = None,
     validation_percent: float = DEFAULT_VALIDATION_PERCENT,
     load_kwargs: Mapping[str, Any] | None = None,
+    text_column: str = "text",
 ) -> Dataset | IterableDataset | AnyDatasetDict:
     """Load ``source`` as ``datasets`` returns it (see the module docstring for the accepted forms).
 
@@ -247,6 +304,8 @@ def load_raw_dataset(
         validation_percent: validation share for the Wikipedia sample.
         load_kwargs: extra keyword arguments for ``load_dataset`` (e.g. ``sample_by="paragraph"``
             for text files, ``revision`` or ``token`` for the Hub).
+        text_column: the field holding the text (named when local files cannot be read together because a record's
+            field is not text).
     """
     kwargs = dict(load_kwargs or {})
     hf_cache = os.fspath(datasets_cache_dir) if datasets_cache_dir is not None else None
@@ -262,15 +321,18 @@ def load_raw_dataset(
             if files is None:
                 raise FileNotFoundError(f"no data files found for split {split!r}: {value!r}")
             data_files[str(split)] = files
-        return _load_files(data_files, streaming=streaming, datasets_cache_dir=hf_cache, load_kwargs=kwargs)
+        return _load_files(data_files, streaming=streaming, datasets_cache_dir=hf_cache, load_kwargs=kwargs,
+                           text_column=text_column)
     if not isinstance(source, (str, os.PathLike)):
         files = _as_file_list(source)
         if files is None:
             raise FileNotFoundError(f"no data files found in {source!r}")
-        return _load_files({"train": files}, streaming=streaming, datasets_cache_dir=hf_cache, load_kwargs=kwargs)
+        return _load_files({"train": files}, streaming=streaming, datasets_cache_dir=hf_cache, load_kwargs=kwargs,
+                           text_column=text_column)
     require_existing_path(source, "dataset")
     path = Path(os.fspath(source)).expanduser()
     if path.is_dir():
+        check_no_empty_data_files(os.fspath(path))
         if _is_saved_dataset(path):
             loaded = load_from_disk(os.fspath(path))
             if streaming:
@@ -281,27 +343,78 @@ def load_raw_dataset(
         return load_dataset(os.fspath(path), config, streaming=streaming, cache_dir=hf_cache, **kwargs)
     files = _as_file_list(os.fspath(source))
     if files is not None:
-        return _load_files({"train": files}, streaming=streaming, datasets_cache_dir=hf_cache, load_kwargs=kwargs)
+        return _load_files({"train": files}, streaming=streaming, datasets_cache_dir=hf_cache, load_kwargs=kwargs,
+                           text_column=text_column)
     return load_dataset(os.fspath(source), config, streaming=streaming, cache_dir=hf_cache, **kwargs)
 
 
-def without_missing_text(dataset: Dataset, text_column: str, split: str, skip: bool) -> Dataset:
-    """``dataset`` (map-style, text) if every record has ``text_column`` (not null); else ``ValueError`` naming how many
-    lack it, or, with ``skip``, ``dataset`` without them (a cached filter) and a warning with the count. Counted from
-    the Arrow column's null count (no pass over the data)."""
-    missing = dataset.with_format("arrow")[text_column].null_count
-    if not missing:
+def not_text(value) -> str:
+    """How a record's text field that is not a string reads in messages: ``"an int (5)"``, ``"a list (['a', 'b'])"``."""
+    import reprlib
+
+    kind = type(value).__name__
+    return f"{'an' if kind[0] in 'aeiou' else 'a'} {kind} ({reprlib.repr(value)})"
+
+
+def first_record_not_text(paths: Sequence[str], text_column: str) -> str | None:
+    """Where the first record of the local files ``paths`` whose ``text_column`` holds something other than a string
+    (a number, a list, an object) is: ``"data file 'docs.jsonl', line 11"``, or ``None`` (not found, or not a format
+    read here: JSON Lines, JSON and Parquet are). Reads the files: for the error path only."""
+    for path in paths:
+        builder = builder_for_file(path)
+        if builder == "parquet":
+            import pyarrow.parquet as pq
+
+            column = pq.read_table(path, columns=[text_column]).column(text_column).to_pylist()
+            found = next((i for i, value in enumerate(column) if value is not None and not isinstance(value, str)), None)
+            if found is not None:
+                return f"data file {path!r}, row {found}"
+        elif builder == "json" and not path.lower().endswith(_COMPRESSION_SUFFIXES):
+            with open(path, encoding="utf-8") as f:
+                for number, line in enumerate(f, start=1):
+                    try:
+                        record = json.loads(line) if line.strip() else None
+                    except json.JSONDecodeError:
+                        break  # one JSON document, not JSON Lines
+                    value = record.get(text_column) if isinstance(record, dict) else None
+                    if value is not None and not isinstance(value, str):
+                        return f"data file {path!r}, line {number}"
+    return None
+
+
+def without_missing_text(dataset: Dataset, text_column: str, split: str, skip: bool, files: Sequence[str] = ()) -> Dataset:
+    """``dataset`` (map-style, text) if every record's ``text_column`` holds text (a string); else ``ValueError`` naming
+    how many do not (the field missing or null: counted from the Arrow column's null count, no pass over the data;
+    another type, a number or a list: the column is read), and the first of another type, in its file of ``files``
+    and by its type; or, with ``skip``, ``dataset`` without them (a cached filter) and a warning with the count."""
+    import pyarrow as pa
+
+    column = dataset.with_format("arrow")[text_column]
+    if pa.types.is_string(column.type) or pa.types.is_large_string(column.type):
+        missing, other = column.null_count, []
+    else:  # numbers, lists, or a JSON column of several types: which records are not text
+        values = dataset[text_column]
+        missing = sum(value is None for value in values)
+        other = [i for i, value in enumerate(values) if value is not None and not isinstance(value, str)]
+    if not missing and not other:
         return dataset
     if not skip:
+        if other:
+            where = first_record_not_text(files, text_column) or f"record {other[0]} of the {split} data"
+            what = (f"{missing + len(other)} of {len(dataset)} records of the {split} data have no text in their "
+                    f"{text_column!r} field: {len(other)} hold{'s' if len(other) == 1 else ''} another type than text (the first, {where}: "
+                    f"{not_text(values[other[0]])})" + (f", {missing} have no such field or a null one" if missing else ""))
+        else:
+            what = f"{missing} of {len(dataset)} records of the {split} data have no {text_column!r} field (or a null one)"
         raise ValueError(
-            f"{missing} of {len(dataset)} records of the {split} data have no {text_column!r} field (or a null one): they "
-            f"would be left out of the {split} data. Give every record its text, set text_column to the field that holds "
-            "it, or pass --skip_records_without_text true (skip_records_without_text=True) to leave them out."
+            f"{what}: they would be left out of the {split} data. Give every record its text (a string), set text_column "
+            "to the field that holds it, or pass --skip_records_without_text true (skip_records_without_text=True) to "
+            "leave them out."
         )
-    logger.warning("skipping %d of %d records of the %s data without a %r field (skip_records_without_text)",
-                   missing, len(dataset), split, text_column)
-    return dataset.filter(lambda batch: [text is not None for text in batch[text_column]], batched=True,
-                          desc=f"Leaving out the records without {text_column!r}")
+    logger.warning("skipping %d of %d records of the %s data without a %r field (or whose %r is null or not text) "
+                   "(skip_records_without_text)", missing + len(other), len(dataset), split, text_column, text_column)
+    return dataset.filter(lambda batch: [isinstance(text, str) for text in batch[text_column]], batched=True,
+                          desc=f"Leaving out the records without text in {text_column!r}")
 
 
 def load_text_splits(
@@ -331,6 +444,7 @@ def load_text_splits(
         datasets_cache_dir=datasets_cache_dir,
         validation_percent=validation_percent,
         load_kwargs=load_kwargs,
+        text_column=text_column,
     )
     if isinstance(loaded, (Dataset, IterableDataset)):
         splits: dict[str, Any] = {"train": loaded}
@@ -348,9 +462,11 @@ def load_text_splits(
     if columns is not None and text_column not in columns and not pre_tokenized:
         raise ValueError(f"text column {text_column!r} not found, and no input_ids column; columns are {columns}")
     if not pre_tokenized and isinstance(train, Dataset):
-        train = without_missing_text(train, text_column, "train", skip_records_without_text)
+        files = split_files(source)
+        train = without_missing_text(train, text_column, "train", skip_records_without_text, files.get("train", ()))
         if isinstance(validation, Dataset):
-            validation = without_missing_text(validation, text_column, "validation", skip_records_without_text)
+            validation = without_missing_text(validation, text_column, "validation", skip_records_without_text,
+                                              files.get("validation", ()))
     if validation is None:
         return split_by_key(train, "input_ids" if pre_tokenized else text_column, validation_percent)
     if isinstance(train, IterableDataset):

@@ -31,6 +31,7 @@ import torch
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama.modeling_llama import eager_attention_forward
 
+from .fused import gated_product, stacked_slot
 from .recompute import run_step
 from .rotary import apply_rotary
 from .sequence_parallel import enter_token_shard
@@ -62,7 +63,8 @@ class ParallelAttention(SharedStorageOwner):
         (query, key, value), crossed = self.qkv.project(z, previous)
         input_shape = query.shape[:-1]
         hidden_shape = (*input_shape, -1, self.head_dim)  # [B, S, local heads, head_dim]
-        query, key = apply_rotary(query.view(hidden_shape), key.view(hidden_shape), *position_embeddings)
+        slots = (stacked_slot(query), stacked_slot(key))  # BTP's batched B's: RoPE's backward writes into their buffer
+        query, key = apply_rotary(query.view(hidden_shape), key.view(hidden_shape), *position_embeddings, slots=slots)
         query, key, value = query.transpose(1, 2), key.transpose(1, 2), value.view(hidden_shape).transpose(1, 2)
         if cache is not None:
             key, value = cache.update(key, value, self.layer_idx)
@@ -85,9 +87,7 @@ class ParallelMLP(SharedStorageOwner):
 
     def forward(self, z: Tensors, previous: Latents | None = None):
         (gate, up), crossed = self.gate_up.project(z, previous)
-        if self.act_fn is not None:
-            gate = self.act_fn(gate)
-        return self.down.down(gate * up), crossed
+        return self.down.down(gated_product(gate, up, self.act_fn)), crossed
 
 
 class ParallelDecoderLayer:

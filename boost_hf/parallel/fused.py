@@ -22,8 +22,9 @@ vanilla's A's); :func:`weight_views` gives the B's of a group one cast together,
 together (see that module) the same functions concatenate instead: same values, one copy more.
 
 :func:`down_projection` and :func:`scale_latents` are the eager kernels (GEMMs written straight into the
-communication buffer, one pass over ``x`` for its cast and one for its statistics, the latent scale
-computed in fp32 and stored in the compute dtype, backward writing each gradient once). A grouped BTP group whose
+communication buffer; ``x``'s statistics, and its cast under autocast, in one pass, and ``gamma``'s gradient in
+another, each one kernel (:mod:`boost_hf.parallel.statistics_op`); the latent scale computed in fp32 and stored in
+the compute dtype; backward writing each gradient once). A grouped BTP group whose
 latent function is SiLU or none runs the scale and the function as one kernel each way instead
 (:mod:`boost_hf.parallel.latent_op`); :func:`scale_latents` serves the others (ungrouped, LaX's crossing). Under
 ``torch.compile`` every function here falls back to the same arithmetic written as plain ops, which inductor
@@ -34,9 +35,11 @@ the input's dtype. No communication here.
 from __future__ import annotations
 
 import torch
+from transformers.activations import SiLUActivation
 
 from .modules import compute_dtype, statistics_dtype
 from .shared_storage import joined_rows
+from .statistics_op import column_dots, squares_into
 
 #: columns holding one row's statistics in the down buffer (1 used; 8 keeps rows 16-byte aligned)
 STATISTICS_WIDTH = 8
@@ -79,23 +82,26 @@ class _DownProjection(torch.autograd.Function):
         dtype, lead, d_in = compute_dtype(x), x.shape[:-1], x.shape[-1]
         with torch.autocast(x.device.type, enabled=False):
             x2 = x.reshape(-1, d_in)
-            xc = x2 if x2.dtype == dtype else x2.to(dtype)
-            weight = _stack(factors, dtype, gamma)
             widths = [sum(a.shape[0] for a in factors)] if grouped else [a.shape[0] for a in factors]
-            buffers, row = [], 0
-            for i, width in enumerate(widths):
-                extra = STATISTICS_WIDTH if statistics and i == 0 else 0
-                buffer = xc.new_empty((*lead, width + extra))  # returned as is: no view of a local
-                rows = buffer.view(-1, width + extra)
-                torch.mm(xc, weight[row:row + width].t(), out=rows[:, :width] if extra else rows)
-                buffers.append(buffer)
-                row += width
+            buffers = [x2.new_empty((*lead, width + (STATISTICS_WIDTH if statistics and i == 0 else 0)), dtype=dtype)
+                       for i, width in enumerate(widths)]  # returned as they are: no view of a local
             if statistics:
-                # of the GEMM's input as it is read (cast to the compute dtype), summed in fp32
-                norm = torch.linalg.vector_norm(xc, dim=-1, keepdim=True, dtype=statistics_dtype(xc))
-                torch.mul(norm, norm, out=buffers[0].view(-1, buffers[0].shape[-1])[:, widths[0]:widths[0] + 1])
+                # the sums of squares of the GEMM's input as it is read (cast to the compute dtype), summed in fp32, into
+                # the first buffer's statistics column; the cast (under autocast) in the same kernel
+                column = buffers[0].view(-1, buffers[0].shape[-1])[:, widths[0]:widths[0] + 1]
+                xc = squares_into(x2, column, dtype)
+            else:
+                xc = x2 if x2.dtype == dtype else x2.to(dtype)
+            weight = _stack(factors, dtype, gamma)
+            row = 0
+            for width, buffer in zip(widths, buffers):
+                rows = buffer.view(-1, buffer.shape[-1])
+                torch.mm(xc, weight[row:row + width].t(), out=rows[:, :width] if rows.shape[-1] > width else rows)
+                row += width
         ctx.save_for_backward(xc, weight, gamma, *factors)
-        ctx.widths, ctx.statistics, ctx.input_shape, ctx.input_dtype = widths, statistics, x.shape, x.dtype
+        ctx.widths, ctx.statistics, ctx.input_shape = widths, statistics, x.shape
+        # x's gradient in x's dtype: the wider of the two (torch.promote_types for these float dtypes, without its op)
+        ctx.statistics_grad_dtype = x.dtype if x.dtype.itemsize >= dtype.itemsize else dtype
         return tuple(buffers)
 
     @staticmethod
@@ -118,8 +124,7 @@ class _DownProjection(torch.autograd.Function):
             if ctx.needs_input_grad[0] and ctx.statistics:
                 # d S / d x = 2 x, with dL/dS in the statistics column
                 grad_s = grads[0].reshape(-1, grads[0].shape[-1])[:, widths[0]:widths[0] + 1]
-                grad_s = grad_s.to(torch.promote_types(ctx.input_dtype, grad_s.dtype))  # [N, 1]: x's gradient in x's dtype
-                grad_x = torch.addcmul(grad_x, xc, grad_s, value=2.0)
+                grad_x = torch.addcmul(grad_x, xc, grad_s.to(ctx.statistics_grad_dtype), value=2.0)  # [N, 1] cast: x's dtype
             if grad_x is not None:
                 grad_x = grad_x.view(ctx.input_shape)
             grad_gamma = grad_factors = None
@@ -129,10 +134,18 @@ class _DownProjection(torch.autograd.Function):
                 else:
                     grad_factors = torch.mul(grad_weight, gamma)
                     if ctx.needs_input_grad[1]:
-                        # dL/dgamma_c = sum_j dL/dW_jc * A_jc over every factor's rows
-                        grad_gamma = _row_products(grad_weight, factors).sum(0)
+                        grad_gamma = _gamma_gradient(grad_weight, factors, gamma.dtype)
                 grad_factors = grad_factors.split([a.shape[0] for a in factors])
         return (grad_x, grad_gamma, None, None, *(grad_factors or [None] * len(factors)))
+
+
+def _gamma_gradient(grad_weight: torch.Tensor, factors, dtype: torch.dtype) -> torch.Tensor:
+    """``dL/dgamma_c = sum_j dL/dW_jc A_jc`` over every factor's rows (``grad_weight``: the gradient of
+    ``[A_1; ...; A_k] * gamma``): one op where the factors are stored together, else their products and a sum."""
+    joined = joined_rows(factors)
+    if joined is not None:
+        return column_dots(grad_weight, joined, dtype)
+    return _row_products(grad_weight, factors).sum(0).to(dtype)
 
 
 def _down_reference(x, gamma, statistics, grouped, factors):
@@ -267,14 +280,15 @@ class _SplitLatent(torch.autograd.Function):
         return ctx.slots.gathered(grads), None, None
 
 
-def split_latent(latent: torch.Tensor, count: int) -> tuple[torch.Tensor, ...]:
-    """``count`` equal slices (views) of ``latent``'s last dim, one per projection of a group. Fed to
-    :func:`latent_linear`, their gradients are written into one buffer in place (no ``cat`` in backward)."""
+def split_latent(latent: torch.Tensor, count: int, widths: list[int] | None = None) -> tuple[torch.Tensor, ...]:
+    """``count`` equal slices (views) of ``latent``'s last dim, one per projection of a group (or slices of ``widths``).
+    Fed to :func:`latent_linear` or :func:`batched_latent_linear`, their gradients are written into one buffer in place
+    (no ``cat`` in backward)."""
     if count == 1:
         return (latent,)
+    widths = widths or [latent.shape[-1] // count] * count
     if torch.compiler.is_compiling():
-        return latent.chunk(count, dim=-1)
-    widths = [latent.shape[-1] // count] * count
+        return latent.split(widths, dim=-1)
     slots = _GradientSlots(latent.shape, latent.dtype, latent.device, widths, -1)
     return _tag_slots(_SplitLatent.apply(latent, widths, slots), slots)
 
@@ -391,6 +405,159 @@ def latent_linear(latent: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return _LatentLinear.apply(latent, weight, getattr(latent, "_gradient_slot", None), getattr(weight, "_gradient_slot", None))
 
 
+class StackedGradients:
+    """The gradients of a batched GEMM's ``count`` outputs as one ``[count, *shape]`` buffer, allocated in backward, whose
+    blocks the outputs' consumers write their gradients into (RoPE's backward, the gated product's:
+    :meth:`slot`); the batched GEMM's backward reads it whole (:meth:`gathered`), so no step stacks the gradients."""
+
+    def __init__(self, count: int, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device):
+        self.count, self.shape, self.dtype, self.device = count, tuple(shape), dtype, device
+        self.buffer = self.blocks = None
+
+    def slot(self, i: int) -> torch.Tensor:
+        """Block ``i``, ``shape``."""
+        if self.buffer is None:
+            self.buffer = torch.empty((self.count, *self.shape), dtype=self.dtype, device=self.device)
+            self.blocks = self.buffer.unbind(0)
+        return self.blocks[i]
+
+    def holds(self, i: int, grad: torch.Tensor) -> bool:
+        """Whether ``grad`` is block ``i`` (any view of it with its layout)."""
+        block = self.slot(i)
+        return grad._base is self.buffer and grad.storage_offset() == block.storage_offset() and grad.is_contiguous() \
+            and grad.numel() == block.numel()
+
+    def gathered(self, grads) -> torch.Tensor:
+        """The ``[count, *shape]`` gradient: the buffer, each gradient not already in its block copied into it (one op
+        each: under a hook that replaced one, or a consumer that does not write into its slot), zeros for none."""
+        for i, grad in enumerate(grads):
+            if grad is None:
+                self.slot(i).zero_()
+            elif not self.holds(i, grad):
+                self.slot(i).copy_(grad.reshape(self.shape))
+        return self.buffer
+
+
+def stacked_slot(tensor: torch.Tensor) -> tuple[StackedGradients, int] | None:
+    """``(gradients, i)`` where ``tensor`` is output ``i`` of :func:`batched_latent_linear` (else ``None``): its consumer
+    may write its gradient into ``gradients.slot(i)``."""
+    return getattr(tensor, "_stacked_slot", None)
+
+
+class _BatchedLatentLinear(torch.autograd.Function):
+    """``(latent [..., k r], gradients, latent_slot, weight_slots, *weights [w, r]) -> k outputs [..., w]``; see
+    :func:`batched_latent_linear`."""
+
+    @staticmethod
+    def forward(ctx, latent, gradients, latent_slot, weight_slots, *weights):
+        count, (width, rank), dtype = len(weights), weights[0].shape, weights[0].dtype
+        with torch.autocast(latent.device.type, enabled=False):
+            x = latent if latent.dtype == dtype else latent.to(dtype)
+            stacked = _stack(weights, dtype).view(count, width, rank)
+            out = torch.bmm(x.reshape(-1, count, rank).transpose(0, 1), stacked.transpose(1, 2))  # [k, N, w]
+        ctx.save_for_backward(x, *weights)
+        ctx.gradients, ctx.slots, ctx.latent_dtype = gradients, (latent_slot, weight_slots), latent.dtype
+        return out.view(count, *latent.shape[:-1], width).unbind(0)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        x, *weights = ctx.saved_tensors
+        count, (width, rank) = len(weights), weights[0].shape
+        with torch.autocast(x.device.type, enabled=False):
+            grad_out = ctx.gradients.gathered(grads).view(count, -1, width)
+            latents = x.reshape(-1, count, rank).transpose(0, 1)  # [k, N, r]
+            latent_slot, slots = ctx.slots
+            grad_latent = grad_weights = None
+            if ctx.needs_input_grad[0]:
+                stacked = _stack(weights, x.dtype).view(count, width, rank)
+                if latent_slot is not None and ctx.latent_dtype == x.dtype:  # its columns of split_latent's buffer
+                    grad_latent = latent_slot[0].slot(latent_slot[1])
+                else:
+                    grad_latent = torch.empty_like(x, memory_format=torch.contiguous_format)
+                torch.bmm(grad_out, stacked, out=grad_latent.view(-1, count, rank).transpose(0, 1))
+                if grad_latent.dtype != ctx.latent_dtype:
+                    grad_latent = grad_latent.to(ctx.latent_dtype)
+            if any(ctx.needs_input_grad[4:]):
+                if slots is not None:  # the first rows of weight_views' gradient buffer, cast back by it in one op
+                    slots.slot(0)
+                    buffer = slots.buffer.narrow(0, 0, count * width).view(count, width, rank)
+                else:
+                    buffer = weights[0].new_empty((count, width, rank))
+                torch.bmm(grad_out.transpose(1, 2), latents, out=buffer)
+                grad_weights = [slots.slot(i) for i in range(count)] if slots is not None else list(buffer.unbind(0))
+        return (grad_latent, None, None, None, *(grad_weights or [None] * count))
+
+
+def _shared_weight_slots(weights) -> _GradientSlots | None:
+    """The gradient buffer of :func:`weight_views` that ``weights`` are rows ``0, 1, ...`` of, else ``None``."""
+    slots = [getattr(w, "_gradient_slot", None) for w in weights]
+    if any(s is None for s in slots) or any(s[0] is not slots[0][0] or s[1] != i for i, s in enumerate(slots)):
+        return None
+    return slots[0][0]
+
+
+def batched_latent_linear(latent: torch.Tensor, weights) -> tuple[torch.Tensor, ...]:
+    """The B GEMMs of a group whose projections read consecutive ``r``-wide blocks of one latent and have outputs of one
+    width: ``latent [..., k r]``, ``weights``: ``k`` tensors ``[w, r]`` in the compute dtype (pass
+    :func:`weight_views`) -> ``k`` outputs ``latent_i @ W_i^T: [..., w]``, as **one** batched GEMM (``bmm`` over the
+    ``[k, N, r]`` view of the latent and the ``[k, w, r]`` view of the weights: no copy of either). The outputs are the
+    blocks of one ``[k, ..., w]`` tensor (whatever keeps one for backward keeps them all: give this GEMM the outputs that
+    are consumed, not kept); each is tagged (:func:`stacked_slot`) with the block of one gradient buffer its consumer may
+    write its gradient into, so that backward is one batched GEMM for the latent's gradient (into its columns of
+    :func:`split_latent`'s buffer when the latent is one of its slices, else a fresh ``[..., k r]`` tensor) and one for
+    the weights' (into the first rows of :func:`weight_views`' buffer) with nothing stacked. Under ``torch.compile``:
+    ``F.linear`` per block (plain ops; inductor fuses)."""
+    weights = tuple(weights)
+    count, (width, rank) = len(weights), weights[0].shape
+    if torch.compiler.is_compiling():
+        return tuple(torch.nn.functional.linear(x, w) for x, w in zip(latent.split(rank, dim=-1), weights))
+    gradients = StackedGradients(count, (*latent.shape[:-1], width), weights[0].dtype, latent.device)
+    outputs = _BatchedLatentLinear.apply(latent, gradients, getattr(latent, "_gradient_slot", None), _shared_weight_slots(weights),
+                                         *weights)
+    for i, output in enumerate(outputs):
+        output._stacked_slot = (gradients, i)
+    return outputs
+
+
+_SILU_MODULES = (torch.nn.SiLU, SiLUActivation)  # transformers' ACT2FN["silu"] and ["swish"]
+
+
+class _GatedProduct(torch.autograd.Function):
+    """``(gate, up, silu, gradients, i_gate, i_up) -> act(gate) * up``; see :func:`gated_product`."""
+
+    @staticmethod
+    def forward(ctx, gate, up, silu, gradients, i_gate, i_up):
+        activated = torch.nn.functional.silu(gate) if silu else gate
+        ctx.save_for_backward(gate, up, *((activated,) if silu else ()))
+        ctx.silu, ctx.slots = silu, (gradients, i_gate, i_up)
+        return activated * up
+
+    @staticmethod
+    def backward(ctx, grad):
+        gate, up, *activated = ctx.saved_tensors
+        gradients, i_gate, i_up = ctx.slots
+        grad_gate, grad_up = gradients.slot(i_gate).view(gate.shape), gradients.slot(i_up).view(up.shape)
+        torch.mul(grad, activated[0] if ctx.silu else gate, out=grad_up)
+        if ctx.silu:
+            torch.ops.aten.silu_backward.grad_input(grad * up, gate, grad_input=grad_gate)
+        else:
+            torch.mul(grad, up, out=grad_gate)
+        return grad_gate, grad_up, None, None, None, None
+
+
+def gated_product(gate: torch.Tensor, up: torch.Tensor, act_fn) -> torch.Tensor:
+    """The gated MLP's ``act(gate) * up`` (``act_fn``: a module, or ``None`` for none). When ``gate`` and ``up`` are
+    outputs of one :func:`batched_latent_linear` and ``act_fn`` is none or a plain SiLU, one autograd Function whose
+    backward writes both gradients into that GEMM's gradient buffer (the same ops and saved tensors as autograd's:
+    ``gate``, ``up`` and, with SiLU, ``act(gate)``); else plain ops (under ``torch.compile`` too)."""
+    slots = stacked_slot(gate), stacked_slot(up)
+    silu = type(act_fn) in _SILU_MODULES and not (act_fn._forward_hooks or act_fn._forward_pre_hooks)
+    if (torch.compiler.is_compiling() or None in slots or slots[0][0] is not slots[1][0]
+            or (act_fn is not None and not silu)):
+        return (gate if act_fn is None else act_fn(gate)) * up
+    return _GatedProduct.apply(gate, up, silu, slots[0][0], slots[0][1], slots[1][1])
+
+
 def column_outputs(x: torch.Tensor, weights, lead, grouped: bool) -> tuple[torch.Tensor, ...]:
     """``x [N, d] @ W_i^T`` as ``[*lead, w_i]`` for each ``W_i: [w_i, d]`` (``x``'s dtype, no autograd).
     ``grouped``: one GEMM on ``[W_1; ...; W_k]`` (a view when the weights are consecutive rows of one tensor, as
@@ -468,5 +635,6 @@ def column_linear(x: torch.Tensor, weights, *, grouped: bool = False) -> tuple[t
 
 __all__ = [
     "STATISTICS_WIDTH", "down_projection", "scale_latents", "split_latent", "stacked_weight", "weight_views", "latent_linear",
+    "StackedGradients", "batched_latent_linear", "stacked_slot", "gated_product",
     "column_linear", "column_outputs", "column_input_gradient", "column_weight_gradients", "column_slots",
 ]

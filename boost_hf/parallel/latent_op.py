@@ -20,9 +20,11 @@ with, backward, ``l = z s``, ``g_l = grad * act'(l)``: ``grad_z = g_l s`` into `
 ``grad_S = -(s^2 / 2d) sum_j g_l l`` into column ``w`` (``d``: the full hidden size), zeros into the other
 statistics columns (alignment only). ``s`` and ``l`` are recomputed from the buffer, never stored; arithmetic in fp32 whatever the
 buffer's dtype, outputs rounded once to it. On CUDA each op is that arithmetic compiled by inductor
-(``torch.compile``, once per width): generated kernels that read the inputs once and write the outputs once (the
-backward's row sums and scaled gradients in one pass where inductor fuses them; ``make gpu-check`` counts the
-kernels); on other devices the same arithmetic as eager ops. Being custom ops, they reach the dispatcher (and
+(``torch.compile``, once per width): one generated kernel each way, reading the inputs once and writing the outputs
+once (backward: the row sums and the scaled gradients in one kernel, the arithmetic written over the buffer's whole
+width so that inductor fuses them; ``tests/parallel/test_latent_op.py`` counts the Triton kernels inductor generates
+for it, on the CPU, on the pinned and the minimum torch; ``make gpu-check`` counts the CUDA kernels that run); on
+other devices the same arithmetic as eager ops. Being custom ops, they reach the dispatcher (and
 :class:`~boost_hf.perf.op_counter.OpCounter`) as one op each, moving what the CUDA kernels move. Under
 ``torch.compile`` of the model :func:`scale_activate` is the same arithmetic as plain differentiable ops, which
 inductor fuses with its neighbours. No communication.
@@ -30,22 +32,22 @@ inductor fuses with its neighbours. No communication.
 
 from __future__ import annotations
 
-import functools
-import warnings
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .generated_kernel import KERNEL_NAMES, compiled as _compiled
 from .modules import statistics_dtype
 
 #: the latent functions fused with the scale, by ``latent_activation`` name
 ACTIVATIONS = ("identity", "silu")
 
 
-def _scaled(buffer: Tensor, width: int, hidden_size: int, eps: float) -> tuple[Tensor, Tensor]:
-    """``(l, s)``: the scaled latents ``z s`` and ``s = rsqrt(S / d + eps)`` in fp32 (plain differentiable ops)."""
-    inverse_rms = torch.rsqrt(buffer[..., width:width + 1].to(statistics_dtype(buffer)) / hidden_size + eps)
+def _scaled(buffer: Tensor, width: int, hidden_size: int, eps: float, statistics_column: int | None = None) -> tuple[Tensor, Tensor]:
+    """``(l, s)``: the first ``width`` columns of the buffer scaled, ``z s``, and ``s = rsqrt(S / d + eps)``, in fp32
+    (plain differentiable ops); ``S`` is in column ``statistics_column`` (default ``width``)."""
+    column = width if statistics_column is None else statistics_column
+    inverse_rms = torch.rsqrt(buffer[..., column:column + 1].to(statistics_dtype(buffer)) / hidden_size + eps)
     return buffer[..., :width].to(inverse_rms.dtype) * inverse_rms, inverse_rms
 
 
@@ -56,57 +58,25 @@ def _forward(buffer: Tensor, width: int, hidden_size: int, eps: float, activatio
 
 
 def _backward(grad: Tensor, buffer: Tensor, hidden_size: int, eps: float, activation: str, grad_buffer: Tensor) -> None:
-    """Write the gradient of ``buffer`` given ``grad`` of ``act(z s)`` into ``grad_buffer`` (plain ops)."""
-    width = grad.shape[-1]
-    latent, inverse_rms = _scaled(buffer, width, hidden_size, eps)
-    grad_latent = grad.to(inverse_rms.dtype)
+    """Write the gradient of ``buffer`` given ``grad`` of ``act(z s)`` into ``grad_buffer`` (plain ops).
+
+    Every term is computed over the buffer's whole width ``w + STATISTICS_WIDTH`` and masked by column (``grad`` is
+    zero-padded to it; the latents' columns hold ``g_l s``, column ``w`` the gradient of ``S``, the others zeros), so
+    that the row sums and the written gradient share one iteration space: inductor generates one kernel for both (the
+    same arithmetic written per column range, as before, made a reduction kernel and a second pointwise one). The
+    forward buffer's columns past ``w`` (``S`` and the unwritten alignment columns, whatever they hold) are read but
+    only ever selected away (``where``), never multiplied by zero."""
+    width, full = grad.shape[-1], buffer.shape[-1]
+    latent, inverse_rms = _scaled(buffer, full, hidden_size, eps, statistics_column=width)
+    grad_latent = F.pad(grad, (0, full - width)).to(inverse_rms.dtype)
     if activation == "silu":
         sigmoid = torch.sigmoid(latent)
         grad_latent = grad_latent * (sigmoid * (1 + latent * (1 - sigmoid)))
+    column = torch.arange(full, device=buffer.device)
+    inside = column < width
     # l = z s with s = (S/d + eps)^(-1/2):  dL/dz = g_l s,  dL/dS = sum_j g_l_j z_j (-s^3 / 2d) = -(s^2 / 2d) sum_j g_l_j l_j
-    grad_buffer[..., :width].copy_(grad_latent * inverse_rms)
-    grad_buffer[..., width:width + 1].copy_((grad_latent * latent).sum(-1, keepdim=True) * (inverse_rms * inverse_rms) * (-0.5 / hidden_size))
-    grad_buffer[..., width + 1:].zero_()  # the unused statistics columns (alignment only)
-
-
-_KERNELS = {"_forward": "boost_hf::scale_activate", "_backward": "boost_hf::scale_activate_backward"}
-"""The op whose CUDA kernel each eager function is."""
-
-
-def _compiler_unavailable(error: BaseException) -> bool:
-    """Whether ``error`` says inductor cannot generate kernels here (no working Triton, a GPU too old for it, a
-    compiler that failed), as opposed to an error of the arithmetic itself (shapes, dtypes) or out of memory."""
-    from torch._dynamo.exc import BackendCompilerFailed
-    from torch._inductor.exc import GPUTooOldForTriton, TritonMissing
-
-    if isinstance(error, (TritonMissing, GPUTooOldForTriton)):
-        return True
-    return isinstance(error, BackendCompilerFailed) and not isinstance(error.inner_exception, torch.OutOfMemoryError)
-
-
-@functools.cache
-def _compiled(function):
-    """``function`` compiled by inductor (dynamic shapes: one graph per width and activation), or, where inductor
-    cannot compile for this device (:func:`_compiler_unavailable`), ``function`` itself (its eager ops) with a warning
-    naming the op and the fallback. Any other error (out of memory, a shape error) is raised."""
-    compiled = torch.compile(function, dynamic=True, fullgraph=True)
-
-    def run(*args):
-        nonlocal compiled
-        try:
-            return compiled(*args)
-        except Exception as error:
-            if compiled is function or not _compiler_unavailable(error):
-                raise
-            kernel = _KERNELS.get(function.__name__, function.__name__)
-            warnings.warn(f"boost_hf: the fused CUDA kernel of {kernel} could not be compiled by inductor "
-                          f"({type(error).__name__}: {str(error).splitlines()[0][:200]}); {kernel} falls back to its eager "
-                          f"arithmetic ({function.__module__}.{function.__name__}: separate PyTorch ops, several passes over "
-                          "the latents instead of one) for the rest of this process.")
-            compiled = function
-            return function(*args)
-
-    return run
+    grad_squares = torch.where(inside, grad_latent * latent, 0).sum(-1, keepdim=True) * (inverse_rms * inverse_rms) * (-0.5 / hidden_size)
+    grad_buffer.copy_(torch.where(inside, grad_latent * inverse_rms, torch.where(column == width, grad_squares, 0)))
 
 
 @torch.library.custom_op("boost_hf::scale_activate", mutates_args=())
@@ -153,6 +123,7 @@ def _autograd_backward(ctx, grad):
 
 
 _scale_activate.register_autograd(_autograd_backward, setup_context=_setup_context)
+KERNEL_NAMES.update({_forward: "boost_hf::scale_activate", _backward: "boost_hf::scale_activate_backward"})
 
 
 def scale_activate(buffer: Tensor, width: int, hidden_size: int, eps: float, activation: str) -> Tensor:

@@ -3,7 +3,7 @@
 A *part* is what one step runs as a unit: the whole model, or one pipeline stage
 (:class:`~boost_hf.parallel.pipeline.PipelineChunk`). :func:`prepare_part` takes a part from tensor parallelism and
 activation checkpointing (applied when the model was built, :func:`~boost_hf.parallel.parallelize`: the layouts'
-decoder layers recompute themselves) through ``torch.compile`` (each decoder layer, in place) to data parallelism
+decoder layers recompute themselves) through ``torch.compile`` (each decoder layer, in place, and the loss) to data parallelism
 (DDP, or FSDP2: :mod:`boost_hf.parallel.fully_shard`);
 :func:`data_parallelism` decides which data parallelism a run's parts get. The trainer's step engines
 (:mod:`boost_hf.training.engine`) and a pipeline used on its own (:class:`~boost_hf.parallel.pipeline.Pipeline`) both
@@ -20,7 +20,7 @@ from typing import Literal
 import torch.distributed as dist
 from torch import nn
 
-from .compile import compile_decoder_layers
+from .compile import compile_model
 from .fully_shard import FullyShard, fully_shard_part
 from .state import ParallelState
 
@@ -31,7 +31,7 @@ DataParallelism = Literal["ddp", "fsdp2", "none", "accelerate"]
 class PartParallelism:
     """How each part is prepared after tensor parallelism and activation checkpointing.
 
-    ``compile``: ``torch.compile`` arguments for each decoder layer (``None``: eager). ``context``: what each call of a
+    ``compile``: ``torch.compile`` arguments for each decoder layer and the loss (``None``: eager). ``context``: what each call of a
     part runs under when the pipeline schedule, not the caller, calls it (the precision policy's autocast; ``None``:
     nothing). ``data_parallel``: ``"ddp"`` (DDP over ``dp_group`` with ``ddp_kwargs``, after ``place``: what puts a
     part on its device first, e.g. accelerate's ``prepare_model`` without DDP), ``"fsdp2"`` (``fully_shard`` as
@@ -80,11 +80,12 @@ class CalledUnder(nn.Module):
 
 def prepare_part(part: nn.Module, how: PartParallelism) -> nn.Module:
     """``part`` as its steps run it, in torchtitan's order: 1. tensor parallelism and 2. activation checkpointing (done
-    when the model was built); 3. ``torch.compile`` of each decoder layer, in place; 4. ``how.context`` around each
+    when the model was built); 3. ``torch.compile`` of each decoder layer, in place, and of the loss
+    (:func:`~boost_hf.parallel.compile.compile_model`); 4. ``how.context`` around each
     call; 5. data parallelism (``how.data_parallel``: DDP over the DP group, FSDP2 over it, in place, or nothing
     here)."""
     if how.compile is not None:
-        compile_decoder_layers(part, **how.compile)
+        compile_model(part, **how.compile)
     if how.context is not None:
         part = CalledUnder(part, how.context)
     if how.data_parallel == "ddp":

@@ -14,7 +14,9 @@ What differs from the declaration is stated here, once (a command adding the opt
   resolved with the model config.
 * ``tp_size`` defaults to ``None`` among the training arguments (unset: 1, or the ``tp_size`` of accelerate's
   ``parallelism_config``), so that a value given (1 included) is told from the default and checked against
-  accelerate's (:func:`~boost_hf.training.compatibility.layout_from_parallelism_config`).
+  accelerate's (:func:`~boost_hf.training.compatibility.layout_from_parallelism_config`); so does
+  ``activation_checkpointing_mode`` (unset: ``none``, or ``full`` where the Trainer's switch or FSDP's
+  ``activation_checkpointing`` asks for it).
 * ``pp_layer_split`` is a comma-separated list on the command line (``3,5,5,3``) and a YAML list in a recipe
   (:func:`parse_layer_split`).
 * ``sequence_parallel`` at training time also needs ``sample_max_new_tokens=0`` (generation feeds one token per step).
@@ -48,14 +50,16 @@ TRAINING_NAMES: dict[str, str] = {"activation_checkpointing": "activation_checkp
 _TRAINING_TYPES: dict[str, object] = {
     "tp_style": Literal[("auto", *get_args(TPStyle))],
     "tp_size": int | None,  # None: unset (1, or accelerate's parallelism_config tp_size)
+    "activation_checkpointing": FIELD_TYPES["activation_checkpointing"] | None,  # None: unset (none, or FSDP's or the Trainer's)
     "pp_layer_split": list[str] | None,  # what HfArgumentParser reads (nargs="+"); parse_layer_split makes it ints
 }
-_TRAINING_DEFAULTS: dict[str, object] = {"tp_style": "auto", "tp_size": None}
+_TRAINING_DEFAULTS: dict[str, object] = {"tp_style": "auto", "tp_size": None, "activation_checkpointing": None}
 _TRAINING_NOTES: dict[str, str] = {
     "tp_size": " Unset: 1, or the tp_size of accelerate's parallelism_config; given both, they must agree (1 included).",
     "tp_style": " At training time also 'auto' (the default): btp for a low-rank model, megatron for a full-rank one.",
     "activation_checkpointing": " It replaces the Trainer's activation_checkpointing flag, which boost-hf models do not "
-    "use: passing that flag selects 'full'.",
+    "use: passing that flag selects 'full'. Unset: none, or full where the Trainer's flag or FSDP's "
+    "activation_checkpointing asks for it; given with them, they must agree (lowrank agrees).",
     "sequence_parallel": " With tp_size > 1 the end-of-training sample cannot be generated: pass --sample_max_new_tokens 0.",
     "pp_layer_split": " On the command line a comma-separated list (--pp_layer_split 3,5,5,3), in a recipe a YAML list.",
 }

@@ -167,8 +167,12 @@ COMPONENTS = ("gemm", "attention", "memory", "measured", "tp_comm", "pp_comm", "
 
 
 def _add(*times: dict[str, float], scale: float = 1.0) -> dict[str, float]:
-    """Component-wise ``scale * sum(times)``."""
-    return {c: scale * sum(t.get(c, 0.0) for t in times) for c in COMPONENTS}
+    """Component-wise ``scale * sum(times)`` (each component summed in the order of ``times``, as ``sum`` would)."""
+    totals = dict.fromkeys(COMPONENTS, 0.0)
+    for t in times:
+        for c, value in t.items():
+            totals[c] += value
+    return {c: scale * value for c, value in totals.items()}
 
 
 @dataclass(frozen=True)

@@ -52,12 +52,14 @@ def _reduce_scatter_tensor(input, reduce_op, group_size, group_name):
     return _own_block(_resolve_process_group(group_name), input, input.shape[0] // group_size).clone()
 
 
-def open_fake_process_group(world_size: int) -> None:
-    """Open a fake process group of ``world_size`` ranks, this process rank 0; see the module docstring."""
+def open_fake_process_group(world_size: int, *, write_reduce_scatter: bool = True) -> None:
+    """Open a fake process group of ``world_size`` ranks, this process rank 0; see the module docstring.
+    ``write_reduce_scatter=False`` (for timings, whose values do not matter): no stand-in, the backend's own
+    reduce-scatter as it is (torch 2.11: it writes nothing and costs nothing; from 2.13 it copies this rank's block)."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
-    if reduce_scatter_writes_output():
+    if not write_reduce_scatter or reduce_scatter_writes_output():
         return
     eager, functional = torch.library.Library("c10d", "IMPL"), torch.library.Library("_c10d_functional", "IMPL")
     with warnings.catch_warnings():

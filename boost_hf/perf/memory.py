@@ -304,12 +304,20 @@ class _Part:
 
 
 _RANK_PARTS: dict[tuple, list[list[_Part]]] = {}
+_RANK_PARAMETERS: dict[tuple, list["RankParameters"]] = {}
+_UNITS: dict[tuple, list[list["PartUnits"]]] = {}
+_WORKING_SETS: dict[tuple, list["FullyShardWorkingSet"]] = {}
+
+
+def _parts_key(config, parallel: ParallelConfig) -> tuple:
+    """What decides the tensors each rank holds: the model and the TP and pipeline split (the key of the caches)."""
+    return (_config_key(config), type(config), parallel.tp_style, parallel.tp_size, parallel.pp_size,
+            parallel.stages_per_rank, parallel.pp_layer_split)
 
 
 def _rank_parts(config, parallel: ParallelConfig) -> list[list[_Part]]:
     """Per pipeline rank, the parts (stages) it holds, first to last, with their TP-local tensors."""
-    key = (_config_key(config), type(config), parallel.tp_style, parallel.tp_size, parallel.pp_size,
-           parallel.stages_per_rank, parallel.pp_layer_split)
+    key = _parts_key(config, parallel)
     if key not in _RANK_PARTS:
         layout = layout_for(config, parallel)
         layer_template: dict[int, list[_Tensor]] = {0: [], 1: []}
@@ -358,7 +366,14 @@ def fully_shard_units(config, parallel: ParallelConfig, data_parallel: DataParal
     """Per pipeline rank, the FSDP2 units of each part it holds (TP-local shapes; each decoder layer resharding after
     forward as :func:`~boost_hf.parallel.fully_shard.reshards_after_forward` says for ``data_parallel``'s policy, the
     root only under ``always``), what the trainer's :func:`~boost_hf.parallel.fully_shard.units_of` finds on the
-    built model (``tests/perf/test_memory_measured.py``)."""
+    built model (``tests/perf/test_memory_measured.py``). Found once per layout (a list not to change)."""
+    key = (*_parts_key(config, parallel), data_parallel.fsdp_reshard_after_forward, data_parallel.fsdp_units)
+    if key not in _UNITS:
+        _UNITS[key] = _fully_shard_units(config, parallel, data_parallel)
+    return _UNITS[key]
+
+
+def _fully_shard_units(config, parallel: ParallelConfig, data_parallel: DataParallelConfig) -> list[list[PartUnits]]:
     pipeline, policy = parallel.pp_size > 1, data_parallel.fsdp_reshard_after_forward
     apart = data_parallel.fsdp_units == "decoder_layers"
     out = []
@@ -378,30 +393,37 @@ def fully_shard_units(config, parallel: ParallelConfig, data_parallel: DataParal
 
 def rank_parameters(config, parallel: ParallelConfig) -> list[RankParameters]:
     """Per pipeline rank, the parameter tensors one of its TP ranks holds (local element counts): its stages' decoder
-    layers, then the embedding (first stage) and the final norm and LM head (last stage)."""
-    ranks = []
-    for parts in _rank_parts(config, parallel):
-        layers = [t for part in parts for layer in part.layers for t in layer]
-        tensors = layers + [t for part in parts for t in part.rest]
-        ranks.append(RankParameters(tuple(t.elements for t in tensors if t.decays),
-                                    tuple(t.elements for t in tensors if not t.decays),
-                                    sum(t.elements for t in layers if t.matrix)))
-    return ranks
+    layers, then the embedding (first stage) and the final norm and LM head (last stage). Found once per layout (a
+    list not to change)."""
+    key = _parts_key(config, parallel)
+    if key not in _RANK_PARAMETERS:
+        ranks = []
+        for parts in _rank_parts(config, parallel):
+            layers = [t for part in parts for layer in part.layers for t in layer]
+            tensors = layers + [t for part in parts for t in part.rest]
+            ranks.append(RankParameters(tuple(t.elements for t in tensors if t.decays),
+                                        tuple(t.elements for t in tensors if not t.decays),
+                                        sum(t.elements for t in layers if t.matrix)))
+        _RANK_PARAMETERS[key] = ranks
+    return _RANK_PARAMETERS[key]
 
 
 @cache
 def zero1_shares(parameters: RankParameters, dp: int) -> list[RankParameters]:
     """The tensors each of ``dp`` ranks steps under torch's ``ZeroRedundancyOptimizer``: per parameter group (weight
     decay, then the other), largest first, each to the rank with the fewest elements so far (the lowest rank on a
-    tie), the counts carried over from group to group."""
-    totals = [(0, rank) for rank in range(dp)]
-    shares: list[dict[str, list[int]]] = [{"decay": [], "no_decay": []} for _ in range(dp)]
+    tie), the counts carried over from group to group. A rank is given a tensor only when every lower rank has been
+    given one, so of more ranks than tensors the last ``dp - tensors`` get none (not run through the heap)."""
+    ranks = min(dp, len(parameters.decay) + len(parameters.no_decay))
+    totals = [(0, rank) for rank in range(ranks)]
+    shares: list[dict[str, list[int]]] = [{"decay": [], "no_decay": []} for _ in range(ranks)]
     for group in ("decay", "no_decay"):
         for n in sorted(getattr(parameters, group), reverse=True):
             total, rank = heapq.heappop(totals)
             shares[rank][group].append(n)
             heapq.heappush(totals, (total + n, rank))
-    return [RankParameters(tuple(s["decay"]), tuple(s["no_decay"])) for s in shares]
+    empty = [RankParameters((), ())] * (dp - ranks)
+    return [RankParameters(tuple(s["decay"]), tuple(s["no_decay"])) for s in shares] + empty
 
 
 # ---------------------------------------------------------------------------------------------- static bytes
@@ -429,6 +451,7 @@ def wrapped_in_ddp(parallel: ParallelConfig, dp_size: int) -> bool:
 
 
 _STATIC: dict[tuple, list[list[StaticMemory]]] = {}
+_FULLEST: dict[tuple, list[StaticMemory]] = {}
 DDP = DataParallelConfig()
 
 
@@ -437,32 +460,56 @@ def static_memory(config, parallel: ParallelConfig, *, dp_size: int = 1, precisi
                   data_parallel: DataParallelConfig = DDP) -> list[list[StaticMemory]]:
     """Per pipeline rank, per DP rank: the static bytes of one GPU (module docstring); ``data_parallel``: DDP (the
     default) or FSDP2 / HSDP (``data_parallel="fsdp2"``, sharded over ``dp_size / dp_replicate_size`` ranks)."""
-    key = (_config_key(config), parallel.tp_style, parallel.tp_size, parallel.pp_size, parallel.stages_per_rank,
-           parallel.pp_layer_split, dp_size, precision, zero1, deepspeed_stage, data_parallel)
+    key = _static_key(config, parallel, dp_size, precision, zero1, deepspeed_stage, data_parallel)
     if key not in _STATIC:
         _STATIC[key] = _static_memory(config, parallel, dp_size, precision, zero1, deepspeed_stage, data_parallel)
     return _STATIC[key]
 
 
+def fullest_static_memory(config, parallel: ParallelConfig, *, dp_size: int = 1, precision: str = "autocast",
+                          zero1: bool = False, deepspeed_stage: int | None = None,
+                          data_parallel: DataParallelConfig = DDP) -> list[StaticMemory]:
+    """Per pipeline rank, the static bytes of its fullest DP rank (the first of them) of :func:`static_memory`,
+    without listing every DP rank: the fullest is DP rank 0 (every rank alike; FSDP2's shard 0 holds the most rows of
+    every tensor) but under ZeRO-1, where it is among the first ranks, one per tensor (the others step nothing)."""
+    key = _static_key(config, parallel, dp_size, precision, zero1, deepspeed_stage, data_parallel)
+    if key not in _FULLEST:
+        ranks = 1 + (max(p.tensors for p in rank_parameters(config, parallel)) if zero1 else 0)
+        _FULLEST[key] = [max(dp_ranks, key=lambda b: b.total) for dp_ranks in _static_memory(
+            config, parallel, dp_size, precision, zero1, deepspeed_stage, data_parallel, dp_ranks=min(ranks, dp_size))]
+    return _FULLEST[key]
+
+
+def _static_key(config, parallel: ParallelConfig, *settings) -> tuple:
+    return (_config_key(config), parallel.tp_style, parallel.tp_size, parallel.pp_size, parallel.stages_per_rank,
+            parallel.pp_layer_split, *settings)
+
+
 def _static_memory(config, parallel: ParallelConfig, dp_size: int, precision: str, zero1: bool,
-                   deepspeed_stage: int | None, data_parallel: DataParallelConfig) -> list[list[StaticMemory]]:
+                   deepspeed_stage: int | None, data_parallel: DataParallelConfig,
+                   dp_ranks: int | None = None) -> list[list[StaticMemory]]:
+    """:func:`static_memory` of DP ranks ``0 .. dp_ranks - 1`` (default: all ``dp_size``)."""
     policy = precision_bytes(precision)
+    dp_ranks = dp_size if dp_ranks is None else dp_ranks
     if data_parallel.fully_sharded and (zero1 or deepspeed_stage is not None):
         raise ValueError("FSDP2 shards the optimizer state itself: it runs without --zero1_optimizer and DeepSpeed.")
     if deepspeed_stage is not None:
-        return [[_deepspeed_static(params, policy, dp_size, deepspeed_stage)] * dp_size
+        return [[_deepspeed_static(params, policy, dp_size, deepspeed_stage)] * dp_ranks
                 for params in rank_parameters(config, parallel)]
     if fully_sharded(data_parallel, dp_size):
         shard = data_parallel.shard_size(dp_size)
-        return [[_fully_sharded_static(parts, policy, shard, dp_rank % shard) for dp_rank in range(dp_size)]
-                for parts in _rank_parts(config, parallel)]
+        out = []
+        for parts in _rank_parts(config, parallel):
+            by_shard = _fully_sharded_static(parts, policy, shard, min(shard, dp_ranks))
+            out.append([by_shard[dp_rank % shard] for dp_rank in range(dp_ranks)])
+        return out
     out = []
     for params in rank_parameters(config, parallel):
         n = params.elements
         masters = n * policy.master
         gradients = n * policy.gradient
         buckets = n * policy.gradient if policy.master == 0 and wrapped_in_ddp(parallel, dp_size) else 0
-        shares = zero1_shares(params, dp_size) if zero1 and dp_size > 1 else [params] * dp_size
+        shares = zero1_shares(params, dp_size)[:dp_ranks] if zero1 and dp_size > 1 else [params] * dp_ranks
         out.append([
             StaticMemory(n * policy.parameter, masters, gradients, buckets,
                          share.elements * policy.moments + share.tensors * ADAMW_STEP_BYTES)
@@ -477,22 +524,28 @@ def fully_sharded(data_parallel: DataParallelConfig, dp_size: int) -> bool:
     return data_parallel.fully_sharded and dp_size > 1
 
 
-def _shard_rows(rows: int, shard: int, index: int) -> int:
-    """Rows of a dim 0 of ``rows`` that shard ``index`` of ``shard`` holds: torch's ``chunk`` (``ceil(rows / shard)``
-    each, the last ones fewer or none)."""
-    chunk = -(-rows // shard)
-    return max(0, min(chunk, rows - index * chunk))
-
-
-def _fully_sharded_static(parts: list[_Part], policy: PrecisionBytes, shard: int, index: int) -> StaticMemory:
-    """FSDP2's static bytes on shard ``index`` of ``shard`` (module docstring): every tensor's dim 0 padded to a
-    multiple of ``shard``, ``1/shard`` of it held as the parameter (the fp32 master under ``bf16_params``) and its
-    gradient; AdamW's moments of the rows this shard holds (unpadded) and one ``step`` per tensor."""
+def _fully_sharded_static(parts: list[_Part], policy: PrecisionBytes, shard: int, indices: int) -> list[StaticMemory]:
+    """FSDP2's static bytes on shard indices ``0 .. indices - 1`` of ``shard`` (module docstring): every tensor's dim 0
+    padded to a multiple of ``shard``, ``1/shard`` of it held as the parameter (the fp32 master under ``bf16_params``)
+    and its gradient; AdamW's moments of the rows each shard holds (unpadded, torch's ``chunk``: ``ceil(rows / shard)``
+    rows to each of the first ``rows // chunk`` shards, the rest to the next one, none to the others) and one ``step``
+    per tensor. ``O(tensors + indices)``: each tensor adds its rows to a running difference over the shard indices."""
     tensors = [t for part in parts for t in (*(t for layer in part.layers for t in layer), *part.rest)]
     padded = sum(FullyShardUnit((t.shape,), False).padded_elements(shard) for t in tensors) // shard
-    held = sum(_shard_rows(t.shape[0] if t.shape else 1, shard, index) * _elements(t.shape[1:]) for t in tensors)
-    return StaticMemory(padded * (policy.master or policy.parameter), 0, padded * policy.gradient, 0,
-                        held * policy.moments + len(tensors) * ADAMW_STEP_BYTES)
+    change = [0] * (indices + 2)  # change[i]: elements held by shard i minus those held by shard i - 1
+    for t in tensors:
+        rows, row = (t.shape[0], _elements(t.shape[1:])) if t.shape else (1, 1)
+        chunk = -(-rows // shard)
+        whole, rest = divmod(rows, chunk)  # shards holding a whole chunk; the rows of the next one
+        change[0] += chunk * row
+        change[min(whole, indices)] += (rest - chunk) * row
+        change[min(whole + 1, indices + 1)] -= rest * row
+    out, held = [], 0
+    for index in range(indices):
+        held += change[index]
+        out.append(StaticMemory(padded * (policy.master or policy.parameter), 0, padded * policy.gradient, 0,
+                                held * policy.moments + len(tensors) * ADAMW_STEP_BYTES))
+    return out
 
 
 def _deepspeed_static(params: RankParameters, policy: PrecisionBytes, dp: int, stage: int) -> StaticMemory:
@@ -663,8 +716,8 @@ def memory_per_gpu(config, parallel: ParallelConfig, *, micro_batch: int, seq_le
     parallel = replace(parallel, pp_microbatches=None)
     pp, v, m, tokens = parallel.pp_size, parallel.stages_per_rank, num_micro_batches, micro_batch * seq_len
     stages = parallel.stage_layers(config.num_hidden_layers)
-    statics = static_memory(config, parallel, dp_size=dp_size, precision=precision, zero1=zero1,
-                            deepspeed_stage=deepspeed_stage, data_parallel=data_parallel)
+    fullest = fullest_static_memory(config, parallel, dp_size=dp_size, precision=precision, zero1=zero1,
+                                    deepspeed_stage=deepspeed_stage, data_parallel=data_parallel)
     params = rank_parameters(config, parallel)
     kept = _micro_batch_bytes(config, parallel, tokens, seq_len, precision)
     communicators = 1 + sum(size > 1 for size in (parallel.tp_size, pp, dp_size))
@@ -672,8 +725,13 @@ def memory_per_gpu(config, parallel: ParallelConfig, *, micro_batch: int, seq_le
     if sharded:
         shard = data_parallel.shard_size(dp_size)
         communicators += shard > 1 and data_parallel.dp_replicate_size > 1  # HSDP: a shard and a replica group
-        working_sets = [fully_shard_working_set(parts, shard, policy, pipeline=pp > 1, accumulating=pp > 1 or m > 1)
-                        for parts in fully_shard_units(config, parallel, data_parallel)]
+        key = (*_parts_key(config, parallel), data_parallel.fsdp_reshard_after_forward, data_parallel.fsdp_units, shard,
+               precision, pp > 1, pp > 1 or m > 1)
+        if key not in _WORKING_SETS:  # found once per layout
+            _WORKING_SETS[key] = [
+                fully_shard_working_set(parts, shard, policy, pipeline=pp > 1, accumulating=pp > 1 or m > 1)
+                for parts in fully_shard_units(config, parallel, data_parallel)]
+        working_sets = _WORKING_SETS[key]
     else:
         working_sets = [FullyShardWorkingSet(0, 0)] * pp
     checkpointed = parallel.activation_checkpointing != "none"
@@ -699,7 +757,7 @@ def memory_per_gpu(config, parallel: ParallelConfig, *, micro_batch: int, seq_le
         if kept.working_set is not None:  # a layer's backward: its activations' gradients (and the recomputed layer)
             transient = max(kept.working_set * (2 if checkpointed else 1) if layers else 0,
                             weight_copies if checkpointed else 0)
-        static = max(statics[rank], key=lambda b: b.total)
+        static = fullest[rank]
         working = working_sets[rank]
         dynamic = None if activations is None or transient is None else (
             activations + copies + transient + working.gathered_parameters + working.unsharded_gradients)

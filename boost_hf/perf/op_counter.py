@@ -20,6 +20,10 @@ decomposed before it, so they arrive as the ops below):
   and aliases (``op.is_view``), metadata queries and allocations without initialisation (:data:`FREE_OPS`).
 * Collectives (``c10d`` ops) are not counted here: :class:`boost_hf.parallel.comm_counter.CommCounter`
   counts them from boost-hf's primitives.
+
+:class:`DispatchCounter` counts instead how many ops of each kind a pass dispatches (the host's work in eager mode:
+each op that launches work is a kernel launch or a collective call on a GPU), GEMMs, attention, collectives and views
+included.
 """
 
 from __future__ import annotations
@@ -119,4 +123,52 @@ class OpCounter(TorchDispatchMode):
         return out
 
 
-__all__ = ["ATTENTION_BACKWARD_OPS", "ATTENTION_FORWARD_OPS", "FREE_OPS", "GEMM_OPS", "OpCounter", "attention_flops", "gemm_flops", "tensor_bytes"]
+#: what :class:`DispatchCounter` calls each op that launches work (the rest: ``"view"`` and ``"free"``)
+DISPATCH_KINDS = ("gemm", "attention", "collective", "other")
+
+
+def dispatch_kind(func) -> str:
+    """``"gemm"``, ``"attention"``, ``"collective"`` (``c10d`` and functional-collective ops), ``"other"`` (every other op
+    that launches work: element-wise, reductions, copies, boost-hf's fused custom ops), ``"view"`` (an alias: no
+    kernel) or ``"free"`` (:data:`FREE_OPS`: metadata, allocations without initialisation) of one aten op."""
+    name = func._overloadpacket.__name__
+    if func.namespace in ("c10d", "_c10d_functional"):
+        return "collective"
+    if func.is_view:
+        return "view"
+    if name in FREE_OPS:
+        return "free"
+    if name in GEMM_OPS:
+        return "gemm"
+    if name in ATTENTION_FORWARD_OPS or name in ATTENTION_BACKWARD_OPS:
+        return "attention"
+    return "other"
+
+
+class DispatchCounter(TorchDispatchMode):
+    """Dispatch mode counting every op that reaches the dispatcher inside it, by :func:`dispatch_kind` and by name:
+    ``counter.by_kind["gemm"]``, ``counter.by_op[("other", "mul")]``; :attr:`launches` is the ops that launch work in
+    eager mode (:data:`DISPATCH_KINDS`: one kernel each on a GPU, boost-hf's fused ops included, a collective one call).
+    A composite op is counted as the ops it decomposes into (what reaches the dispatcher)."""
+
+    def __init__(self):
+        super().__init__()
+        self.by_op: Counter[tuple[str, str]] = Counter()
+
+    @property
+    def by_kind(self) -> Counter[str]:
+        kinds: Counter[str] = Counter()
+        for (kind, _), n in self.by_op.items():
+            kinds[kind] += n
+        return kinds
+
+    @property
+    def launches(self) -> int:
+        return sum(n for (kind, _), n in self.by_op.items() if kind in DISPATCH_KINDS)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.by_op[dispatch_kind(func), func._overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+
+__all__ = ["DISPATCH_KINDS", "DispatchCounter", "dispatch_kind", "ATTENTION_BACKWARD_OPS", "ATTENTION_FORWARD_OPS", "FREE_OPS", "GEMM_OPS", "OpCounter", "attention_flops", "gemm_flops", "tensor_bytes"]

@@ -20,17 +20,26 @@ The search space is :class:`~boost_hf.parallel.config.ParallelConfig`'s fields (
   the gradients across nodes; :func:`replica_sizes`); FSDP2 only at dp > 1, never with ZeRO-1 (training refuses it),
   with torchtitan's reshard policy and one unit per decoder layer unless given.
 
+The search is bounded before anything is evaluated (:func:`structures`, :func:`check_search`): the micro-batch splits
+are divisors of the global batch, found once; more than :data:`MAX_LAYOUTS` structural layouts, sizes above
+:data:`LARGEST_SIZE`, a cluster no tp x pp x dp splits and a ``dp_replicate_size`` that divides no data-parallel size
+are refused naming why; a given setting that training takes for one backend narrows the backends
+(:func:`data_parallel_options`), and a recipe's settings that plan does not search narrow it as training would
+(:func:`search_of_recipe`). The memory model's work per layout does not grow with the data parallelism.
+
 Each candidate's step time is :func:`~boost_hf.perf.estimator.estimate_layout`'s (DP all-reduce and ZeRO-1, or FSDP2's
 all-gathers and reduce-scatters, included) and its memory :func:`~boost_hf.perf.memory.memory_per_gpu`'s (FSDP2's
 shards and working set included); a candidate fits when its fullest GPU's peak is at most the GPU memory. Nothing is
 built or run (the model's parameter shapes come from a meta-device skeleton). The report says by how much the best
 FSDP2 and HSDP layouts win or lose against the best DDP / ZeRO-1 one (:func:`data_parallel_comparison`); the command
-passes ``--data_parallel fsdp2`` and ``--dp_replicate_size`` as training takes them.
+passes ``--data_parallel fsdp2`` and ``--dp_replicate_size`` as training takes them, and names every setting the plan
+decided that the recipe it trains sets otherwise (:func:`training_arguments`): each command passes training's checks.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields, replace
+from math import isqrt
 
 from ..data_parallel_config import DATA_PARALLEL_BACKENDS, DataParallelConfig
 from ..parallel.config import ParallelConfig
@@ -58,7 +67,7 @@ class Cluster:
         check_positive(gpus=self.gpus, gpus_per_node=per_node)
         if self.gpus > per_node and self.gpus % per_node:
             fewer, more = self.gpus - self.gpus % per_node, self.gpus - self.gpus % per_node + per_node
-            spread = [n for n in range(per_node - 1, 0, -1) if self.gpus % n == 0][0]
+            spread = max(n for n in _divisors(self.gpus) if n < per_node)
             raise ValueError(
                 f"{self.gpus} GPUs do not fill nodes of {per_node} evenly: accelerate launch starts the same number of "
                 f"processes on every node, and {self.gpus} over {self.nodes} nodes is not a whole number per node. Plan a "
@@ -160,16 +169,32 @@ class PlanResult:
         return best
 
 
+LARGEST_SIZE = 2**31 - 1
+"""The largest size a plan takes (GPUs, sequences, tokens, any layout size): torch.distributed numbers its ranks in 32
+bits, and no batch or sequence of more is trained."""
+MAX_LAYOUTS = 1000
+"""The most structural layouts (tp x pp x schedule x micro-batch split x sequence parallelism, :func:`structures`) one
+plan searches, each then with up to 3 checkpointing modes, 4 data-parallel options and the precision policies: a plan
+answers in seconds (about 5 s of search at the bound). Global batches of a power of two up to 65,536 sequences have at
+most 864 on 1 to 4,096 GPUs (cola-30b on 32 H100 for 512: 384); 3,072 on 64 GPUs 969; 720,720 (240 divisors) on 32
+GPUs 6,331, refused."""
+
+
 def check_positive(**sizes) -> None:
-    """``ValueError`` naming the first of ``sizes`` (name -> value; ``None``: not given) that is not positive, with its
-    command-line spelling."""
+    """``ValueError`` naming the first of ``sizes`` (name -> value; ``None``: not given) that is not positive, or above
+    :data:`LARGEST_SIZE`, with its command-line spelling."""
     for name, value in sizes.items():
         if value is not None and (isinstance(value, bool) or not value > 0):
             raise ValueError(f"--{name.replace('_', '-')} must be positive, got {value}.")
+        if value is not None and value > LARGEST_SIZE:
+            raise ValueError(f"--{name.replace('_', '-')} {value} is more than a plan takes ({LARGEST_SIZE}, 2^31 - 1: "
+                             "torch.distributed numbers its ranks in 32 bits, and no batch or sequence is that large).")
 
 
 def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    """The divisors of ``n``, smallest first (``sqrt(n)`` trials)."""
+    small = [d for d in range(1, isqrt(n) + 1) if n % d == 0]
+    return small + [n // d for d in reversed(small) if d * d != n]
 
 
 def _tp_sizes(config, style: str, cluster: Cluster, parallel_fixed: dict) -> list[int]:
@@ -187,13 +212,36 @@ def _tp_sizes(config, style: str, cluster: Cluster, parallel_fixed: dict) -> lis
     return out
 
 
-def candidates(config, cluster: Cluster, seq_len: int, global_batch: int, fixed: dict):
-    """Every structural candidate (the checkpointing mode, ZeRO-1 and precision are varied by :func:`plan`), as
-    ``(parallel without checkpointing, dp, micro_batch, num_micro_batches)``."""
+@dataclass(frozen=True)
+class Structure:
+    """The sizes of a group of structural candidates, before any config is built: ``tp`` x ``pp`` x ``dp``, the
+    pipeline ``schedule`` with ``stages_per_rank``, the micro-batch counts ``splits`` of each replica's
+    ``replica_batch`` sequences and the sequence-parallel options ``sp``: ``len(splits) * len(sp)`` candidates."""
+
+    tp: int
+    pp: int
+    dp: int
+    schedule: str
+    stages_per_rank: int
+    replica_batch: int
+    splits: tuple[int, ...]
+    sp: tuple[bool, ...]
+
+    @property
+    def count(self) -> int:
+        return len(self.splits) * len(self.sp)
+
+
+def structures(config, cluster: Cluster, seq_len: int, global_batch: int, fixed: dict) -> list[Structure]:
+    """Every tp x pp x dp, schedule and micro-batch split of ``global_batch`` on ``cluster`` that the search tries
+    (``fixed``: the :class:`~boost_hf.parallel.config.ParallelConfig` fields given), by arithmetic alone: the replica
+    batches' splits are divisors of the global batch's, found once."""
     style = fixed.get("tp_style") or ("megatron" if config.bottleneck is None else "btp")
     layers = config.num_hidden_layers
+    batch_divisors = _divisors(global_batch)
+    out = []
     for tp in _tp_sizes(config, style, cluster, fixed):
-        for pp in ([fixed["pp_size"]] if "pp_size" in fixed else _divisors(cluster.gpus // tp)):
+        for pp in ([fixed["pp_size"]] if "pp_size" in fixed else range(1, min(layers, cluster.gpus // tp) + 1)):
             if pp > layers or cluster.gpus % (tp * pp):
                 continue
             dp = cluster.gpus // (tp * pp)
@@ -201,29 +249,42 @@ def candidates(config, cluster: Cluster, seq_len: int, global_batch: int, fixed:
                 continue
             replica = global_batch // dp
             schedules = [fixed["pp_schedule"]] if "pp_schedule" in fixed else (PLANNED_SCHEDULES if pp > 1 else ("1f1b",))
+            sp = (fixed["sequence_parallel"],) if "sequence_parallel" in fixed else (
+                (False, True) if tp > 1 and style != "vanilla" and seq_len % tp == 0 else (False,))
             for schedule in schedules:
                 per_rank = fixed.get("pp_stages_per_rank") or (2 if schedule != "1f1b" and pp > 1 else 1)
                 if pp * per_rank > layers:
                     continue
-                splits = [fixed["pp_microbatches"]] if "pp_microbatches" in fixed else _divisors(replica)
-                for m in splits:
-                    if replica % m or (pp > 1 and engine_refusal(schedule, pp, m)):
-                        continue
-                    sp_options = [fixed["sequence_parallel"]] if "sequence_parallel" in fixed else (
-                        [False, True] if tp > 1 and style != "vanilla" and seq_len % tp == 0 else [False])
-                    for sp in sp_options:
-                        try:
-                            parallel = ParallelConfig(
-                                tp_size=tp, tp_style=style, sequence_parallel=sp and tp > 1, pp_size=pp,
-                                pp_schedule=schedule if pp > 1 else "1f1b", pp_microbatches=m if pp > 1 else None,
-                                pp_stages_per_rank=per_rank if pp > 1 and schedule != "1f1b" else None,
-                                pp_layer_split=fixed.get("pp_layer_split"),
-                                rmsnorm=fixed.get("rmsnorm", "online"), group_linears=fixed.get("group_linears", True),
-                            )
-                            parallel.check_model(config)
-                        except ValueError:
-                            continue
-                        yield parallel, dp, replica // m, m
+                splits = [fixed["pp_microbatches"]] if "pp_microbatches" in fixed else \
+                    [m for m in batch_divisors if replica % m == 0]
+                splits = tuple(m for m in splits if replica % m == 0 and not (pp > 1 and engine_refusal(schedule, pp, m)))
+                if splits:
+                    out.append(Structure(tp, pp, dp, schedule, per_rank, replica, splits, sp))
+    return out
+
+
+def candidates(config, cluster: Cluster, seq_len: int, global_batch: int, fixed: dict,
+               found: list[Structure] | None = None):
+    """Every structural candidate (the checkpointing mode, ZeRO-1 and precision are varied by :func:`plan`), as
+    ``(parallel without checkpointing, dp, micro_batch, num_micro_batches)``; ``found``: :func:`structures` already
+    found."""
+    style = fixed.get("tp_style") or ("megatron" if config.bottleneck is None else "btp")
+    for group in structures(config, cluster, seq_len, global_batch, fixed) if found is None else found:
+        tp, pp, schedule, per_rank = group.tp, group.pp, group.schedule, group.stages_per_rank
+        for m in group.splits:
+            for sp in group.sp:
+                try:
+                    parallel = ParallelConfig(
+                        tp_size=tp, tp_style=style, sequence_parallel=sp and tp > 1, pp_size=pp,
+                        pp_schedule=schedule if pp > 1 else "1f1b", pp_microbatches=m if pp > 1 else None,
+                        pp_stages_per_rank=per_rank if pp > 1 and schedule != "1f1b" else None,
+                        pp_layer_split=fixed.get("pp_layer_split"),
+                        rmsnorm=fixed.get("rmsnorm", "online"), group_linears=fixed.get("group_linears", True),
+                    )
+                    parallel.check_model(config)
+                except ValueError:
+                    continue
+                yield parallel, group.dp, group.replica_batch // m, m
 
 
 def replica_sizes(parallel: ParallelConfig, dp: int, cluster: Cluster, given: int | None = None) -> list[int]:
@@ -236,22 +297,134 @@ def replica_sizes(parallel: ParallelConfig, dp: int, cluster: Cluster, given: in
     return [1] + ([spanned] if 1 < spanned < dp and dp % spanned == 0 else [])
 
 
+FSDP2_ONLY = ("fsdp_reshard_after_forward", "fsdp_units")  # DataParallelConfig's settings of FSDP2 alone
+
+
+def _searched_backends(fixed: dict, zero1_options: tuple[bool, ...] | None) -> tuple[str, ...]:
+    """The data-parallel backends a plan tries: those given (``fixed["data_parallel"]``, default both) that agree with
+    the other settings given, as training takes them: HSDP's ``dp_replicate_size`` above 1 and FSDP2's own settings
+    are FSDP2's (under DDP training refuses them), ``--zero1 true`` DDP's (with FSDP2 training refuses it).
+    ``ValueError`` naming both when the settings given leave no backend."""
+    backends = tuple(fixed.get("data_parallel") or DATA_PARALLEL_BACKENDS)
+    fsdp2_settings = [f"--{name} {fixed[name]}" for name in FSDP2_ONLY if fixed.get(name) is not None]
+    if (fixed.get("dp_replicate_size") or 1) > 1:
+        fsdp2_settings.insert(0, f"--dp_replicate_size {fixed['dp_replicate_size']}")
+    zero1 = zero1_options == (True,)
+    if fsdp2_settings and zero1:
+        raise ValueError(f"{' '.join(fsdp2_settings)} sets how FSDP2 shards, and --zero1 true keeps --zero1_optimizer, "
+                         "which training refuses with FSDP2 (it shards the optimizer state itself): drop one of them.")
+    if fsdp2_settings and "fsdp2" not in backends:
+        raise ValueError(f"{' '.join(fsdp2_settings)} sets how FSDP2 shards, but --data_parallel {' '.join(backends)} "
+                         "searches no FSDP2 layout (training refuses it under DDP): add --data_parallel fsdp2, or drop it.")
+    if zero1 and "ddp" not in backends:
+        raise ValueError("--zero1 true keeps --zero1_optimizer, which training refuses with --data_parallel fsdp2 (FSDP2 "
+                         "shards the optimizer state over the data-parallel group already): drop --zero1 true, or search "
+                         "--data_parallel ddp.")
+    if fsdp2_settings:
+        return ("fsdp2",)
+    return tuple(b for b in backends if not (zero1 and b == "fsdp2"))
+
+
 def data_parallel_options(parallel: ParallelConfig, dp: int, cluster: Cluster, fixed: dict,
                           zero1_options: tuple[bool, ...] | None) -> list[tuple[DataParallelConfig, bool]]:
     """How the ``dp`` ranks of a layout may hold the model, as ``(DataParallelConfig, zero1)``: DDP without and with
     ZeRO-1 (``zero1_options``), FSDP2 and HSDP (:func:`replica_sizes`; dp > 1; never with ZeRO-1, which training
     refuses). ``fixed``: the :class:`~boost_hf.data_parallel_config.DataParallelConfig` fields the user gave
-    (``data_parallel`` a tuple of backends)."""
-    backends = fixed.get("data_parallel") or DATA_PARALLEL_BACKENDS
+    (``data_parallel`` a tuple of backends; what else is given narrows them, :func:`_searched_backends`)."""
+    backends = _searched_backends(fixed, zero1_options)
     out: list[tuple[DataParallelConfig, bool]] = []
     if "ddp" in backends:
         zero1s = zero1_options if zero1_options is not None else ((False, True) if dp > 1 else (False,))
         out += [(DDP, zero1) for zero1 in dict.fromkeys(z and dp > 1 for z in zero1s)]
-    settings = {name: fixed[name] for name in ("fsdp_reshard_after_forward", "fsdp_units") if fixed.get(name) is not None}
+    settings = {name: fixed[name] for name in FSDP2_ONLY if fixed.get(name) is not None}
     if "fsdp2" in backends and dp > 1 and not (parallel.pp_size > 1 and settings.get("fsdp_reshard_after_forward") == "always"):
         out += [(DataParallelConfig("fsdp2", replicas, **settings), False)
                 for replicas in replica_sizes(parallel, dp, cluster, fixed.get("dp_replicate_size"))]
     return out
+
+
+def check_search(found: list[Structure], config, cluster: Cluster, global_batch: int, fixed: dict,
+                 data_parallel: dict) -> None:
+    """``ValueError`` naming why, before anything is evaluated, when the structural layouts :func:`structures` found
+    are none (no tp x pp x dp splits the GPUs and the global batch, or none takes the sizes given), more than
+    :data:`MAX_LAYOUTS`, or none has a data-parallel size that a ``dp_replicate_size`` given divides."""
+    gpus, layers = cluster.gpus, config.num_hidden_layers
+    given = ", ".join(f"--{name} {value}" for name, value in fixed.items())
+    if not found:
+        tps = _tp_sizes(config, fixed.get("tp_style") or ("megatron" if config.bottleneck is None else "btp"), cluster, fixed)
+        pps = [fixed["pp_size"]] if "pp_size" in fixed else range(1, layers + 1)
+        dps = sorted({gpus // (tp * pp) for tp in tps for pp in pps if gpus % (tp * pp) == 0 and pp <= layers})
+        if not tps or not dps:
+            raise ValueError(f"no tp x pp splits {gpus} GPUs for this model (tp: a divisor of the {cluster.hardware.gpus_per_node} "
+                             f"GPUs per node its heads and widths allow{', ' + given if given else ''}; pp at most its "
+                             f"{layers} layers): plan another number of GPUs.")
+        if not any(global_batch % dp == 0 for dp in dps):
+            fewest = dps[0]
+            raise ValueError(
+                f"the global batch of {global_batch} sequences does not split over the data-parallel ranks of any layout of "
+                f"{gpus} GPUs (dp = GPUs / (tp x pp): {', '.join(map(str, dps[:8]))}{', ...' if len(dps) > 8 else ''}; tp "
+                f"at most {max(tps)}, pp at most the model's {layers} layers): give a global batch that one of them divides "
+                f"(e.g. --global-batch {-(-global_batch // fewest) * fewest}), or plan fewer GPUs.")
+        raise ValueError(f"no layout of {gpus} GPUs for {global_batch} sequences per step takes {given}: torch's pipeline "
+                         "schedules, the micro-batch splits of each replica's batch or the model refuse them; change or "
+                         "drop them.")
+    count = sum(group.count for group in found)
+    if count > MAX_LAYOUTS:
+        splits = max(len(group.splits) for group in found)
+        raise ValueError(
+            f"this plan has {count:,} layouts to search (tp x pp x schedule x micro-batch split x sequence parallelism, "
+            f"before checkpointing, data parallelism and precision), more than the {MAX_LAYOUTS:,} one plan searches: each "
+            f"replica's batch splits into up to {splits} micro-batch counts (the divisors of the global batch of "
+            f"{global_batch}). Fix some of them (--tp_size, --pp_size, --pp_schedule, --pp_microbatches, "
+            "--sequence_parallel), or plan a global batch with fewer divisors (a power of two).")
+    replicas = data_parallel.get("dp_replicate_size")
+    if replicas is not None and not any(group.dp % replicas == 0 for group in found):
+        dps = sorted({group.dp for group in found})
+        raise ValueError(
+            f"--dp_replicate_size {replicas} divides the data-parallel size of no layout of {gpus} GPUs (dp = GPUs / (tp x "
+            f"pp): {', '.join(map(str, dps))}): HSDP's replicas each shard over dp / dp_replicate_size ranks. Give one "
+            "that divides a data-parallel size above, or plan GPUs whose data parallelism it divides.")
+
+
+def search_of_recipe(recipe: dict, name: str, *, fixed: dict, data_parallel: dict,
+                     zero1_options: tuple[bool, ...] | None, precisions: tuple[str, ...],
+                     grad_reduce_dtype: str | None) -> tuple[dict, dict, tuple[bool, ...] | None, tuple[str, ...], str | None]:
+    """What the training settings of recipe ``name`` that plan does not search (``recipe``: its training section; its
+    command keeps them) leave of the search given (``fixed``, ``data_parallel``, ``zero1_options``, ``precisions``,
+    ``grad_reduce_dtype``, as :func:`plan` takes them), returned in the same order: ``lowrank_optimizer: loro`` trains
+    under DDP without ZeRO-1; ``pp_layer_split`` fixes the stages; ``grad_reduce_dtype`` and ``fp32_residual`` (kept;
+    the memory model counts a bf16 residual) are ``bf16_params``' settings. ``ValueError`` naming the recipe's setting
+    where an option given contradicts it, and for what plan does not model: DeepSpeed (``deepspeed:``) and
+    transformers' FSDP (``fsdp:``; written as ``--data_parallel fsdp2`` it is searched)."""
+    fixed, data_parallel = dict(fixed), dict(data_parallel)
+    for key, what in (("deepspeed", "DeepSpeed"), ("fsdp", "transformers' FSDP")):
+        if recipe.get(key):
+            raise ValueError(f"the recipe {name} trains with {what} ({key}: {recipe[key]!r}), which plan does not model "
+                             "(it searches DDP, ZeRO-1, FSDP2 and HSDP, written as --data_parallel settings): plan a recipe "
+                             f"without {key}:, and train the plan's layout with it.")
+    if recipe.get("lowrank_optimizer") == "loro":
+        if (data_parallel.get("data_parallel") and "ddp" not in data_parallel["data_parallel"]) or zero1_options == (True,):
+            raise ValueError(f"the recipe {name} trains with lowrank_optimizer: loro, which runs under DDP without ZeRO-1 "
+                             "(training refuses FSDP2 and --zero1_optimizer with it): drop --data_parallel fsdp2 / --zero1 "
+                             "true.")
+        data_parallel["data_parallel"], zero1_options = ("ddp",), (False,)
+    if recipe.get("pp_layer_split") is not None:
+        from ..parallel.settings import parse_layer_split
+
+        split = parse_layer_split(recipe["pp_layer_split"])
+        if fixed.get("pp_size", len(split)) != len(split):
+            raise ValueError(f"the recipe {name} sets pp_layer_split: {list(split)} ({len(split)} stages), but --pp_size "
+                             f"{fixed['pp_size']} was given: drop one of them.")
+        fixed.update(pp_layer_split=split, pp_size=len(split))
+    bf16_only = [key for key in ("grad_reduce_dtype", "fp32_residual") if recipe.get(key)]
+    if bf16_only:
+        if "bf16_params" not in precisions:
+            raise ValueError(f"the recipe {name} sets {', '.join(bf16_only)}, the bf16_params precision policy's, which plan "
+                             f"does not search here ({', '.join(precisions)}): plan --precision_policy bf16_params, or "
+                             "remove them from the recipe.")
+        precisions = ("bf16_params",)
+        grad_reduce_dtype = grad_reduce_dtype or recipe.get("grad_reduce_dtype")
+    return fixed, data_parallel, zero1_options, precisions, grad_reduce_dtype
 
 
 def plan(config, cluster: Cluster, *, seq_len: int, global_batch: int, fixed: dict | None = None,
@@ -263,18 +436,23 @@ def plan(config, cluster: Cluster, *, seq_len: int, global_batch: int, fixed: di
     ``DataParallelConfig`` field -> value it keeps (``data_parallel``: the backends to try, a tuple). For each
     structural layout and data-parallel option (:func:`data_parallel_options`) the checkpointing modes are tried
     fastest first and the first that fits is kept. ``grad_reduce_dtype`` (``"bf16"``) applies to the ``bf16_params``
-    candidates: it changes the gradients' rounding, so it is the user's choice, not searched."""
+    candidates: it changes the gradients' rounding, so it is the user's choice, not searched. ``ValueError`` before
+    anything is evaluated for a search :func:`check_search` refuses and for data-parallel settings that contradict each
+    other."""
     fixed, data_parallel = dict(fixed or {}), dict(data_parallel or {})
     check_positive(seq_len=seq_len, global_batch=global_batch,
                    **{name: value for name, value in {**fixed, **data_parallel}.items()
                       if isinstance(value, int) and not isinstance(value, bool)})
+    _searched_backends(data_parallel, zero1_options)
+    found = structures(config, cluster, seq_len, global_batch, fixed)
+    check_search(found, config, cluster, global_batch, fixed, data_parallel)
     cache: dict = {}
     low_rank = config.bottleneck is not None
     modes = [fixed["activation_checkpointing"]] if "activation_checkpointing" in fixed else \
         [m for m in CHECKPOINTING_ORDER if low_rank or m != "lowrank"]
     ranked, unmodelled, evaluated, tried = [], [], [], 0
     smallest: dict[tuple[int, int], Evaluated] = {}
-    for parallel, dp, micro_batch, m in candidates(config, cluster, seq_len, global_batch, fixed):
+    for parallel, dp, micro_batch, m in candidates(config, cluster, seq_len, global_batch, fixed, found):
         layouts = []
         for mode in modes:
             layout = replace(parallel, activation_checkpointing=mode)
@@ -338,11 +516,13 @@ def why_slower(winner: Evaluated, other: Evaluated) -> str:
     return f"{b.step_time_s / a.step_time_s - 1:+.1%}" + (f" ({detail})" if detail else "")
 
 
-def training_arguments(candidate: Candidate, *, seq_len: int) -> list[str]:
+def training_arguments(candidate: Candidate, *, seq_len: int, recipe: dict | None = None) -> list[str]:
     """The ``boost-hf train`` overrides that run ``candidate`` (the training arguments' names of
     :mod:`boost_hf.parallel.settings` and :mod:`boost_hf.data_parallel_config`): every layout field the search
     decided, the batch split, the sequence length, ZeRO-1, the precision (``--bf16``; ``--precision_policy`` where the
-    trainer has it) and FSDP2's settings (``--data_parallel fsdp2``, ``--dp_replicate_size`` for HSDP)."""
+    trainer has it) and FSDP2's settings (``--data_parallel fsdp2``, ``--dp_replicate_size`` for HSDP). A decided
+    setting left at the trainer's default is written too where ``recipe`` (the training section of the recipe the
+    command trains) sets it otherwise, so that the command, not the recipe, says what the plan decided."""
     from ..parallel.settings import TRAINING_NAMES
 
     p = candidate.parallel
@@ -380,12 +560,37 @@ def training_arguments(candidate: Candidate, *, seq_len: int) -> list[str]:
         args += ["--grad_reduce_dtype", "bf16"]
     if p.sequence_parallel:
         args += ["--sample_max_new_tokens", "0"]  # generation feeds one token per step, which SP cannot split
+    written = {arg[2:] for arg in args if arg.startswith("--")}
+    for field_name, value in _decided_defaults(candidate).items():
+        given = (recipe or {}).get(field_name)
+        if field_name not in written and given is not None and given != value and not (
+                field_name == "tp_style" and given == "auto"):  # auto: the style plan takes, the model's
+            args += [f"--{field_name}", str(value).lower() if isinstance(value, bool) else str(value)]
     return args
 
 
-def accelerate_config(cluster: Cluster, *, cpu: bool, mixed_precision: str) -> str:
+def _decided_defaults(candidate: Candidate) -> dict:
+    """The training arguments ``candidate`` decides that :func:`training_arguments` writes only where a recipe sets them
+    otherwise (under their training names), with the value that runs ``candidate``."""
+    from ..parallel.settings import TRAINING_NAMES
+
+    p, sharding = candidate.parallel, candidate.data_parallel
+    decided = {TRAINING_NAMES.get(name, name): value for name, value in (
+        ("tp_style", p.tp_style), ("rmsnorm", p.rmsnorm), ("group_linears", p.group_linears),
+        ("pp_stages_per_rank", p.stages_per_rank))}
+    decided.update({f.name: getattr(sharding, f.name) for f in fields(sharding)})
+    decided.update(precision_policy=candidate.precision, fp16=False, activation_checkpointing=False,
+                   gradient_checkpointing=False)
+    if candidate.precision == "bf16_params":  # None there is fp32
+        decided["grad_reduce_dtype"] = candidate.grad_reduce_dtype or "fp32"
+    return decided
+
+
+def accelerate_config(cluster: Cluster, *, cpu: bool) -> str:
     """An ``accelerate`` configuration (YAML) for ``cluster``: ``torchrun`` underneath (``MULTI_GPU``; with ``use_cpu``
-    on CPU processes, gloo), one process per GPU, every node running the same file with its ``--machine_rank``."""
+    on CPU processes, gloo), one process per GPU, every node running the same file with its ``--machine_rank``. It sets
+    no precision (``mixed_precision: 'no'``, accelerate's default, which sets nothing): each command's ``--bf16`` is
+    the one source of it, whichever layout of the plan it runs."""
     nodes = cluster.nodes
     lines = [
         "# written by boost-hf plan: " + (f"{cluster.gpus} CPU processes" if cpu else
@@ -397,7 +602,7 @@ def accelerate_config(cluster: Cluster, *, cpu: bool, mixed_precision: str) -> s
         f"num_processes: {cluster.gpus}",
         "machine_rank: 0",
         *(["main_process_port: 29500"] if nodes > 1 else []),
-        f"mixed_precision: '{mixed_precision}'",
+        "mixed_precision: 'no'  # the command's --bf16 says it",
         f"rdzv_backend: {'c10d' if nodes > 1 else 'static'}",
         f"same_network: {'false' if nodes > 1 else 'true'}",
         "main_training_function: main",
@@ -419,7 +624,9 @@ def launch_command(cluster: Cluster, config_path: str, recipe: str, train_args: 
 class PlanInputs:
     """What is planned: the model ``config`` (``name`` to show), steps of ``global_batch`` sequences of ``seq_len``
     tokens, the ``recipe`` the command trains (a shipped name, a path, or ``RECIPE.yaml`` to fill in), the recipe's
-    own layout (its training fields, when planning a recipe) and notes on what was assumed."""
+    own layout (its training fields, when planning a recipe), notes on what was assumed and ``recipe_training``: the
+    training section of the recipe the command trains (``{}`` for ``RECIPE.yaml``), which the command overrides where
+    the plan decides otherwise (:func:`training_arguments`, :func:`search_of_recipe`)."""
 
     config: object
     name: str
@@ -428,6 +635,7 @@ class PlanInputs:
     recipe: str
     recipe_layout: dict | None = None
     notes: tuple[str, ...] = ()
+    recipe_training: dict = field(default_factory=dict)
 
 
 RECIPE_LAYOUT_FIELDS = ("tp_size", "pp_size", "pp_schedule", "pp_microbatches", "sequence_parallel",
@@ -438,7 +646,9 @@ RECIPE_LAYOUT_FIELDS = ("tp_size", "pp_size", "pp_schedule", "pp_microbatches", 
 def plan_inputs(*, recipe: str | None = None, preset: str | None = None, config_path: str | None = None, gpus: int,
                 seq_len: int | None = None, global_batch: int | None = None) -> PlanInputs:
     """The model and workload of a plan: from a recipe (its model, ``block_size`` and global batch on ``gpus``), a
-    preset, or a ``config.json``; ``seq_len`` and ``global_batch`` override (defaults 4096 and 512 without a recipe)."""
+    preset, or a ``config.json``; ``seq_len`` and ``global_batch`` override (defaults without a recipe: 512 sequences
+    of 4096 tokens, or of the model's ``max_position_embeddings`` where it holds fewer). A sequence longer than the
+    model's positions is refused, as training refuses its ``block_size``."""
     import json
     from pathlib import Path
 
@@ -474,19 +684,39 @@ def plan_inputs(*, recipe: str | None = None, preset: str | None = None, config_
             raise ValueError(f"the recipe's tp_size x pp_size ({tp} x {pp}) does not divide --gpus {gpus}: give --global-batch.")
         recipe_batch = training.get("per_device_train_batch_size", 8) * training.get("gradient_accumulation_steps", 1) * (gpus // (tp * pp))
         layout = {name: training.get(name) for name in RECIPE_LAYOUT_FIELDS}
-        return PlanInputs(config, Path(path).stem, seq_len or data.get("block_size", 256), global_batch or recipe_batch,
-                          recipe, layout, tuple(notes))
+        seq_len = _sequence_length(config, seq_len, data.get("block_size", 256), f"the recipe {path}'s block_size")
+        return PlanInputs(config, Path(path).stem, seq_len, global_batch or recipe_batch, recipe, layout, tuple(notes),
+                          training)
+    training = {}
     if preset is not None:
-        from ..shipped import shipped_recipes
+        from ..shipped import resolve_recipe, shipped_recipes
 
         config = BoostLlamaConfig.from_preset(preset)
         name, command_recipe = preset, preset if preset in shipped_recipes() else "RECIPE.yaml"
+        if command_recipe != "RECIPE.yaml":
+            training = (yaml.safe_load(Path(resolve_recipe(preset)).read_text()) or {}).get("training") or {}
     else:
         config = BoostLlamaConfig.from_dict(json.loads(Path(config_path).read_text()))
         name, command_recipe = Path(config_path).parent.name or config_path, "RECIPE.yaml"
     if command_recipe == "RECIPE.yaml":
         notes.append("no shipped recipe trains this model: RECIPE.yaml in the command is yours to write")
-    return PlanInputs(config, name, seq_len or 4096, global_batch or 512, command_recipe, None, tuple(notes))
+    if seq_len is None and config.max_position_embeddings < 4096:
+        notes.append(f"sequences of {config.max_position_embeddings} tokens, the model's max_position_embeddings (4096 "
+                     "where it holds more)")
+    seq_len = _sequence_length(config, seq_len, min(4096, config.max_position_embeddings), "the default")
+    return PlanInputs(config, name, seq_len, global_batch or 512, command_recipe, None, tuple(notes), training)
+
+
+def _sequence_length(config, given: int | None, default: int, what: str) -> int:
+    """``given`` (``--seq-len``) or ``default`` (``what``: where it comes from), refused when the model has fewer
+    positions (training refuses a ``block_size`` above ``max_position_embeddings``)."""
+    seq_len = given or default
+    if seq_len > config.max_position_embeddings:
+        source = "--seq-len" if given else what
+        raise ValueError(f"sequences of {seq_len} tokens ({source}) are longer than the model's max_position_embeddings "
+                         f"({config.max_position_embeddings}), and training refuses a block_size above it: plan --seq-len "
+                         f"{config.max_position_embeddings} or less, or a model with more positions.")
+    return seq_len
 
 
 @dataclass(frozen=True)
@@ -606,7 +836,7 @@ def plan_report(result: PlanResult, inputs: PlanInputs, cluster: Cluster, *, acc
     best = result.ranked[0] if result.ranked else None
 
     def command(e: Evaluated) -> str:
-        args = training_arguments(e.candidate, seq_len=inputs.seq_len)
+        args = training_arguments(e.candidate, seq_len=inputs.seq_len, recipe=inputs.recipe_training)
         return launch_command(cluster, accelerate_config_path, inputs.recipe, args)
 
     shown = result.ranked[:top]
@@ -661,12 +891,11 @@ def plan_report(result: PlanResult, inputs: PlanInputs, cluster: Cluster, *, acc
         lines += [f"  {e.candidate.describe()}: {e.step_s:.3f} s, {why_slower(best, e)}" for e in others]
         lines += [f"  {e.candidate.describe()}: does not fit, needs {e.peak_bytes / GIB:.1f} GiB" for e in result.smallest[:top]]
     lines += data_parallel_comparison(result)
-    mixed = "no" if best.candidate.precision == "fp32" else "bf16"
-    text_config = accelerate_config(cluster, cpu=cpu, mixed_precision=mixed)
+    text_config = accelerate_config(cluster, cpu=cpu)
     lines += ["", f"accelerate config written to {accelerate_config_path}; run #1"
               + (f" on every node (NODE_RANK 0..{cluster.nodes - 1}, MASTER_ADDR the first node's):" if cluster.nodes > 1 else ":"),
               f"  {layouts[0]['command']}"]
     return PlanReport("\n".join(lines), layouts, text_config)
 
 
-__all__ = ["CHECKPOINTING_ORDER", "PlanInputs", "PlanReport", "plan_inputs", "plan_report", "accelerate_config", "launch_command", "training_arguments", "Candidate", "Cluster", "Evaluated", "PlanResult", "candidates", "data_parallel_comparison", "data_parallel_options", "plan", "replica_sizes", "why_slower"]
+__all__ = ["CHECKPOINTING_ORDER", "PlanInputs", "PlanReport", "plan_inputs", "plan_report", "accelerate_config", "launch_command", "search_of_recipe", "structures", "Structure", "training_arguments", "Candidate", "Cluster", "Evaluated", "PlanResult", "candidates", "data_parallel_comparison", "data_parallel_options", "plan", "check_search", "replica_sizes", "why_slower", "LARGEST_SIZE", "MAX_LAYOUTS"]

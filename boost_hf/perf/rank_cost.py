@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections import Counter
 from contextlib import contextmanager
 from unittest import mock
 from typing import Mapping
@@ -41,10 +42,10 @@ from ..parallel.comm_counter import CommCounter
 from ..parallel.communication import COLLECTIVE_KINDS
 from ..parallel.shared_storage import cast_parameters
 from ..parallel.state import reset_parallel_states
-from ..parallel.compile import compile_decoder_layers
+from ..parallel.compile import compile_model
 from .activation_memory import SavedTensorsProbe
 from .fake_group import close_fake_process_group, open_fake_process_group
-from .op_counter import OpCounter
+from .op_counter import DISPATCH_KINDS, DispatchCounter, OpCounter
 
 DEFAULT_LAYERS = (1, 3)
 
@@ -70,11 +71,12 @@ def _require_fake_process_group(tp_size: int) -> None:
 
 
 @contextmanager
-def fake_process_group(world_size: int):
+def fake_process_group(world_size: int, *, write_reduce_scatter: bool = True):
     """Open a fake process group of ``world_size`` ranks (this process is rank 0; collectives do nothing)
     and close it on exit, with the process groups cached on it. Every ``tp_size`` counted or measured inside
-    must divide ``world_size``."""
-    open_fake_process_group(world_size)
+    must divide ``world_size``. ``write_reduce_scatter=False``: the backend's reduce-scatter without the stand-in
+    that writes its output (:func:`~boost_hf.perf.fake_group.open_fake_process_group`), for timings."""
+    open_fake_process_group(world_size, write_reduce_scatter=write_reduce_scatter)
     try:
         yield
     finally:
@@ -246,6 +248,54 @@ def count_rank_layer(
     }
 
 
+def _dispatches_of_model(config, parallel, micro_batch: int, seq: int, autocast_dtype, param_dtype) -> dict[str, Counter]:
+    """``{"forward" | "backward": Counter((kind, op) -> calls)}`` of one training step of a whole model."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    fake_mode = FakeTensorMode()
+    model = build_fake_model(config, parallel, fake_mode, param_dtype)
+    with fake_mode, _rows_are_unpacked():
+        input_ids = torch.zeros(micro_batch, seq, dtype=torch.long)
+        with DispatchCounter() as forward:
+            with torch.autocast("cpu", dtype=autocast_dtype, enabled=autocast_dtype is not None):
+                loss = model(input_ids, labels=input_ids, use_cache=False).loss
+        with DispatchCounter() as backward:
+            loss.backward()
+    return {"forward": forward.by_op, "backward": backward.by_op}
+
+
+def count_rank_layer_dispatches(
+    config, parallel, micro_batch: int = 1, seq: int = 128, *, layers: tuple[int, int] = DEFAULT_LAYERS,
+    autocast_dtype: torch.dtype | None = None, param_dtype: torch.dtype | None = torch.bfloat16,
+) -> dict:
+    """The ops one decoder layer on one tensor-parallel rank dispatches per training step (forward with labels, no KV
+    cache; backward), as :class:`~boost_hf.perf.op_counter.DispatchCounter` counts them: the difference of an ``L2``- and
+    an ``L1``-layer model over ``L2 - L1`` (fake tensors: any shape, in seconds; the counts do not depend on the sizes,
+    only on the model's structure). Default precision: bf16 parameters without autocast (the default training policy).
+
+    Returns ``{"forward", "backward", "total"}``, each ``{"launches", "gemm", "attention", "collective", "other", "view",
+    "free", "by_op": {"kind/op": calls}}`` (``launches``: the ops that launch work, :data:`DISPATCH_KINDS`)."""
+    parallel.check_model(config)
+    _require_fake_process_group(parallel.tp_size)
+    fewer, more = (_dispatches_of_model(_layer_config(config, n, seq), parallel, micro_batch, seq, autocast_dtype, param_dtype)
+                   for n in layers)
+    span = layers[1] - layers[0]
+    out = {}
+    for name in ("forward", "backward"):
+        diff = Counter(more[name])
+        diff.subtract(fewer[name])
+        out[name] = {f"{kind}/{op}": n / span for (kind, op), n in diff.items() if n}
+    out["total"] = dict(Counter(out["forward"]) + Counter(out["backward"]))
+    summary = {}
+    for name, by_op in out.items():
+        kinds = Counter()
+        for key, n in by_op.items():
+            kinds[key.split("/", 1)[0]] += n
+        summary[name] = {"launches": sum(kinds[k] for k in DISPATCH_KINDS), **{k: kinds[k] for k in (*DISPATCH_KINDS, "view", "free")},
+                         "by_op": dict(sorted(by_op.items(), key=lambda item: (-item[1], item[0])))}
+    return summary
+
+
 #: REVIEW-2's fit of eager H100 time (bf16 autocast, 7B TP4, N = 8192: five layouts predicted within ~10 %):
 #: GEMM FLOPs at the achieved GEMM rate (full-rank shapes / the thinner low-rank shapes), non-GEMM bytes at
 #: the achieved memory bandwidth, a launch-and-latency cost per non-GEMM op, and the attention kernels at the
@@ -289,7 +339,7 @@ def _step_fn(model, device: str, micro_batch: int, seq: int, autocast_dtype, com
     input_ids = torch.randint(0, model.config.vocab_size, (micro_batch, seq), device=device,
                               generator=torch.Generator(device).manual_seed(0))
     if compile:
-        compile_decoder_layers(model)  # what BoostTrainer --torch_compile does
+        compile_model(model)  # what BoostTrainer --torch_compile does
 
     def step() -> None:
         with torch.autocast(device_type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
@@ -321,7 +371,7 @@ def measure_rank_layers(
     starting model rotating each round; after ``warmup`` rounds, each of ``reps`` rounds gives
     ``(t(L2) - t(L1)) / (L2 - L1)``. ``param_dtype``: the parameters' dtype (``None``: fp32; AdamW then steps
     them directly, in that dtype). ``compile``: each model's decoder layers are compiled in place, as
-    ``BoostTrainer --torch_compile`` does (:func:`~boost_hf.parallel.compile.compile_decoder_layers`;
+    ``BoostTrainer --torch_compile`` does (:func:`~boost_hf.parallel.compile.compile_model`;
     ``warmup`` must be at least 1 to compile outside the timed rounds).
 
     Returns per variant ``{"ms_per_layer", "ms_per_layer_min", "ms_per_layer_max", "step_ms": {L: median}}``,
@@ -377,6 +427,7 @@ __all__ = [
     "predicted_h100_eager_ms",
     "build_fake_model",
     "count_rank_layer",
+    "count_rank_layer_dispatches",
     "device_name",
     "fake_process_group",
     "measure_rank_layer",

@@ -26,7 +26,7 @@ from ..precision_config import precision_training_fields
 from ..optim.loro import EPSILON_PLACEMENTS, LOWRANK_OPTIMIZERS
 from ..optim.loro_schedule import authors_schedule_shift, check_authors_schedule
 from .stack import check_training_stack
-from .compatibility import check_settings, settings_from_accelerate
+from .compatibility import check_deepspeed_sources, check_settings, resolve_torch_compile, settings_from_accelerate
 from .health import NONFINITE_POLICIES
 from .preemption import DEFAULT_EXIT_SIGNALS, parse_exit_signals
 from .precision import PrecisionPolicy, resolve_precision
@@ -137,6 +137,11 @@ class BoostTrainingArguments(LayoutArguments, PrecisionArguments, DataParallelAr
     Args:
         peak_tflops: dense peak TFLOP/s of one device, the denominator of MFU (default: the GPU preset of
             :mod:`boost_hf.perf.hardware`, or a rough CPU guess).
+        torch_compile: compile each decoder layer and the loss (``torch.compile``, per part:
+            :func:`~boost_hf.parallel.compile.compile_model`). Unset (``None``, the default): ``True`` on a CUDA device,
+            ``False`` on the CPU (:func:`~boost_hf.training.compatibility.resolve_torch_compile`; after it the field is a
+            ``bool`` and ``torch_compile_explicit`` says whether a flag, a recipe or accelerate's ``dynamo_backend`` set
+            it). ``--torch_compile false``: eager.
         sample_prompt / sample_max_new_tokens: the greedy sample printed at the end of training.
         nonfinite: what a non-finite loss or gradient norm does: ``"stop"`` (default, an error naming the step)
             or ``"skip_step"`` (the update is not applied; counted in the logs). See :mod:`boost_hf.training.health`.
@@ -250,6 +255,19 @@ class BoostTrainingArguments(LayoutArguments, PrecisionArguments, DataParallelAr
                           "the saved one (files added, removed or changed): the samples after it differ from the saved run's."},
     )
 
+    # transformers' own fields that the accelerate config also sets: unset unless given (``--bf16`` alone is true), so
+    # that a value given is told from none and checked against accelerate's (boost_hf.training.compatibility)
+    bf16: bool | None = field(default=None, metadata={
+        "help": "bf16 mixed precision (--precision_policy says how). Unset: the accelerate config's mixed_precision, else "
+                "false; given both, they must agree.", "nargs": "?", "const": True})
+    fp16: bool | None = field(default=None, metadata={
+        "help": "fp16 autocast. Unset: the accelerate config's mixed_precision, else false; given both, they must agree.",
+        "nargs": "?", "const": True})
+    torch_compile: bool | None = field(default=None, metadata={
+        "help": "Compile each decoder layer and the loss (--torch_compile_backend, --torch_compile_mode). Unset: the "
+                "accelerate config's dynamo_backend, else compiled on a CUDA device and eager on the CPU; false: eager; "
+                "given both, they must agree.", "nargs": "?", "const": True})
+
     # CoLA recipe defaults (BOOST.md section 1)
     weight_decay: float = 0.01
     max_grad_norm: float = 0.5
@@ -266,26 +284,17 @@ class BoostTrainingArguments(LayoutArguments, PrecisionArguments, DataParallelAr
             self.use_cpu = True
             if int(os.environ.get("WORLD_SIZE", "1")) > 1:
                 self.ddp_backend = self.ddp_backend or "gloo"
-        # the Trainer's own switch: activation_checkpointing from transformers 5.23, gradient_checkpointing before (an alias since)
-        trainer_switches = [name for name in ("activation_checkpointing", "gradient_checkpointing") if hasattr(self, name)]
-        if any(getattr(self, name) for name in trainer_switches):
-            if self.activation_checkpointing_mode == "none":
-                self.activation_checkpointing_mode = "full"
-            logger.warning(
-                "boost-hf models checkpoint activations through activation_checkpointing_mode (now %r); "
-                "the Trainer's %s flag is turned off.",
-                self.activation_checkpointing_mode, trainer_switches[0],
-            )
-            for name in trainer_switches:
-                setattr(self, name, False)
         check_lowrank_optimizer(self)
-        settings_from_accelerate(self)
-        check_settings(self)  # whatever set them: flags, recipe, accelerate config, environment
+        settings_from_accelerate(self)  # one source per setting: flags, recipe, accelerate config, environment
+        self.torch_compile_explicit = self.torch_compile is not None  # a flag, a recipe or accelerate's dynamo backend set it
+        check_settings(self)  # whatever set them
+        resolve_torch_compile(self)  # unset: compiled on a CUDA device, eager on the CPU
         if self.hang_timeout_s < 0:
             raise ValueError(f"hang_timeout_s must be >= 0 (0 disables the watchdog), got {self.hang_timeout_s}.")
         if self.startup_timeout_s is not None and not self.startup_timeout_s > 0:
             raise ValueError(f"startup_timeout_s must be > 0 (unset: max(hang_timeout_s, 300)), got {self.startup_timeout_s}.")
         super().__post_init__()
+        check_deepspeed_sources(self)  # its config, as transformers filled it, against the arguments and accelerate's
         check_authors_loro_schedule(self)
         if self.peak_tflops is None:
             self.peak_tflops = default_peak_tflops()

@@ -8,6 +8,8 @@ masters of ``bf16_params``).
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 import sys
 
@@ -28,7 +30,9 @@ from ..checkpoint.sharded_state import DCP_FOLDER, is_distributed_checkpoint, lo
 from ..checkpoint.weights_io import load_canonical_checkpoint, resolve_checkpoint_files
 from .data import save_data_position
 from .precision import full_precision_parameters
-from .publish import publishing, save_publishing_files
+from .publish import publishing, save_publishing_files, schedule_name
+
+logger = logging.getLogger(__name__)
 
 
 def save_checkpoint(trainer, trial) -> None:
@@ -37,8 +41,9 @@ def save_checkpoint(trainer, trial) -> None:
     :func:`~boost_hf.checkpoint.optimizer_state.optimizer_state`; under DeepSpeed the model only, its optimizer in its
     own folder), beside the Trainer's other files (``Trainer._save_checkpoint``'s: scheduler, RNG, trainer state,
     best-model record, hub push) and the Hugging Face folder without weights. Written by
-    :class:`~boost_hf.checkpoint.folders.CheckpointSaver`: a staging folder, the manifest, the rename; only then
-    are old checkpoints rotated out (``--save_total_limit``). ``--save_async``: the shards are copied to host
+    :class:`~boost_hf.checkpoint.folders.CheckpointSaver`: a staging folder, the manifest, the record of the lineage's
+    last checkpoint, the rename; only then are the lineage's oldest checkpoints rotated out, by step
+    (``--save_total_limit``). ``--save_async``: the shards are copied to host
     memory and written in the background; the next save (and the final model) waits for this one."""
     if trainer.hp_search_backend is None and trial is None:
         trainer.store_flos()
@@ -48,6 +53,8 @@ def save_checkpoint(trainer, trial) -> None:
     trainer.run.saver.wait()  # the previous save is complete under its name (best-model record, rotation)
 
     def write_files(staging: str) -> None:
+        if not trainer.args.save_only_model:  # first: its collectives (the optimizer records, DeepSpeed's save), before
+            trainer._save_optimizer_and_scheduler(staging)  # a rank's own writes, which one rank may fail
         if trainer.args.should_save:
             with publishing(trainer):
                 save_model_files(trainer.model, staging)
@@ -57,7 +64,6 @@ def save_checkpoint(trainer, trial) -> None:
             if best == target or os.path.exists(best):
                 trainer.state.best_model_checkpoint = best
         if not trainer.args.save_only_model:
-            trainer._save_optimizer_and_scheduler(staging)
             trainer._save_scaler(staging)
             trainer._save_rng_state(staging)
             save_data_position(staging, trainer.train_dataset, trainer.train_loader, trainer.args)
@@ -71,9 +77,9 @@ def save_checkpoint(trainer, trial) -> None:
                         trainer.state.stateful_callbacks[name] = exported
             trainer.state.save_to_json(os.path.join(staging, TRAINER_STATE_NAME))
 
-    def rotate() -> None:
+    def rotate() -> None:  # by step: the checkpoint-<step> folders are the lineage's (boost_hf.checkpoint.lineage)
         rotate_checkpoints(output_dir=run_dir, save_total_limit=trainer.args.save_total_limit,
-                           best_model_checkpoint=trainer.state.best_model_checkpoint, use_mtime=True)
+                           best_model_checkpoint=trainer.state.best_model_checkpoint, use_mtime=False)
 
     with full_precision_parameters(trainer.model), full_parameters(trainer.model, trainer.zero_stage):  # bf16_params: the masters
         shards = {"model": model_state(trainer.model)}
@@ -119,9 +125,12 @@ def continue_complete_run(trainer, checkpoint: str) -> TrainOutput:
     uninterrupted run did after its last step, and no checkpoint is saved or rotated."""
     trainer.state = TrainerState.load_from_json(os.path.join(checkpoint, TRAINER_STATE_NAME))
     trainer._load_from_checkpoint(checkpoint)
+    step, max_steps = trainer.state.global_step, trainer.args.max_steps
     if trainer.is_world_process_zero():
-        print(f"boost-hf: {checkpoint} was saved at step {trainer.state.global_step}, the run's max_steps "
-              f"({trainer.args.max_steps}): its training is complete; no step is trained.", file=sys.stderr, flush=True)
+        said = (f"was saved at step {step}, this run's max_steps: its training is complete; no step is trained" if step == max_steps
+                else f"was saved at step {step}, past this run's max_steps {max_steps}: no step is trained (a run does not go "
+                     f"back: to end at an earlier step, resume an earlier checkpoint); the run ends with step {step}'s weights")
+        print(f"boost-hf: {checkpoint} {said}.", file=sys.stderr, flush=True)
     return TrainOutput(trainer.state.global_step, 0.0, {})
 
 
@@ -172,6 +181,32 @@ def load_optimizer_and_scheduler(trainer, checkpoint: str | None) -> None:
     if not os.path.isfile(scheduler):
         raise missing_file_error(scheduler, checkpoint, "learning-rate scheduler state")
     trainer.lr_scheduler.load_state_dict(torch.load(scheduler, weights_only=True))
+    continue_schedule(trainer, checkpoint)
+
+
+def continue_schedule(trainer, checkpoint: str) -> None:
+    """A checkpoint saved in a run of another ``max_steps`` (raised on a finished run, or lowered): the learning-rate
+    schedule is this run's, the schedule of a run of this ``max_steps``, from the checkpoint's step on (the restored
+    optimizer's rates, the saved schedule's, replaced by this schedule's at that step: without it the first step
+    would train at the saved rate, the next jump to this schedule's), and global rank 0 says so with both rates."""
+    with open(os.path.join(checkpoint, TRAINER_STATE_NAME)) as f:
+        saved = json.load(f)
+    before, now, step = saved.get("max_steps"), trainer.state.max_steps, saved.get("global_step", 0)
+    scheduler = trainer.lr_scheduler
+    if not before or before == now or not isinstance(scheduler, torch.optim.lr_scheduler.LRScheduler):
+        return
+    saved_rate = trainer.optimizer.param_groups[0]["lr"]
+    scheduler.last_epoch = step - 1
+    scheduler.step()  # the rates of this run's schedule after `step` steps, into the optimizer's groups
+    rate = scheduler.get_last_lr()[0]
+    if trainer.is_world_process_zero():
+        where = f"the end of its {before} steps" if step >= before else f"step {step} of its {before}"
+        logger.warning(
+            f"{checkpoint} was saved at step {step} of a run of max_steps {before} and this run trains to max_steps {now}: "
+            f"the learning-rate schedule ({schedule_name(trainer.args)}) continues as a run of {now} steps has it, from step "
+            f"{step + 1} on: {rate:.2e} at step {step + 1} (the saved schedule was at {saved_rate:.2e} there, {where}). "
+            f"To keep the saved schedule, resume with --max_steps {before}."
+        )
 
 
 def load_weights(trainer, resume_from_checkpoint: str, model=None) -> None:

@@ -5,11 +5,14 @@ checkpoint and every rank exits with :data:`PREEMPTED_EXIT_CODE` (Megatron's ``-
 ``--exit_signals`` (default ``SIGTERM,SIGUSR1``): what schedulers send before they kill a job (SLURM and Kubernetes
 send SIGTERM, then SIGKILL after a grace period; SLURM's ``--signal=USR1@<seconds>`` sends SIGUSR1 that long before
 the time limit). The handler only records the signal, however often it comes (SLURM signals every process of a job
-step, so a worker gets the scheduler's SIGTERM and ``torchrun``'s copy of it). It takes the signal's default action
-(the process dies at once) when another rank has already left the run (``run_broken``: the watchdog's count of
-exited ranks) before the ranks agreed to stop: then the signal is ``torchrun`` stopping the survivors of a failed
-run, whose collectives could not complete. Once the ranks agreed to stop, signals are only recorded (the first rank
-to exit makes ``torchrun`` signal the others, which are finishing the same exit). SIGKILL (or SIGINT, not handled)
+step, so a worker gets the scheduler's SIGTERM and ``torchrun``'s copy of it), and wakes a thread of its own: nothing
+in the handler can block. That thread ends the process at once when another rank has already left the run
+(``run_broken``: the watchdog's count of exited ranks, read from the launcher's store) before the ranks agreed to
+stop: then the signal is ``torchrun`` stopping the survivors of a failed run, whose collectives could not complete;
+else it says what the signal will do at that point of the run (``boost-hf: SIGTERM received by rank 3: every rank
+finishes its step, ...``; during the final save: that the save goes on to its end). Once the ranks agreed to stop,
+signals are only recorded (the first rank to exit makes ``torchrun`` signal the others, which are finishing the same
+exit). SIGKILL (or SIGINT, not handled)
 ends a run at once. ``--exit_after_minutes`` (default 0: none): the budget, counted from the start of the process.
 
 The ranks must stop at the same step, though a signal may reach only some of them (one node, one process) and their
@@ -30,6 +33,7 @@ SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1`` (``PET_SIGNALS_TO_HANDLE`` for ``acceler
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import sys
 import threading
@@ -44,6 +48,8 @@ PREEMPTED_EXIT_CODE = 76
 DEFAULT_EXIT_SIGNALS = "SIGTERM,SIGUSR1"
 UNCATCHABLE = ("SIGKILL", "SIGSTOP")
 _PROCESS_START = time.monotonic()
+_FOLLOW_UP_GRACE_S = 30.0
+"""How long the end of :meth:`StopRequests.handling` waits for the follow-up thread (a store call under way)."""
 
 
 def parse_exit_signals(names: str) -> tuple[signal.Signals, ...]:
@@ -77,16 +83,31 @@ class TrainingStopped(SystemExit):
         )
 
 
+TRAINING = (f"every rank finishes its step, the run saves a checkpoint at that step and exits with status "
+            f"{PREEMPTED_EXIT_CODE} (continue with --resume_from_checkpoint last)")
+"""What a signal of ``--exit_signals`` does during training (:meth:`StopRequests.meaning`)."""
+
+
 class StopRequests:
-    """This process's stop requests (the exit signals received, the time budget) and the collective decision."""
+    """This process's stop requests (the exit signals received, the time budget) and the collective decision.
+
+    The signal handler only records the signal and writes its number into a pipe (neither can block); a thread of
+    its own reads the pipe and does the rest: it asks ``run_broken()`` (the launcher's store, over the network)
+    whether another rank has left the run, ending this process at once if so, and says what the signal will do now
+    (:meth:`meaning`), once per signal and meaning."""
 
     def __init__(self, signals: tuple[signal.Signals, ...], budget_minutes: float = 0.0, run_broken=lambda: False):
         self.signals, self.budget_minutes, self.run_broken = signals, budget_minutes, run_broken
         self.received: set[signal.Signals] = set()
         self.stopping = False
         """The ranks agreed to stop: further signals are recorded only (the launcher's, once a rank has exited)."""
+        self.now = TRAINING
+        """What a signal does at this point of the run (said when one arrives)."""
+        self._said: set[tuple[signal.Signals, str]] = set()
         self._previous: dict[signal.Signals, object] = {}
         self._depth = 0
+        self._wake: int | None = None  # the pipe's end the handler writes to
+        self._follow: threading.Thread | None = None
 
     @contextlib.contextmanager
     def handling(self):
@@ -95,6 +116,7 @@ class StopRequests:
         the signals keep their action (a warning says so)."""
         if self._depth == 0 and self.signals:
             if threading.current_thread() is threading.main_thread():
+                self._start_following()
                 self._previous = {number: signal.signal(number, self._handle) for number in self.signals}
             else:
                 print("boost-hf: --exit_signals not handled: training runs outside the main thread.", file=sys.stderr)
@@ -107,13 +129,55 @@ class StopRequests:
                 for number, previous in self._previous.items():
                     signal.signal(number, previous)
                 self._previous = {}
+                self._stop_following()
+
+    @contextlib.contextmanager
+    def meaning(self, what: str):
+        """Within: a signal does ``what`` (said when one arrives, e.g. "the final model's save goes on ...")."""
+        before, self.now = self.now, what
+        try:
+            yield
+        finally:
+            self.now = before
 
     def _handle(self, number: int, frame) -> None:
-        if not self.stopping and self.run_broken():  # the launcher stops the survivors of a failed run: die now
-            signal.signal(number, signal.SIG_DFL)
-            signal.raise_signal(number)
-            return
+        """The signal handler: record the signal and wake the follow-up thread. Nothing that can block (no store, no
+        print): a non-blocking write of one byte, dropped if the pipe is full of earlier wake-ups."""
         self.received.add(signal.Signals(number))
+        if self._wake is not None:
+            with contextlib.suppress(OSError):
+                os.write(self._wake, bytes([number]))
+
+    def _start_following(self) -> None:
+        read, self._wake = os.pipe()
+        os.set_blocking(self._wake, False)
+        self._follow = threading.Thread(target=self._follow_signals, args=(read,), name="boost-hf-exit-signals", daemon=True)
+        self._follow.start()
+
+    def _stop_following(self) -> None:
+        if self._wake is not None:
+            os.close(self._wake)  # the thread reads the end of the pipe, says what is left to say and ends
+            self._wake = None
+            self._follow.join(timeout=_FOLLOW_UP_GRACE_S)
+            self._follow = None
+
+    def _follow_signals(self, read: int) -> None:
+        """The follow-up thread: for each signal the handler recorded, end this process if another rank has left the
+        run before the ranks agreed to stop (``torchrun`` stopping the survivors of a failed run, whose collectives
+        could not complete); else say what the signal will do."""
+        try:
+            while data := os.read(read, 64):
+                for number in map(signal.Signals, data):
+                    if not self.stopping and self.run_broken():
+                        os.write(2, f"boost-hf: {number.name} received after another rank left the run (the launcher "
+                                    "stops the rest of a failed run): this rank exits now.\n".encode())
+                        os._exit(128 + number)
+                    if (number, self.now) not in self._said:
+                        self._said.add((number, self.now))
+                        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+                        print(f"boost-hf: {number.name} received by rank {rank}: {self.now}.", file=sys.stderr, flush=True)
+        finally:
+            os.close(read)
 
     def _flags(self) -> list[float]:
         over_budget = self.budget_minutes > 0 and time.monotonic() - _PROCESS_START > 60 * self.budget_minutes
@@ -133,6 +197,34 @@ class StopRequests:
         if raised[-1]:
             return f"the time budget of --exit_after_minutes {self.budget_minutes:g} is spent"
         return None
+
+
+class SignalExit(SystemExit):
+    """A signal of :func:`exiting_on` stopped the command where it was (exit status 128 + the signal's number)."""
+
+    def __init__(self, number: signal.Signals):
+        super().__init__(128 + number)
+        self.signal = number
+
+
+@contextlib.contextmanager
+def exiting_on(signals: tuple[signal.Signals, ...]):
+    """Within (the main thread; elsewhere nothing changes): each of ``signals`` raises :class:`SignalExit` where the
+    main thread is, so the block's clean-up runs (an atomic folder's staging removed) and the caller says what
+    happened; the handler does nothing else (nothing that can block). The previous handlers come back after."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(number: int, frame) -> None:
+        raise SignalExit(signal.Signals(number))
+
+    previous = {number: signal.signal(number, stop) for number in signals}
+    try:
+        yield
+    finally:
+        for number, handler in previous.items():
+            signal.signal(number, handler)
 
 
 class StopAtStepEnd(TrainerCallback):
@@ -184,9 +276,12 @@ class StopAtStepEnd(TrainerCallback):
 
 __all__ = [
     "DEFAULT_EXIT_SIGNALS",
+    "TRAINING",
     "PREEMPTED_EXIT_CODE",
+    "SignalExit",
     "StopAtStepEnd",
     "StopRequests",
     "TrainingStopped",
+    "exiting_on",
     "parse_exit_signals",
 ]

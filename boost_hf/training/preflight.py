@@ -17,8 +17,11 @@ from ..modeling_boost_llama import IGNORE_INDEX, check_token_ids
 
 
 def check_model_and_data(config, tokenizer, block_size, parallel=None) -> None:
-    """``block_size`` fits the model's positions (and, under the sequence parallelism of ``parallel``, a
-    ``ParallelConfig``, splits evenly over its TP ranks), and every token id of ``tokenizer`` fits its vocabulary."""
+    """``parallel`` (a ``ParallelConfig``) can hold the model (its own check), ``block_size`` fits the model's
+    positions (and, under sequence parallelism, splits evenly over the TP ranks), and every token id of ``tokenizer``
+    fits its vocabulary."""
+    if parallel is not None:
+        parallel.check_model(config)
     check_int("block_size", block_size, minimum=2)
     if parallel is not None and parallel.sequence_parallel and block_size % parallel.tp_size:
         p = parallel.tp_size

@@ -6,7 +6,8 @@
 
 Logs validation perplexity before training and every ``eval_steps``, trains (``--resume_from_checkpoint
 PATH|last`` continues a run; ``auto``: from the last complete checkpoint if there is one, else a new run; a run
-resumed at its ``max_steps`` trains no step more, and one whose ``final/`` is published ends at once), evaluates again, prints a greedy sample and saves the model with its
+resumed at its ``max_steps`` trains no step more, and a finished one whose ``final/`` is published ends at once,
+saying so: :meth:`~boost_hf.checkpoint.run_folder.RunFolder.completion`), evaluates again, prints a greedy sample and saves the model with its
 tokenizer, its remote code and model card (``README.md``) to ``<output_dir>/final``. A signal of ``--exit_signals``
 (SIGTERM, SIGUSR1) or the end of ``--exit_after_minutes`` saves a checkpoint and exits with status 76 instead
 (:mod:`boost_hf.training.preemption`).
@@ -18,21 +19,40 @@ from .stack import check_training_stack
 
 check_training_stack()  # before the [train] extra's packages are imported: a missing or untested stack is named with its fix
 
-from ..checkpoint.decisions import resume_checkpoint
+from .preemption import PREEMPTED_EXIT_CODE
 from .preflight import check_model_and_data
 from .recipe import build_config, build_datasets, build_model, build_tokenizer, card_datasets, parse_recipe
 from .trainer import BoostTrainer
 from .watchdog import enter_phase
 
 
-def build_trainer(argv: list[str], **trainer_kwargs) -> BoostTrainer:
-    """The :class:`BoostTrainer` of the recipe ``argv`` (model, tokenizer, training and validation sets), its model
-    and data checked before any collective; ``trainer_kwargs`` go to the trainer (e.g. ``compute_metrics``)."""
+AFTER_TRAINING = (f"training is over: once the final evaluation or sample under way ends, the run saves a checkpoint at "
+                  f"its last step (unless there is one) and exits with status {PREEMPTED_EXIT_CODE}, without final/ "
+                  "(continue with --resume_from_checkpoint last)")
+DURING_THE_FINAL_SAVE = ("the final model's save goes on to its end (stopped now, it would leave no final/); the run then "
+                         "ends complete, with status 0, and a requeue with --resume_from_checkpoint auto does nothing")
+"""What a signal of ``--exit_signals`` does after the training loop (:meth:`StopRequests.meaning`)."""
+
+
+def checked_settings(argv: list[str], tokenizer=None) -> tuple:
+    """What ``boost-hf train`` reads and checks of the recipe ``argv`` before any collective and before the data:
+    ``(model_args, data_args, training_args, tokenizer, config, parallel_config)``, the training arguments settled and
+    checked whatever set them (:mod:`boost_hf.training.compatibility`), the model config, the run's layout (built once)
+    and :func:`~boost_hf.training.preflight.check_model_and_data`; ``tokenizer``: one already loaded (default: the data
+    arguments')."""
     model_args, data_args, training_args = parse_recipe(argv)
-    tokenizer = build_tokenizer(data_args)
+    tokenizer = build_tokenizer(data_args) if tokenizer is None else tokenizer
     config = build_config(model_args, tokenizer)
     parallel_config = training_args.to_parallel_config(config)  # the run's layout, built once
     check_model_and_data(config, tokenizer, data_args.block_size, parallel_config)  # before any collective
+    return model_args, data_args, training_args, tokenizer, config, parallel_config
+
+
+def build_trainer(argv: list[str], **trainer_kwargs) -> BoostTrainer:
+    """The :class:`BoostTrainer` of the recipe ``argv`` (model, tokenizer, training and validation sets), its settings,
+    model and data checked before any collective (:func:`checked_settings`); ``trainer_kwargs`` go to the trainer
+    (e.g. ``compute_metrics``)."""
+    model_args, data_args, training_args, tokenizer, config, parallel_config = checked_settings(argv)
     enter_phase("dataset building")
     datasets = build_datasets(data_args, tokenizer, training_args)
     enter_phase("model building")
@@ -61,23 +81,27 @@ def main(argv: list[str]) -> None:
                   + (f" in each of {how.replicate_size} replicas (HSDP)" if how.replicate_size > 1 else "")
                   + f", reshard after forward {how.reshard_after_forward}, units "
                   + ("each decoder layer, then the rest" if how.layers_apart else "the whole model"))
-    # "auto": a job script's first launch and its requeues alike; decided on rank 0 for every rank
-    resume = resume_checkpoint(training_args.output_dir, training_args.resume_from_checkpoint)
-    if trainer.run.training_is_complete(resume) and trainer.run.final_is_published():
+    # "auto": a job script's first launch and its requeues alike; decided on rank 0 for every rank, once the output
+    # folder is claimed (locked, what killed runs left restored)
+    complete = trainer.run.completion(training_args.resume_from_checkpoint)
+    if complete is not None:
         if trainer.is_world_process_zero():
-            print(f"boost-hf: the run in {training_args.output_dir} is complete: {resume} is at max_steps "
-                  f"{training_args.max_steps} and final/ is published; nothing to do.", flush=True)
+            print(f"boost-hf: the run in {training_args.output_dir} is complete: {complete}; nothing to do.", flush=True)
         return
+    resume = trainer.resume_point(training_args.resume_from_checkpoint)
     training_args.eval_on_start = training_args.eval_on_start or not resume  # logged at step 0
-    with trainer.run.stop_requests.handling():  # a signal after the last step still saves a checkpoint
+    requests = trainer.run.stop_requests
+    with requests.handling():  # a signal after the last step still saves a checkpoint
         trainer.train(resume_from_checkpoint=resume)
-        trainer.stop_if_requested()
-        end = trainer.evaluate()
-        trainer.save_state()  # <output_dir>/trainer_state.json: every logged loss, lr, grad norm, throughput
-        trainer.stop_if_requested()
-        sample = trainer.generate_sample() if training_args.sample_max_new_tokens > 0 else None
-        trainer.stop_if_requested()
-        final = trainer.save_final_model()
+        with requests.meaning(AFTER_TRAINING):
+            trainer.stop_if_requested()
+            end = trainer.evaluate()
+            trainer.save_state()  # <output_dir>/trainer_state.json: every logged loss, lr, grad norm, throughput
+            trainer.stop_if_requested()
+            sample = trainer.generate_sample() if training_args.sample_max_new_tokens > 0 else None
+            trainer.stop_if_requested()
+        with requests.meaning(DURING_THE_FINAL_SAVE):
+            final = trainer.save_final_model()
     if trainer.is_world_process_zero():
         start = next((log for log in trainer.state.log_history if "eval_perplexity" in log), end)
         print(f"validation perplexity: {start['eval_perplexity']:.1f} at step {start['step']}")
@@ -87,4 +111,4 @@ def main(argv: list[str]) -> None:
         print(f"model and tokenizer saved to {final}")
 
 
-__all__ = ["build_trainer", "main"]
+__all__ = ["build_trainer", "checked_settings", "main"]

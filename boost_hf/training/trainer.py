@@ -353,7 +353,7 @@ class BoostTrainer(Trainer):
         """``Trainer.train`` in this run's folder (:class:`~boost_hf.checkpoint.run_folder.RunFolder`):
         ``resume_from_checkpoint=True`` takes the last *complete* checkpoint; a new run refuses an ``output_dir``
         holding an earlier run unless ``overwrite_output_dir``; the folder is locked."""
-        resume = self.run.resume_point(resume_from_checkpoint, self.model.config, self.training_layout())
+        resume = self.resume_point(resume_from_checkpoint)
         self.run.start(resumed=resume is not None)
         if resume is not None:
             restore_trained_record(self, resume)
@@ -365,6 +365,12 @@ class BoostTrainer(Trainer):
             self.run.saver.wait()  # the last asynchronous checkpoint is complete when train() returns
         self.run.stop_after_training()
         return output
+
+    def resume_point(self, resume_from_checkpoint: str | bool | None) -> str | None:
+        """The checkpoint :meth:`train` continues from, decided once per run, after the output folder is claimed
+        (:meth:`~boost_hf.checkpoint.run_folder.RunFolder.resume_point`: verified, resumable at this layout, the
+        checkpoints of later steps set aside). Collective."""
+        return self.run.resume_point(resume_from_checkpoint, self.model.config, self.training_layout())
 
     def stop_if_requested(self) -> None:
         """Collective: after training (before the final evaluation, sample and save), a signal of ``--exit_signals`` or

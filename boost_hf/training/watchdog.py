@@ -260,7 +260,8 @@ class HangWatchdog:
 
     def a_peer_exited(self) -> bool:
         """Whether another rank has already left the run (finished, failed or stopped by this watchdog): one store
-        call. A SIGTERM then comes from the launcher stopping the rest of the run, not from a scheduler. A store that
+        call, made by the exit signals' follow-up thread (:class:`~boost_hf.training.preemption.StopRequests`), never in
+        the signal handler. A SIGTERM then comes from the launcher stopping the rest of the run, not from a scheduler. A store that
         cannot be reached (``DistNetworkError``: the connection closed or refused, the launcher hosting it is gone)
         counts as the run's end; any other store error (a timeout, a busy store) says nothing about the peers: this
         returns ``False`` (the signal is taken for a scheduler's, and the run saves) and prints why."""
@@ -274,8 +275,7 @@ class HangWatchdog:
             message = (f"boost-hf: rank {self.rank} could not read the count of exited ranks from the launcher's store "
                        f"({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}); taking the signal "
                        "for a stop request (the run saves a checkpoint).\n")
-            with contextlib.suppress(OSError):
-                os.write(2, message.encode())  # called from a signal handler: no buffered stream
+            print(message, end="", file=sys.stderr, flush=True)  # from the exit signals' follow-up thread
             return False
 
     def ranks_never_started(self) -> list[int]:

@@ -1,7 +1,9 @@
 """``make gpu-check`` (``benchmarks/gpu_check.py``) on a machine without CUDA: it says so and exits 0, writing
-nothing, without ``datasets`` or ``deepspeed`` (the lent GPU machine has neither); its training-step cases cover
-every architecture in every layout (and sequence parallelism) that the layouts accept. The CUDA parts run only on a
-GPU (``make gpu-check`` there)."""
+nothing, without ``datasets`` or ``deepspeed`` (the lent GPU machine has neither); with ``--device cpu`` every part's
+code path runs at tiny shapes (each measurement in a process of its own, eager and compiled, its rows naming model,
+implementation and layout apart, MFU in both conventions); its training-step cases cover every architecture in every
+layout (and sequence parallelism) that the layouts accept; its plan fits two commands of a lent GPU's 15 minutes.
+The CUDA readings need a GPU (``make gpu-check`` there)."""
 
 from __future__ import annotations
 
@@ -42,7 +44,93 @@ def test_without_a_cuda_device_it_says_so_and_exits_0(tmp_path):
 def test_lists_its_cases_without_datasets_or_deepspeed(tmp_path):
     completed = _run("--list", tmp_path=tmp_path)
     assert completed.returncode == 0, completed.stderr[-3000:]
-    assert [line.split(":")[0] for line in completed.stdout.splitlines()] == [case.name for case in gpu_check.cases()]
+    lines = completed.stdout.splitlines()
+    assert [line.split(":")[0] for line in lines if not line.startswith("measure ")] == [case.name for case in gpu_check.cases()]
+    assert [line for line in lines if line.startswith("measure ")] == [
+        f"measure {part}: {spec.name}" for part in gpu_check.PARTS for spec in gpu_check.measurements(part)]
+
+
+def test_the_plan_fits_a_lent_gpu_with_the_release_shapes_first():
+    """Commands 1 and 2 fit one lent machine's 15 minutes with its start (~1.5 min) at their budget and grace, each
+    predicted (on an H200) within its budget; the parts in order of value, the release's 7B TP4 micro-batch 4 and 13B
+    TP4 micro-batch 1 first; ``make gpu-check`` runs the commands in order; each writes at most 7 files (the lent
+    machine brings back 8)."""
+    assert gpu_check.PARTS == tuple(p for parts in gpu_check.COMMANDS.values() for p in parts)
+    assert 90 + 2 * (gpu_check.COMMAND_BUDGET_S + gpu_check.GRACE_S) <= 15 * 60
+    for parts in gpu_check.COMMANDS.values():
+        assert sum(gpu_check.PREDICTED_S[p] for p in parts) <= gpu_check.COMMAND_BUDGET_S
+        files = {f"{gpu_check.FILES[p]}.md" for p in parts} | {"gpu_check.md", "gpu_check.json", "gpu_check.log"}
+        assert len(files | ({"gpu_layer.json"} if "layer" in parts else set())) <= 7
+    first, second = (gpu_check.measurements(part) for part in gpu_check.COMMANDS[1][:2])
+    assert {(s.model, s.micro_batch, s.seq, s.fields["tp_size"]) for s in first} == {("llama-7b", 4, 4096, 4), ("cola-7b", 4, 4096, 4)}
+    assert {(s.model, s.micro_batch, s.fields["tp_size"]) for s in second} == {("llama-13b", 1, 4), ("cola-13b", 1, 4)}
+    make = (REPO / "Makefile").read_text()
+    assert make.index("gpu_check.py --command 1") < make.index("gpu_check.py --command 2") < make.index("gpu_check.py --command 3")
+
+
+def test_mfu_is_counted_in_both_conventions():
+    """Causal attention at half (this repository's convention) and whole (torchtitan's): the same linear FLOPs, the
+    attention term doubled; a rank's layer is a quarter of the layer's model FLOPs."""
+    from boost_hf import BoostLlamaConfig
+    from boost_hf.perf.flops import attention_flops_per_token, linear_flops_per_token
+
+    layer = gpu_check.measurements("layer")[2]
+    flops = gpu_check.model_flops(layer, small=False)
+    config = BoostLlamaConfig.from_preset("cola-7b")
+    tokens = 4 * 4096
+    assert flops["causal at half"] == 3 * tokens * (linear_flops_per_token(config) + attention_flops_per_token(config, 4096)) / 4
+    assert flops["torchtitan"] - flops["causal at half"] == 3 * tokens * attention_flops_per_token(config, 4096) / 4
+    assert gpu_check.spread([1.0, 2.0, 3.0, 4.0, 100.0])["median"] == 3.0
+
+
+def _table_rows(text: str, header: str) -> list[list[str]]:
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(f"| {header}"))
+    rows = []
+    for line in lines[start + 2:]:
+        if not line.startswith("| "):
+            break
+        rows.append([cell.strip() for cell in line.strip().strip("|").split(" | ")])
+    return rows
+
+
+def test_one_ranks_layer_measured_eager_and_compiled_each_layout_in_its_process(tmp_path):
+    """``layer`` on the CPU: every layout's row eager and compiled, model, implementation and layout in columns of their
+    own, both MFU conventions named, the comparisons named, and ``gpu_layer.json`` for ``boost-hf estimate --measured``."""
+    from boost_hf.perf.measured import MeasuredRun
+
+    completed = _run("--device", "cpu", "--only", "layer", tmp_path=tmp_path)
+    assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
+    report = (tmp_path / "gpu" / "gpu_layer.md").read_text()
+    header = "model | implementation | layout | activation checkpointing | mode |"
+    assert header in report and "MFU (causal at half) | MFU (torchtitan)" in report
+    rows = _table_rows(report, "model")
+    assert [(r[0].split(" ")[0], r[2], r[4]) for r in rows] == [
+        (s.model, s.layout, mode) for s in gpu_check.measurements("layer") for mode in ("eager", "compiled")]
+    assert all(len(r) == 12 for r in rows), rows  # model, implementation, layout, checkpointing, mode, 3 times, 2 MFU, GiB, GPU
+    assert "the layout's own gain, same CoLA-7B" in report and "model and layout together" in report
+    run = MeasuredRun.load(tmp_path / "gpu" / "gpu_layer.json")
+    assert [(layer.preset, layer.tp_style) for layer in run.layers] == [("llama-7b", "megatron"), ("cola-7b", "vanilla"), ("cola-7b", "btp")]
+    assert all(layer.eager_ms and layer.compiled_ms for layer in run.layers)
+
+
+def test_the_other_measuring_parts_and_the_kernel_counts_run_on_the_cpu(tmp_path):
+    """``throughput`` (transformers' LlamaForCausalLM beside boost-hf's models), ``layer-sp`` (the reduce-scatter it ran
+    said), ``layer-13b``, ``layer-ckpt`` (none / low-rank / full), eager only here, and ``kernels``: each writes its
+    file with no failed row."""
+    parts = ("throughput", "layer-sp", "layer-13b", "layer-ckpt", "kernels")
+    completed = _run("--device", "cpu", "--only", *parts, "--modes", "eager", "--budget-s", "1500", tmp_path=tmp_path)
+    assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
+    out = tmp_path / "gpu"
+    throughput = (out / "gpu_throughput.md").read_text()
+    assert "transformers `LlamaForCausalLM`" in throughput and "tokens/s" in throughput
+    assert "reduce-scatter: the fake backend's own" in (out / "gpu_layer_sp.md").read_text()
+    ckpt = _table_rows((out / "gpu_layer_ckpt.md").read_text(), "model")
+    assert {r[3] for r in ckpt} == {"lowrank", "full"}
+    kernels = _table_rows((out / "gpu_kernels.md").read_text(), "model")
+    assert [r[1] for r in kernels] == ["megatron", "megatron + SP", "vanilla", "btp", "btp + latent SP"]
+    for part in parts:
+        assert "**done**" in (out / f"{gpu_check.FILES[part]}.md").read_text(), part
 
 
 def test_cases_cover_every_architecture_in_every_layout_that_holds_it():
@@ -95,23 +183,24 @@ def test_a_budget_stops_a_part_between_its_cases_and_keeps_what_it_measured(tmp_
 
 
 def test_two_runs_gather_into_one_summary(tmp_path):
-    """A lent machine's two commands (two --out folders) become one summary and one set of part files."""
+    """A lent machine's commands (one --out folder each) become one summary and one set of part files."""
     runs = []
-    for i, parts in enumerate((("layer", "throughput"), ("steps", "norms"))):
+    for i, parts in gpu_check.COMMANDS.items():
         folder = tmp_path / f"run{i}"
         folder.mkdir()
         (folder / "gpu_check.log").write_text(f"log {i}\n")
         for part in parts:
-            (folder / f"gpu_{part}.md").write_text(f"# {part}\n")
+            (folder / f"{gpu_check.FILES[part]}.md").write_text(f"# {part}\n")
         rows = {part: {"status": "ok", "seconds": 10 + i} for part in parts}
-        (folder / "gpu_check.json").write_text(json.dumps({"device": "**NVIDIA H200**", "parts": rows}))
+        (folder / "gpu_check.json").write_text(json.dumps({"device": "**NVIDIA H200**", "parts": rows, "results": {parts[0]: {"x": i}}}))
         runs.append(str(folder))
     completed = _run("--gather", *runs, tmp_path=tmp_path)
     assert completed.returncode == 0, completed.stderr[-3000:]
     out = tmp_path / "gpu"
     assert sorted(p.name for p in out.iterdir()) == sorted(["gpu_check.json", "gpu_check.log", "gpu_check.md",
-                                                           *(f"gpu_{p}.md" for p in gpu_check.PARTS)])
+                                                           *(f"{gpu_check.FILES[p]}.md" for p in gpu_check.PARTS)])
+    assert set(json.loads((out / "gpu_check.json").read_text())["results"]) == {parts[0] for parts in gpu_check.COMMANDS.values()}
     summary = (out / "gpu_check.md").read_text()
-    assert "**NVIDIA H200**" in summary and "gathered from 2 runs" in summary
+    assert "**NVIDIA H200**" in summary and f"gathered from {len(gpu_check.COMMANDS)} runs" in summary
     assert [line.split("|")[1].strip() for line in summary.splitlines() if line.startswith("| ") and "file" not in line] == list(gpu_check.PARTS)
-    assert (out / "gpu_check.log").read_text() == "log 0\nlog 1\n"
+    assert (out / "gpu_check.log").read_text() == "log 1\nlog 2\nlog 3\n"

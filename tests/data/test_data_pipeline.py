@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from itertools import chain
 from pathlib import Path
 
@@ -200,7 +201,62 @@ def test_records_without_the_text_field_are_counted_and_refused_or_skipped(small
     with caplog.at_level("WARNING"):
         rows = [row["input_ids"].tolist() for row in stream]
     assert rows == built["train"]["input_ids"][: len(rows)] and len(rows) >= len(built["train"])
-    assert stream.to_ids.records_without_text == missing and "without a 'text' field so far" in caplog.text
+    assert stream.to_ids.records_without_text == missing and "without a 'text' field (or whose 'text' is null or not text) so far" in caplog.text
+
+
+@pytest.mark.parametrize("value, kind", [(5, "an int (5)"), (["a", "b"], "a list (['a', 'b'])"), (2.5, "a float (2.5)")],
+                         ids=["number", "list", "float"])
+def test_a_text_that_is_not_text_names_the_file_the_record_and_the_type(small_tokenizer, tmp_path: Path, value, kind,
+                                                                        caplog) -> None:
+    """A JSON line whose ``text`` is a number or a list among 40 texts (and one null): map-style, refused naming the count,
+    the file, the line and the type; streamed, refused when read, naming them too; ``--skip_records_without_text``
+    leaves them out (counted) and the blocks are those of the file without them. Before: ``AttributeError: 'int'
+    object has no attribute 'strip'``, no file or record named."""
+    lines = [{"text": t} for t in SENTENCES]
+    lines[12], lines[20] = {"text": value}, {"text": None}
+    source = tmp_path / "docs.jsonl"
+    source.write_text("".join(json.dumps(line) + "\n" for line in lines), encoding="utf-8")
+    clean = _write_jsonl(tmp_path / "clean.jsonl", [t for i, t in enumerate(SENTENCES) if i not in (12, 20)])
+    files = {"train": str(source), "validation": str(clean)}
+    where = rf"data file '{source}', line 13"
+    with pytest.raises(ValueError, match=rf"2 of 40 records of the train data have no text in their 'text' field: 1 holds "
+                                         rf"another type than text \(the first, {where}: {re.escape(kind)}\), 1 have no "
+                                         r"such field or a null one: .*--skip_records_without_text true"):
+        build_lm_datasets(files, small_tokenizer, BLOCK, datasets_cache_dir=tmp_path / "hf")
+    with caplog.at_level("WARNING"):
+        built = build_lm_datasets(files, small_tokenizer, BLOCK, datasets_cache_dir=tmp_path / "hf",
+                                  skip_records_without_text=True)
+    assert "skipping 2 of 40 records of the train data without a 'text' field (or whose 'text' is null or not text)" in caplog.text
+    assert built["train"]["input_ids"] == built["validation"]["input_ids"]
+    with pytest.raises(ValueError, match=rf"{where}: its 'text' field is not text \(a string\), while other files' records "
+                                         r"hold text there, so the files cannot be read together"):
+        build_lm_datasets([str(source), str(clean)], small_tokenizer, BLOCK, datasets_cache_dir=tmp_path / "hf")
+
+    stream = build_lm_datasets({"train": str(source), "validation": str(clean)}, small_tokenizer, BLOCK, streaming=True,
+                               max_eval_blocks=1, datasets_cache_dir=tmp_path / "hf-stream")["train"]
+    with pytest.raises(ValueError, match=rf"a record read \({where}\) holds {re.escape(kind)} in its 'text' field, not "
+                                         r"text: .*--skip_records_without_text true"):
+        list(stream)
+    stream = build_lm_datasets(files, small_tokenizer, BLOCK, streaming=True, max_eval_blocks=1,
+                               datasets_cache_dir=tmp_path / "hf-stream", skip_records_without_text=True)["train"]
+    rows = [row["input_ids"].tolist() for row in stream]
+    assert rows == built["train"]["input_ids"][: len(rows)] and stream.to_ids.records_without_text == 2
+
+
+def test_an_empty_file_in_a_data_folder_is_refused_as_a_single_empty_file_is(small_tokenizer, tmp_path: Path) -> None:
+    """A folder of JSON Lines files, two of them empty: refused, counting and naming them (a single empty file is
+    refused); before, ``datasets`` left them out without a word."""
+    folder = tmp_path / "corpus"
+    folder.mkdir()
+    _write_jsonl(folder / "part-0.jsonl", SENTENCES[:20])
+    _write_jsonl(folder / "part-2.jsonl", SENTENCES[20:])
+    for name in ("part-1.jsonl", "part-3.jsonl"):
+        (folder / name).write_text("")
+    with pytest.raises(ValueError, match=rf"the data folder '{folder}' holds 2 empty data files \(0 bytes\): part-1.jsonl, "
+                                         r"part-3.jsonl. Remove them from the folder or fill them, as for a single empty data file"):
+        build_lm_datasets(str(folder), small_tokenizer, BLOCK, datasets_cache_dir=tmp_path / "hf")
+    with pytest.raises(ValueError, match=r"data file '.*part-1.jsonl' is empty \(0 bytes\)"):
+        build_lm_datasets(str(folder / "part-1.jsonl"), small_tokenizer, BLOCK, datasets_cache_dir=tmp_path / "hf")
 
 
 def _damaged(tmp_path: Path, kind: str) -> tuple[list[str], str]:

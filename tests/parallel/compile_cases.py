@@ -1,7 +1,8 @@
 """``torch.compile`` under tensor parallelism, run inside one gloo process group (TP 2).
 
-For each layout, two models with the same seed: one eager, one with every decoder layer compiled in place
-with ``fullgraph=True`` (a graph break fails the case). Both run one forward + backward on the same batch;
+For each layout, two models with the same seed: one eager, one with every decoder layer compiled in place and its
+(vocabulary-parallel) loss compiled, with ``fullgraph=True`` (a graph break fails the case): what ``BoostTrainer
+--torch_compile`` compiles. Both run one forward + backward on the same batch;
 each rank reports the relative loss difference and the worst relative gradient difference over every
 parameter, and whether each layer compiled to a graph that holds the collectives. The step runs as training runs
 it, ``use_cache=False`` (the Trainer sets ``config.use_cache = args.use_cache``, ``False``): a KV cache would make
@@ -15,7 +16,7 @@ import torch._inductor.config
 import torch.distributed as dist
 
 from boost_hf import BoostLlamaConfig, BoostLlamaForCausalLM, ParallelConfig
-from boost_hf.parallel.compile import compile_decoder_layers
+from boost_hf.parallel.compile import compile_model
 
 CASES = [
     dict(tp_style="btp", bottleneck="cola"),
@@ -25,6 +26,7 @@ CASES = [
     dict(tp_style="megatron", bottleneck=None, sequence_parallel=True),
     dict(tp_style="btp", bottleneck="cola", sequence_parallel=True),
     dict(tp_style="btp", bottleneck="lax"),
+    dict(tp_style="btp", bottleneck="tt"),  # tt-1b's recipe compiles by default on a GPU
 ]
 
 
@@ -45,7 +47,7 @@ def _step(case: dict, compiled: bool):
     model = BoostLlamaForCausalLM(_config(case["bottleneck"]), parallel_config=ParallelConfig(tp_size=dist.get_world_size(), **fields)).train()
     if compiled:
         torch._dynamo.reset()  # each case is a new model; do not count its compilations against the last case's
-        compile_decoder_layers(model, fullgraph=True)
+        compile_model(model, fullgraph=True)
     ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(1))
     loss = model(ids, labels=ids, use_cache=False).loss
     loss.backward()

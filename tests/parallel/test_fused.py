@@ -1,6 +1,7 @@
 """The fused hot path (:mod:`boost_hf.parallel.fused`): exact gradients (fp64 gradcheck), equal to the
 plain-op reference it replaces (fp32 and bf16 autocast), gradient slots that never change a result, and
-weights read as one tensor whether they are stored together or apart."""
+weights read as one tensor whether they are stored together or apart; BTP's batched B GEMMs, whose consumers (RoPE,
+the gated product) write their gradients into one buffer."""
 
 import pytest
 import torch
@@ -9,8 +10,10 @@ from boost_hf.parallel.fused import (
     STATISTICS_WIDTH,
     _down_reference,
     _scale_reference,
+    batched_latent_linear,
     column_linear,
     down_projection,
+    gated_product,
     latent_linear,
     scale_latents,
     split_latent,
@@ -235,3 +238,78 @@ def test_grouped_column_linear_runs_one_gemm_and_never_concatenates_the_output_g
         torch.testing.assert_close(w.grad, (i + 2) * torch.ones(6, w.shape[0]).t() @ x.detach().reshape(6, 4))
     expected = sum((i + 2) * torch.ones(2, 3, w.shape[0]) @ w.detach() for i, w in enumerate(weights))
     torch.testing.assert_close(x.grad, expected)
+
+
+def _batched(latent, weights, dtype=torch.float64):
+    return batched_latent_linear(latent * 1.0, weight_views(weights, dtype))
+
+
+@pytest.mark.parametrize("together", [True, False])
+def test_batched_latent_linear_gradients_are_exact(together):
+    """The B's of a group as one batched GEMM: exact, with its outputs' gradients written into its buffer by the
+    gated product and RoPE or copied in (anything else), the weights stored together or apart."""
+    from boost_hf.parallel.rotary import apply_rotary
+
+    torch.manual_seed(0)
+    latent = torch.randn(2, 5, 12, dtype=torch.float64, requires_grad=True)
+    weights = _stored(rows=(8, 8, 8), together=together)
+    cos, sin = torch.randn(1, 5, 4, dtype=torch.float64), torch.randn(1, 5, 4, dtype=torch.float64)
+    silu = torch.nn.SiLU()
+
+    def attention_like(latent, *weights):
+        q, k, v = _batched(latent, weights)
+        q4, k4 = apply_rotary(q.view(2, 5, 2, 4), k.view(2, 5, 2, 4), cos, sin, slots=(q._stacked_slot, k._stacked_slot))
+        return q4 * 1.0, k4 * 1.0, v * 1.0
+
+    def mlp_like(latent, *weights):
+        gate, up, other = _batched(latent, weights)
+        return gated_product(gate, up, silu), gated_product(gate, up, None), other * 1.0
+
+    assert torch.autograd.gradcheck(attention_like, (latent, *weights))
+    assert torch.autograd.gradcheck(mlp_like, (latent, *weights))
+
+
+def test_batched_latent_linear_is_one_gemm_each_way_and_stacks_nothing():
+    """Forward: one ``bmm`` whose outputs are blocks of one tensor; RoPE rotates q and k in one pass; backward: one
+    ``bmm`` for the latent's gradient and one for the weights' (into the rows of weight_views' buffer), q's and k's
+    gradients written into the buffer by RoPE's backward, v's copied in (its one copy); no cat or stack."""
+    from boost_hf.parallel.rotary import apply_rotary
+
+    torch.manual_seed(0)
+    latent = torch.randn(2, 5, 12, requires_grad=True)
+    weights = _stored(rows=(8, 8, 8), dtype=torch.float32)
+    cos, sin = torch.randn(1, 5, 4), torch.randn(1, 5, 4)
+    with OpCounter() as forward:
+        q, k, v = batched_latent_linear(latent * 1.0, weight_views(weights, torch.float32))
+        q4, k4 = apply_rotary(q.view(2, 5, 2, 4), k.view(2, 5, 2, 4), cos, sin, slots=(q._stacked_slot, k._stacked_slot))
+    assert q._base is not None and k._base is q._base and v._base is q._base
+    assert forward.gemm_flops == 2 * 10 * 12 * 8 and forward.ops_by_op["mul"] == 2 and forward.ops_by_op["addcmul_"] == 2
+    loss = (q4 * 2).sum() + (k4 * 3).sum() + (v * 4).sum()
+    with OpCounter() as backward:
+        loss.backward()
+    assert backward.ops_by_op["cat"] == backward.ops_by_op["stack"] == 0, backward.ops_by_op
+    assert backward.ops_by_op["copy_"] == 1, backward.ops_by_op  # v's gradient, from outside the buffer
+    assert backward.ops_by_op["mul"] == 3 + 2 + 1, backward.ops_by_op  # the loss's 3, RoPE's 2 (into the buffer), `* 1.0`
+    assert backward.gemm_flops == 2 * forward.gemm_flops  # the two bmm (no other GEMM)
+    assert joined_rows([w.grad for w in weights]) is not None
+    reference = latent.detach().clone().requires_grad_()
+    references = [w.detach().clone().requires_grad_() for w in weights]
+    rq, rk, rv = (torch.nn.functional.linear(part, w) for part, w in zip(reference.split(4, -1), references))
+    rq4, rk4 = apply_rotary(rq.view(2, 5, 2, 4), rk.view(2, 5, 2, 4), cos, sin)
+    ((rq4 * 2).sum() + (rk4 * 3).sum() + (rv * 4).sum()).backward()
+    for got, expected in ((q4, rq4), (k4, rk4), (v, rv), (latent.grad, reference.grad),
+                          *((w.grad, r.grad) for w, r in zip(weights, references))):
+        assert_scaled_close(got, expected, ONE_OPERATOR, "batched B")
+
+
+def test_batched_latent_linear_falls_back_when_a_hook_replaces_a_gradient():
+    latent = torch.randn(2, 3, 8, requires_grad=True)
+    weights = _stored(rows=(5, 5), dtype=torch.float32)
+    gate, up = batched_latent_linear(latent * 1.0, weight_views(weights, torch.float32))
+    up.register_hook(lambda g: 3 * g)
+    gated_product(gate, up, None).sum().backward()
+    reference = latent.detach().clone().requires_grad_()
+    rgate, rup = (torch.nn.functional.linear(part, w.detach()) for part, w in zip(reference.split(4, -1), weights))
+    rup.register_hook(lambda g: 3 * g)
+    (rgate * rup).sum().backward()
+    assert_scaled_close(latent.grad, reference.grad, ONE_OPERATOR, "latent gradient")

@@ -124,6 +124,23 @@ def test_the_compiled_implementation_equals_the_eager_one(activation):
     assert expected[..., :WIDTH + 1].abs().min() > 0 and not expected[..., WIDTH + 1:].any()  # every column written
 
 
+@pytest.mark.parametrize("activation", ["identity", "silu"])
+def test_each_op_is_one_generated_kernel(activation):
+    """What CUDA runs (the arithmetic compiled by inductor) is one Triton kernel each way, as inductor generates it on
+    this machine (``tests/generated_kernels.py``: on the CPU, no GPU needed), at 7B TP4's q/k/v width in bf16. Before
+    the backward was written over the buffer's whole width it generated 2 (a row-sum reduction, then a pointwise kernel
+    for the scaled gradients and the statistics column: the first GPU run's 2 CUDA kernels, on torch 2.11)."""
+    pytest.importorskip("triton")
+    from ..generated_kernels import generated_triton_kernels
+
+    rows, width = 64, 3072
+    buffer = torch.randn(rows, width + STATISTICS_WIDTH, dtype=torch.bfloat16).abs_()
+    grad = torch.randn(rows, width, dtype=torch.bfloat16)
+    forward = generated_triton_kernels(_forward, buffer, width, HIDDEN, EPS, activation)
+    backward = generated_triton_kernels(_backward, grad, buffer, HIDDEN, EPS, activation, torch.empty_like(buffer))
+    assert len(forward) == 1 and len(backward) == 1, (forward, backward)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("activation", ["identity", "silu"])
 def test_each_op_is_one_generated_kernel_on_cuda(activation):

@@ -200,6 +200,17 @@ def test_bf16_gradient_reduction_halves_the_dp_bytes(tmp_path, capsys):
     (["--gpus", "8", "--pp_size", "-1"], r"--pp-size must be positive, got -1"),
     (["--gpus", "8", "--pp_microbatches", "0"], r"--pp-microbatches must be positive, got 0"),
     (["--gpus", "8", "--top", "0"], r"--top must be positive, got 0"),
+    # issue 44 item 7: refused naming why, not "nothing fits", and never searched for minutes
+    (["--gpus", "4", "--data_parallel", "fsdp2", "--dp_replicate_size", "3"], r"--dp_replicate_size 3 divides the "
+     r"data-parallel size of no layout of 4 GPUs \(dp = GPUs / \(tp x pp\): 1, 2, 4\): HSDP's replicas each shard"),
+    (["--gpus", "8", "--data_parallel", "ddp", "--dp_replicate_size", "2"], r"--dp_replicate_size 2 sets how FSDP2 "
+     r"shards, but --data_parallel ddp searches no FSDP2 layout"),
+    (["--gpus", "8", "--data_parallel", "fsdp2", "--zero1", "true"], r"--zero1 true keeps --zero1_optimizer, which "
+     r"training refuses with --data_parallel fsdp2"),
+    (["--gpus", "1000000"], r"the global batch of 512 sequences does not split over the data-parallel ranks of any "
+     r"layout of 1000000 GPUs \(dp = GPUs / \(tp x pp\): 50000, 62500, .*: give a global batch that one of them divides"),
+    (["--gpus", "8", "--seq-len", "4096"], r"sequences of 4096 tokens \(--seq-len\) are longer than the model's "
+     r"max_position_embeddings \(2048\), and training refuses a block_size above it"),
 ])
 def test_a_plan_that_cannot_launch_or_sizes_nothing_is_refused(tmp_path, capsys, arguments, message):
     """No command accelerate cannot launch as printed (an uneven count of processes per node), no size of zero read as
@@ -225,3 +236,68 @@ def test_a_recipe_size_that_sizes_nothing_is_refused_naming_the_recipe_field(tmp
     assert stopped.value.code == 2
     assert f"sets {section}.{name}: {value!r}, which must be a positive whole number" in capsys.readouterr().err
     assert not (tmp_path / "a.yaml").exists()
+
+
+def test_a_plan_of_any_size_answers_with_bounded_work(monkeypatch, tmp_path, capsys):
+    """``plan --recipe demo --gpus 1000000`` (a global batch that grows with the GPUs: dp up to 500,000) answered
+    after more than 240 s: each layout's memory listed every DP rank. Counted here: the per-rank static bytes the memory
+    model builds (``StaticMemory``) stay within a few per layout evaluated, whatever the data parallelism (every DP
+    rank used to be built: 10^5-10^6 per layout), and the layouts evaluated within :data:`MAX_LAYOUTS` times the
+    options of each. A search larger than that (cola-30b on 32 H100 for 720,720 sequences per step: 6,331 layouts,
+    each with up to 240 micro-batch splits) is refused before any layout's memory is modelled, and so is a size above
+    2^31 - 1."""
+    from boost_hf.perf import memory, planner
+    from boost_hf.perf.planner import MAX_LAYOUTS, check_positive
+
+    built, modelled = [0], [0]
+    original_init, original_memory = memory.StaticMemory.__init__, planner.memory_per_gpu
+
+    def counting_init(self, *args, **kwargs):
+        built[0] += 1
+        assert built[0] <= 200_000, "the memory model lists every data-parallel rank"
+        original_init(self, *args, **kwargs)
+
+    def counting_memory(*args, **kwargs):
+        modelled[0] += 1
+        assert modelled[0] <= 50_000, "the search is not bounded"
+        return original_memory(*args, **kwargs)
+
+    monkeypatch.setattr(memory.StaticMemory, "__init__", counting_init)
+    monkeypatch.setattr(planner, "memory_per_gpu", counting_memory)
+    monkeypatch.setattr(memory, "_STATIC", {})
+    monkeypatch.setattr(memory, "_FULLEST", {})
+    assert main(["plan", "--recipe", "demo", "--gpus", "1000000", "--accelerate-config", str(tmp_path / "a.yaml"),
+                 "--json", "--top", "1"]) == 0
+    (best, *_) = json.loads(capsys.readouterr().out)
+    assert best["fits"] and best["tp"] * best["pp"] * best["dp"] == 1_000_000
+    assert 0 < modelled[0] <= MAX_LAYOUTS * 3 * 4 * 1  # checkpointing modes x data-parallel options x precisions (fp32)
+    assert built[0] <= 64 * modelled[0], (built[0], modelled[0])
+    print(f"demo on 10^6 GPUs: {modelled[0]} layouts modelled, {built[0]} static-memory records built")
+
+    modelled[0] = 0
+    with pytest.raises(SystemExit):
+        main(["plan", "--preset", "cola-30b", "--gpus", "32", "--gpu", "h100", "--global-batch", "720720",
+              "--accelerate-config", str(tmp_path / "b.yaml")])
+    assert modelled[0] == 0 and re.search(r"this plan has 6,331 layouts to search .*, more than the 1,000 one plan "
+                                          r"searches: each replica's batch splits into up to \d+ micro-batch counts",
+                                          capsys.readouterr().err)
+    with pytest.raises(ValueError, match=r"--gpus 4294967296 is more than a plan takes \(2147483647, 2\^31 - 1"):
+        check_positive(gpus=2**32)  # (its divisors would take minutes to list)
+
+
+def test_fsdp2_only_settings_and_zero1_narrow_the_backends_searched(tmp_path, capsys):
+    """A value given is kept: ``--zero1 true`` searches DDP with ZeRO-1 only (FSDP2 runs without it: the command used to
+    print ``--zero1_optimizer false`` for FSDP2 layouts); ``--dp_replicate_size 2`` or an FSDP2 setting, FSDP2 only."""
+    def layouts(*arguments):
+        assert main(["plan", "--preset", "cola-30b", "--gpus", "32", "--gpu", "h100", "--json", "--all",
+                     "--accelerate-config", str(tmp_path / "a.yaml"), *arguments]) == 0
+        return [layout for layout in json.loads(capsys.readouterr().out)]
+
+    zero1 = layouts("--zero1", "true")
+    assert {(x["data_parallel"], x["zero1"]) for x in zero1 if x["dp"] > 1} == {("ddp", True)}
+    assert all("--zero1_optimizer true" in x["command"] for x in zero1 if x["command"] and x["dp"] > 1)
+    hsdp = layouts("--dp_replicate_size", "2")
+    assert {(x["data_parallel"], x["dp_replicate_size"]) for x in hsdp} == {("fsdp2", 2)}
+    one_unit = layouts("--fsdp_units", "model")
+    assert {x["data_parallel"] for x in one_unit} == {"fsdp2"}
+    assert all("--fsdp_units model" in x["command"] for x in one_unit if x["command"])

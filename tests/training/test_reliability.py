@@ -11,6 +11,7 @@ import random
 import re
 import shutil
 import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -77,7 +78,7 @@ def test_nonfinite_stop_names_the_step_and_the_last_checkpoint(tmp_path, nan_los
     t = trainer(tmp_path)
     with pytest.raises(NonFiniteError, match=r"non-finite loss or gradient norm \(nan\) at step 3: .*checkpoint-2"):
         t.train()
-    assert sorted(os.listdir(tmp_path)) == [".boost_hf.lock", "checkpoint-2"]  # no final, no later checkpoint
+    assert sorted(os.listdir(tmp_path)) == [".boost_hf.lock", "checkpoint-2", "last_checkpoint.json"]  # no final, no later checkpoint
     assert all(torch.isfinite(p).all() for p in t.model.parameters()), "the non-finite update was applied"
 
 
@@ -114,7 +115,7 @@ def test_skip_step_stops_after_consecutive_skips_and_logs_nan(tmp_path, nan_loss
     losses = {log["step"]: log["loss"] for log in t.state.log_history if "loss" in log}
     assert sorted(losses) == [1, 2, 3, 4, 5]
     assert [math.isnan(losses[step]) for step in sorted(losses)] == [False, True, False, True, True]
-    assert sorted(os.listdir(tmp_path)) == [".boost_hf.lock", "checkpoint-3"]  # no final, nothing after the skips
+    assert sorted(os.listdir(tmp_path)) == [".boost_hf.lock", "checkpoint-3", "last_checkpoint.json"]  # no final, nothing after the skips
 
 
 def test_nonfinite_policy_is_validated(tmp_path):
@@ -283,6 +284,32 @@ def test_eval_verifies_the_checkpoint(finished_run, tmp_path):
         evaluate_checkpoint(str(final), str(data))
 
 
+def test_a_sigterm_during_an_export_says_it_stopped_and_leaves_the_output_as_it_was(finished_run, tmp_path):
+    """``boost-hf export`` gets SIGTERM while writing the weights: it says it stopped, the output folder is as before
+    (no partial copy left) and it exits 143. Before, it died of the signal without a word, its staging folder left."""
+    import sys
+
+    script = (
+        "import os, signal, sys\n"
+        "import boost_hf.checkpoint.export as export\n"
+        "from boost_hf import cli\n"
+        "weights = export.export_weights\n"
+        "def signalled(*args, **kwargs):\n"
+        "    os.kill(os.getpid(), signal.SIGTERM)\n"
+        "    return weights(*args, **kwargs)\n"
+        "export.export_weights = signalled\n"
+        "sys.exit(cli.main(['export', sys.argv[1], sys.argv[2]]))\n"
+    )
+    out = tmp_path / "exported"
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2]), "HF_HUB_OFFLINE": "1"}
+    done = subprocess.run([sys.executable, "-c", script, str(finished_run / "checkpoint-4"), str(out)], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 143, (done.returncode, done.stderr[-3000:])
+    assert (f"boost-hf export: SIGTERM received: the export stopped before its end; '{out}' is as it was before it (its "
+            "partial copy removed). Run the export again.") in done.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]  # nothing exported, no staging folder left
+
+
 def test_resume_last_takes_the_last_complete_checkpoint(finished_run):
     (finished_run / "checkpoint-4" / "manifest.json").unlink()  # as if the save of step 4 had been interrupted
     t = trainer(finished_run)
@@ -330,8 +357,10 @@ def test_a_remote_owners_lock_is_taken_over_when_its_heartbeat_stopped_and_refus
     lock.acquire("requeued-run")
     assert "pid 4242 on node-b" in lock.taken_over and "its heartbeat stopped 60" in lock.taken_over
     assert json.loads((tmp_path / ".boost_hf.lock").read_text())["run_id"] == "requeued-run"
+    beat = (tmp_path / ".boost_hf.lock").stat().st_mtime_ns
     time.sleep(0.5)
-    assert json.loads((tmp_path / ".boost_hf.lock").read_text())["beats"] >= 1  # its own heartbeat goes on
+    assert (tmp_path / ".boost_hf.lock").stat().st_mtime_ns > beat  # its own heartbeat goes on: the lock's time
+    assert "beats" not in json.loads((tmp_path / ".boost_hf.lock").read_text())  # the lock itself is never written over
     lock.release()
     assert not (tmp_path / ".boost_hf.lock").exists()
 
@@ -347,7 +376,7 @@ def test_a_remote_owners_lock_is_taken_over_when_its_heartbeat_stopped_and_refus
     beating.start()
     try:
         with pytest.raises(OutputDirInUseError, match=r"in use by another run \(pid 4242 on node-b, since yesterday; its "
-                                                      r"heartbeat in the lock goes on\)"):
+                                                      r"heartbeat goes on\)"):
             OutputDirLock(str(tmp_path), heartbeat_s=0.2, stale_after_s=60).acquire("another-run")
     finally:
         stop.set()
@@ -370,6 +399,135 @@ def test_a_requeued_job_takes_its_earlier_launchs_lock_at_once(tmp_path, monkeyp
     lock.release()
 
 
+class PausedFileOperations:
+    """``os``'s file operations on the lock (create, rename, remove, replace) pause the racing threads (named
+    ``run-*``): a seeded random pause of up to 3 ms before each, and, with ``hold``, ``{thread: event}``, a thread's first
+    rename or removal of the lock waits for ``event`` (e.g. until the other run holds the folder)."""
+
+    NAMES = ("open", "rename", "remove", "replace", "unlink", "link")
+
+    def __init__(self, monkeypatch, seed: int, hold: dict | None = None):
+        import random
+        import threading
+
+        self.random, self.hold, self.lock = random.Random(seed), dict(hold or {}), threading.Lock()
+        for name in self.NAMES:
+            monkeypatch.setattr(os, name, self.paused(getattr(os, name), name))
+
+    def paused(self, operation, name):
+        import threading
+        import time
+
+        def call(path, *args, **kwargs):
+            thread = threading.current_thread().name
+            if thread.startswith("run-") and ".boost_hf.lock" in os.fspath(path):
+                with self.lock:
+                    pause = self.random.uniform(0, 0.003)
+                time.sleep(pause)
+                if name in ("rename", "remove", "unlink") and os.path.basename(os.fspath(path)) == ".boost_hf.lock":
+                    event = self.hold.pop(thread, None)
+                    if event is not None:
+                        event.wait(timeout=10)
+            return operation(path, *args, **kwargs)
+
+        return call
+
+
+def race_for_the_folder(folder, dead_pid: int, monkeypatch, seed: int, scheduled: bool) -> dict:
+    """Two runs taking over the stale lock of a dead run of this host at once (in two threads, with
+    :class:`PausedFileOperations`); ``scheduled``: run-b judges the dead run's lock gone, then removes it only once
+    run-a holds the folder (the interleaving that deleted run-a's fresh lock). What each got: its lock, or the error."""
+    import socket
+    import threading
+
+    folder.mkdir()
+    (folder / ".boost_hf.lock").write_text(json.dumps({"run_id": "dead-run", "pid": dead_pid, "host": socket.gethostname(),
+                                                        "since": "before", "heartbeat": 0, "beats": 3}))
+    a_holds = threading.Event()
+    with monkeypatch.context() as patched:
+        PausedFileOperations(patched, seed, hold={"run-b": a_holds} if scheduled else None)
+        outcome = {}
+
+        def run(name: str) -> None:
+            lock = OutputDirLock(str(folder), heartbeat_s=60)  # no heartbeat during the race
+            try:
+                lock.acquire(name)
+                outcome[name] = lock
+            except OutputDirInUseError as error:
+                outcome[name] = error
+            finally:
+                if name == "run-a":
+                    a_holds.set()
+
+        threads = [threading.Thread(target=run, args=(name,), name=name) for name in ("run-a", "run-b")]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=60)
+    return outcome
+
+
+def test_two_runs_racing_for_a_stale_lock_exactly_one_takes_the_folder(tmp_path, monkeypatch):
+    """A dead run's lock, two new runs taking it over at once, 200 times with seeded pauses between the lock's file
+    operations and once in the interleaving that lost before (both judge the dead run gone; run-b removes the lock
+    after run-a took it): each time exactly one run holds the folder, the lock names it, and the other is refused
+    naming it. Before, run-b deleted run-a's fresh lock and created its own: both trained."""
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    for trial in range(201):
+        folder = tmp_path / f"trial-{trial}"
+        outcome = race_for_the_folder(folder, dead.pid, monkeypatch, seed=trial, scheduled=trial == 200)
+        holders = [name for name, got in outcome.items() if isinstance(got, OutputDirLock)]
+        assert len(outcome) == 2 and len(holders) == 1, (trial, outcome)
+        (other,) = set(outcome) - set(holders)
+        assert "is in use by another run" in str(outcome[other]), (trial, outcome)
+        assert json.loads((folder / ".boost_hf.lock").read_text())["run_id"] == holders[0], trial
+        outcome[holders[0]].release()
+
+
+def test_a_heartbeat_never_writes_over_a_lock_taken_over(tmp_path, monkeypatch):
+    """The owner's heartbeat is paused between its check of the lock and its write (a frozen process) while another
+    run takes the lock over: the heartbeat writes nothing over the new owner's lock, and the owner stops (exit 1) at
+    its next beat. Before, the beat replaced the new owner's lock with its own (the new owner then stopped)."""
+    import threading
+    import time
+
+    taken = threading.Event()
+    stopped = []
+
+    def exit_recorded(code):
+        stopped.append(code)
+        lock._stop.set()  # the heartbeat ends instead of the process
+
+    monkeypatch.setattr(os, "_exit", exit_recorded)
+    lock = OutputDirLock(str(tmp_path), heartbeat_s=0.1)
+
+    def paused_until_taken(write):  # the heartbeat's write (os.replace of a rewritten lock, or os.utime of its own)
+        def call(*args, **kwargs):
+            if threading.current_thread().name == "boost-hf-output-lock" and not taken.is_set():
+                taken.wait(timeout=10)
+            return write(*args, **kwargs)
+        return call
+
+    for name in ("replace", "utime"):
+        monkeypatch.setattr(os, name, paused_until_taken(getattr(os, name)))
+    lock.acquire("frozen-run")
+    time.sleep(0.3)  # the first beat is waiting
+    new_owner = {"run_id": "new-run", "pid": 4242, "host": "node-b", "since": "now", "launch": None}
+    aside = tmp_path / "aside"
+    os.rename(tmp_path / ".boost_hf.lock", aside)  # as a taker does: the stale lock moved aside, then its own created
+    (tmp_path / ".boost_hf.lock").write_text(json.dumps(new_owner))
+    aside.unlink()
+    taken.set()
+    deadline = time.monotonic() + 10
+    while not stopped and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert stopped == [1]
+    assert json.loads((tmp_path / ".boost_hf.lock").read_text()) == new_owner
+    lock.release()  # not its lock any more: left to its owner
+    assert json.loads((tmp_path / ".boost_hf.lock").read_text()) == new_owner
+
+
 def test_checkpoints_are_staged_verified_renamed_then_rotated(tmp_path, monkeypatch):
     """Each save: files into ``.checkpoint-<step>.tmp-<run id>``, its manifest, one rename, and only then the rotation
     of ``--save_total_limit``: when old checkpoints are deleted, the new one is complete under its final name."""
@@ -380,7 +538,7 @@ def test_checkpoints_are_staged_verified_renamed_then_rotated(tmp_path, monkeypa
     rotate = checkpointing.rotate_checkpoints
 
     def recording_rotation(output_dir, **kwargs):
-        names = sorted(n for n in os.listdir(output_dir) if n != ".boost_hf.lock")
+        names = sorted(n for n in os.listdir(output_dir) if n not in (".boost_hf.lock", "last_checkpoint.json"))
         newest = max((n for n in names if n.startswith("checkpoint-")), key=lambda n: int(n.split("-")[1]))
         verify_manifest(os.path.join(output_dir, newest))  # complete before anything is deleted
         events.append(names)
@@ -392,7 +550,7 @@ def test_checkpoints_are_staged_verified_renamed_then_rotated(tmp_path, monkeypa
     stale.mkdir(parents=True)
     t.train()
     assert events == [["checkpoint-2"], ["checkpoint-2", "checkpoint-4"], ["checkpoint-4", "checkpoint-6"]]
-    assert sorted(os.listdir(tmp_path)) == [".boost_hf.lock", "checkpoint-6"]  # rotated; no staging folder left
+    assert sorted(os.listdir(tmp_path)) == [".boost_hf.lock", "checkpoint-6", "last_checkpoint.json"]  # rotated; no staging folder left
 
 
 def test_a_save_that_fails_before_its_rename_keeps_the_previous_checkpoint_with_save_total_limit(tmp_path, monkeypatch):
@@ -402,15 +560,15 @@ def test_a_save_that_fails_before_its_rename_keeps_the_previous_checkpoint_with_
     write_manifest = checkpoint_module.write_manifest
     t = trainer(tmp_path, save_total_limit=1, max_steps=4)
 
-    def killed_at_step_4(folder, config=None):
+    def killed_at_step_4(folder, config=None, **kwargs):
         if t.state.global_step == 4:
             raise KeyboardInterrupt  # as a kill between the files and the manifest
-        return write_manifest(folder, config)
+        return write_manifest(folder, config, **kwargs)
 
     monkeypatch.setattr(checkpoint_module, "write_manifest", killed_at_step_4)
     with pytest.raises(KeyboardInterrupt):
         t.train()
-    assert sorted(os.listdir(tmp_path)) == [".boost_hf.lock", "checkpoint-2"]
+    assert sorted(os.listdir(tmp_path)) == [".boost_hf.lock", "checkpoint-2", "last_checkpoint.json"]
     verify_manifest(str(tmp_path / "checkpoint-2"))
 
 
@@ -437,11 +595,12 @@ def test_disk_full_keeps_the_previous_checkpoint_and_no_partial_folder(tmp_path,
             monkeypatch.setattr(torch, "save", full_after_first_checkpoint)
         with pytest.raises(CheckpointWriteError, match=r"could not save .*checkpoint-4': no space left on device"):
             t.train()
-        assert sorted(p.name for p in disk.iterdir() if p.name != ".boost_hf.lock") == ["checkpoint-2"]
+        assert sorted(p.name for p in disk.iterdir() if p.name != ".boost_hf.lock") == ["checkpoint-2", "last_checkpoint.json"]
         from boost_hf.checkpoint.integrity import verify_manifest
 
         verify_manifest(str(disk / "checkpoint-2"))
     finally:
+        t.run.release()  # the run's lock, held open while it runs
         if mounted:
             subprocess.run(["umount", str(disk)], check=True)
 
@@ -542,7 +701,7 @@ def test_a_failed_save_on_any_rank_is_named_without_errno_prefix(tmp_path, monke
         t.train()
     assert str(error.value).startswith(f"could not save '{tmp_path / 'checkpoint-4'}': "), str(error.value)
     assert re.search(cause, str(error.value)), str(error.value)
-    assert sorted(p.name for p in tmp_path.iterdir()) == [".boost_hf.lock", "checkpoint-2"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".boost_hf.lock", "checkpoint-2", "last_checkpoint.json"]
 
 
 def test_disk_full_inside_safetensors_is_a_checkpoint_write_error(tmp_path, monkeypatch):
@@ -560,7 +719,7 @@ def test_disk_full_inside_safetensors_is_a_checkpoint_write_error(tmp_path, monk
     with pytest.raises(CheckpointWriteError, match=r"could not save .*final': no space left on device") as error:
         t.save_final_model()
     assert error.value.errno == errno.ENOSPC  # no "[Errno 5]" in the text, the right errno on the exception
-    assert sorted(p.name for p in tmp_path.iterdir()) == [".boost_hf.lock", "checkpoint-2", "checkpoint-4"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".boost_hf.lock", "checkpoint-2", "checkpoint-4", "last_checkpoint.json"]
 
 
 # ---------------------------------------------------------------------------- preemption (one process; launched: test_hangs.py)
@@ -610,6 +769,71 @@ def test_an_exit_signal_finishes_the_step_saves_and_restores_the_handlers(tmp_pa
 
 
 
+def test_the_signal_handler_does_nothing_that_can_block(capfd):
+    """The handler only records the signal: asking the launcher's store whether a peer left (a network call; here a
+    store that answers after 3 s) happens outside it, so the signal returns at once; a peer gone ends the process
+    (exit 128 + the signal), else the follow-up says what the signal will do. Before, the handler itself waited for
+    the store: 3 s inside a signal handler."""
+    import signal
+    import threading
+    import time
+
+    from boost_hf.training import preemption
+
+    asked, ended = threading.Event(), []
+
+    def slow_store() -> bool:
+        time.sleep(3)
+        asked.set()
+        return False
+
+    requests = preemption.StopRequests((signal.SIGUSR1,), run_broken=slow_store)
+    with requests.handling():
+        started = time.monotonic()
+        os.kill(os.getpid(), signal.SIGUSR1)  # handled in this thread, right after this call
+        returned = time.monotonic() - started
+        assert asked.wait(timeout=30)
+    assert returned < 1, returned
+    assert requests.received == {signal.SIGUSR1}
+    assert f"boost-hf: SIGUSR1 received by rank 0: {preemption.TRAINING}." in capfd.readouterr().err
+
+    broken = preemption.StopRequests((signal.SIGUSR1,), run_broken=lambda: True)
+    exit_now = os._exit
+    try:
+        os._exit = ended.append  # the process would end here
+        with broken.handling():
+            os.kill(os.getpid(), signal.SIGUSR1)
+            time.sleep(0.2)
+    finally:
+        os._exit = exit_now
+    assert ended == [128 + signal.SIGUSR1]
+    assert "SIGUSR1 received after another rank left the run" in capfd.readouterr().err
+
+
+def test_a_signal_during_the_final_save_says_the_save_goes_on_and_the_run_ends_complete(tmp_path, monkeypatch, capfd):
+    """SIGTERM while ``final/`` is written: said at once (the save goes on, the run ends complete with status 0), the
+    save completes and the run returns. Before, the signal was recorded and ignored without a word."""
+    import signal
+
+    from boost_hf.training import pretrain
+
+    t = trainer(tmp_path, max_steps=2, save_strategy="no", resume_from_checkpoint="auto")
+    save_model = t.save_model
+
+    def signalled_save(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGTERM)
+        return save_model(*args, **kwargs)
+
+    monkeypatch.setattr(t, "save_model", signalled_save)
+    monkeypatch.setattr(pretrain, "build_trainer", lambda argv: t)
+    try:
+        pretrain.main([])
+    finally:
+        t.run.release()
+    assert (tmp_path / "final" / "manifest.json").is_file()
+    assert (f"boost-hf: SIGTERM received by rank 0: {pretrain.DURING_THE_FINAL_SAVE}.") in capfd.readouterr().err
+
+
 def word_tokenizer():
     """A word-level tokenizer of the words ``w0`` .. ``w61`` (and ``<eos>``, ``[UNK]``): 64 ids, the tiny model's."""
     from tokenizers import Tokenizer, models, pre_tokenizers
@@ -624,8 +848,9 @@ def word_tokenizer():
 @pytest.mark.parametrize("streaming", [False, True], ids=["map-style", "stream"])
 def test_resuming_on_changed_data_is_refused_naming_both_fingerprints(tmp_path, caplog, streaming):
     """The same JSON Lines file with its lines shuffled (same size, same block count) between the save and the resume:
-    refused, naming the file, what differs and both fingerprints; the unchanged file resumes; --resume_on_changed_data
-    continues at the saved position on the new data, with a warning."""
+    refused, naming the file, what differs and both fingerprints; the unchanged file resumes, and so does a copy of it
+    on local scratch without its modification time and under another name (before: refused as changed data);
+    --resume_on_changed_data continues at the saved position on the new data, with a warning."""
     from boost_hf.data import build_lm_datasets
 
     rng = random.Random(0)
@@ -636,8 +861,8 @@ def test_resuming_on_changed_data_is_refused_naming_both_fingerprints(tmp_path, 
     valid.write_text("".join(lines[:20]))
     tokenizer = word_tokenizer()
 
-    def train(resume_from_checkpoint=None, **overrides) -> None:
-        built = build_lm_datasets({"train": str(data), "validation": str(valid)}, tokenizer, BLOCK, streaming=streaming,
+    def train(resume_from_checkpoint=None, source=data, **overrides) -> None:
+        built = build_lm_datasets({"train": str(source), "validation": str(valid)}, tokenizer, BLOCK, streaming=streaming,
                                   max_eval_blocks=4 if streaming else None, datasets_cache_dir=tmp_path / "hf")
         t = trainer(tmp_path / "run", train=built["train"], **overrides)
         try:
@@ -649,6 +874,11 @@ def test_resuming_on_changed_data_is_refused_naming_both_fingerprints(tmp_path, 
     checkpoint = str(tmp_path / "run" / "checkpoint-2")
     assert "fingerprint" in json.loads((tmp_path / "run" / "checkpoint-2" / "data_position" / "position.json").read_text())
     train(checkpoint)  # the same data: resumes
+    scratch = tmp_path / "scratch" / "corpus.jsonl"
+    scratch.parent.mkdir()
+    shutil.copyfile(data, scratch)  # staged to local scratch without its times, under another name
+    os.utime(scratch, ns=(0, data.stat().st_mtime_ns + 10**12))
+    train(checkpoint, source=scratch)  # the same content: resumes
     rng.shuffle(lines)
     data.write_text("".join(lines))
     message = (rf"the training data is not the data '{checkpoint}' was saved with: docs\.jsonl: sampled content (\w+) -> "
@@ -737,10 +967,10 @@ def test_a_requeued_run_ends_once(tmp_path, monkeypatch):
     assert whole.state.global_step == 4
     with pytest.raises(TrainingStopped, match=r"finished step 4 and the run saved .*checkpoint-4'"):
         run(tmp_path / "run", SignalDuringLastStep())
-    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["checkpoint-4"]  # no final yet
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["checkpoint-4", "last_checkpoint.json"]  # no final yet
     requeued = run(tmp_path / "run")
     assert requeued.state.global_step == 4 and max(logged_losses(requeued)) == 4  # no step 5
-    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["checkpoint-4", "final", "trainer_state.json"]
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["checkpoint-4", "final", "last_checkpoint.json", "trainer_state.json"]
     published, uninterrupted = (load_file(folder / "final" / "model.safetensors") for folder in (tmp_path / "run", tmp_path / "whole"))
     assert published.keys() == uninterrupted.keys()
     assert all(torch.equal(published[name], uninterrupted[name]) for name in published)
@@ -748,5 +978,181 @@ def test_a_requeued_run_ends_once(tmp_path, monkeypatch):
     manifest = (tmp_path / "run" / "final" / "manifest.json").read_bytes()
     again = run(tmp_path / "run")
     assert again.state.global_step == 0  # nothing loaded, nothing trained: the run was complete
-    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["checkpoint-4", "final", "trainer_state.json"]
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["checkpoint-4", "final", "last_checkpoint.json", "trainer_state.json"]
     assert (tmp_path / "run" / "final" / "manifest.json").read_bytes() == manifest
+
+
+# ---------------------------------------------------------------------------- the run's lineage
+class StopAtStep:
+    """A callback sending this process ``SIGUSR1`` as step ``step`` begins: the run saves that step and stops (76)."""
+
+    def __init__(self, step: int):
+        from transformers import TrainerCallback
+
+        self.step, self.trained = step, []
+
+        class Callback(TrainerCallback):
+            def on_step_begin(inner, args, state, control, **kwargs):
+                if state.global_step + 1 == self.step:
+                    import signal
+
+                    os.kill(os.getpid(), signal.SIGUSR1)
+
+            def on_step_end(inner, args, state, control, **kwargs):
+                self.trained.append(state.global_step)
+
+        self.callback = Callback()
+
+
+def run_trainer(folder, resume_from_checkpoint=None, stop_at: int | None = None, **overrides) -> tuple[BoostTrainer, list[int]]:
+    """A run into ``folder`` (stopped as step ``stop_at`` begins, saving it); the trainer and the steps it trained."""
+    t = trainer(folder, **overrides)
+    steps = StopAtStep(stop_at or 0)
+    t.add_callback(steps.callback)
+    try:
+        if stop_at is None:
+            t.train(resume_from_checkpoint=resume_from_checkpoint)
+        else:
+            with pytest.raises(TrainingStopped, match=rf"finished step {stop_at} and the run saved"):
+                t.train(resume_from_checkpoint=resume_from_checkpoint)
+    finally:
+        t.run.release()
+    return t, steps.trained
+
+
+def test_a_resume_follows_the_lineage_it_continues(tmp_path, caplog):
+    """Checkpoints 2, 4, 6; rolled back to checkpoint-2 (at a lower learning rate, as after a loss spike), the run saves
+    step 3 and is stopped: its requeue (``auto``, or ``last``) resumes checkpoint-3 of that lineage, not the abandoned
+    checkpoint-6 (which would have ended the run without a step). The abandoned checkpoints are set aside as
+    ``abandoned-checkpoint-<step>`` (kept, said), ``last_checkpoint.json`` records the committed checkpoint, and
+    ``save_total_limit`` rotates by step within the lineage (before: by modification time, keeping the abandoned
+    checkpoint-6 and deleting checkpoint-2)."""
+    from boost_hf.checkpoint.decisions import resume_checkpoint
+
+    run_trainer(tmp_path, max_steps=6)
+    assert json.loads((tmp_path / "last_checkpoint.json").read_text()) == {"checkpoint": "checkpoint-6", "step": 6}
+    abandoned = {name: (tmp_path / name / "manifest.json").read_bytes() for name in ("checkpoint-4", "checkpoint-6")}
+    with caplog.at_level("WARNING", logger="boost_hf.checkpoint.lineage"):
+        run_trainer(tmp_path, str(tmp_path / "checkpoint-2"), stop_at=3, max_steps=6, learning_rate=1e-4, save_total_limit=2)
+    assert re.search(r"resuming .*checkpoint-2 sets aside the checkpoints of later steps \(another lineage of this run\): "
+                     r"checkpoint-4 -> abandoned-checkpoint-4, checkpoint-6 -> abandoned-checkpoint-6", caplog.text), caplog.text
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "abandoned-checkpoint-4", "abandoned-checkpoint-6", "checkpoint-2", "checkpoint-3", "last_checkpoint.json"]
+    assert {name: (tmp_path / f"abandoned-{name}" / "manifest.json").read_bytes() for name in abandoned} == abandoned  # kept as saved
+    assert json.loads((tmp_path / "last_checkpoint.json").read_text()) == {"checkpoint": "checkpoint-3", "step": 3}
+    assert resume_checkpoint(str(tmp_path), "last") == resume_checkpoint(str(tmp_path), "auto") == str(tmp_path / "checkpoint-3")
+    requeued, trained = run_trainer(tmp_path, "auto", max_steps=6, learning_rate=1e-4, save_total_limit=2)
+    assert trained == [4, 5, 6]
+    assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-4", "checkpoint-6"]  # by step, in the lineage
+    assert [log["step"] for log in requeued.state.log_history if "loss" in log] == [1, 2, 3, 4, 5, 6]
+
+
+def test_an_output_folder_of_an_earlier_version_resumes_its_newest_checkpoint_said(finished_run, caplog):
+    """A run folder without ``last_checkpoint.json`` (written before boost-hf recorded it) resumes as before: its newest
+    complete checkpoint, with a warning saying why."""
+    (finished_run / "last_checkpoint.json").unlink()
+    from boost_hf.checkpoint.decisions import resume_checkpoint
+
+    with caplog.at_level("WARNING", logger="boost_hf.checkpoint.lineage"):
+        assert resume_checkpoint(str(finished_run), "last") == str(finished_run / "checkpoint-4")
+    assert f"{finished_run} has no last_checkpoint.json (an output folder of an earlier boost-hf version)" in caplog.text
+
+
+# ---------------------------------------------------------------------------- the end of a run
+def main_of(folder, monkeypatch, *callbacks, **overrides) -> BoostTrainer:
+    """``boost-hf train``'s main (``pretrain.main``) on a trainer of :func:`trainer`, the lock released after."""
+    from boost_hf.training import pretrain
+
+    t = trainer(folder, **overrides)
+    for callback in callbacks:
+        t.add_callback(callback)
+    monkeypatch.setattr(pretrain, "build_trainer", lambda argv: t)
+    try:
+        pretrain.main([])
+    finally:
+        t.run.release()
+    return t
+
+
+def test_a_finished_run_that_saved_only_final_is_complete_when_requeued(tmp_path, monkeypatch, capfd):
+    """``--save_strategy no``: the run ends with ``final/`` only. Its requeue with ``auto`` (or ``last``) trains nothing,
+    leaves ``final/`` as it is and says the run is complete (before: ``FileExistsError`` advising ``last``, which then
+    failed with "no complete checkpoint"); raised ``max_steps``, with no checkpoint to continue from, names
+    ``--init_from``."""
+    main_of(tmp_path, monkeypatch, save_strategy="no", resume_from_checkpoint="auto")
+    published = (tmp_path / "final" / "manifest.json").read_bytes()
+    capfd.readouterr()
+    for resume in ("auto", "last"):
+        again = main_of(tmp_path, monkeypatch, save_strategy="no", resume_from_checkpoint=resume)
+        assert again.state.global_step == 0 and (tmp_path / "final" / "manifest.json").read_bytes() == published
+        assert (f"boost-hf: the run in {tmp_path} is complete: final/ is published (trained to step 4, its max_steps 4) and "
+                "no checkpoint was saved to continue from; nothing to do.") in capfd.readouterr().out
+    with pytest.raises(FileExistsError, match=rf"output_dir '{tmp_path}' holds a finished run \(final/, trained to step 4\) "
+                                              rf"and no checkpoint to continue it from.*--init_from {tmp_path / 'final'}"):
+        main_of(tmp_path, monkeypatch, save_strategy="no", resume_from_checkpoint="auto", max_steps=8)
+
+
+def test_resuming_a_final_model_names_init_from_before_anything(finished_run, monkeypatch):
+    """``--resume_from_checkpoint RUN/final`` through ``boost-hf train``: the error names ``--init_from`` (before: a raw
+    ``FileNotFoundError`` for ``final/trainer_state.json``, from the check of whether the run was complete)."""
+    final = finished_run / "final"
+    with pytest.raises(FileNotFoundError, match=rf"'{final}' has no trainer_state.json, so it is a saved model .*--init_from {final}"):
+        main_of(finished_run, monkeypatch, resume_from_checkpoint=str(final))
+
+
+def test_raising_max_steps_continues_the_schedule_of_the_longer_run_and_says_so(tmp_path, monkeypatch, caplog):
+    """A finished 4-step run (cosine to 10 %) requeued with ``--max_steps 8``: steps 5-8 are trained at the learning
+    rates of an 8-step run from its step 5 on (before: step 5 at the 4-step schedule's end, 1e-4, then a jump), and a
+    warning says so with the numbers; lowering ``max_steps`` below the saved step says so, correctly."""
+    def rates(t) -> dict[int, float]:
+        return {log["step"]: log["learning_rate"] for log in t.state.log_history if "loss" in log}
+
+    main_of(tmp_path / "run", monkeypatch, resume_from_checkpoint="auto", save_steps=4)
+    whole = main_of(tmp_path / "whole", monkeypatch, resume_from_checkpoint="auto", save_steps=4, max_steps=8)
+    with caplog.at_level("WARNING", logger="boost_hf.training.checkpointing"):
+        longer = main_of(tmp_path / "run", monkeypatch, resume_from_checkpoint="auto", save_steps=4, max_steps=8)
+    assert sorted(rates(longer)) == list(range(1, 9))
+    assert {s: r for s, r in rates(longer).items() if s > 4} == pytest.approx({s: r for s, r in rates(whole).items() if s > 4})
+    checkpoint = tmp_path / "run" / "checkpoint-4"
+    assert re.search(rf"{checkpoint} was saved at step 4 of a run of max_steps 4 and this run trains to max_steps 8: the "
+                     r"learning-rate schedule \(cosine_with_min_lr\) continues as a run of 8 steps has it, from step 5 on: "
+                     r"5\.50e-04 at step 5 \(the saved schedule was at 1\.00e-04 there, the end of its 4 steps\)", caplog.text), caplog.text
+
+
+def test_lowering_max_steps_below_the_checkpoints_step_says_so(tmp_path, monkeypatch, capfd):
+    """A run stopped after saving step 4 (no final/ yet) requeued with ``--max_steps 2``: it trains nothing and says
+    the checkpoint is past ``max_steps``, not "at" it; once ``final/`` is published, the requeue says the same."""
+    t = trainer(tmp_path, save_steps=4)
+    stop = StopAtStep(4)
+    t.add_callback(stop.callback)
+    with pytest.raises(TrainingStopped):
+        t.train()
+    t.run.release()
+    capfd.readouterr()
+    lowered = main_of(tmp_path, monkeypatch, resume_from_checkpoint="auto", save_steps=4, max_steps=2)
+    err = capfd.readouterr().err
+    assert (f"boost-hf: {tmp_path / 'checkpoint-4'} was saved at step 4, past this run's max_steps 2: no step is trained "
+            "(a run does not go back: to end at an earlier step, resume an earlier checkpoint)") in err, err
+    assert lowered.state.global_step == 4 and (tmp_path / "final" / "manifest.json").is_file()
+    main_of(tmp_path, monkeypatch, resume_from_checkpoint="auto", save_steps=4, max_steps=2)
+    assert (f"boost-hf: the run in {tmp_path} is complete: {tmp_path / 'checkpoint-4'} is at step 4, past max_steps 2, and "
+            "final/ is published; nothing to do.") in capfd.readouterr().out
+
+
+def test_a_rollback_of_a_finished_run_sets_its_end_aside_and_the_requeue_finishes_the_new_lineage(tmp_path, monkeypatch):
+    """A finished run (checkpoints 2 and 4, final/) rolled back to checkpoint-2 and stopped after saving step 3: its
+    final/ and trainer_state.json (the end of the abandoned lineage, step 4) are set aside with its checkpoint-4, so
+    the requeue with ``auto`` is not taken for complete: it resumes checkpoint-3, trains step 4 and publishes the new
+    lineage's final/."""
+    main_of(tmp_path, monkeypatch, resume_from_checkpoint="auto")
+    old_final = (tmp_path / "final" / "manifest.json").read_bytes()
+    stop = StopAtStep(3)
+    with pytest.raises(TrainingStopped, match="finished step 3"):
+        main_of(tmp_path, monkeypatch, stop.callback, resume_from_checkpoint=str(tmp_path / "checkpoint-2"), learning_rate=1e-4)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "abandoned-checkpoint-4", "abandoned-final", "abandoned-trainer_state.json", "checkpoint-2", "checkpoint-3",
+        "last_checkpoint.json"]
+    assert (tmp_path / "abandoned-final" / "manifest.json").read_bytes() == old_final
+    steps = StopAtStep(0)
+    main_of(tmp_path, monkeypatch, steps.callback, resume_from_checkpoint="auto", learning_rate=1e-4)
+    assert steps.trained == [4] and (tmp_path / "final" / "manifest.json").read_bytes() != old_final

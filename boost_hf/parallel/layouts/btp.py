@@ -36,8 +36,8 @@ import torch
 import torch.nn.functional as F
 
 from ..communication import Communication, PassCommunication, all_gather, all_reduce, reduce_scatter
-from ..modules import add_bias, adopt, shard_parameter, shard_repr
-from ..fused import STATISTICS_WIDTH, down_projection, latent_linear, scale_latents, split_latent
+from ..modules import add_bias, adopt, compute_dtype, shard_parameter, shard_repr
+from ..fused import STATISTICS_WIDTH, batched_latent_linear, down_projection, latent_linear, scale_latents, split_latent, weight_views
 from ..latent_op import ACTIVATIONS, scale_activate
 from ..norms import RMSNORM_MODES
 from ..primitives import copy_to_tp, gather_tokens, reduce_from_tp, reduce_scatter_tokens
@@ -53,9 +53,12 @@ class BottleneckAwareProjection:
     """Bottleneck projection with ``A: [r, d_in/p]`` (applied by its group), ``B: [d_out/p, r]`` and, when the
     configuration asks for one, the bias after ``B`` split with ``B``'s output (``[d_out/p]``).
     Module call: the replicated latent ``[B, S, r]`` -> this rank's output ``[B, S, d_out/p]``; ``weight``:
-    ``B`` as its group already cast it (see :meth:`ProjectionGroup.call_projections`). No communication."""
+    ``B`` as its group already cast it (see :meth:`ProjectionGroup.call_projections`); ``fused``: this projection's
+    output of its group's batched B GEMM, already computed (the call adds the bias). No communication."""
 
-    def forward(self, latent: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, latent: torch.Tensor, weight: torch.Tensor | None = None, fused: torch.Tensor | None = None) -> torch.Tensor:
+        if fused is not None:  # B already applied by the group's batched GEMM
+            return add_bias(fused, self.bias)
         return add_bias(latent_linear(latent, self.B if weight is None else weight), self.bias)
 
     def extra_repr(self) -> str:
@@ -89,7 +92,8 @@ class BottleneckAwareGroup(ProjectionGroup):
     and the buffer gains the norm statistics (:mod:`boost_hf.parallel.fused`); ``reduce``: all-reduce it
     in place; ``project``: scale by the global ``1/rms`` (online), latent functions (grouped, SiLU or none: both in
     one kernel each way, :mod:`boost_hf.parallel.latent_op`), copy into the TP region (one collective in backward
-    when grouped) and each B. ``sequence_parallel`` (latent sequence
+    when grouped) and the B's (grouped: q's and k's, and gate's and up's, as one batched GEMM each when their output
+    widths agree, :func:`~boost_hf.parallel.fused.batched_latent_linear`; v's apart). ``sequence_parallel`` (latent sequence
     parallelism): ``reduce`` reduce-scatters over tokens (``[B, S/p, k r (+ statistics)]``), ``project`` runs
     the latent functions on those tokens and all-gathers the latents instead of the copy."""
 
@@ -123,21 +127,43 @@ class BottleneckAwareGroup(ProjectionGroup):
         if activation is not None:
             # the 1/rms scale and the latent function (the same for every projection) in one kernel each way, copy once
             width = z[0].shape[-1] - STATISTICS_WIDTH
-            fed = split_latent(self._to_b(scale_activate(z[0], width, self.hidden_size, self.eps, activation)), k)
-            return self.call_projections(projections, fed, BottleneckAwareProjection), {}
+            return self._project_latent(projections, self._to_b(scale_activate(z[0], width, self.hidden_size, self.eps, activation))), {}
         if self.statistics:
             z = scale_latents(z, self.hidden_size, self.eps)
         if len(z) == 1 and not crosses:
             # every projection has the same element-wise latent function: apply it once, copy once
-            fed = split_latent(self._to_b(projections[0].latent(z[0])), k)
-            return self.call_projections(projections, fed, BottleneckAwareProjection), {}
+            return self._project_latent(projections, self._to_b(projections[0].latent(z[0]))), {}
         zs = split_latents(z[0], k) if len(z) == 1 else z
         latents, crossed = apply_latent_functions(projections, self.names, zs, previous)
         if self.several_grouped:
-            fed = split_latent(self._to_b(torch.cat(latents, dim=-1)), k)
-        else:
-            fed = [self._to_b(latent) for latent in latents]
-        return self.call_projections(projections, fed, BottleneckAwareProjection), crossed
+            return self._project_latent(projections, self._to_b(torch.cat(latents, dim=-1))), crossed
+        return self.call_projections(projections, [self._to_b(latent) for latent in latents], BottleneckAwareProjection), crossed
+
+    def _project_latent(self, projections, latent):
+        """Each projection's B on its ``r`` columns of ``latent [..., k r]`` (the latents the B's read, side by side).
+        In a group that runs together (:meth:`runs_together`), the leading projections whose outputs nothing keeps for
+        backward (:data:`BATCHED`: q and k, which RoPE consumes; gate and up, kept together by the gated product; not v,
+        which attention keeps: a block of a batched output keeps all of it) and whose B's have one output width run as
+        one batched GEMM (:func:`~boost_hf.parallel.fused.batched_latent_linear`), each then called as a module with its
+        output (``fused``: it adds its bias); the others (and every other group) each on its view of the latent
+        (:func:`~boost_hf.parallel.fused.split_latent`, :meth:`call_projections`)."""
+        k = len(projections)
+        batched = BATCHED.get(self.names, 0)
+        if (batched < 2 or not self.runs_together(projections, BottleneckAwareProjection)
+                or len({p.B.shape[0] for p in projections[:batched]}) > 1):
+            return self.call_projections(projections, split_latent(latent, k), BottleneckAwareProjection)
+        rank = latent.shape[-1] // k
+        weights = weight_views([projection.B for projection in projections], compute_dtype(latent))
+        parts = split_latent(latent, 2, [batched * rank, (k - batched) * rank]) if batched < k else (latent,)
+        outputs = batched_latent_linear(parts[0], weights[:batched])
+        inputs = parts[0].split(rank, dim=-1)
+        called = [projection(x, fused=out) for projection, x, out in zip(projections, inputs, outputs)]
+        rest = split_latent(parts[1], k - batched) if batched < k else ()
+        return called + [projection(x, weight=w) for projection, x, w in zip(projections[batched:], rest, weights[batched:])]
+
+
+#: projection group -> how many of its leading projections run as one batched B GEMM (see ``_project_latent``)
+BATCHED = {GROUPS["qkv"]: 2, GROUPS["gate_up"]: 2}
 
 
 class BottleneckAwareLayout(Layout):
