@@ -1,14 +1,12 @@
 """What ``boost-hf train`` checks before any collective, run in this process on a case's arguments: whether the CLI
-refuses the case, and with which message.
-
-``boost-hf train`` has no single function for it: :func:`boost_hf.training.pretrain.build_trainer` parses the recipe
-(``BoostTrainingArguments.__post_init__``: the compatibility checks, the precision, the layout fields), builds the
-model configuration, the run's ``ParallelConfig`` and checks model and data (``check_model_and_data``); the layout's
-own check (``ParallelConfig.check_model``: the TP style against the bottleneck, the pipeline against the model) runs
-when the model is built. :func:`refusal` calls the same functions in the same order. What needs the launched world
-(the world size, the process groups) is not checked here, so a case this accepts may still be refused when launched:
-the matrix uses this only to choose its cases (:func:`tests.matrix.covering.build`'s ``accepted``), and what a
-launched case does is what the matrix checks.
+refuses the case, and with which message. It calls the CLI's own checks,
+:func:`boost_hf.training.pretrain.checked_settings` (what :func:`~boost_hf.training.pretrain.build_trainer` runs
+first: the recipe parsed, every setting settled against its other sources by
+:mod:`boost_hf.training.compatibility`, the model configuration, the run's ``ParallelConfig`` and
+``check_model_and_data`` with the layout's own ``check_model``), with a stand-in for the tokenizer. What needs the
+launched world (the world size, the process groups) is not checked here, so a case this accepts may still be refused
+when launched: the matrix uses this only to choose its cases (:func:`tests.matrix.covering.build`'s ``blame``), and
+what a launched case does is what the matrix checks.
 """
 
 from __future__ import annotations
@@ -57,13 +55,6 @@ def refusal(case: dict) -> str | None:
 
 
 @lru_cache(maxsize=None)
-def _parser():
-    from boost_hf.training.recipe import recipe_parser
-
-    return recipe_parser()
-
-
-@lru_cache(maxsize=None)
 def _output_dir() -> str:
     return tempfile.mkdtemp(prefix="matrix-validation-")
 
@@ -72,21 +63,14 @@ def _output_dir() -> str:
 def _refusal(items: tuple) -> str | None:
     """The message ``boost-hf train`` refuses ``case`` with before any collective, or ``None`` (as far as one process
     can tell, see the module docstring)."""
-    from boost_hf.training.preflight import check_model_and_data
-    from boost_hf.training.recipe import build_config
+    from boost_hf.training.pretrain import checked_settings
 
     case = dict(items)
     stage = factors.deepspeed_stage(case)
     argv = factors.training_arguments(case) + (["--deepspeed", _deepspeed_json(stage)] if stage is not None else [])
-    tokenizer = _Tokenizer()
     try:
         with _one_process_environment():
-            # parse_recipe without a recipe file: its parser (made once here) on the arguments
-            model_args, data_args, training_args = _parser().parse_args_into_dataclasses(["--output_dir", _output_dir(), *argv])
-            config = build_config(model_args, tokenizer)
-            parallel = training_args.to_parallel_config(config)
-            check_model_and_data(config, tokenizer, data_args.block_size, parallel)
-            parallel.check_model(config)
+            checked_settings(["--output_dir", _output_dir(), *argv], tokenizer=_Tokenizer())
     except (ValueError, TypeError) as error:
         return f"{type(error).__name__}: {error}"
     return None

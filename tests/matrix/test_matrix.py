@@ -32,7 +32,8 @@ bf16 rounding (unit 2^-8) where each operation writes its output, none inside a 
 reduction): 7.4e-2 and 0.11 relative to the scale, far above what two orders of the same bf16 computation differ by
 and far below what a missing or doubled reduction changes (its size, ~1).
 
-Known failures are xfailed (strict) through :data:`KNOWN`, each naming the bug, so that a fix shows as an XPASS.
+Known failures are xfailed (strict) through :data:`tests.matrix.known.KNOWN`, each naming the bug, so that a fix shows
+as an XPASS.
 """
 
 from __future__ import annotations
@@ -41,7 +42,6 @@ import json
 import math
 import subprocess
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -51,7 +51,7 @@ import torch
 from tests.tolerances import fp32_rounding, scaled_error
 from tests.training.launcher import REPO, accelerate_command, kill_group, python_command
 
-from . import cli_validation, factors, generated
+from . import cli_validation, factors, generated, known
 from .covering import INACTIVE
 
 # ---------------------------------------------------------------------- the cases
@@ -73,35 +73,11 @@ def bounds(case: dict) -> tuple[float, float]:
     return (FORWARD, BACKWARD) if case["precision_policy"] == "fp32" else (BF16_FORWARD, BF16_BACKWARD)
 
 
-# ---------------------------------------------------------------------- known failures
-@dataclass(frozen=True)
-class Known:
-    """A failure the matrix finds that is someone's to fix: the cases it applies to (``applies``) fail the ``check``
-    (``"exact"``: trains as one process or is refused; ``"final"``: final/ loads without boost-hf)."""
-
-    reason: str
-    check: str
-    applies: Callable[[dict], bool]
-
-
-def _fully_sharded(case: dict) -> bool:
-    return case["dp_backend"] in factors.FULLY_SHARDED
-
-
-KNOWN: list[Known] = [
-    Known("known: FSDP2 x LaX x btp + sequence parallelism trains wrong (the tensor hook on the replaced parameter, "
-          "parallel/sequence_parallel.py)", "exact",
-          lambda c: _fully_sharded(c) and c["bottleneck"] == "lax" and c["tp_style"] == "btp" and c["sequence_parallel"] is True),
-    Known("known: FSDP2's saved folders name the FSDP wrapper class instead of the model's", "final",
-          lambda c: _fully_sharded(c) and factors.sizes(c["layout"])["pp"] == 1),
-    Known("known: tied embeddings fail at final/ (checkpoint/export.py)", "final", lambda c: c["tie_word_embeddings"] is True),
-]
-
-
+# ---------------------------------------------------------------------- known failures (known.py)
 def marked(check: str) -> list:
     params = []
     for name, case in CASES.items():
-        reasons = [k.reason for k in KNOWN if k.check == check and k.applies(case)]
+        reasons = known.reasons(case, check)
         marks = [pytest.mark.xfail(strict=True, reason="; ".join(reasons))] if reasons else []
         params.append(pytest.param(name, marks=marks, id=name))
     return params
@@ -286,13 +262,15 @@ def exactness_problems(out: Path, name: str, reference: str, case: dict) -> list
         if error > loss_bound:
             problems.append(f"loss of step {step}: {run['losses'][step]:.7g} vs {loss:.7g} (error {error:.2g} > {loss_bound:.2g})")
     grads, ref_grads = load_tensors(out / name, "grads"), load_tensors(out / reference, "grads")
+    params, ref_params = load_tensors(out / name, "params"), load_tensors(out / reference, "params")
+    if not (grads and ref_grads and params and ref_params):  # nothing recorded is nothing proven
+        return [f"no gradients or parameters recorded: {len(grads)}, {len(ref_grads)}, {len(params)}, {len(ref_params)}"]
     if grads.keys() != ref_grads.keys():
         problems.append(f"gradients of {sorted(set(grads) ^ set(ref_grads))[:6]} missing on one side")
     norm = math.sqrt(sum(float(g.double().pow(2).sum()) for g in ref_grads.values()))
     clip = min(1.0, CLIP / norm) if norm > 0 else 1.0
     worst = sorted(((scaled_error(grads[n], g), n) for n, g in ref_grads.items() if n in grads), reverse=True)
     problems += [f"gradient of {n}: error {e:.3g} > {grad_bound:.3g}" for e, n in worst[:3] if e > grad_bound]
-    params, ref_params = load_tensors(out / name, "params"), load_tensors(out / reference, "params")
     if params.keys() != ref_params.keys():
         problems.append(f"parameters {sorted(set(params) ^ set(ref_params))[:6]} missing on one side")
     errors = []
