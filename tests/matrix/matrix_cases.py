@@ -56,10 +56,13 @@ def _counted(function):
     return counting
 
 
-for _name in COLLECTIVES:
-    for _module in (dist, c10d):
-        if hasattr(_module, _name) and not hasattr(getattr(_module, _name), "__wrapped__"):
-            setattr(_module, _name, _counted(getattr(_module, _name)))
+for _name in COLLECTIVES:  # one wrapper per function, in both modules: P2POp checks its op is c10d's isend or irecv
+    _original = getattr(c10d, _name, None) or getattr(dist, _name, None)
+    if _original is not None and not hasattr(_original, "__wrapped__"):
+        _wrapper = _counted(_original)
+        for _module in (dist, c10d):
+            if getattr(_module, _name, None) is _original:
+                setattr(_module, _name, _wrapper)
 if hasattr(dist, "device_mesh"):
     import torch.distributed.device_mesh as _device_mesh
 
