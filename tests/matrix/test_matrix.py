@@ -316,12 +316,12 @@ def judge(matrix: dict, name: str) -> None:
     expect_known(case, "exact", problems, f"{name} trained other numbers than one process ({reference})")
 
 
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", list(CASES), ids=list(CASES))
 def test_case_trains_as_one_process_or_is_refused(matrix, name):
     judge(matrix, name)
 
 
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", list(CASES), ids=list(CASES))
 def test_final_folder_loads_without_boost_hf(matrix, name):
     from boost_hf import BoostLlamaConfig, BoostLlamaForCausalLM
 
