@@ -36,11 +36,6 @@ KNOWN: list[Known] = [
           "one process", "exact",
           lambda c: c["bottleneck"] == "lax" and c["lax_gate"] != "identity" and factors.sizes(c["layout"])["tp"] > 1
           and factors.sizes(c["layout"])["pp"] > 1),
-    Known("known (issue 42 item 1): FSDP2's saved folders name the FSDP wrapper class (FSDPBoostLlamaForCausalLM) "
-          "instead of the model's, so final/ does not load without boost-hf", "final",
-          lambda c: _fully_sharded(c) and factors.sizes(c["layout"])["pp"] == 1),
-    Known("known (issue 42 item 2): a model with tied embeddings cannot be published (final/: missing lm_head.weight)",
-          "final", lambda c: c["tie_word_embeddings"] is True),
 ]
 
 
