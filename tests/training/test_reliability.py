@@ -945,23 +945,14 @@ def test_a_requeued_run_ends_once(tmp_path, monkeypatch):
     from safetensors.torch import load_file
     from transformers import TrainerCallback
 
-    from boost_hf.training import pretrain
-
     class SignalDuringLastStep(TrainerCallback):
         def on_step_begin(self, args, state, control, **kwargs):
             if state.global_step + 1 == args.max_steps:
                 os.kill(os.getpid(), signal.SIGUSR1)
 
-    def run(folder, *callbacks, **overrides) -> BoostTrainer:
-        t = trainer(folder, max_steps=4, save_steps=2, save_total_limit=1, resume_from_checkpoint="auto", **overrides)
-        for callback in callbacks:
-            t.add_callback(callback)
-        monkeypatch.setattr(pretrain, "build_trainer", lambda argv: t)
-        try:
-            pretrain.main([])
-        finally:
-            t.run.release()
-        return t
+    def run(folder, *callbacks) -> BoostTrainer:
+        return main_of(folder, monkeypatch, *callbacks, max_steps=4, save_steps=2, save_total_limit=1,
+                       resume_from_checkpoint="auto")
 
     whole = run(tmp_path / "whole")
     assert whole.state.global_step == 4
