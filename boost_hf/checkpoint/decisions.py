@@ -10,12 +10,8 @@ tracker file on rank 0 and broadcasts it, these are decided once:
 * :func:`on_every_rank`: work every rank does (a phase of a save), then one ``all_gather_object`` of the outcomes:
   an error on one rank (a full disk, a failed rename) is raised on every rank before the next collective, instead
   of leaving the others waiting in it until ``--ddp_timeout``;
-* :func:`resume_checkpoint`: the checkpoint ``--resume_from_checkpoint`` means (``last``/``True``: the last complete
-  one of the run's lineage, ``auto``: that or none, a path: itself);
-* :func:`checkpoint_is_complete`: whether a checkpoint folder exists complete (a stop request saves one unless it
-  does);
-* :func:`steps_trained`: the optimizer steps a checkpoint holds (a run resumed at its ``max_steps`` trains no more);
-* :func:`final_is_published`: whether a run's ``final/`` is complete (a finished run requeued publishes nothing).
+
+the decisions about a run folder's checkpoints are :mod:`boost_hf.checkpoint.resume_point`'s.
 
 Each is collective when ``torch.distributed`` is initialised with more than one rank (every rank calls it at the
 same point), and a plain function call in one process.
@@ -97,58 +93,4 @@ def on_every_rank(work, group=None, kinds: tuple[type, ...] = ()) -> list:
     return [value for value, _ in gathered]
 
 
-def resume_checkpoint(run_dir: str, resume_from_checkpoint: str | bool | None) -> str | None:
-    """The checkpoint a run resumes, decided on global rank 0 (:func:`decided_on_rank_zero`): ``True`` or ``"last"``:
-    the last complete checkpoint of ``run_dir``'s lineage (``FileNotFoundError`` when there is none,
-    :func:`~boost_hf.checkpoint.lineage.last_checkpoint`); ``"auto"``: that, or ``None`` (a new run) when there is
-    none; a path: itself (``FileNotFoundError`` if it is no folder); ``None`` / ``False``: ``None``."""
-    from .folders import completed_checkpoints
-    from .lineage import last_checkpoint
-
-    def decide() -> str | None:
-        if resume_from_checkpoint in (None, False, ""):
-            return None
-        if resume_from_checkpoint == "auto":
-            return last_checkpoint(run_dir) if completed_checkpoints(run_dir) else None
-        if resume_from_checkpoint is True or resume_from_checkpoint == "last":
-            return last_checkpoint(run_dir)
-        if not os.path.isdir(resume_from_checkpoint):
-            raise FileNotFoundError(f"resume_from_checkpoint: no such file or folder: {resume_from_checkpoint!r}")
-        return resume_from_checkpoint
-
-    return decided_on_rank_zero(decide)
-
-
-def checkpoint_is_complete(folder: str) -> bool:
-    """Whether ``folder`` (a ``checkpoint-<step>``) is a complete checkpoint of its run, decided on global rank 0."""
-    from .folders import completed_checkpoints
-
-    return decided_on_rank_zero(
-        lambda: os.path.abspath(folder) in map(os.path.abspath, completed_checkpoints(os.path.dirname(os.path.abspath(folder)))))
-
-
-def steps_trained(checkpoint: str) -> int:
-    """The optimizer steps ``checkpoint`` was saved after (its ``trainer_state.json``'s ``global_step``), decided on
-    global rank 0."""
-    import json
-
-    from transformers.trainer import TRAINER_STATE_NAME
-
-    def decide() -> int:
-        with open(os.path.join(checkpoint, TRAINER_STATE_NAME)) as f:
-            return int(json.load(f)["global_step"])
-
-    return decided_on_rank_zero(decide)
-
-
-def final_is_published(run_dir: str) -> bool:
-    """Whether ``run_dir/final`` is a complete published model (its manifest and every file in it), decided on global
-    rank 0."""
-    from .folders import incomplete_reason
-
-    final = os.path.join(run_dir, "final")
-    return decided_on_rank_zero(lambda: os.path.isdir(final) and incomplete_reason(final) is None)
-
-
-__all__ = ["checkpoint_is_complete", "decided_on_rank_zero", "final_is_published", "on_every_rank", "resume_checkpoint",
-           "steps_trained"]
+__all__ = ["decided_on_rank_zero", "on_every_rank"]

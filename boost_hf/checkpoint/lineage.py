@@ -6,7 +6,7 @@ from 800) continues another lineage than the one that wrote 900 and 1000. As Meg
 ``<output_dir>/last_checkpoint.json`` (``{"checkpoint": "checkpoint-850", "step": 850}``, replaced atomically, before
 the checkpoint's folder takes its name: a save killed between the two leaves a record naming a folder that is not
 there, and ``last`` takes the newest complete checkpoint before it). ``--resume_from_checkpoint last`` / ``auto``
-read it (:func:`last_checkpoint`). Resuming a checkpoint moves the checkpoints of later steps out of the lineage
+read it (:func:`~boost_hf.checkpoint.resume_point.last_checkpoint`). Resuming a checkpoint moves the checkpoints of later steps out of the lineage
 (:func:`set_aside_later_checkpoints`): each is renamed ``abandoned-checkpoint-<step>``, kept as it was (never deleted
 without the user's word) and named in a warning, and so is that lineage's end, ``final/`` and its
 ``trainer_state.json`` (``abandoned-final``), when it ended past the resumed step. So the ``checkpoint-<step>``
@@ -77,38 +77,6 @@ def recorded_checkpoint(run_dir: str) -> str | None:
     return os.path.join(run_dir, name)
 
 
-def last_checkpoint(run_dir: str) -> str:
-    """The checkpoint ``--resume_from_checkpoint last`` continues: the one ``run_dir``'s record names if it is complete,
-    else the newest complete checkpoint of an earlier step (a warning says why the recorded one is skipped); without a
-    record, the newest complete checkpoint (a warning says so). ``FileNotFoundError`` when there is none."""
-    from .folders import completed_checkpoints, incomplete_reason
-
-    recorded = recorded_checkpoint(run_dir)
-    skipped: list[tuple[str, str]] = []
-    complete = completed_checkpoints(run_dir, skipped)
-    if recorded is not None:
-        reason = "it is missing (its save was stopped before its rename)" if not os.path.isdir(recorded) else incomplete_reason(recorded)
-        if reason is None:
-            return recorded
-        complete = [c for c in complete if checkpoint_step(c) < checkpoint_step(recorded)]
-        logger.warning("--resume_from_checkpoint last: %s records %s, not a complete checkpoint: %s", RECORD_NAME, recorded, reason)
-    elif complete:
-        logger.warning("--resume_from_checkpoint last: %s has no %s (an output folder of an earlier boost-hf version): "
-                       "resuming its newest complete checkpoint", run_dir, RECORD_NAME)
-    newest = complete[-1] if complete else None
-    for folder, reason in skipped:
-        if newest is None or checkpoint_step(folder) > checkpoint_step(newest):
-            logger.warning("--resume_from_checkpoint last: skipping %s, not a complete checkpoint: %s", folder, reason)
-    if newest is None:
-        raise FileNotFoundError(
-            f"no complete checkpoint (with a valid manifest.json) in output_dir {run_dir!r} to resume from"
-            + (f"; skipped: {', '.join(os.path.basename(f) for f, _ in skipped)}" if skipped else "") + "."
-        )
-    if skipped or recorded is not None:
-        logger.warning("--resume_from_checkpoint last: resuming from %s", newest)
-    return newest
-
-
 def finished_step(run_dir: str) -> int | None:
     """The step the run in ``run_dir`` ended at: the ``global_step`` of the ``trainer_state.json`` it writes at its end,
     before ``final/`` (``None``: none, or unreadable)."""
@@ -156,7 +124,6 @@ __all__ = [
     "checkpoint_step",
     "finished_step",
     "is_abandoned",
-    "last_checkpoint",
     "record_checkpoint",
     "recorded_checkpoint",
     "set_aside_later_checkpoints",

@@ -22,7 +22,8 @@ from .folders import (
     remove_stale_staging,
     verify_checkpoint_once,
 )
-from .decisions import decided_on_rank_zero, final_is_published, resume_checkpoint, steps_trained
+from .decisions import decided_on_rank_zero
+from .resume_point import final_is_published, resume_checkpoint, steps_trained
 from .lineage import finished_step, set_aside_later_checkpoints
 from .lock import OutputDirInUseError, OutputDirLock
 from .resume import check_resume_layout
@@ -66,7 +67,7 @@ class RunFolder:
         """The checkpoint a run continues from (``True`` or ``"last"``: the last *complete* one of the run's lineage;
         ``"auto"``: that, or a new run if there is none; ``None``: a new run, which refuses an ``output_dir`` holding an
         earlier run unless ``overwrite_output_dir``), decided on global rank 0
-        (:func:`~boost_hf.checkpoint.decisions.resume_checkpoint`) once the folder is claimed (:meth:`claim`: locked,
+        (:func:`~boost_hf.checkpoint.resume_point.resume_checkpoint`) once the folder is claimed (:meth:`claim`: locked,
         staging folders of killed runs restored or removed), verified against its manifest and architecture and
         resumable at this run's ``layout``; the checkpoints of ``output_dir`` of later steps are then set aside as
         another lineage's (:func:`~boost_hf.checkpoint.lineage.set_aside_later_checkpoints`). Collective."""
@@ -110,7 +111,7 @@ class RunFolder:
         return resume_from_checkpoint
 
     def _checkpoint_meant(self, asked: str | bool | None) -> str | None:
-        """The checkpoint ``asked`` means (:func:`~boost_hf.checkpoint.decisions.resume_checkpoint`); ``last`` in a finished
+        """The checkpoint ``asked`` means (:func:`~boost_hf.checkpoint.resume_point.resume_checkpoint`); ``last`` in a finished
         run without checkpoints means none (a new run: refused, naming ``--init_from``). Collective."""
         try:
             return resume_checkpoint(self.args.output_dir, asked)  # rank 0's view, on every rank

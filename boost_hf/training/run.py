@@ -15,7 +15,7 @@ import sys
 
 import torch.distributed as dist
 
-from ..checkpoint.decisions import checkpoint_is_complete
+from ..checkpoint.resume_point import checkpoint_is_complete
 from ..checkpoint.run_folder import RunFolder
 from .preemption import StopAtStepEnd, StopRequests, TrainingStopped, parse_exit_signals
 from .watchdog import TRAINING, HangWatchdog, enter_phase, naming_collective_timeouts, running_watchdog

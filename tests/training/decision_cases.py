@@ -10,8 +10,8 @@ import torch.distributed as dist
 
 
 def stale_listings(run_dir: str) -> dict:
-    from boost_hf.checkpoint import decisions, lineage
     from boost_hf.checkpoint import folders as checkpoint
+    from boost_hf.checkpoint import resume_point
 
     rank = dist.get_rank()
     if rank == 1:  # a stale listing: the newest checkpoint is not there yet
@@ -19,11 +19,11 @@ def stale_listings(run_dir: str) -> dict:
             return [os.path.join(run, "checkpoint-2")] if os.path.isdir(run) else []
 
         checkpoint.completed_checkpoints = stale
-        lineage.last_checkpoint = lambda run: stale(run)[-1]
-    outcome = {"last": decisions.resume_checkpoint(run_dir, True), "auto": decisions.resume_checkpoint(run_dir, "auto"),
-               "complete": decisions.checkpoint_is_complete(os.path.join(run_dir, "checkpoint-4"))}
+        resume_point.last_checkpoint = lambda run: stale(run)[-1]
+    outcome = {"last": resume_point.resume_checkpoint(run_dir, True), "auto": resume_point.resume_checkpoint(run_dir, "auto"),
+               "complete": resume_point.checkpoint_is_complete(os.path.join(run_dir, "checkpoint-4"))}
     try:
-        decisions.resume_checkpoint(os.path.join(run_dir, "empty"), "last")
+        resume_point.resume_checkpoint(os.path.join(run_dir, "empty"), "last")
     except FileNotFoundError as error:
         outcome["error"] = str(error)
     return outcome

@@ -9,7 +9,8 @@ import re
 import pytest
 
 from boost_hf.checkpoint.integrity import write_manifest
-from boost_hf.checkpoint.decisions import checkpoint_is_complete, decided_on_rank_zero, resume_checkpoint
+from boost_hf.checkpoint.decisions import decided_on_rank_zero
+from boost_hf.checkpoint.resume_point import checkpoint_is_complete, resume_checkpoint
 
 from ..distributed import launch
 from .decision_cases import decisions_and_failures
