@@ -178,6 +178,13 @@ class PipelineChunk(nn.Module):
         self.latent_names = latent_names(model.config)
         self.boundary_dtype: torch.dtype | None = None
 
+    def _as_computed(self, packed: torch.Tensor) -> torch.Tensor:
+        """LaX's latents as the blocks computed them: they cross in the boundary dtype (fp32 beside an fp32 residual
+        stream under bf16 parameters), and a block takes them in no wider dtype than its parameters', as without a
+        pipeline (exact: bf16 -> fp32 -> bf16; an fp32 latent into bf16 parameters' LayerNorm is an error)."""
+        computed = activation_dtype(self.model)
+        return packed.to(computed) if computed.itemsize < packed.dtype.itemsize else packed
+
     def forward(self, *inputs: torch.Tensor, attention_mask: torch.Tensor | None = None):
         if self.is_first:
             (input_ids,) = inputs
@@ -186,7 +193,8 @@ class PipelineChunk(nn.Module):
         else:
             hidden, *packed = (_ContiguousGradient.apply(x) for x in inputs)
             microbatch, seq = hidden.shape[0], hidden.shape[1] * (self.plan.tp_size if self.plan.residual_split == "tokens" else 1)
-            latents = receive_latents(packed[0], self._boundary(microbatch, seq), self.latent_names, microbatch, self.plan.group) if packed else None
+            latents = receive_latents(self._as_computed(packed[0]), self._boundary(microbatch, seq), self.latent_names,
+                                      microbatch, self.plan.group) if packed else None
             stage_inputs = {"inputs_embeds": hidden, "lax_latents": latents}
         outputs = self.model(**stage_inputs, attention_mask=attention_mask, use_cache=False)
         if self.is_last:
