@@ -19,23 +19,32 @@ class Known:
     applies: Callable[[dict], bool]
 
 
-def _fully_sharded(case: dict) -> bool:
-    return case["dp_backend"] in factors.FULLY_SHARDED
+def _settings(case: dict) -> str:
+    """The case's name without its index: its layout and every setting that is not its factor's default."""
+    return factors.case_name(0, case).split("-", 1)[1]
+
+
+#: the trained LaX cases whose numbers the merged tree's full run (d45e6ab, 2026-12-02) found beyond the bounds; by name,
+#: since which cases show it is all that is known (the names carry every setting of the case)
+LAX_BEYOND_BOUNDS = (
+    "c000-tp2-pp1-dp2-lax-sync-ungrouped-fsdp2-never-model-bf16_params-bf16-mlpbias-gqa-swiglu-xavier",  # 0.113
+    "c016-tp2-pp2-dp1-lax-ungrouped-ckpt-full-sp-interleaved-1f1b-bf16_params-bf16-fp32res-attnbias-mlpbias-gqa-dense-svd-xavier",  # 0.17
+    "c017-tp2-pp1-dp2-lax-vanilla-ungrouped-ckpt-full-hsdp-autocast-acc2-tied-mlpbias-gqa-swiglu-xavier",  # 0.128
+    "c027-tp2-pp2-dp1-lax-sync-ckpt-lowrank-interleaved-1f1b-autocast-nolatentnorm-swiglu",  # 0.125
+    "c043-tp2-pp1-dp2-lax-sync-ungrouped-ckpt-lowrank-sp-zero1-autocast-acc2-attnbias-mlpbias-gqa-svd-xavier",  # 0.143
+    "c049-tp4-pp1-dp1-lax-bf16_params-bf16-nolatentnorm",  # 0.13
+    "c052-tp2-pp1-dp2-lax-deepspeed-zero1-nolatentnorm-svd",  # fp32: 4.11e-5 against 3.62e-5
+    "c079-tp1-pp2-dp2-lax-gpipe-bf16_params-fp32res",  # 0.298
+)
 
 
 KNOWN: list[Known] = [
-    Known("known (issue 42 item 1): FSDP2 x LaX trains wrong where LaX has gates (kronecker, dense): the crossing's "
-          "reduction comes from a tensor hook on a parameter fully_shard replaces. The matrix sees it wider than "
-          "reported (btp + SP at tp 2): also tp 2 btp without SP (c000), tp 1 (c031) and vanilla under HSDP (c017, "
-          "its A and B gradients 0.2 off); not under a pipeline (c012, c041 equal one process)", "exact",
-          lambda c: _fully_sharded(c) and c["bottleneck"] == "lax" and c["lax_gate"] != "identity"
-          and factors.sizes(c["layout"])["pp"] == 1),
-    Known("found by the matrix, not filed yet: LaX with gates (kronecker, dense) at tp 2 x pp 2 trains other gradients "
-          "than one process, 0.15-0.39 of their scale (gates, B, biases, the embedding; c016, c048, c081, all bf16: "
-          "autocast or bf16_params, no DP); the identity gate there (c027) and every gated LaX at tp 1 x pp 2/4 equal "
-          "one process", "exact",
-          lambda c: c["bottleneck"] == "lax" and c["lax_gate"] != "identity" and factors.sizes(c["layout"])["tp"] > 1
-          and factors.sizes(c["layout"])["pp"] > 1),
+    Known("found by the matrix, not diagnosed: LaX (kronecker or dense gates) trains gradients beyond the matrix's bounds "
+          "in 8 cases of many layouts (FSDP2, HSDP, ZeRO-1, DeepSpeed ZeRO-1, tp 4, tp 2 x pp 2, tp 1 x pp 2 x dp 2): bf16 "
+          "0.11-0.30 of the scale against 0.106, one fp32 case 4.1e-5 against 3.6e-5. Either the bounds (derived for ~10 "
+          "roundings per block, where LaX's latents cross every block and its latent LayerNorm divides by a small "
+          "deviation) or a bug; the FSDP2 hook bug (issue 42 item 1) is fixed, its fp32 case equal to 3.2e-6", "exact",
+          lambda c: _settings(c) in {name.split("-", 1)[1] for name in LAX_BEYOND_BOUNDS}),
 ]
 
 
