@@ -261,6 +261,12 @@ def unsupported_parallelism(sizes: dict[str, int], origin: str) -> str | None:
     return None
 
 
+def launched_world_size() -> int:
+    """The number of processes launched (``WORLD_SIZE``; 1 without a launcher), which the checks of the data-parallel
+    size read."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
 def layout_from_parallelism_config(args, origins: dict[str, str] | None = None) -> None:
     """Honour accelerate's ``parallelism_config`` on ``args`` (no collective; every rank reads the same arguments and
     environment), each size settled with the flag's (:func:`settle`; ``origins``: who set what so far): its
@@ -297,7 +303,7 @@ def layout_from_parallelism_config(args, origins: dict[str, str] | None = None) 
                 "(HSDP: dp_replicate_size replicas of dp_shard_size shards, their product the data parallelism), or "
                 "drop --data_parallel fsdp2 (DDP over the replicas).")
         settle(args, "data_parallel", "ddp", origin, origins)
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    world = launched_world_size()
     if dp > 1 and dp * args.tp_size * args.pp_size != world:
         given = " x ".join(f"{name}_size={sizes[name]}" for name in ("dp_replicate", "dp_shard") if name in sizes)
         raise ValueError(
@@ -378,7 +384,7 @@ def check_settings(args) -> None:
                 "factors (B and A) of a projection whole on one rank, and FSDP2 shards each over the data-parallel "
                 "group. Use --data_parallel ddp with LORO."
             )
-        world = int(os.environ.get("WORLD_SIZE", "1"))
+        world = launched_world_size()
         if world % (args.tp_size * args.pp_size) == 0:
             data_parallel.shard_size(world // (args.tp_size * args.pp_size))
     if args.zero1_optimizer and args.lowrank_optimizer == "loro":
@@ -555,6 +561,7 @@ __all__ = [
     "deepspeed_origin",
     "fsdp_sources",
     "fully_shard_from_fsdp_settings",
+    "launched_world_size",
     "layout_from_parallelism_config",
     "precision_and_compile_from_accelerate",
     "resolve_torch_compile",

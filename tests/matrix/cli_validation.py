@@ -3,10 +3,11 @@ refuses the case, and with which message. It calls the CLI's own checks,
 :func:`boost_hf.training.pretrain.checked_settings` (what :func:`~boost_hf.training.pretrain.build_trainer` runs
 first: the recipe parsed, every setting settled against its other sources by
 :mod:`boost_hf.training.compatibility`, the model configuration, the run's ``ParallelConfig`` and
-``check_model_and_data`` with the layout's own ``check_model``), with a stand-in for the tokenizer. What needs the
-launched world (the world size, the process groups) is not checked here, so a case this accepts may still be refused
-when launched: the matrix uses this only to choose its cases (:func:`tests.matrix.covering.build`'s ``blame``), and
-what a launched case does is what the matrix checks.
+``check_model_and_data`` with the layout's own ``check_model``), with stand-ins for the tokenizer and for the launched
+world's size (:func:`~boost_hf.training.compatibility.launched_world_size`: the matrix's world, which ``WORLD_SIZE``
+cannot say here without accelerate setting up a process group). What needs the process groups is not checked here,
+so a case this accepts may still be refused when launched: the matrix uses this only to choose its cases
+(:func:`tests.matrix.covering.build`'s ``blame``), and what a launched case does is what the matrix checks.
 """
 
 from __future__ import annotations
@@ -32,13 +33,19 @@ class _Tokenizer:
 
 @contextlib.contextmanager
 def _one_process_environment():
-    """The arguments built as in one process, without an accelerate launch's variables."""
+    """The arguments built as in one process, without an accelerate launch's variables, the data-parallel checks told
+    the matrix's world size."""
+    from boost_hf.training import compatibility
+
     names = [n for n in os.environ if n.startswith(("ACCELERATE_", "PARALLELISM_CONFIG_", "FSDP_"))]
     names += [n for n in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if n in os.environ]
     saved = {n: os.environ.pop(n) for n in names}
+    launched_world_size = compatibility.launched_world_size
+    compatibility.launched_world_size = lambda: factors.WORLD
     try:
         yield
     finally:
+        compatibility.launched_world_size = launched_world_size
         os.environ.update(saved)
 
 

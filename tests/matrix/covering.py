@@ -189,10 +189,15 @@ def build(factors: list[Factor], constraints: list[Constraint], *, triples: tupl
 
     def changed(case: list, values: dict[int, object], keep: set[int]) -> list | None:
         """``case`` with ``values`` (factor index -> value), the factors depending on them but ``keep`` completed again
-        (keeping their values where they still fit), or ``None``."""
+        (keeping their values where they still fit); when that cannot be completed (the new value needs another value
+        of a factor it does not depend on: the full-rank model's ``megatron`` needs ``tp_size`` > 1), every factor but
+        ``values`` and ``keep`` completed again, preferring ``case``'s values; ``None`` when neither can."""
         free = set().union(*(descendants[i] for i in values)) - set(values) - keep if values else set()
         partial = [values.get(i, _UNSET if i in free else v) for i, v in enumerate(case)]
-        return search.complete(partial, prefer=case)
+        new = search.complete(partial, prefer=case)
+        if new is None and values:
+            new = search.complete([values.get(i, case[i] if i in keep else _UNSET) for i in range(n)], prefer=case)
+        return new
     as_dict = lambda case: {factors[i].name: case[i] for i in range(n)}  # noqa: E731
 
     def covered(case: list) -> set[Tuple]:
@@ -314,6 +319,7 @@ def build(factors: list[Factor], constraints: list[Constraint], *, triples: tupl
         uncovered -= covered(case)
     refused_cases = _absorb_rows(search, refused_cases, required - {t for c in accepted_cases for t in covered(c)}, covered)
     named = lambda t: tuple((factors[m].name, v) for m, v in t)  # noqa: E731
+    refused_only -= {t for c in accepted_cases for t in covered(c)}  # a later accepted case may hold one after all
     cases = accepted_cases + refused_cases
     return CoveringArray(factors, [as_dict(c) for c in cases], {named(t) for t in required},
                          refused_only={named(t) for t in refused_only},

@@ -104,6 +104,12 @@ def _low_rank_with_latent_activation(v: dict) -> bool:
     return v["bottleneck"] == "cola" or (v["bottleneck"] == "lax" and v["lax_base"] == "cola")
 
 
+def _boost_hf_bf16_params(v: dict) -> bool:
+    """bf16 parameters under boost-hf's own precision settings: under DeepSpeed its config sets them, and
+    ``boost-hf train`` refuses ``--grad_reduce_dtype`` / ``--fp32_residual`` there."""
+    return v["precision_policy"] == "bf16_params" and deepspeed_stage(v) is None
+
+
 def _default(config_class, name: str):
     return config_class.__dataclass_fields__[name].default
 
@@ -131,11 +137,12 @@ FACTORS: list[Factor] = [
     Factor("fsdp_units", _field_choices(DataParallelConfig, "fsdp_units"), ("dp_backend",), lambda v: v["dp_backend"] in FULLY_SHARDED,
            _default(DataParallelConfig, "fsdp_units"), "FSDP2's (its help): no units without it"),
     Factor("precision_policy", _field_choices(PrecisionConfig, "precision_policy"), default="fp32"),
-    Factor("grad_reduce_dtype", _field_choices(PrecisionConfig, "grad_reduce_dtype"), ("precision_policy",),
-           lambda v: v["precision_policy"] == "bf16_params", "fp32", "bf16_params' (its help): the other policies reduce in fp32"),
-    Factor("fp32_residual", _field_choices(PrecisionConfig, "fp32_residual"), ("precision_policy",),
-           lambda v: v["precision_policy"] == "bf16_params", False,
-           "bf16_params' (its help): the other policies keep an fp32 residual stream"),
+    Factor("grad_reduce_dtype", _field_choices(PrecisionConfig, "grad_reduce_dtype"), ("precision_policy", "dp_backend"),
+           _boost_hf_bf16_params, "fp32", "bf16_params' own (its help): the other policies reduce in fp32, and under "
+           "DeepSpeed its engine does (its config's communication_data_type, deepspeed_config)"),
+    Factor("fp32_residual", _field_choices(PrecisionConfig, "fp32_residual"), ("precision_policy", "dp_backend"),
+           _boost_hf_bf16_params, False, "bf16_params' own (its help): the other policies keep an fp32 residual stream, "
+           "and DeepSpeed's engine owns the precision (its config)"),
     Factor("gradient_accumulation_steps", ACCUMULATION, default=1),
     Factor("tie_word_embeddings", (False, True), default=False),
     Factor("attention_bias", (False, True), default=False),
