@@ -20,6 +20,7 @@ from safetensors.torch import load_file
 
 from .checkpoint_files import read_checkpoint
 from .launcher import DEMO_RECIPE, TINY, accelerate_command, python_command, run_command, run_commands, torchrun_node_commands
+from .run_outputs import log_history, losses
 
 RELATIVE_TOLERANCE = 1e-4
 
@@ -40,14 +41,6 @@ def runs(training_env, tmp_path_factory) -> Path:
     run_commands(torchrun_node_commands(2, 2, "recipes/pretrain.py", *distributed, "--output_dir", out / "multinode",
                                         "--hang_timeout_s", "10"), training_env, timeout=300)
     return out
-
-
-def log_history(run: Path) -> list[dict]:
-    return json.loads((run / "trainer_state.json").read_text())["log_history"]
-
-
-def losses(run: Path) -> dict[int, float]:
-    return {entry["step"]: entry["loss"] for entry in log_history(run) if "loss" in entry}
 
 
 def eval_losses(run: Path) -> list[float]:

@@ -24,11 +24,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from ..tolerances import scaled_error
 from .final_logits import LOGITS_FILE, load_without_boost_hf
 from .launcher import DEMO_RECIPE, TINY, accelerate_command, python_command, run_command
+from .run_outputs import log_history, losses, weights_rel
 
 TOL = 1e-5
 REMOTE_CODE = ["configuration_boost_llama.py", "modeling_boost_llama.py", "tensor_train_boost_llama.py", "weights_boost_llama.py"]
@@ -48,20 +48,6 @@ def runs(training_env, tmp_path_factory) -> Path:
                 training_env, timeout=1200)
     run_command(python_command(cases, "one", out, *common), training_env, timeout=600)
     return out
-
-
-def log_history(run: Path) -> list[dict]:
-    return json.loads((run / "trainer_state.json").read_text())["log_history"]
-
-
-def losses(run: Path) -> dict[int, float]:
-    return {entry["step"]: entry["loss"] for entry in log_history(run) if "loss" in entry}
-
-
-def weights_rel(actual: Path, expected: Path) -> dict[str, float]:
-    a, b = load_file(actual / "model.safetensors"), load_file(expected / "model.safetensors")
-    assert a.keys() == b.keys()
-    return {name: float((a[name] - b[name]).norm() / b[name].norm().clamp(min=1e-12)) for name in b}
 
 
 def test_every_run_trained_six_steps(runs):

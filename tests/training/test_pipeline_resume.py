@@ -37,6 +37,7 @@ from boost_hf.checkpoint.resume import (
 
 from .checkpoint_files import read_checkpoint, write_legacy_checkpoint
 from .launcher import DEMO_RECIPE, REPO, TINY, accelerate_command, python_command, run_command
+from .run_outputs import losses
 
 RELATIVE_TOLERANCE = 1e-4
 CASES = REPO / "tests" / "training" / "pipeline_resume_cases.py"
@@ -71,11 +72,6 @@ def runs(training_env, tmp_path_factory) -> Path:
     run_command(accelerate_command("cpu-4proc.yaml", CASES, "four", out, *common), training_env, timeout=1500)
     run_command(python_command(CASES, "one", out, *common), training_env, timeout=450)
     return out
-
-
-def losses(run: Path) -> dict[int, float]:
-    history = json.loads((run / "trainer_state.json").read_text())["log_history"]
-    return {entry["step"]: entry["loss"] for entry in history if "loss" in entry}
 
 
 def assert_close(actual: dict, expected: dict) -> None:

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from .launcher import DEMO_RECIPE, TINY, accelerate_command, python_command, run_command
+from .run_outputs import log_history, losses
 
 RELATIVE_TOLERANCE = 1e-4
 FOUR_LAYERS = ["--num_hidden_layers", "4", "--eval_strategy", "steps", "--eval_steps", "3"]
@@ -32,14 +33,6 @@ def runs(training_env, tmp_path_factory) -> Path:
     run_command(accelerate_command("cpu-4proc.yaml", "tests/training/pipeline_cases.py", "pipelines", out, *common),
                 training_env, timeout=1200)
     return out
-
-
-def log_history(run: Path) -> list[dict]:
-    return json.loads((run / "trainer_state.json").read_text())["log_history"]
-
-
-def losses(run: Path) -> dict[int, float]:
-    return {entry["step"]: entry["loss"] for entry in log_history(run) if "loss" in entry}
 
 
 def eval_losses(run: Path) -> dict[int, float]:

@@ -43,6 +43,7 @@ from tests.distributed import launch
 
 from .checkpoint_files import read_checkpoint
 from .launcher import DEMO_RECIPE, REPO, TINY, accelerate_command, python_command, run_command
+from .run_outputs import losses
 
 CASES = REPO / "tests" / "training" / "precision_cases.py"
 BF16_PARAMS = PrecisionPolicy("bf16_params", compute_dtype=torch.bfloat16, param_dtype=torch.bfloat16, residual_dtype=torch.bfloat16)
@@ -426,10 +427,6 @@ def runs(training_env, tmp_path_factory) -> Path:
 
 def read(run: Path, name: str):
     return json.loads((run / f"{name}.json").read_text())
-
-
-def losses(run: Path) -> dict[int, float]:
-    return {e["step"]: e["loss"] for e in json.loads((run / "trainer_state.json").read_text())["log_history"] if "loss" in e}
 
 
 #: every run asking for bf16 -> what its ranks ran: a training step, an evaluation, the sample (on every rank: a

@@ -28,6 +28,7 @@ from boost_hf.training.preflight import check_model_and_data
 from ..tolerances import scaled_error
 from .final_logits import LOGITS_FILE, load_without_boost_hf
 from .launcher import DEMO_RECIPE, TINY, accelerate_command, python_command, run_command
+from .run_outputs import losses, weights_rel
 
 TOL = 1e-5
 FOUR = ["ddp", "vanilla", "zero1", "fsdp2", "zero2", "vanilla-from-fsdp2", "fsdp2-from-vanilla"]
@@ -44,17 +45,6 @@ def runs(training_env, tmp_path_factory) -> Path:
     run_command(accelerate_command("cpu-4proc.yaml", cases, "four", out, *common), training_env, timeout=1500)
     run_command(python_command(cases, "one", out, *common), training_env, timeout=900)
     return out
-
-
-def losses(run: Path) -> dict[int, float]:
-    history = json.loads((run / "trainer_state.json").read_text())["log_history"]
-    return {entry["step"]: entry["loss"] for entry in history if "loss" in entry}
-
-
-def weights_rel(actual: Path, expected: Path) -> dict[str, float]:
-    a, b = load_file(actual / "model.safetensors"), load_file(expected / "model.safetensors")
-    assert a.keys() == b.keys()
-    return {name: float((a[name] - b[name]).norm() / b[name].norm().clamp(min=1e-12)) for name in b}
 
 
 def test_every_run_trained_six_steps_and_published_its_final_model(runs):
