@@ -247,13 +247,20 @@ class TensorParallelCausalLM:
         """Collective: the single-device model's folder (canonical safetensors files of at most ``max_shard_size``,
         default 5GB, config, remote code), written from every rank's shards without gathering them
         (:func:`~boost_hf.checkpoint.export.save_sharded_pretrained`). With an explicit ``state_dict`` (whole
-        tensors), transformers' own ``save_pretrained`` on the main process."""
+        tensors), transformers' own ``save_pretrained`` on the main process, the folder then naming the model's own
+        class where FSDP2 swapped it (transformers names the class it is given and copies its module's file:
+        :func:`~boost_hf.checkpoint.remote_code.refresh_remote_code` puts the model's own names and code back)."""
         if is_main_process is None:
             is_main_process = not dist.is_initialized() or dist.get_rank() == 0
         if state_dict is not None:
             if is_main_process:
                 super().save_pretrained(save_directory, *args, is_main_process=True, state_dict=state_dict,
                                         **({"max_shard_size": max_shard_size} if max_shard_size else {}), **kwargs)
+                from ..checkpoint.export import own_class
+                from ..checkpoint.remote_code import refresh_remote_code
+
+                if own_class(self) is not type(self):
+                    refresh_remote_code(str(save_directory))
             if dist.is_initialized():
                 dist.barrier()
             return

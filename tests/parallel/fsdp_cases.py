@@ -25,6 +25,7 @@ import os
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from boost_hf import BoostLlamaForCausalLM, ParallelConfig
 from boost_hf.parallel.comm_counter import CommCounter
@@ -212,7 +213,8 @@ def folder_record(folder: str) -> dict:
 
 
 def saved_under_wrappers(folder: str) -> dict:
-    """A CoLA model at dp 4 saved under FSDP2 (``save_pretrained``, collective), and its files
+    """A CoLA model at dp 4 saved under FSDP2 (``save_pretrained``, collective; and with an explicit whole
+    ``state_dict``, by transformers' own ``save_pretrained``), and its files
     (:func:`~boost_hf.checkpoint.export.save_model_files`) under DDP and ``torch.compile``'s ``OptimizedModule``:
     each folder's :func:`folder_record` (rank 0's)."""
     from boost_hf.checkpoint.export import save_model_files
@@ -230,7 +232,10 @@ def saved_under_wrappers(folder: str) -> dict:
     mesh = data_parallel_mesh(model.plan.state, 1)
     fully_sharded_parts(model, FullyShard(mesh=mesh))
     model.save_pretrained(os.path.join(folder, "fsdp2"))
-    return {name: folder_record(os.path.join(folder, name)) for name in ("fsdp2", *wrapped)} if dist.get_rank() == 0 else {}
+    whole = {name: t.full_tensor() if isinstance(t, DTensor) else t for name, t in model.state_dict().items()}  # collective
+    model.save_pretrained(os.path.join(folder, "fsdp2-state-dict"), state_dict=whole)  # transformers' own, on rank 0
+    names = ("fsdp2", "fsdp2-state-dict", *wrapped)
+    return {name: folder_record(os.path.join(folder, name)) for name in names} if dist.get_rank() == 0 else {}
 
 
 def everything(folder: str) -> dict:

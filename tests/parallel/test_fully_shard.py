@@ -41,7 +41,8 @@ def test_every_case_ran_on_every_rank(reports):
 
 
 def test_a_folder_saved_under_fsdp2_ddp_or_compile_names_the_models_own_class(launched):
-    """FSDP2 swaps the model's class for ``FSDPBoostLlamaForCausalLM`` (made in torch); DDP and ``torch.compile`` wrap it:
+    """FSDP2 swaps the model's class for ``FSDPBoostLlamaForCausalLM`` (made in torch; also when transformers' own
+    ``save_pretrained`` writes an explicit ``state_dict``); DDP and ``torch.compile`` wrap it:
     the saved ``architectures``, ``auto_map`` and remote code are the model's own, never a wrapper's or torch's files."""
     saved = launched[0]["saved"]
     expected = {"architectures": ["BoostLlamaForCausalLM"],
@@ -49,7 +50,7 @@ def test_a_folder_saved_under_fsdp2_ddp_or_compile_names_the_models_own_class(la
                              "AutoModelForCausalLM": "modeling_boost_llama.BoostLlamaForCausalLM"},
                 "python_files": ["configuration_boost_llama.py", "modeling_boost_llama.py", "tensor_train_boost_llama.py",
                                  "weights_boost_llama.py"]}
-    assert saved.keys() == {"fsdp2", "ddp", "compile"}
+    assert saved.keys() == {"fsdp2", "fsdp2-state-dict", "ddp", "compile"}
     assert all(record == expected for record in saved.values()), saved
 
 
