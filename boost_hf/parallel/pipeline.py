@@ -177,12 +177,14 @@ class PipelineChunk(nn.Module):
         self.lm_head = model.lm_head if self.is_last else None
         self.latent_names = latent_names(model.config)
         self.boundary_dtype: torch.dtype | None = None
+        self.param_dtype: torch.dtype | None = None  # the dtype the blocks read their parameters in (None: theirs)
 
     def _as_computed(self, packed: torch.Tensor) -> torch.Tensor:
         """LaX's latents as the blocks computed them: they cross in the boundary dtype (fp32 beside an fp32 residual
-        stream under bf16 parameters), and a block takes them in no wider dtype than its parameters', as without a
-        pipeline (exact: bf16 -> fp32 -> bf16; an fp32 latent into bf16 parameters' LayerNorm is an error)."""
-        computed = activation_dtype(self.model)
+        stream under bf16 parameters), and a block takes them in no wider dtype than the parameters it reads, as
+        without a pipeline (exact: bf16 -> fp32 -> bf16; an fp32 latent into bf16 parameters' LayerNorm is an error).
+        Under FSDP2 those are the gathered ones (``param_dtype``), not the sharded fp32 masters."""
+        computed = self.param_dtype or activation_dtype(self.model)
         return packed.to(computed) if computed.itemsize < packed.dtype.itemsize else packed
 
     def forward(self, *inputs: torch.Tensor, attention_mask: torch.Tensor | None = None):
@@ -271,14 +273,17 @@ class Pipeline:
                                      ddp_kwargs={"broadcast_buffers": False})
         self._wrap = functools.partial(prepare_part, how=on_its_own)
 
-    def configure(self, *, boundary_dtype: torch.dtype | None = None, wrap=None) -> None:
+    def configure(self, *, boundary_dtype: torch.dtype | None = None, param_dtype: torch.dtype | None = None,
+                  wrap=None) -> None:
         """Before the first step: send the boundary tensors in ``boundary_dtype`` (``None``: the parameters' dtype);
-        run each chunk as ``wrap(chunk)`` returns it (:func:`~boost_hf.parallel.parts.prepare_part` with the caller's
-        settings; by default each chunk in DDP over the DP group, when there is one)."""
+        the stages read their parameters in ``param_dtype`` (FSDP2's, which casts its sharded masters when it gathers
+        them; ``None``: the parameters' own); run each chunk as ``wrap(chunk)`` returns it
+        (:func:`~boost_hf.parallel.parts.prepare_part` with the caller's settings; by default each chunk in DDP over
+        the DP group, when there is one)."""
         if self._wrapped is not None:
             raise RuntimeError("configure must be called before the pipeline's first step (its stages are built).")
         for chunk in self.chunks:
-            chunk.boundary_dtype = boundary_dtype
+            chunk.boundary_dtype, chunk.param_dtype = boundary_dtype, param_dtype
         if wrap is not None:
             self._wrap = wrap
 

@@ -211,7 +211,8 @@ class PipelineEngine(StepEngine):
         sharded = dataclasses.replace(how.fully_shard, pipeline=True) if how.fully_shard is not None else None
         how = dataclasses.replace(how, data_parallel=data_parallel, ddp_kwargs={"broadcast_buffers": False, **how.ddp_kwargs},
                                   place=None, fully_shard=sharded)
-        self.pipeline.configure(boundary_dtype=boundary_dtype, wrap=functools.partial(prepare_part, how=how))
+        self.pipeline.configure(boundary_dtype=boundary_dtype, param_dtype=sharded.param_dtype if sharded is not None else None,
+                                wrap=functools.partial(prepare_part, how=how))
         if data_parallel == "fsdp2":
             self.pipeline.stage_modules()
         self.wrapped = PipelineReplica(self.model)

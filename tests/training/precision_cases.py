@@ -310,6 +310,8 @@ RUNS = [
      {"evaluate": True, "sample": True}),
     ("four", "pp2-tp2-lax-fp32-residual", [*PP2_TP2, *BF16_PARAMS, *ONE_STEP, "--preset", "lax-60m", "--lax_gate", "identity",
                                            "--fp32_residual", "true"], {}),
+    ("four", "pp2-dp2-lax-fsdp2-fp32-residual", [*PP2_DP2, *BF16_PARAMS, *ONE_STEP, "--preset", "lax-60m", "--lax_gate", "identity",
+                                                 "--fp32_residual", "true", "--data_parallel", "fsdp2"], {}),
     ("four", "pp2-tp2-compiled", [*PP2_TP2, *BF16_PARAMS, *ONE_STEP, "--fp32_residual", "true", "--torch_compile", "true"], {}),
     ("four", "tp2-dp2-deepspeed", [*TP2_DP2, *BF16, *ONE_STEP, "--deepspeed", "{zero2}"],
      {"deepspeed": True, "evaluate": True, "sample": True}),

@@ -445,6 +445,7 @@ BF16_RUNS = {
     "pp2-dp2-looped-fp32-residual": {"train", "eval", "sample"},
     "tp2-dp2-loro": {"train", "eval", "sample"},
     "pp2-tp2-lax-fp32-residual": {"train"},  # LaX's latents cross in fp32 and enter the bf16 blocks as bf16
+    "pp2-dp2-lax-fsdp2-fp32-residual": {"train"},  # the same where FSDP2 keeps fp32 masters and gathers bf16
     "pp2-tp2-compiled": {"compiled"},
     "tp2-dp2-deepspeed": {"train", "eval", "sample"},
 }
