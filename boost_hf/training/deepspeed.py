@@ -29,6 +29,10 @@ DeepSpeed's flat buffers, so a checkpoint records the order (``DEEPSPEED_PARAMET
 in the earlier order is refused on resume instead of loading its ZeRO partitions into the wrong parameters
 (:mod:`boost_hf.checkpoint.resume`, which records it: :data:`~boost_hf.checkpoint.resume.DEEPSPEED_PARAMETER_ORDER`).
 
+**The fp32 masters of the bf16 / fp16 mode** are the weights as they were before the cast
+(:func:`full_precision_copies`, :func:`set_masters`), as boost-hf's own ``bf16_params`` keeps them: DeepSpeed's
+optimizer would copy them from the cast parameters, starting the run from weights rounded to half precision.
+
 On CPU, DeepSpeed compiles a shared-memory collective op on first use (75-95 s on 2 cores, cached in
 ``~/.cache/torch_extensions``); training does not need it. ``BOOST_HF_DEEPSPEED_SHM_COMM=0`` skips it.
 """
@@ -39,6 +43,7 @@ import contextlib
 import os
 
 import torch
+from torch import nn
 
 from ..checkpoint.resume import DEEPSPEED_PARAMETER_ORDER
 from ..parallel.shared_storage import SharedStorageOwner, cast_parameters
@@ -117,6 +122,46 @@ def _parameter_dtype(config) -> torch.dtype | None:
     return None
 
 
+def full_precision_copies(model: nn.Module) -> list[tuple[nn.Parameter, torch.Tensor]]:
+    """Every trainable floating-point parameter of ``model`` with a copy of its value in host memory, taken before
+    DeepSpeed's half-precision cast (4 bytes per parameter of this rank, held while ``deepspeed.initialize`` runs)."""
+    return [(p, p.detach().to("cpu", torch.float32, copy=True)) for p in model.parameters()
+            if p.requires_grad and p.is_floating_point()]
+
+
+def set_masters(copies: list[tuple[nn.Parameter, torch.Tensor]]) -> None:
+    """DeepSpeed's fp32 masters set from ``copies`` (:func:`full_precision_copies`): its engine casts the module to
+    half precision before its optimizer copies the parameters into the masters, which would then start from the
+    weights rounded to bf16 (2^-9 of each, where boost-hf's ``bf16_params`` keeps the fp32 initialisation). Each rank
+    writes its own partition (``deepspeed.utils.safe_set_full_fp32_param``, ZeRO 1/2/3): no collective. A checkpoint
+    resumed later overwrites them."""
+    from deepspeed.utils import safe_set_full_fp32_param
+
+    for parameter, value in copies:
+        safe_set_full_fp32_param(parameter, value)
+
+
+@contextlib.contextmanager
+def masters_in_parameters(model: nn.Module):
+    """Within the block, every parameter of ``model`` that DeepSpeed keeps an fp32 master of holds that master, whole
+    (what a save writes under its bf16 / fp16 mode, as under boost-hf's ``bf16_params``); each parameter's own
+    storage is back on exit. Collective over DP: each master is assembled from the ranks' partitions
+    (``deepspeed.utils.safe_get_full_fp32_param``). Under ZeRO-3, inside ``deepspeed.zero.GatheredParameters``."""
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    held = []
+    try:
+        for parameter in model.parameters():
+            master = safe_get_full_fp32_param(parameter)
+            if master is not None:
+                held.append((parameter, parameter.data))
+                parameter.data = master.reshape(parameter.data.shape)
+        yield
+    finally:
+        for parameter, data in held:
+            parameter.data = data
+
+
 @contextlib.contextmanager
 def deepspeed_initialize_hooks(mpu: ModelParallelUnit | None, universal: UniversalResume | None = None):
     """Within the block, every ``deepspeed.initialize(...)`` call (accelerate's included) gets ``mpu=mpu`` (when
@@ -135,9 +180,11 @@ def deepspeed_initialize_hooks(mpu: ModelParallelUnit | None, universal: Univers
         if mpu is not None:
             kwargs["mpu"] = mpu
         model, config = kwargs.get("model"), kwargs.get("config_params", kwargs.get("config"))
+        full_precision = None
         if model is not None:
             dtype = _parameter_dtype(config)
             if dtype is not None:
+                full_precision = full_precision_copies(model)
                 cast_parameters(model, dtype)
             optimizer = kwargs.get("optimizer")
             if optimizer is not None and hasattr(optimizer, "param_groups"):
@@ -149,6 +196,8 @@ def deepspeed_initialize_hooks(mpu: ModelParallelUnit | None, universal: Univers
         if universal is not None:
             kwargs["config_params" if "config_params" in kwargs else "config"] = universal.deepspeed_config(config)
         initialized = original(*args, **kwargs)
+        if full_precision is not None:
+            set_masters(full_precision)
         if universal is not None:
             universal.redirect(initialized[0])
         return initialized
@@ -198,4 +247,5 @@ def skip_shm_comm_if_requested() -> None:
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
 
-__all__ = ["ModelParallelUnit", "DEEPSPEED_PARAMETER_ORDER", "deepspeed_initialize_hooks", "order_stored_together", "configure_deepspeed", "skip_shm_comm_if_requested", "SHM_COMM_ENV"]
+__all__ = ["ModelParallelUnit", "DEEPSPEED_PARAMETER_ORDER", "deepspeed_initialize_hooks", "full_precision_copies", "masters_in_parameters",
+           "order_stored_together", "configure_deepspeed", "set_masters", "skip_shm_comm_if_requested", "SHM_COMM_ENV"]

@@ -60,7 +60,8 @@ from .checkpointing import (
 from .compatibility import without_accelerate_parallelism
 from .data_parallel import data_parallel_bytes, fully_shard_settings
 from .data import EvalShard, StreamLoader, restore_data_position, shard_by_data_parallel_rank
-from .deepspeed import ModelParallelUnit, configure_deepspeed, deepspeed_initialize_hooks, skip_shm_comm_if_requested
+from .deepspeed import (ModelParallelUnit, configure_deepspeed, deepspeed_initialize_hooks, masters_in_parameters,
+                        skip_shm_comm_if_requested)
 from .engine import engine_for
 from .grad_norm import clip_grad_norm_, global_grad_norm
 from .health import NonfiniteSteps, poison_nonfinite_loss
@@ -418,9 +419,11 @@ class BoostTrainer(Trainer):
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """Write the Hugging Face folder (weights streamed from every rank's shards in files of at most
         ``--save_max_shard_size``, config, remote code, tokenizer, model card). Collective; under ``bf16_params`` the
-        weights written are the fp32 masters."""
+        weights written are the fp32 masters (boost-hf's, FSDP2's or DeepSpeed's)."""
         output_dir = output_dir or self.args.output_dir
-        with full_precision_parameters(self.model), full_parameters(self.model, self.zero_stage), publishing(self):
+        deepspeed_masters = self.is_deepspeed_enabled and self.precision.param_dtype != torch.float32
+        with full_precision_parameters(self.model), full_parameters(self.model, self.zero_stage), \
+                masters_in_parameters(self.model) if deepspeed_masters else contextlib.nullcontext(), publishing(self):
             self.model.save_pretrained(output_dir, is_main_process=self.args.should_save,
                                        max_shard_size=getattr(self.args, "save_max_shard_size", "5GB"))
         if self.args.should_save:

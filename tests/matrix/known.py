@@ -38,24 +38,7 @@ LAX_BEYOND_BOUNDS = (
 )
 
 
-def _deepspeed_bf16(case: dict) -> bool:
-    return factors.deepspeed_stage(case) is not None and case["precision_policy"] == "bf16_params"
-
-
-_DEEPSPEED_BF16 = ("found by the matrix once it trained DeepSpeed with bf16 parameters (d397fe6, 2026-12-02; before, every such "
-                   "case passed boost-hf's own --grad_reduce_dtype and was refused): DeepSpeed's engine casts the module to "
-                   "bf16 before its ZeRO optimizer copies the parameters into its fp32 masters, so the run starts from "
-                   "weights rounded to bf16, where one process's bf16_params keeps the fp32 initialisation as its masters: "
-                   "the parameters after 3 steps are ~0.003 of their scale off (2^-9 rounding of each weight), at ZeRO 1, 2 "
-                   "and 3. Fix: after the engine is built, set its masters from the fp32 weights "
-                   "(deepspeed.utils.safe_set_full_fp32_param), unless resuming")
-
 KNOWN: list[Known] = [
-    Known(_DEEPSPEED_BF16, "exact", _deepspeed_bf16),
-    Known("found with the entry above: under DeepSpeed's bf16 mode final/ holds the bf16 parameters, not the fp32 masters "
-          "(BoostTrainer.save_model says the masters; full_precision_parameters swaps in "
-          "boost-hf's own masters only): its logits are 0.002-0.07 of their scale off the masters'. Fix: under DeepSpeed, "
-          "save the masters (deepspeed.utils.safe_get_full_fp32_param, collective)", "final", _deepspeed_bf16),
     Known("found by the matrix, not diagnosed: LaX (kronecker or dense gates) trains gradients beyond the matrix's bounds "
           "in 8 cases of many layouts (FSDP2, HSDP, ZeRO-1, DeepSpeed ZeRO-1, tp 4, tp 2 x pp 2, tp 1 x pp 2 x dp 2): bf16 "
           "0.11-0.30 of the scale against 0.106, one fp32 case 4.1e-5 against 3.6e-5. Either the bounds (derived for ~10 "
