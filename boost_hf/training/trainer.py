@@ -144,6 +144,11 @@ class BoostTrainer(Trainer):
     def create_accelerator_and_postprocess(self) -> None:
         with without_accelerate_parallelism():  # honoured by the arguments, not to be applied again
             super().create_accelerator_and_postprocess()
+        if self.accelerator.ddp_handler is not None:
+            # accelerate's DDP (an unsplit model over the whole world) as boost-hf's own (part_parallelism): transformers
+            # looks for unused parameters unless its own checkpointing is on, and with boost-hf's (re-entrant) one DDP
+            # then marks a parameter ready twice and the first backward fails; every parameter is used in every step
+            self.accelerator.ddp_handler.find_unused_parameters = bool(self.args.ddp_find_unused_parameters)
         if self.args.deepspeed_plugin is not None and not self.is_deepspeed_enabled:
             raise ValueError(
                 "DeepSpeed was requested but accelerate runs without it: ACCELERATE_USE_CPU is set (`accelerate launch "

@@ -8,7 +8,8 @@ and it writes under ``OUT``: ``ddp``, ``ddp-resumed`` (from ``ddp/checkpoint-3``
 ``dp4-resumed`` (the same checkpoint resumed at tp 4 x dp 1 and tp 1 x dp 4, same global batch), ``zero1``,
 ``zero2``, ``zero2-resumed``, ``zero2-tp1-resumed`` (``zero2/checkpoint-3`` resumed at tp 1 x dp 4 with ZeRO-2, through
 DeepSpeed's universal checkpoint), ``tp4-from-ddp`` (the DDP run's final model loaded at tp_size 4), ``ddp-lowrank``
-(low-rank activation checkpointing), ``ddp-accumulation`` and ``zero2-accumulation`` (2 micro-batches of
+(low-rank activation checkpointing), ``dp4-ckpt-full`` and ``dp4-ckpt-lowrank`` (tp 1 x dp 4, accelerate's DDP,
+with each activation checkpointing), ``ddp-accumulation`` and ``zero2-accumulation`` (2 micro-batches of
 2 per step), ``ddp-sp`` (sequence parallelism, no end-of-training sample), ``streaming`` (an iterable training set), ``data.json`` (every rank's training samples over one
 epoch) and ``errors.json`` (the messages of resumes that must fail: a DDP checkpoint under ZeRO-2, a damaged
 ZeRO-2 checkpoint). Each run is tp 2 x dp 2 unless named otherwise, and writes
@@ -169,6 +170,9 @@ def main(mode: str, out: str, *common: str) -> None:
     train(common + ["--output_dir", str(out / "tp4-from-ddp"), "--tp_size", "4", "--init_from", str(out / "ddp" / "final"),
                     "--max_steps", "1"])
     train(common + ["--output_dir", str(out / "ddp-lowrank"), "--activation_checkpointing_mode", "lowrank"])
+    for mode in ("full", "lowrank"):  # accelerate's DDP (tp 1, fp32), under boost-hf's re-entrant checkpointing
+        train(common + ["--output_dir", str(out / f"dp4-ckpt-{mode}"), "--tp_size", "1", "--per_device_train_batch_size", "2",
+                        "--activation_checkpointing_mode", mode])
     accumulation = ["--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "2"]
     train(common + accumulation + ["--output_dir", str(out / "ddp-accumulation")])
     train(common + accumulation + ["--output_dir", str(out / "zero2-accumulation")], deepspeed_stage=2, out=out)
