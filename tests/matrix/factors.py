@@ -241,7 +241,7 @@ TINY_MODEL = ["--hidden_size", "64", "--intermediate_size", "128", "--num_hidden
               "--max_position_embeddings", "64"]
 RUN = ["--tokenizer", "bpe-512", "--block_size", "32", "--max_train_blocks", "64", "--max_eval_blocks", "4",
        "--max_steps", "3", "--learning_rate", "1e-2", "--logging_steps", "1", "--eval_strategy", "no", "--save_strategy", "no",
-       "--sample_max_new_tokens", "0", "--disable_tqdm", "true", "--report_to", "none", "--per_device_eval_batch_size", "4",
+       "--sample_max_new_tokens", "4",  # a case samples after training, as `boost-hf train` does (a reference does not) "--disable_tqdm", "true", "--report_to", "none", "--per_device_eval_batch_size", "4",
        "--seed", "0", "--ddp_timeout", "120",
        # AdamW's epsilon 1 (test_matrix.py's parameter bound): its update m / (sqrt(v) + eps) then moves by at most
        # |dg| / eps when a gradient moves by dg; with 1e-8 an element whose gradient is near zero turns the fp32 rounding

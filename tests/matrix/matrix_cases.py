@@ -1,6 +1,7 @@
-"""The exactness matrix's runs, through ``boost-hf train``'s own code (:func:`boost_hf.training.pretrain.build_trainer`
-with the command line's arguments, then the trainer's ``train`` and ``save_final_model`` as ``boost-hf train`` calls
-them; its evaluations and sample are left out), many per launched group, for ``test_matrix.py``:
+"""The exactness matrix's runs, many per launched group, for ``test_matrix.py``: each case through ``boost-hf train``'s
+own code (:func:`boost_hf.training.pretrain.main` with the command line's arguments: the checks, the output folder
+claimed, training, the evaluations, a sample, the final save), each one-process reference through
+:func:`~boost_hf.training.pretrain.build_trainer` and the trainer's ``train``:
 
     accelerate launch --config_file accelerate_configs/cpu-4proc.yaml tests/matrix/matrix_cases.py cases OUT PLAN.json
     python tests/matrix/matrix_cases.py references OUT PLAN.json      # the one-process runs
@@ -198,13 +199,13 @@ def run(entry: dict, out: Path, reference: bool) -> None:
         argv += ["--deepspeed", str(config)]
     outcome: dict = {"outcome": "trained"}
     try:
-        trainer = pretrain.build_trainer(argv)  # the arguments, model and data checked as `boost-hf train` checks them
-        trainer.train()
         if reference:
+            trainer = pretrain.build_trainer(argv)  # the arguments, model and data checked as `boost-hf train` checks them
+            trainer.train()
             parameters(trainer)
             run_record(trainer)
         else:
-            trainer.save_final_model()  # final/, as `boost-hf train` publishes it (the run's records first)
+            pretrain.main(argv)  # `boost-hf train`: its final/ saved last (the run's records first)
     except Exception as error:  # noqa: BLE001 (recorded; test_matrix.py judges it)
         outcome = {"outcome": "error", "type": type(error).__name__, "message": str(error),
                    "traceback": traceback.format_exc()[-4000:], "collectives_before": RUN["collectives"],
