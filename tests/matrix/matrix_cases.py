@@ -7,8 +7,9 @@ claimed, training, the evaluations, a sample, the final save), each one-process 
     python tests/matrix/matrix_cases.py references OUT PLAN.json      # the one-process runs
 
 ``PLAN.json`` lists the runs: ``{"name", "argv", "deepspeed", "deepspeed_config"}`` (``deepspeed``: its ZeRO stage, or
-``null``; the config is written into the run's folder and passed as ``--deepspeed``). Each run writes into
-``OUT/<name>/``:
+``null``; the config is written into the run's folder and passed as ``--deepspeed``), and for a float64 truth
+(a one-process run of an fp32 reference's arguments, its model then cast to float64: :func:`as_float64`)
+``"float64": {"through_bf16": bool}``. Each run writes into ``OUT/<name>/``:
 
 * ``done-rank<r>.json`` (every rank): ``"trained"``, or the error it raised (type, message, the end of its traceback)
   and the collectives this rank issued before it (every ``torch.distributed`` collective and group creation,
@@ -37,7 +38,7 @@ import torch.distributed.distributed_c10d as c10d
 
 from boost_hf.parallel.sharding import gather_full_many, shard_spec_of
 from boost_hf.training import BoostTrainer, pretrain
-from boost_hf.training.precision import full_precision_parameters
+from boost_hf.training.precision import cast_parameters, full_precision_parameters
 
 USE_CPU = os.environ.get("ACCELERATE_USE_CPU", "false")
 RUN: dict = {}  # this rank's record of the run in progress
@@ -179,6 +180,31 @@ except ImportError:  # pragma: no cover - without DeepSpeed no run uses it
     pass
 
 
+# ---------------------------------------------------------------------- float64 truths
+def float64_causal_lm_loss(logits, labels, vocab_size: int, num_items_in_batch=None, ignore_index: int = -100,
+                           shift_labels=None, **kwargs) -> torch.Tensor:
+    """transformers' ``ForCausalLMLoss`` without its cast of the logits to fp32 (a float64 truth keeps them)."""
+    if shift_labels is None:
+        shift_labels = torch.nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+    logits, shift_labels = logits.reshape(-1, vocab_size), shift_labels.reshape(-1).to(logits.device)
+    if num_items_in_batch is None:
+        return torch.nn.functional.cross_entropy(logits, shift_labels, ignore_index=ignore_index)
+    loss = torch.nn.functional.cross_entropy(logits, shift_labels, ignore_index=ignore_index, reduction="sum")
+    return loss / (num_items_in_batch.to(loss.device) if torch.is_tensor(num_items_in_batch) else num_items_in_batch)
+
+
+def as_float64(trainer: BoostTrainer, through_bf16: bool) -> None:
+    """Make the one-process fp32 run of ``trainer`` a float64 truth: its parameters cast to float64 (first rounded to
+    bf16 when ``through_bf16``: the runs it is the truth of compute at bf16 weights, ``bf16_params``), its loss in float64.
+    The RMSNorm statistics stay fp32, as the single-device model computes them: the truth is then up to 1.1e-6 of a
+    gradient's scale off one with float64 statistics (measured on the cases of benchmarks/matrix_rounding_floor.py),
+    small beside the counted fp32 bound (3.6e-5) that any case judged against the truth exceeds."""
+    if through_bf16:
+        cast_parameters(trainer.model, torch.bfloat16)
+    cast_parameters(trainer.model, torch.float64)
+    trainer.model.loss_function = float64_causal_lm_loss
+
+
 # ---------------------------------------------------------------------- the runs
 def rank() -> int:
     return dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
@@ -201,6 +227,8 @@ def run(entry: dict, out: Path, reference: bool) -> None:
     try:
         if reference:
             trainer = pretrain.build_trainer(argv)  # the arguments, model and data checked as `boost-hf train` checks them
+            if entry.get("float64") is not None:
+                as_float64(trainer, entry["float64"]["through_bf16"])
             trainer.train()
             parameters(trainer)
             run_record(trainer)
