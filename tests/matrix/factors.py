@@ -241,13 +241,14 @@ TINY_MODEL = ["--hidden_size", "64", "--intermediate_size", "128", "--num_hidden
               "--max_position_embeddings", "64"]
 RUN = ["--tokenizer", "bpe-512", "--block_size", "32", "--max_train_blocks", "64", "--max_eval_blocks", "4",
        "--max_steps", "3", "--learning_rate", "1e-2", "--logging_steps", "1", "--eval_strategy", "no", "--save_strategy", "no",
-       "--sample_max_new_tokens", "4",  # a case samples after training, as `boost-hf train` does (a reference does not) "--disable_tqdm", "true", "--report_to", "none", "--per_device_eval_batch_size", "4",
+       "--sample_max_new_tokens", "0", "--disable_tqdm", "true", "--report_to", "none", "--per_device_eval_batch_size", "4",
        "--seed", "0", "--ddp_timeout", "120",
        # AdamW's epsilon 1 (test_matrix.py's parameter bound): its update m / (sqrt(v) + eps) then moves by at most
        # |dg| / eps when a gradient moves by dg; with 1e-8 an element whose gradient is near zero turns the fp32 rounding
        # of another summation order into an update of the size of the learning rate
        "--adam_epsilon", "1"]
 _BOOL = {False: "false", True: "true"}
+SAMPLE_TOKENS = 4  # a trained case's end-of-training sample (its reference takes none)
 
 
 def _flag(name: str, value) -> list[str]:
@@ -308,6 +309,8 @@ def training_arguments(case: dict) -> list[str]:
     for name in ("tp_style", "rmsnorm", "group_linears", "activation_checkpointing", "sequence_parallel", "pp_schedule"):
         if case[name] != INACTIVE:
             argv += _flag(TRAINING_NAMES.get(name, name), case[name])
+    if case["sequence_parallel"] is not True:  # a sample after training, as `boost-hf train` takes one (SP refuses it)
+        argv += ["--sample_max_new_tokens", str(SAMPLE_TOKENS)]
     backend = case["dp_backend"]
     if backend == "zero1":
         argv += ["--zero1_optimizer", "true"]

@@ -126,6 +126,7 @@ def test_every_tuple_that_trains_somewhere_is_in_a_case_that_trains(array):
     trains = [(("tp_style", "megatron"), ("pp_schedule", schedule)) for schedule in ("gpipe", "interleaved-1f1b", "looped-bfs")]
     trains += [(("layout", "tp1-pp1-dp4"), ("dp_backend", "hsdp"))]  # HSDP 2 x 2 without TP (a world-size check)
     trains += [(("dp_backend", f"deepspeed-zero{stage}"), ("precision_policy", "bf16_params")) for stage in (1, 2, 3)]
+    trains += [(("tp_style", style), ("sequence_parallel", True)) for style in ("btp", "megatron")]  # SP refuses a sample
     assert not array.refused_only & set(trains)  # each once only in refused cases: a generator that missed them
 
 
