@@ -61,35 +61,17 @@ from typing import Callable
 import pytest
 import torch
 
-from tests.tolerances import fp32_rounding, scaled_error
+from tests.tolerances import scaled_error
 from tests.training.launcher import REPO, accelerate_command, kill_group, python_command
 
 from . import cli_validation, factors, generated, known
+from .bounds import (ADAM_EPSILON, BACKWARD, CLIP, FORWARD, LEARNING_RATE, PARAMETER_ROUNDING, STEPS, TRUTH_FACTOR,  # bounds.py,
+                     bounds)  # derived above
 from .covering import INACTIVE
 
 # ---------------------------------------------------------------------- the cases
 ARRAY = generated.array()
 CASES: dict[str, dict] = {factors.case_name(i, case): case for i, case in enumerate(ARRAY.cases)}
-
-# ---------------------------------------------------------------------- bounds
-BF16_UNIT = 2.0 ** -8
-FORWARD = fp32_rounding(4 * 10 * 128)  # 2.6e-5
-BACKWARD = fp32_rounding(2 * 4 * 10 * 128)  # 3.6e-5
-BF16_FORWARD = 3 * math.sqrt(4 * 10) * BF16_UNIT  # 7.4e-2
-BF16_BACKWARD = 3 * math.sqrt(2 * 4 * 10 + 2) * BF16_UNIT  # 0.11
-STEPS, LEARNING_RATE, ADAM_EPSILON, CLIP = 3, 1e-2, 1.0, 0.5
-PARAMETER_ROUNDING = fp32_rounding(STEPS * 8)  # the optimizer's own element-wise operations, 8 per step
-# A layout at most doubles the roundings that reach a gradient (each TP rank's partial sum rounded before the sum is, each
-# micro-batch's gradient before the accumulation): sqrt(2) farther from the truth; and the largest error over the model's
-# tensors of two runs of one rounding count differs by up to 2x (measured in benchmarks/results/matrix_rounding_floor.md,
-# parallel over one-process: 0.56-1.70 in fp32, 0.91-1.55 in bf16 but c016's). sqrt(2) x 2, rounded up:
-TRUTH_FACTOR = 3
-
-
-def bounds(case: dict) -> tuple[float, float]:
-    """(loss bound, gradient bound) of ``case``'s precision."""
-    return (FORWARD, BACKWARD) if case["precision_policy"] == "fp32" else (BF16_FORWARD, BF16_BACKWARD)
-
 
 def truth_key(case: dict) -> tuple:
     """What the float64 truth of ``case`` depends on: its fp32 reference, and whether its runs compute at bf16 weights."""
