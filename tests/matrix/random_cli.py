@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import re
 import subprocess
@@ -41,11 +40,12 @@ import tempfile
 import time
 from pathlib import Path
 
+from tests.training.launcher import REPO, free_port, kill_group, training_environment
+
 from . import cli_validation, factors
 from .bounds import ADAM_EPSILON, CLIP, LEARNING_RATE, STEPS, bounds
 from .covering import INACTIVE
 
-REPO = Path(__file__).resolve().parents[2]
 SAVE_STEPS = 2  # a checkpoint inside the run (the matrix saves none)
 CI_SEED, CI_CASES = 0, 2
 TIMEOUT = 900  # seconds for one launch
@@ -121,29 +121,8 @@ def run(args: list, env: dict, log: Path, timeout: float) -> tuple[int | None, s
         except subprocess.TimeoutExpired:
             status = None
         finally:
-            try:
-                os.killpg(proc.pid, 9)
-            except ProcessLookupError:
-                pass
+            kill_group(proc)
     return status, log.read_text(errors="replace")
-
-
-def environment(cache: Path) -> tuple[dict, str]:
-    """The runs' environment (offline, a cache with the ``bpe-512`` tokenizer) and the corpus's path (a small saved
-    ``DatasetDict``), built once in ``cache``."""
-    from datasets import DatasetDict
-
-    from boost_hf.data import load_tokenizer, load_wikipedia_sample
-
-    corpus = cache / "corpus"
-    if not (corpus / "dataset_dict.json").exists():
-        wiki = load_wikipedia_sample(cache)
-        load_tokenizer("bpe-512", cache_dir=cache)
-        DatasetDict({"train": wiki["train"].select(range(24)), "validation": wiki["validation"]}).save_to_disk(corpus)
-    env = {**os.environ, "BOOST_HF_CACHE": str(cache), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
-           "TOKENIZERS_PARALLELISM": "false", "BOOST_HF_DEEPSPEED_SHM_COMM": "0", "DS_ACCELERATOR": "cpu",
-           "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    return env, str(corpus)
 
 
 def log_by_step(folder: Path, key: str) -> dict[int, float]:
@@ -217,8 +196,6 @@ def judge(drawn: dict, index: int, out: Path, env: dict, corpus: str, timeout: f
     case = drawn["case"]
     name = factors.case_name(index, case)
     folder, reference = out / name, out / f"{name}-one-process"
-    from tests.training.launcher import free_port
-
     started = time.monotonic()
     status, output = run([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
                           REPO / "accelerate_configs" / drawn["config"], "--main_process_port", str(free_port()),
@@ -255,7 +232,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     out = args.out or Path(tempfile.mkdtemp(prefix="boost-hf-random-cli-"))
     out.mkdir(parents=True, exist_ok=True)
-    env, corpus = environment(out / "cache")
+    env = training_environment(out / "cache")
+    corpus = env["CORPUS"]
     failed = 0
     for index, drawn in enumerate(draws(args.seed, args.first + args.cases, args.trainable)):
         if index < args.first:

@@ -23,6 +23,32 @@ TINY = [
 ]
 
 
+def training_environment(cache: Path) -> dict[str, str]:
+    """Environment for training subprocesses: offline, ``cache`` holding the ``bpe-512`` tokenizer, and ``CORPUS``, a
+    small saved ``DatasetDict`` (fast to tokenize) for ``--dataset``; built in ``cache`` unless it is there."""
+    from datasets import DatasetDict
+
+    from boost_hf.data import load_tokenizer, load_wikipedia_sample
+
+    corpus = cache / "corpus"
+    if not (corpus / "dataset_dict.json").exists():
+        wiki = load_wikipedia_sample(cache)
+        load_tokenizer("bpe-512", cache_dir=cache)  # trained once here, read from the cache by every rank
+        DatasetDict({"train": wiki["train"].select(range(24)), "validation": wiki["validation"]}).save_to_disk(corpus)
+    return {
+        **os.environ,
+        "BOOST_HF_CACHE": str(cache),
+        "CORPUS": str(corpus),
+        "HF_HUB_OFFLINE": "1",
+        "HF_DATASETS_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "BOOST_HF_DEEPSPEED_SHM_COMM": "0",
+        "DS_ACCELERATOR": "cpu",
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": str(REPO),
+    }
+
+
 def every_rank(value) -> list:
     """``value`` of every rank, in rank order (one ``all_gather_object``; ``[value]`` without a process group). For
     the case scripts that run inside a launch."""
