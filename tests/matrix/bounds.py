@@ -28,5 +28,13 @@ def bounds(case: dict) -> tuple[float, float]:
     return (FORWARD, BACKWARD) if case["precision_policy"] == "fp32" else (BF16_FORWARD, BF16_BACKWARD)
 
 
+
+def parameter_bound(grad_bound: float, largest_gradient: float, scale: float) -> float:
+    """How far a parameter of largest element ``scale`` may be after :data:`STEPS` AdamW steps, relative to ``scale``,
+    when its gradients are within ``grad_bound`` of their scale and its largest clipped gradient element is
+    ``largest_gradient`` (``test_matrix.py``'s docstring)."""
+    return PARAMETER_ROUNDING + STEPS * LEARNING_RATE * 2 * grad_bound * largest_gradient / (ADAM_EPSILON * scale)
+
+
 __all__ = ["ADAM_EPSILON", "BACKWARD", "BF16_BACKWARD", "BF16_FORWARD", "BF16_UNIT", "CLIP", "FORWARD", "LEARNING_RATE",
-           "PARAMETER_ROUNDING", "STEPS", "TRUTH_FACTOR", "bounds"]
+           "PARAMETER_ROUNDING", "STEPS", "TRUTH_FACTOR", "bounds", "parameter_bound"]

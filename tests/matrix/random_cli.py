@@ -22,7 +22,7 @@ A case passes when it trained as one process did, within ``bounds.py``'s bounds:
 largest clipped gradient element taken at the clipping norm), ``final/``'s ``architectures`` the model's own class,
 and the step-2 checkpoint complete. Or when it was refused: each rank exits with status 2 after ``boost-hf: error:``
 (the same message on every rank; the launcher exits 1), no step trained, and a case ``boost-hf train``'s checks refuse in one process (:func:`cli_validation.refusal`) must be
-refused. Anything else fails: a crash, a hang (``--timeout``), other numbers. The bf16 bounds are loose (0.11 of a
+refused. Anything else fails: a crash, a hang (past :data:`TIMEOUT`), other numbers. The bf16 bounds are loose (0.11 of a
 gradient's scale): what a bf16 case shows here is that it runs and saves; its gradients are the matrix's to judge.
 
 ``tests/matrix/test_random_cli.py`` runs :data:`CI_SEED`'s first :data:`CI_CASES` in ``make test``.
@@ -40,10 +40,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from tests.training.launcher import REPO, free_port, kill_group, training_environment
+from tests.training.launcher import REPO, free_port, kill_group, start_command, training_environment
 
 from . import cli_validation, factors
-from .bounds import ADAM_EPSILON, CLIP, LEARNING_RATE, STEPS, bounds
+from .bounds import CLIP, STEPS, bounds, parameter_bound
 from .covering import INACTIVE
 
 SAVE_STEPS = 2  # a checkpoint inside the run (the matrix saves none)
@@ -75,10 +75,10 @@ def draws(seed: int, count: int, trainable: bool = False) -> list[dict]:
     cases = []
     while len(cases) < count:
         case = draw(rng)
-        backend = case["dp_backend"]
-        if factors.deepspeed_stage(case) is not None:
-            config = f"cpu-4proc-zero{factors.deepspeed_stage(case)}.yaml"
-        elif backend in factors.FULLY_SHARDED:
+        stage = factors.deepspeed_stage(case)
+        if stage is not None:
+            config = f"cpu-4proc-zero{stage}.yaml"
+        elif case["dp_backend"] in factors.FULLY_SHARDED:
             config = rng.choice(["cpu-4proc.yaml", "cpu-4proc-fsdp2.yaml"])
         else:
             config = "cpu-4proc.yaml"
@@ -106,22 +106,23 @@ def launch_arguments(drawn: dict) -> list[str]:
 
 
 def tensor_train_rank(case: dict) -> list[str]:
-    return ["--rank", factors.model_arguments(case)[factors.model_arguments(case).index("--tt_rank") + 1]] \
-        if case["bottleneck"] == "tt" else []
+    """``--rank`` at a tensor train's ``--tt_rank`` (the demo recipe's ``rank: 32`` would disagree with it)."""
+    if case["bottleneck"] != "tt":
+        return []
+    argv = factors.model_arguments(case)
+    return ["--rank", argv[argv.index("--tt_rank") + 1]]
 
 
 def run(args: list, env: dict, log: Path, timeout: float) -> tuple[int | None, str]:
     """``args`` from the repository root in a session of its own, killed as a group after ``timeout`` (status
     ``None``); its status and output (also in ``log``)."""
-    with open(log, "w") as output:
-        proc = subprocess.Popen([str(a) for a in args], cwd=REPO, env=env, stdout=output, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-        try:
-            status = proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            status = None
-        finally:
-            kill_group(proc)
+    proc = start_command(args, env, log)
+    try:
+        status = proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        status = None
+    finally:
+        kill_group(proc)
     return status, log.read_text(errors="replace")
 
 
@@ -135,7 +136,7 @@ def exactness_problems(case: dict, folder: Path, reference: Path) -> list[str]:
     import torch
     from safetensors.torch import load_file
 
-    from tests.tolerances import fp32_rounding, scaled_error
+    from tests.tolerances import scaled_error
 
     problems = []
     loss_bound, grad_bound = bounds(case)
@@ -159,7 +160,7 @@ def exactness_problems(case: dict, folder: Path, reference: Path) -> list[str]:
         w, ref = weights[name].to(torch.float32), expected[name].to(torch.float32)
         scale = float(ref.abs().max()) or 1.0
         # the matrix's parameter bound, the largest clipped gradient element at most the clipping norm
-        bound = fp32_rounding(STEPS * 8) + STEPS * LEARNING_RATE * 2 * grad_bound * CLIP / (ADAM_EPSILON * scale)
+        bound = parameter_bound(grad_bound, CLIP, scale)
         if weights[name].dtype == torch.bfloat16:  # a bf16 save: one rounding of the trained weight more
             bound += 2.0 ** -8
         error = scaled_error(w, ref)

@@ -52,7 +52,6 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -62,11 +61,10 @@ import pytest
 import torch
 
 from tests.tolerances import scaled_error
-from tests.training.launcher import REPO, accelerate_command, kill_group, python_command
+from tests.training.launcher import accelerate_command, kill_group, python_command, start_command
 
 from . import cli_validation, factors, generated, known
-from .bounds import (ADAM_EPSILON, BACKWARD, CLIP, FORWARD, LEARNING_RATE, PARAMETER_ROUNDING, STEPS, TRUTH_FACTOR,  # bounds.py,
-                     bounds)  # derived above
+from .bounds import BACKWARD, CLIP, FORWARD, STEPS, TRUTH_FACTOR, bounds, parameter_bound  # bounds.py: derived above
 from .covering import INACTIVE
 
 # ---------------------------------------------------------------------- the cases
@@ -111,13 +109,6 @@ def done(out: Path, name: str, world: int) -> bool:
     return all((out / name / f"done-rank{r}.json").exists() for r in range(world)) or (out / name / "crashed.json").exists()
 
 
-def start(args: list, env: dict, log: Path) -> subprocess.Popen:
-    """``args`` from the repository root in its own session (a process group to kill), its output into ``log``."""
-    with open(log, "w") as output:
-        return subprocess.Popen([str(a) for a in args], cwd=REPO, env=env, stdout=output, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-
-
 def launch_all(entries: list[dict], out: Path, env: dict, world: int, command: Callable[[Path], list]) -> None:
     """Run ``entries`` in launched groups: one launch, and after a run that ended its group (a crash, a hang), another
     starting after it; that run's output is kept in its ``crashed.json``."""
@@ -128,7 +119,7 @@ def launch_all(entries: list[dict], out: Path, env: dict, world: int, command: C
         plan = out / f"plan-{attempt}.json"
         plan.write_text(json.dumps(remaining))
         log = out / f"launch-{attempt}.log"
-        proc = start(command(plan), env, log)
+        proc = start_command(command(plan), env, log)
         last_progress, finished = time.monotonic(), 0
         while proc.poll() is None:
             time.sleep(2)
@@ -158,7 +149,7 @@ def run_one_process(entries: list[dict], out: Path, env: dict, what: str) -> Non
     for i, half in enumerate([entries[0::2], entries[1::2]]):
         plan = out / f"{what}-{i}.json"
         plan.write_text(json.dumps(half))
-        procs.append(start(python_command("tests/matrix/matrix_cases.py", "references", out, plan), env, out / f"{what}-{i}.log"))
+        procs.append(start_command(python_command("tests/matrix/matrix_cases.py", "references", out, plan), env, out / f"{what}-{i}.log"))
     for i, proc in enumerate(procs):
         try:
             proc.wait(timeout=1800)
@@ -342,7 +333,7 @@ def exactness_problems(out: Path, name: str, reference: str, case: dict, truth: 
             continue
         scale = float(p.abs().max()) or 1.0
         largest_gradient = clip * float(ref_grads[n].abs().max()) if n in ref_grads else 0.0
-        bound = PARAMETER_ROUNDING + STEPS * LEARNING_RATE * 2 * grad_bound * largest_gradient / (ADAM_EPSILON * scale)
+        bound = parameter_bound(grad_bound, largest_gradient, scale)
         errors.append((scaled_error(params[n], p) / bound, scaled_error(params[n], p), bound, n))
     errors.sort(reverse=True)
     problems += [f"parameter {n} after {STEPS} steps: error {e:.3g} > {b:.3g}" for ratio, e, b, n in errors[:3] if ratio > 1]

@@ -23,8 +23,7 @@ def test_draws_are_cases_of_the_factors_and_reach_every_value():
             assert (case[f.name] in f.values) if active else case[f.name] == INACTIVE, (f.name, case)
             seen[f.name].add(case[f.name])
         assert all(c.allowed({n: case[n] for n in c.factors}) for c in factors.CONSTRAINTS)
-    assert {name: set(f.values) - seen[name] for name, f in ((f.name, f) for f in factors.FACTORS)
-            if set(f.values) - seen[name]} == {}
+    assert {f.name: set(f.values) - seen[f.name] for f in factors.FACTORS if set(f.values) - seen[f.name]} == {}
 
 
 def test_each_entry_point_is_drawn():

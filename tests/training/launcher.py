@@ -67,12 +67,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_command(args: list[str], env: dict[str, str]) -> subprocess.Popen:
-    """Start ``args`` in its own session (a process group to kill) from the repository root, output piped."""
-    return subprocess.Popen(
-        [str(a) for a in args], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        start_new_session=True,
-    )
+def start_command(args: list[str], env: dict[str, str], log: Path | None = None) -> subprocess.Popen:
+    """Start ``args`` in its own session (a process group to kill) from the repository root, output piped, or written
+    into ``log``."""
+    if log is None:
+        return subprocess.Popen(
+            [str(a) for a in args], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            start_new_session=True,
+        )
+    with open(log, "w") as output:
+        return subprocess.Popen([str(a) for a in args], cwd=REPO, env=env, stdout=output, stderr=subprocess.STDOUT,
+                                start_new_session=True)
 
 
 def kill_group(proc: subprocess.Popen) -> None:
