@@ -28,7 +28,6 @@ def bounds(case: dict) -> tuple[float, float]:
     return (FORWARD, BACKWARD) if case["precision_policy"] == "fp32" else (BF16_FORWARD, BF16_BACKWARD)
 
 
-
 def parameter_bound(grad_bound: float, largest_gradient: float, scale: float) -> float:
     """How far a parameter of largest element ``scale`` may be after :data:`STEPS` AdamW steps, relative to ``scale``,
     when its gradients are within ``grad_bound`` of their scale and its largest clipped gradient element is
